@@ -1,0 +1,25 @@
+"""The probe's errors. Each carries a one-line message meant for the user as it is."""
+
+from __future__ import annotations
+
+__all__ = ["AutotuneError", "BudgetError", "DeviceError", "TaskError", "TrialError"]
+
+
+class AutotuneError(Exception):
+    """Base of every error the CLI turns into one line and a non-zero exit."""
+
+
+class TaskError(AutotuneError):
+    """The task does not load or does not behave (batch without tensors, non-scalar loss, ...)."""
+
+
+class DeviceError(AutotuneError):
+    """The device asked for does not exist or cannot be used."""
+
+
+class BudgetError(AutotuneError):
+    """The budget is missing, malformed, or too small for even one sample."""
+
+
+class TrialError(AutotuneError):
+    """A trial failed with an error that is not out-of-memory: the probe stops rather than guess."""

@@ -1,0 +1,146 @@
+"""Pure arithmetic of a plan: m x A x D = T, and the affine memory fit.
+
+No torch here: the server imports this module to answer /suggest.
+
+    >>> p = plan(max_micro_batch=8, target_batch=512, world_size=4)
+    >>> (p.micro_batch, p.accumulation_steps, p.exact)
+    (8, 16, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from autotune.schemas import Fit, Plan
+
+__all__ = [
+    "EXACT_SEARCH_FACTOR",
+    "fit_affine",
+    "micro_batch_for_limit",
+    "plan",
+]
+
+# An exact plan is searched among A in [A_min, EXACT_SEARCH_FACTOR x A_min]: beyond that the
+# micro-batch falls under half of what fits, and a slightly different T is the better trade.
+EXACT_SEARCH_FACTOR = 2
+
+
+def _require_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def plan(
+    max_micro_batch: int,
+    target_batch: int,
+    world_size: int = 1,
+    *,
+    max_accumulation_steps: int | None = None,
+) -> Plan:
+    """Choose micro_batch m and accumulation_steps A so that m x A x world_size == target_batch.
+
+    Fewest accumulation steps first; exact when some A in [A_min, 2 x A_min] divides the
+    per-replica batch (A_min = ceil(T / (D x m_max))); otherwise the nearest effective batch in
+    that range, with the deviation stated in ``note``. m never exceeds max_micro_batch.
+
+    Args:
+        max_micro_batch: the largest micro-batch that fits (m_max).
+        target_batch: the effective batch T the recipe asks for.
+        world_size: data-parallel replicas D (tensor/pipeline ranks are not replicas).
+        max_accumulation_steps: optional cap on A for the exact search.
+
+    Returns:
+        A Plan; ``exact`` says whether m x A x D == T.
+
+    Raises:
+        ValueError: non-positive or non-integer input, or T < D.
+    """
+    m_max = _require_positive_int("max_micro_batch", max_micro_batch)
+    target = _require_positive_int("target_batch", target_batch)
+    world = _require_positive_int("world_size", world_size)
+    if target < world:
+        raise ValueError(
+            f"target_batch {target} is smaller than world_size {world}: "
+            "every replica needs at least one sample per update"
+        )
+    a_min = math.ceil(target / (world * m_max))
+    a_max = EXACT_SEARCH_FACTOR * a_min
+    if max_accumulation_steps is not None:
+        cap = _require_positive_int("max_accumulation_steps", max_accumulation_steps)
+        a_max = max(a_min, min(a_max, cap))
+
+    if target % world == 0:
+        per_replica = target // world
+        for steps in range(a_min, a_max + 1):
+            if per_replica % steps == 0:
+                return _make(per_replica // steps, steps, world, target, m_max, "")
+
+    # Nearest reachable effective batch: smallest |deviation|, then fewest steps, then larger m.
+    best: tuple[int, int, int] | None = None
+    for steps in range(a_min, a_max + 1):
+        ideal = target / (world * steps)
+        for micro in {math.floor(ideal), math.ceil(ideal)}:
+            if 1 <= micro <= m_max:
+                key = (abs(micro * steps * world - target), steps, -micro)
+                if best is None or key < best:
+                    best = key
+    assert best is not None  # steps == a_min always admits some micro in [1, m_max]
+    steps, micro = best[1], -best[2]
+    effective = micro * steps * world
+    deviation = effective - target
+    note = (
+        f"target batch {target} is not reachable exactly with micro-batch <= {m_max}, "
+        f"world size {world} and {a_min}..{a_max} accumulation steps; nearest is "
+        f"{micro} x {steps} x {world} = {effective} ({deviation:+d}, {100 * deviation / target:+.1f}%)"
+    )
+    return _make(micro, steps, world, target, m_max, note)
+
+
+def _make(micro: int, steps: int, world: int, target: int, m_max: int, note: str) -> Plan:
+    effective = micro * steps * world
+    return Plan(
+        micro_batch=micro,
+        accumulation_steps=steps,
+        world_size=world,
+        effective_batch=effective,
+        target_batch=target,
+        exact=effective == target,
+        max_micro_batch=m_max,
+        note=note,
+    )
+
+
+def fit_affine(points: Sequence[tuple[int, int]]) -> Fit | None:
+    """Least-squares line peak_bytes = fixed + per_sample x m through (m, peak_bytes) points.
+
+    Returns None with fewer than two distinct m. A negative slope (noise) is clamped to 0.
+    """
+    distinct = {m for m, _ in points}
+    if len(distinct) < 2:
+        return None
+    n = len(points)
+    mean_m = sum(m for m, _ in points) / n
+    mean_p = sum(p for _, p in points) / n
+    var = sum((m - mean_m) ** 2 for m, _ in points)
+    cov = sum((m - mean_m) * (p - mean_p) for m, p in points)
+    slope = max(0.0, cov / var)
+    return Fit(fixed_bytes=mean_p - slope * mean_m, bytes_per_sample=slope)
+
+
+def micro_batch_for_limit(fit: Fit, limit_bytes: float, cap: int | None = None) -> int:
+    """The largest m whose fitted peak is within limit_bytes (0 when even m=1 is over).
+
+    Used for predictions on another device's budget and to guide the search.
+    """
+    if fit.bytes_per_sample <= 0:
+        fits_at_all = fit.fixed_bytes <= limit_bytes
+        return (cap if cap is not None else 2**24) if fits_at_all else 0
+    micro = math.floor((limit_bytes - fit.fixed_bytes) / fit.bytes_per_sample)
+    micro = max(0, micro)
+    if cap is not None:
+        micro = min(micro, cap)
+    return micro

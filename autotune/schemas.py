@@ -1,0 +1,188 @@
+"""The wire contract: what a probe produces, the store keeps and the API serves.
+
+Torch-free on purpose: the service image imports this module without torch installed.
+Every model forbids unknown fields so that a client's typo is a 422 naming the field,
+not a silently dropped value.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "PRECISIONS",
+    "SCHEMA_VERSION",
+    "Device",
+    "Fit",
+    "Observation",
+    "Plan",
+    "Precision",
+    "Profile",
+    "Suggestion",
+    "TagValue",
+    "Trial",
+]
+
+SCHEMA_VERSION = 1
+PRECISIONS = ("fp32", "bf16", "fp16")
+Precision = Literal["fp32", "bf16", "fp16"]
+TagValue = str | int | float | bool
+
+# Bounds keep hostile or corrupt uploads out of the database: no real card has 2**60 bytes.
+MAX_BYTES = 2**60
+MAX_MICRO_BATCH = 2**24
+MAX_WORLD_SIZE = 2**20
+
+NonNegBytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+PosBytes = Annotated[int, Field(gt=0, le=MAX_BYTES)]
+MicroBatch = Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]
+ShortText = Annotated[str, Field(max_length=256)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Device(_Model):
+    """The device a profile was measured on (one entry per probed device)."""
+
+    kind: Literal["cpu", "cuda"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    index: Annotated[int, Field(ge=0, le=1024)] | None = None
+    total_bytes: NonNegBytes | None = None
+    free_bytes: NonNegBytes | None = None
+    uuid: ShortText | None = None
+    driver_version: ShortText | None = None
+    cuda_version: ShortText | None = None
+    torch_version: ShortText | None = None
+    compute_capability: ShortText | None = None
+
+
+class Trial(_Model):
+    """One measurement: the peak of a full accumulate-and-step cycle at one micro-batch size."""
+
+    micro_batch: MicroBatch
+    peak_bytes: NonNegBytes
+    fits: bool
+    oom: bool = False
+    seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+    # CUDA only: max_memory_allocated beside the reserved figure, and memory outside the allocator.
+    allocated_bytes: NonNegBytes | None = None
+    outside_allocator_bytes: NonNegBytes | None = None
+
+
+class Fit(_Model):
+    """peak_bytes(m) ~= fixed_bytes + bytes_per_sample * m, least squares over fitting trials."""
+
+    fixed_bytes: Annotated[float, Field(ge=-MAX_BYTES, le=MAX_BYTES)]
+    bytes_per_sample: Annotated[float, Field(ge=0, le=MAX_BYTES)]
+
+
+class Plan(_Model):
+    """How to reach a target effective batch: micro_batch x accumulation_steps x world_size."""
+
+    micro_batch: MicroBatch
+    accumulation_steps: Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+    effective_batch: Annotated[int, Field(ge=1, le=2**40)]
+    target_batch: Annotated[int, Field(ge=1, le=2**40)]
+    exact: bool
+    max_micro_batch: MicroBatch
+    note: Annotated[str, Field(max_length=1024)] = ""
+
+    @property
+    def deviation(self) -> int:
+        return self.effective_batch - self.target_batch
+
+
+class Profile(_Model):
+    """The datasheet of one job setup on one device model (DESIGN.md, "Contracts")."""
+
+    schema_version: Annotated[int, Field(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
+    fingerprint: Annotated[str, Field(pattern=r"^[0-9a-f]{16,128}$")]
+    task: Annotated[str, Field(min_length=1, max_length=256)]
+    device: Device
+    devices: Annotated[list[Device], Field(max_length=1024)] = Field(default_factory=list)
+    precision: Precision = "fp32"
+    tags: Annotated[dict[ShortText, TagValue], Field(max_length=64)] = Field(default_factory=dict)
+    budget_bytes: PosBytes
+    headroom: Annotated[float, Field(ge=0, lt=1)] = 0.10
+    max_micro_batch: MicroBatch
+    micro_batch_cap: MicroBatch = 4096
+    multiple_of: MicroBatch = 1
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    plan: Plan | None = None
+    trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
+    fit: Fit | None = None
+    trial_count: Annotated[int, Field(ge=0)] = 0
+    oom_count: Annotated[int, Field(ge=0)] = 0
+    seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+    warnings: Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=64)] = Field(
+        default_factory=list
+    )
+    torch_version: ShortText | None = None
+    autotune_version: ShortText | None = None
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @property
+    def limit_bytes(self) -> int:
+        """The largest peak that counts as fitting: budget x (1 - headroom)."""
+        return int(self.budget_bytes * (1.0 - self.headroom))
+
+    def peak_at(self, micro_batch: int) -> int | None:
+        """The measured peak at micro_batch, if a fitting trial measured it."""
+        for trial in self.trials:
+            if trial.micro_batch == micro_batch and trial.fits:
+                return trial.peak_bytes
+        return None
+
+
+class Observation(_Model):
+    """A training job's report of what it really saw at some micro-batch."""
+
+    micro_batch: MicroBatch
+    peak_bytes: NonNegBytes | None = None
+    oom: bool = False
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    note: Annotated[str, Field(max_length=1024)] = ""
+
+
+class Suggestion(_Model):
+    """What a job gets before launch: the plan and where it came from."""
+
+    micro_batch: MicroBatch
+    accumulation_steps: Annotated[int, Field(ge=1)]
+    world_size: Annotated[int, Field(ge=1)]
+    effective_batch: Annotated[int, Field(ge=1)]
+    target_batch: Annotated[int, Field(ge=1)]
+    exact: bool
+    source: Literal["measured", "predicted", "probed"]
+    profile_id: int | None = None
+    fingerprint: str | None = None
+    device_name: str | None = None
+    max_micro_batch: MicroBatch
+    peak_bytes: NonNegBytes | None = None
+    budget_bytes: PosBytes | None = None
+    warnings: list[str] = Field(default_factory=list)
+
+    def as_hf_training_args(self) -> dict[str, int]:
+        """Keyword arguments for transformers.TrainingArguments."""
+        return {
+            "per_device_train_batch_size": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation_steps,
+        }
+
+    def as_lightning(self) -> dict[str, int]:
+        """Trainer(accumulate_grad_batches=...) and the DataLoader batch_size."""
+        return {"accumulate_grad_batches": self.accumulation_steps, "batch_size": self.micro_batch}
+
+    def as_deepspeed(self) -> dict[str, int]:
+        """The three batch keys of a DeepSpeed config (DeepSpeed checks they multiply out)."""
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation_steps,
+            "train_batch_size": self.effective_batch,
+        }

@@ -1,0 +1,111 @@
+"""A small GPT (causal LM, token-level loss) as a ProbeTask.
+
+Sequences are right-padded; padded positions carry label -100 and are excluded from the loss,
+so the number of supervised tokens varies between micro-batches, as in real LM training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from autotune.task import ProbeTask
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    dropout: float = 0.0
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.dropout(self.proj(att.transpose(1, 2).reshape(b, t, c)))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg = cfg or GPTConfig()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.tok(input_ids) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def make_batch(
+    micro_batch: int,
+    cfg: GPTConfig = GPTConfig(),
+    *,
+    seed: int = 0,
+    variable_lengths: bool = False,
+) -> dict[str, torch.Tensor]:
+    """micro_batch sequences of cfg.seq_len tokens; with variable_lengths, right-padded to it."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)
+    labels = torch.roll(input_ids, shifts=-1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    if variable_lengths:
+        lengths = torch.randint(2, cfg.seq_len + 1, (micro_batch,), generator=gen)
+        pad = torch.arange(cfg.seq_len)[None, :] >= lengths[:, None]
+        input_ids = input_ids.masked_fill(pad, 0)
+        labels = labels.masked_fill(pad | torch.roll(pad, shifts=-1, dims=1), IGNORE_INDEX)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed token loss and the number of supervised tokens (labels != -100)."""
+    logits = model(batch["input_ids"])
+    labels = batch["labels"]
+    total = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total, int((labels != IGNORE_INDEX).sum())
+
+
+def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    total, count = loss_sum(model, batch)
+    return total / max(count, 1)
+
+
+task = ProbeTask(
+    name="gpt-small",
+    model=GPT,
+    batch=lambda m: make_batch(m),
+    loss=token_mean_loss,
+    tags={"seq_len": GPTConfig().seq_len, "n_layers": GPTConfig().n_layers},
+)

@@ -1,0 +1,31 @@
+"""A plain MLP regression task (mean squared error), as a ProbeTask."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autotune.task import ProbeTask
+
+IN_FEATURES = 256
+HIDDEN = 512
+OUT_FEATURES = 16
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT_FEATURES)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def make_batch(micro_batch: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(micro_batch, IN_FEATURES, generator=gen), torch.randn(micro_batch, OUT_FEATURES, generator=gen)
+
+
+task = ProbeTask(name="mlp", model=MLP, batch=lambda m: make_batch(m))
