@@ -28,12 +28,14 @@ from torch import nn
 from autotune.errors import TaskError
 from autotune.schemas import PRECISIONS, TagValue
 
-__all__ = ["LossFn", "ModelFactory", "OptimizerFactory", "ProbeTask", "default_loss", "load_task"]
+__all__ = ["LossFn", "LossSumFn", "ModelFactory", "OptimizerFactory", "ProbeTask", "default_loss", "load_task"]
 
 ModelFactory = Callable[[], nn.Module]
 BatchFactory = Callable[[int], Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# loss_sum(model, batch) -> (summed loss, count of supervised elements): what exact accumulation needs.
+LossSumFn = Callable[[nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor"]]
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -54,6 +56,8 @@ class ProbeTask:
         optimizer: factory taking the parameters; None is AdamW.
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with GradScaler).
         tags: free-form facts that change memory (seq_len, checkpointing, ...); they enter the fingerprint.
+        loss_sum: optional loss_sum(model, batch) -> (summed loss, supervised count), used by
+            ``autotune verify`` and the accumulator for exact group normalization (token losses).
     """
 
     name: str
@@ -63,6 +67,7 @@ class ProbeTask:
     optimizer: OptimizerFactory | None = None
     precision: str = "fp32"
     tags: dict[str, TagValue] = field(default_factory=dict)
+    loss_sum: LossSumFn | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

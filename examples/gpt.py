@@ -105,7 +105,9 @@ def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
 task = ProbeTask(
     name="gpt-small",
     model=GPT,
-    batch=lambda m: make_batch(m),
+    # Variable lengths padded to seq_len: the shape (and so the memory) is the worst case.
+    batch=lambda m: make_batch(m, variable_lengths=True),
     loss=token_mean_loss,
+    loss_sum=loss_sum,
     tags={"seq_len": GPTConfig().seq_len, "n_layers": GPTConfig().n_layers},
 )
