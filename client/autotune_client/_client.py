@@ -1,0 +1,328 @@
+"""TunerClient: the HTTP client of the profile store, with retries and typed errors.
+
+    with TunerClient(base_url="http://tuner:8765") as tuner:
+        suggestion = tuner.suggest(fingerprint=fp, target_batch=512, world_size=8, device_name="NVIDIA H100")
+
+Every call is bounded by ``timeout`` in all (attempts, back-off and Retry-After waits together),
+so a training job that asks the tuner before launch never hangs on it.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from autotune.schemas import Observation, Profile, Suggestion
+from autotune_client._constants import (
+    API_PREFIX,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT_SECONDS,
+    ENV_TOKEN,
+    ENV_URL,
+    INITIAL_RETRY_DELAY_SECONDS,
+    MAX_RETRY_AFTER_SECONDS,
+    MAX_RETRY_DELAY_SECONDS,
+    PAGE_SIZE,
+    RETRY_JITTER_FRACTION,
+    RETRYABLE_STATUS_CODES,
+    USER_AGENT,
+)
+from autotune_client._models import ProfileSummary, StoredProfile
+from autotune_client.errors import (
+    APIConnectionError,
+    APITimeoutError,
+    AutotuneClientError,
+    status_error,
+)
+
+__all__ = ["TunerClient"]
+
+
+def _parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None when absent or odd."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        parsed = email.utils.parsedate_tz(value)
+        if parsed is None:
+            return None
+        seconds = email.utils.mktime_tz(parsed) - time.time()
+    if not math.isfinite(seconds):
+        return None
+    return max(seconds, 0.0)
+
+
+def _normalise_base_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise AutotuneClientError(f"tuner URL {url!r} must start with http:// or https://")
+    # Accept both the server root and the API root, since both get pasted into AUTOTUNE_URL.
+    if url.endswith(API_PREFIX):
+        url = url[: -len(API_PREFIX)]
+    return url
+
+
+class TunerClient:
+    """Client of an autotune server's REST API.
+
+    Args:
+        base_url: the server root, e.g. ``http://tuner:8765``; defaults to ``$AUTOTUNE_URL``.
+        token: bearer token sent with every request; defaults to ``$AUTOTUNE_TOKEN`` (writes need one).
+        timeout: seconds one call may take in all, retries and back-off included.
+        max_retries: retries after the first attempt on connection errors, 408, 429 and 5xx.
+        http_client: an ``httpx.Client`` to use (tests pass one with a MockTransport); it is not
+            closed by this client.
+
+    Raises:
+        AutotuneClientError: no URL given and ``$AUTOTUNE_URL`` unset, a URL without a scheme,
+            or a non-positive timeout.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        http_client: httpx.Client | None = None,
+    ) -> None:
+        url = base_url or os.environ.get(ENV_URL, "")
+        if not url.strip():
+            raise AutotuneClientError(f"no tuner server: pass base_url= or set {ENV_URL}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+            raise AutotuneClientError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise AutotuneClientError(f"max_retries must be a non-negative integer, got {max_retries!r}")
+        self.base_url = _normalise_base_url(url)
+        self.token = token if token is not None else (os.environ.get(ENV_TOKEN) or None)
+        self.timeout = float(timeout)
+        self.max_retries = max_retries
+        self._owns_http = http_client is None
+        self._http = http_client if http_client is not None else httpx.Client(timeout=self.timeout)
+        # Seams for the retry tests: waiting and jitter without real sleeping or randomness.
+        self._sleep: Callable[[float], None] = time.sleep
+        self._random: Callable[[], float] = random.random
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection pool (only when this client created it)."""
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> TunerClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"TunerClient(base_url={self.base_url!r}, timeout={self.timeout:g}, "
+            f"max_retries={self.max_retries})"
+        )
+
+    # -- the API ---------------------------------------------------------------------------------
+
+    def profiles(self, **filters: Any) -> list[ProfileSummary]:
+        """Stored profiles, newest upload first, following the server's pagination to the end.
+
+        Args:
+            **filters: the server's filters: ``fingerprint``, ``task``, ``device_name``,
+                ``precision``; ``limit`` caps how many are returned in all.
+
+        Returns:
+            One summary per profile (ids and lookup columns; ``profile(id)`` has the trials).
+        """
+        limit = filters.pop("limit", None)
+        params = {k: v for k, v in filters.items() if v is not None}
+        out: list[ProfileSummary] = []
+        cursor: str | None = None
+        while True:
+            page_params = dict(params)
+            if cursor:
+                page_params["cursor"] = cursor
+            page_params["limit"] = min(PAGE_SIZE, limit - len(out)) if limit is not None else PAGE_SIZE
+            data = self._request("GET", "/profiles", params=page_params).json()
+            if not isinstance(data, dict) or not isinstance(data.get("items"), list):
+                raise AutotuneClientError("GET /profiles: the server's answer has no items")
+            out.extend(ProfileSummary.model_validate(item) for item in data["items"])
+            cursor = data.get("next_cursor")
+            if not cursor or not data["items"] or (limit is not None and len(out) >= limit):
+                return out
+
+    def profile(self, profile_id: int) -> StoredProfile:
+        """One stored profile with its trials. Raises NotFoundError for an unknown id."""
+        return StoredProfile.model_validate(self._request("GET", f"/profiles/{int(profile_id)}").json())
+
+    def upload(self, profile: Profile) -> int:
+        """Store a profile and return its id.
+
+        Idempotent: the server keys profiles by content, so the same profile twice (a retry, or two
+        jobs that probed the same setup) gives the same id; that is also why a POST is retried.
+
+        Raises:
+            AuthenticationError / PermissionDeniedError: no token, or one the server refuses.
+            UnprocessableEntityError: the server rejected a field.
+        """
+        response = self._request("POST", "/profiles", json=profile.model_dump(mode="json"))
+        return _id_of(response)
+
+    def delete(self, profile_id: int) -> None:
+        """Delete a stored profile (write token). Raises NotFoundError for an unknown id."""
+        self._request("DELETE", f"/profiles/{int(profile_id)}")
+
+    def suggest(
+        self,
+        *,
+        fingerprint: str,
+        target_batch: int,
+        world_size: int,
+        device_name: str,
+        budget_bytes: int | None = None,
+        headroom: float | None = None,
+    ) -> Suggestion:
+        """The plan for a job from what the store knows.
+
+        Returns:
+            A Suggestion with ``source`` "measured" (a profile on this device model) or
+            "predicted" (from a profile's fit on another device model, given ``budget_bytes``).
+
+        Raises:
+            NotFoundError: nothing stored matches; the message says what was looked for.
+            UnprocessableEntityError: e.g. target_batch < world_size.
+        """
+        params: dict[str, Any] = {
+            "fingerprint": fingerprint,
+            "target_batch": target_batch,
+            "world_size": world_size,
+            "device_name": device_name,
+        }
+        if budget_bytes is not None:
+            params["budget_bytes"] = budget_bytes
+        if headroom is not None:
+            params["headroom"] = headroom
+        return Suggestion.model_validate(self._request("GET", "/suggest", params=params).json())
+
+    def observe(self, profile_id: int, observation: Observation) -> int | None:
+        """Report what a job really saw at some micro-batch (a peak, or an OOM). Returns the id stored.
+
+        Not idempotent, so only failures where the server surely did not get the request are retried.
+        """
+        response = self._request(
+            "POST",
+            f"/profiles/{int(profile_id)}/observations",
+            json=observation.model_dump(mode="json"),
+            idempotent=False,
+        )
+        try:
+            return _id_of(response)
+        except AutotuneClientError:
+            return None
+
+    def healthy(self) -> bool:
+        """Whether /healthz answers 200 (one attempt, no retries)."""
+        try:
+            response = self._http.get(f"{self.base_url}/healthz", timeout=self.timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    # -- transport -------------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    def _retry_delay(self, attempt: int, response: httpx.Response | None) -> float:
+        if response is not None:
+            retry_after = _parse_retry_after(response.headers.get("Retry-After"))
+            if retry_after is not None and retry_after <= MAX_RETRY_AFTER_SECONDS:
+                return retry_after
+        delay = min(MAX_RETRY_DELAY_SECONDS, INITIAL_RETRY_DELAY_SECONDS * 2**attempt)
+        return delay * (1.0 - RETRY_JITTER_FRACTION * self._random())
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        idempotent: bool = True,
+    ) -> httpx.Response:
+        url = f"{self.base_url}{API_PREFIX}{path}"
+        deadline = time.monotonic() + self.timeout
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise APITimeoutError(f"{method} {url}: no answer within {self.timeout:g} s")
+            response: httpx.Response | None = None
+            error: AutotuneClientError
+            try:
+                response = self._http.request(
+                    method, url, params=params, json=json, headers=self._headers(), timeout=remaining
+                )
+            except httpx.TimeoutException as exc:
+                error = APITimeoutError(f"{method} {url}: no answer within {self.timeout:g} s")
+                error.__cause__ = exc
+                # A connect timeout never reached the server; a read timeout may have.
+                retryable = idempotent or isinstance(exc, httpx.ConnectTimeout)
+            except httpx.UnsupportedProtocol as exc:
+                raise APIConnectionError(f"{method} {url}: {exc}") from exc
+            except httpx.TransportError as exc:
+                reason = str(exc) or type(exc).__name__
+                error = APIConnectionError(f"cannot reach the tuner at {self.base_url}: {reason}")
+                error.__cause__ = exc
+                retryable = idempotent or isinstance(exc, httpx.ConnectError)
+            else:
+                if response.is_success:
+                    return response
+                error = status_error(response)
+                status = response.status_code
+                retryable = status in RETRYABLE_STATUS_CODES or (status >= 500 and idempotent)
+                # 503 means the server did not process it, whatever the method.
+                retryable = retryable or status == 503
+            if not retryable or attempt >= self.max_retries:
+                raise error
+            delay = self._retry_delay(attempt, response)
+            if time.monotonic() + delay >= deadline:
+                # Waiting would overrun the call's timeout: fail now with what the server said.
+                raise error
+            self._sleep(delay)
+            attempt += 1
+
+
+def _id_of(response: httpx.Response) -> int:
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("id"), int):
+        return int(data["id"])
+    location = response.headers.get("Location", "")
+    tail = location.rstrip("/").rsplit("/", 1)[-1]
+    if tail.isdigit():
+        return int(tail)
+    raise AutotuneClientError(
+        f"{response.request.method} {response.request.url.path}: the server's answer carries no id"
+    )

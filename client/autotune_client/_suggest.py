@@ -1,0 +1,443 @@
+"""suggest(model, target_batch): the one call a training script makes before it builds its DataLoader.
+
+    from autotune_client import suggest
+
+    s = suggest(model, target_batch=512, example=lambda m: make_batch(m))
+    loader = DataLoader(dataset, batch_size=s.micro_batch)
+    # ... accumulate s.accumulation_steps micro-batches per optimizer step
+
+The model's fingerprint is asked of the server; on a miss the setup is probed here, on this job's own
+device, the profile is uploaded, and the next job with the same setup gets it from the store.
+torch and the probe are imported only inside these functions: ``import autotune_client`` stays
+cheap and torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from autotune.schemas import Profile, Suggestion, TagValue
+from autotune_client._client import TunerClient
+from autotune_client._constants import ENV_URL
+from autotune_client.errors import (
+    APIConnectionError,
+    AutotuneClientError,
+    InternalServerError,
+    NotFoundError,
+    RateLimitError,
+    TunerUnavailableWarning,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autotune.task import LossFn, OptimizerFactory
+
+__all__ = ["parse_bytes", "suggest"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: int | str) -> int:
+    """Bytes from an int or a size such as ``"64MiB"``, ``"1.5GiB"``, ``"80GB"``.
+
+    Raises:
+        AutotuneClientError: not a positive size in a known unit.
+    """
+    if isinstance(value, bool):
+        raise AutotuneClientError(f"budget must be bytes or a size like '4GiB', got {value!r}")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _BYTES_RE.match(str(value))
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise AutotuneClientError(f"budget {value!r} is not a size like '4GiB', '512MiB' or '80GB'")
+        number = int(float(match.group(1)) * _UNITS[unit])
+    if number <= 0:
+        raise AutotuneClientError(f"budget must be positive, got {value!r}")
+    return number
+
+
+def suggest(
+    model: nn.Module,
+    target_batch: int,
+    *,
+    example: Any = None,
+    world_size: int | None = None,
+    loss: LossFn | None = None,
+    optimizer: OptimizerFactory | None = None,
+    precision: str | None = None,
+    tags: Mapping[str, TagValue] | None = None,
+    device: Any = None,
+    budget: int | str | None = None,
+    probe_if_missing: bool = True,
+    client: TunerClient | None = None,
+) -> Suggestion:
+    """The micro-batch and accumulation steps for this job, measured rather than guessed.
+
+    Call it before moving the model to its device: a model already on the GPU occupies memory a
+    local probe would then count against the budget (the answer stays safe, only smaller).
+
+    Args:
+        model: the model as the script built it. It is never modified: weights, ``requires_grad``,
+            device and train/eval mode are as they were, and torch's RNG state is restored after a
+            local probe. A DDP or ``torch.compile`` wrapper is looked through.
+        target_batch: the effective batch T the recipe asks for (samples per optimizer update).
+        example: one batch of inputs as the model's loss takes it (its first sample is used), or
+            a ``batch(m)`` callable returning a batch of m samples. Required: the input signature
+            is part of what decides memory.
+        world_size: data-parallel replicas; defaults to torch.distributed's world size when it is
+            initialized, else ``$WORLD_SIZE``, else 1. Tensor/pipeline ranks are not replicas:
+            pass the data-parallel size yourself in that case.
+        loss: ``loss(model, batch) -> scalar`` for the local probe; None uses the task default.
+        optimizer: factory taking the parameters (``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``);
+            None is AdamW. Part of the fingerprint.
+        precision: "fp32" (default), "bf16" or "fp16". Part of the fingerprint.
+        tags: facts that change memory and are not in the model (seq_len, checkpointing, ...).
+        device: where the job trains; defaults to the model's device if on CUDA, else
+            ``cuda:$LOCAL_RANK`` / the current CUDA device when CUDA is available, else the CPU.
+        budget: bytes (or "4GiB") the job may use; required to probe on the CPU, optional on
+            CUDA (the card's memory). Sent to the server, which predicts from other devices' fits.
+        probe_if_missing: on a miss, probe here and upload; when False a miss raises.
+        client: a TunerClient; None builds one from ``$AUTOTUNE_URL`` / ``$AUTOTUNE_TOKEN``. With no
+            server configured at all, the job probes locally (with a warning).
+
+    Returns:
+        A Suggestion: ``micro_batch``, ``accumulation_steps``, ``world_size``, ``effective_batch``,
+        ``exact``, ``source`` ("measured", "predicted" or "probed"), ``profile_id`` and more.
+
+    Raises:
+        NotFoundError: nothing stored and ``probe_if_missing`` is False.
+        APIConnectionError: server unreachable and ``probe_if_missing`` is False.
+        APIStatusError: the server refused the request (bad token, invalid field).
+        autotune.errors.AutotuneError: the local probe failed (its message says why).
+
+    A warning (:class:`TunerUnavailableWarning`) says when the server could not be used; the same
+    text is in ``Suggestion.warnings``. Talking to the server never takes longer than the client's
+    timeout, retries included.
+    """
+    from autotune.fingerprint import fingerprint_model
+
+    if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
+        raise AutotuneClientError(f"target_batch must be a positive integer, got {target_batch!r}")
+    model = _unwrap(model)
+    world = _resolve_world_size(world_size)
+    if target_batch < world:
+        raise AutotuneClientError(
+            f"target_batch {target_batch} is smaller than world_size {world}: "
+            "every replica needs at least one sample per update"
+        )
+    batch_fn, one_sample = _batch_factory(example)
+    precision = precision or "fp32"
+    tag_dict = dict(tags or {})
+    device_spec = _job_device(model, device)
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+
+    fingerprint = fingerprint_model(
+        model, one_sample, optimizer=optimizer, precision=precision, tags=tag_dict
+    )
+    device_name = _device_name(device_spec)
+
+    notes: list[str] = []
+    own_client: TunerClient | None = None
+    if client is None and os.environ.get(ENV_URL, "").strip():
+        client = own_client = TunerClient()
+    try:
+        upload_to: TunerClient | None = None
+        if client is None:
+            if not probe_if_missing:
+                raise AutotuneClientError(
+                    f"no tuner server: pass client= or set {ENV_URL} (or allow a local probe)"
+                )
+            notes.append(
+                _warn(f"no tuner server configured (${ENV_URL} unset): probing locally, nothing is stored")
+            )
+        else:
+            try:
+                return client.suggest(
+                    fingerprint=fingerprint,
+                    target_batch=target_batch,
+                    world_size=world,
+                    device_name=device_name,
+                    budget_bytes=budget_bytes,
+                )
+            except NotFoundError:
+                if not probe_if_missing:
+                    raise
+                upload_to = client  # the server works and lacks this setup: it gets the profile
+            except (APIConnectionError, InternalServerError, RateLimitError) as exc:
+                if not probe_if_missing:
+                    raise
+                notes.append(
+                    _warn(f"tuner unavailable ({exc}): probing locally, the profile is not uploaded")
+                )
+
+        profile = _probe_locally(
+            model,
+            batch_fn,
+            loss=loss,
+            optimizer=optimizer,
+            precision=precision,
+            tags=tag_dict,
+            device_spec=device_spec,
+            budget_bytes=budget_bytes,
+            target_batch=target_batch,
+            world_size=world,
+        )
+        if profile.fingerprint != fingerprint:
+            # Should not happen (same function, same inputs); if it does, an upload would be
+            # stored under a key no job asks for, so say so rather than fill the store silently.
+            notes.append(
+                _warn(
+                    f"the probe's fingerprint {profile.fingerprint[:12]} differs from "
+                    f"the job's {fingerprint[:12]}"
+                )
+            )
+        profile_id: int | None = None
+        if upload_to is not None:
+            try:
+                profile_id = upload_to.upload(profile)
+            except AutotuneClientError as exc:
+                notes.append(_warn(f"the probed profile was not uploaded: {exc}"))
+        return _suggestion_from_profile(profile, target_batch, world, profile_id, notes)
+    finally:
+        if own_client is not None:
+            own_client.close()
+
+
+def _warn(message: str) -> str:
+    warnings.warn(message, TunerUnavailableWarning, stacklevel=3)
+    return message
+
+
+def _unwrap(model: Any) -> nn.Module:
+    from torch import nn
+
+    # DDP's module tree has a "module." prefix and torch.compile's an "_orig_mod.": the memory that
+    # matters, and the fingerprint, is the wrapped model's.
+    for _ in range(4):
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    if not isinstance(model, nn.Module):
+        raise AutotuneClientError(f"suggest() needs a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def _resolve_world_size(world_size: int | None) -> int:
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise AutotuneClientError(f"world_size must be a positive integer, got {world_size!r}")
+        return world_size
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    env = os.environ.get("WORLD_SIZE", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise AutotuneClientError(f"WORLD_SIZE={env!r} is not a positive integer")
+        return int(env)
+    return 1
+
+
+def _map_tensors(batch: Any, fn: Callable[[Any], Any]) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {key: _map_tensors(value, fn) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple keeps its type
+        return type(batch)(*(_map_tensors(value, fn) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_map_tensors(value, fn) for value in batch)
+    return batch
+
+
+def _has_tensor(batch: Any) -> bool:
+    found: list[Any] = []
+    _map_tensors(batch, found.append)
+    return bool(found)
+
+
+def _batch_factory(example: Any) -> tuple[Callable[[int], Any], Any]:
+    """(batch(m), a batch of one sample) from what the caller gave."""
+    import torch
+
+    if example is None:
+        raise AutotuneClientError(
+            "suggest() needs example=: a batch of inputs (its first sample is used) or a batch(m) "
+            "callable, because the input shape decides memory as much as the model does"
+        )
+    if callable(example) and not isinstance(example, torch.Tensor):
+        one = example(1)
+        if not _has_tensor(one):
+            raise AutotuneClientError("example(1) returned no tensor: batch(m) must return tensors")
+        return example, one
+
+    if not _has_tensor(example):
+        raise AutotuneClientError(f"example holds no tensor (got {type(example).__name__})")
+
+    def first(t: torch.Tensor) -> torch.Tensor:
+        # A CPU copy of sample 0: the probe makes batches on the CPU and moves them itself, and the
+        # caller's tensor stays untouched.
+        return (t[:1] if t.dim() > 0 else t).detach().to("cpu", copy=True)
+
+    one = _map_tensors(example, first)
+
+    def batch(m: int) -> Any:
+        return _map_tensors(one, lambda t: t.repeat(m, *([1] * (t.dim() - 1))) if t.dim() > 0 else t.clone())
+
+    return batch, one
+
+
+def _job_device(model: nn.Module, device: Any) -> str:
+    import torch
+
+    if device is not None:
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+    else:
+        first = next(itertools.chain(model.parameters(), model.buffers()), None)
+        if first is not None and first.device.type == "cuda":
+            dev = first.device
+        elif torch.cuda.is_available():
+            local_rank = os.environ.get("LOCAL_RANK", "").strip()
+            index = int(local_rank) if local_rank.isdigit() else torch.cuda.current_device()
+            dev = torch.device("cuda", index)
+        else:
+            dev = torch.device("cpu")
+    if dev.type == "cuda":
+        return f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
+    if dev.type == "cpu":
+        return "cpu"
+    raise AutotuneClientError(f"autotune measures CPU and CUDA devices, not {dev.type!r}")
+
+
+def _device_name(device_spec: str) -> str:
+    from autotune.meters import describe_device
+
+    return describe_device(device_spec).name
+
+
+def _cpu_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of the model on the CPU, made without a second copy on the model's device.
+
+    Parameters and buffers are copied to the CPU first and handed to deepcopy through its memo, so
+    a GPU-resident model is never duplicated on the GPU; shared (tied) weights stay shared, and
+    ``requires_grad`` is kept because frozen layers change memory.
+    """
+    from torch import nn
+
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if id(tensor) in memo:
+            continue
+        data = tensor.detach().to("cpu", copy=True)
+        if isinstance(tensor, nn.Parameter):
+            memo[id(tensor)] = nn.Parameter(data, requires_grad=tensor.requires_grad)
+        else:
+            memo[id(tensor)] = data
+    return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def _rng_preserved(device_spec: str) -> Iterator[None]:
+    import torch
+
+    # The probe draws random batches; a job seeded for reproducibility must not see its stream shift.
+    devices = [int(device_spec[5:])] if device_spec.startswith("cuda:") else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _probe_locally(
+    model: nn.Module,
+    batch_fn: Callable[[int], Any],
+    *,
+    loss: LossFn | None,
+    optimizer: OptimizerFactory | None,
+    precision: str,
+    tags: dict[str, TagValue],
+    device_spec: str,
+    budget_bytes: int | None,
+    target_batch: int,
+    world_size: int,
+) -> Profile:
+    from autotune.probe import ProbeConfig, probe
+    from autotune.task import ProbeTask
+
+    if device_spec == "cpu" and budget_bytes is None:
+        raise AutotuneClientError("probing on the CPU needs budget= (bytes or a size like '4GiB')")
+    template = _cpu_copy(model)
+
+    def fresh_model() -> nn.Module:
+        # A fresh copy per trial, in training mode whatever mode the caller's model is in.
+        return copy.deepcopy(template).train()
+
+    task = ProbeTask(
+        name=type(model).__name__,
+        model=fresh_model,
+        batch=batch_fn,
+        loss=loss,
+        optimizer=optimizer,
+        precision=precision,
+        tags=tags,
+    )
+    config = ProbeConfig(
+        device=device_spec, budget_bytes=budget_bytes, target_batch=target_batch, world_size=world_size
+    )
+    with _rng_preserved(device_spec):
+        return probe(task, config)
+
+
+def _suggestion_from_profile(
+    profile: Profile, target_batch: int, world_size: int, profile_id: int | None, notes: list[str]
+) -> Suggestion:
+    from autotune.plan import plan
+
+    stored = profile.plan
+    if stored is not None and stored.target_batch == target_batch and stored.world_size == world_size:
+        chosen = stored
+    else:
+        chosen = plan(profile.max_micro_batch, target_batch, world_size)
+    found = [*profile.warnings, *([chosen.note] if chosen.note else []), *notes]
+    return Suggestion(
+        micro_batch=chosen.micro_batch,
+        accumulation_steps=chosen.accumulation_steps,
+        world_size=chosen.world_size,
+        effective_batch=chosen.effective_batch,
+        target_batch=chosen.target_batch,
+        exact=chosen.exact,
+        source="probed",
+        profile_id=profile_id,
+        fingerprint=profile.fingerprint,
+        device_name=profile.device.name,
+        max_micro_batch=profile.max_micro_batch,
+        peak_bytes=profile.peak_at(chosen.micro_batch),
+        budget_bytes=profile.budget_bytes,
+        warnings=list(dict.fromkeys(found)),
+    )

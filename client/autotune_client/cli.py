@@ -1,0 +1,183 @@
+"""The client's side of the ``autotune`` command line; ``autotune.cli`` wires these to its parser.
+
+    autotune suggest --server URL --fingerprint F --target-batch T --world-size D --device-name N [--json]
+    autotune profiles ls|show|rm [ID] --server URL [--json] [--fingerprint F --task NAME ...]
+
+Results go to stdout (JSON with ``--json``, one readable line otherwise) and every failure is one
+line on stderr with a non-zero exit code, so that launch scripts can branch on it:
+
+    0  success
+    1  error (server unreachable, refused, bad input)
+    3  not found: nothing stored for this setup (``suggest``) or no such profile id
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+from autotune.schemas import Profile, Suggestion
+from autotune_client._client import TunerClient
+from autotune_client._models import ProfileSummary, StoredProfile
+from autotune_client.errors import AutotuneClientError, NotFoundError
+
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "format_suggestion",
+    "profiles_command",
+    "suggest_command",
+    "upload_profile",
+]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_NOT_FOUND = 3
+
+
+def _fail(exc: AutotuneClientError, err: TextIO) -> int:
+    print(f"autotune: error: {exc}", file=err)
+    return EXIT_NOT_FOUND if isinstance(exc, NotFoundError) else EXIT_ERROR
+
+
+def format_suggestion(s: Suggestion) -> str:
+    """One line a person reads: the plan, where it came from, and any deviation from the target."""
+    exact = "exact" if s.exact else f"target {s.target_batch}, {s.effective_batch - s.target_batch:+d}"
+    where = s.source + (f", profile {s.profile_id}" if s.profile_id is not None else "")
+    line = (
+        f"micro_batch={s.micro_batch} accumulation_steps={s.accumulation_steps} world_size={s.world_size} "
+        f"effective_batch={s.effective_batch} ({exact}; {where}; max micro-batch {s.max_micro_batch})"
+    )
+    return "\n".join([line, *(f"warning: {w}" for w in s.warnings)])
+
+
+def suggest_command(
+    *,
+    server: str | None,
+    fingerprint: str,
+    target_batch: int,
+    world_size: int,
+    device_name: str,
+    budget_bytes: int | None,
+    headroom: float | None,
+    as_json: bool,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """``autotune suggest``: print the stored plan for a setup; returns the exit code.
+
+    ``server`` None falls back to ``$AUTOTUNE_URL``. A miss exits 3 with the server's explanation
+    (what was looked for, how to probe it) on stderr.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        with TunerClient(base_url=server) as client:
+            suggestion = client.suggest(
+                fingerprint=fingerprint,
+                target_batch=target_batch,
+                world_size=world_size,
+                device_name=device_name,
+                budget_bytes=budget_bytes,
+                headroom=headroom,
+            )
+    except AutotuneClientError as exc:
+        return _fail(exc, err)
+    print(suggestion.model_dump_json() if as_json else format_suggestion(suggestion), file=out)
+    return EXIT_OK
+
+
+def _row(summary: ProfileSummary) -> str:
+    created = summary.created_at.strftime("%Y-%m-%d %H:%M")
+    return (
+        f"{summary.id:>6}  {summary.fingerprint[:12]:<12}  {summary.task[:20]:<20}  "
+        f"{summary.device_name[:28]:<28}  {summary.precision:<5}  {summary.max_micro_batch:>7}  {created}"
+    )
+
+
+def _describe(stored: StoredProfile) -> str:
+    p = stored.profile
+    lines = [
+        f"profile {stored.id}: {p.task} on {p.device.name} ({p.precision})",
+        f"  fingerprint      {p.fingerprint}",
+        f"  budget           {p.budget_bytes} bytes, headroom {p.headroom:.0%}",
+        f"  max micro-batch  {p.max_micro_batch}",
+    ]
+    if p.fit is not None:
+        lines.append(f"  fit              {p.fit.fixed_bytes:.0f} + {p.fit.bytes_per_sample:.0f} x m bytes")
+    if p.plan is not None:
+        lines.append(
+            f"  plan             {p.plan.micro_batch} x {p.plan.accumulation_steps} x {p.plan.world_size}"
+            f" = {p.plan.effective_batch}"
+        )
+    lines.append(f"  trials           {len(p.trials)} ({p.oom_count} OOM)")
+    for trial in sorted(p.trials, key=lambda t: t.micro_batch):
+        verdict = "OOM" if trial.oom else ("fits" if trial.fits else "over budget")
+        lines.append(f"    m={trial.micro_batch:<7} peak {trial.peak_bytes:>14} bytes  {verdict}")
+    lines.extend(f"  warning: {w}" for w in p.warnings)
+    return "\n".join(lines)
+
+
+def profiles_command(
+    *,
+    server: str | None,
+    action: str,
+    profile_id: int | None,
+    as_json: bool,
+    filters: dict[str, Any],
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """``autotune profiles ls|show|rm``; returns the exit code.
+
+    Args:
+        action: "ls" (filters apply: fingerprint, task, device_name, precision, limit), "show" or
+            "rm" (both need ``profile_id``; rm needs a write token in ``$AUTOTUNE_TOKEN``).
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if action not in ("ls", "show", "rm"):
+        print(f"autotune: error: unknown profiles action {action!r}: use ls, show or rm", file=err)
+        return EXIT_ERROR
+    if action != "ls" and profile_id is None:
+        print(f"autotune: error: profiles {action} needs a profile id", file=err)
+        return EXIT_ERROR
+    try:
+        with TunerClient(base_url=server) as client:
+            if action == "ls":
+                stored = client.profiles(**{k: v for k, v in filters.items() if v is not None})
+                if as_json:
+                    print(json.dumps([s.model_dump(mode="json") for s in stored]), file=out)
+                else:
+                    header = (
+                        f"{'id':>6}  {'fingerprint':<12}  {'task':<20}  {'device':<28}  "
+                        f"{'prec':<5}  {'m_max':>7}  created"
+                    )
+                    print("\n".join([header, *(_row(s) for s in stored)]), file=out)
+            elif action == "show":
+                assert profile_id is not None
+                one = client.profile(profile_id)
+                print(one.model_dump_json() if as_json else _describe(one), file=out)
+            else:
+                assert profile_id is not None
+                client.delete(profile_id)
+                done = json.dumps({"deleted": profile_id}) if as_json else f"deleted profile {profile_id}"
+                print(done, file=out)
+    except AutotuneClientError as exc:
+        return _fail(exc, err)
+    return EXIT_OK
+
+
+def upload_profile(profile: Profile, *, server: str, token: str | None) -> int:
+    """Store a measured profile (``autotune probe ... --server URL``) and return its id.
+
+    ``token`` None falls back to ``$AUTOTUNE_TOKEN``. Uploading the same profile again returns the
+    same id.
+
+    Raises:
+        AutotuneClientError: with a one-line message (unreachable, 401/403, rejected field, ...).
+    """
+    with TunerClient(base_url=server, token=token) as client:
+        return client.upload(profile)
