@@ -69,6 +69,9 @@ class Trial(_Model):
     fits: bool
     oom: bool = False
     seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+    # The peak of the forward/backward phases alone: affine in m from m=1, where the whole-trial
+    # peak is flat while the optimizer step dominates. The search and the fit use it.
+    forward_backward_bytes: NonNegBytes | None = None
     # CUDA only: max_memory_allocated beside the reserved figure, and memory outside the allocator.
     allocated_bytes: NonNegBytes | None = None
     outside_allocator_bytes: NonNegBytes | None = None

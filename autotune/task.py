@@ -14,6 +14,7 @@ every measurement starts from the same state.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -145,7 +146,8 @@ def load_task(spec: str) -> ProbeTask:
         path = Path(module_part)
         if not path.is_file():
             raise TaskError(f"task file {module_part!r} not found (from {spec!r})")
-        mod_name = f"_autotune_task_{abs(hash(str(path.resolve())))}"
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        mod_name = f"_autotune_task_{path.stem}_{digest}"
         mod_spec = importlib.util.spec_from_file_location(mod_name, path)
         if mod_spec is None or mod_spec.loader is None:
             raise TaskError(f"cannot import {module_part!r} as Python (from {spec!r})")

@@ -1,0 +1,144 @@
+"""A stable digest of what decides training memory, and nothing else.
+
+In: the module tree (qualified names and class names), parameter and buffer shapes, dtypes and
+requires_grad, the input signature of one sample (shapes without the batch dimension, dtypes),
+the optimizer class and its memory-relevant options, precision, tags, torch major.minor.
+Out: ids, addresses, timestamps, device placement, weight values, learning rates.
+
+The same model built in two processes gives the same digest; a changed shape, dtype, optimizer
+or tag gives another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.task import OptimizerFactory, ProbeTask, default_optimizer
+
+__all__ = ["MEMORY_RELEVANT_OPTIONS", "describe_setup", "fingerprint_model", "task_fingerprint"]
+
+# Optimizer options that change how much state it keeps or how it steps (foreach/fused change the
+# step's temporaries). Learning rates, betas and the like do not change memory.
+MEMORY_RELEVANT_OPTIONS = ("amsgrad", "foreach", "fused", "capturable", "centered", "nesterov")
+
+
+def _class_name(obj: Any) -> str:
+    # The qualified name without the module: the same class loaded as examples.gpt or from
+    # examples/gpt.py (a module name the loader makes up) must give the same digest.
+    cls = obj if isinstance(obj, type) else type(obj)
+    return cls.__qualname__
+
+
+def _modules(model: nn.Module) -> list[list[str]]:
+    return [[name, _class_name(module)] for name, module in model.named_modules()]
+
+
+def _tensors(model: nn.Module) -> dict[str, list[list[Any]]]:
+    params = [
+        [name, list(p.shape), str(p.dtype), bool(p.requires_grad)] for name, p in model.named_parameters()
+    ]
+    buffers = [[name, list(b.shape), str(b.dtype)] for name, b in model.named_buffers()]
+    return {"parameters": params, "buffers": buffers}
+
+
+def _signature(batch: Any) -> Any:
+    """Shapes without the batch dimension, and dtypes, keeping the nesting."""
+    if isinstance(batch, torch.Tensor):
+        return {"shape": list(batch.shape[1:]), "dtype": str(batch.dtype)}
+    if isinstance(batch, Mapping):
+        return {str(key): _signature(batch[key]) for key in sorted(batch, key=str)}
+    if isinstance(batch, (tuple, list)):
+        return [_signature(value) for value in batch]
+    return type(batch).__name__
+
+
+def _optimizer(factory: OptimizerFactory | None) -> dict[str, Any]:
+    # A throwaway parameter: building the optimizer on the real model would be harmless, but the
+    # class and its defaults are all the digest needs.
+    probe_param = nn.Parameter(torch.zeros(1))
+    optimizer = (factory or default_optimizer)([probe_param])
+    options: dict[str, Any] = {}
+    for key in MEMORY_RELEVANT_OPTIONS:
+        if key in optimizer.defaults:
+            options[key] = optimizer.defaults[key]
+    momentum = optimizer.defaults.get("momentum")
+    if momentum is not None:  # SGD/RMSprop keep a momentum buffer only when momentum != 0
+        options["momentum_buffer"] = bool(momentum)
+    return {"class": _class_name(optimizer), "options": options}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return str(value)
+
+
+def describe_setup(
+    model: nn.Module,
+    example_batch: Any,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    precision: str = "fp32",
+    tags: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The canonical description that the fingerprint hashes (useful to see why two differ)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return {
+        "modules": _modules(model),
+        "tensors": _tensors(model),
+        "input": _signature(example_batch),
+        "optimizer": _optimizer(optimizer),
+        "precision": precision,
+        "tags": {str(k): _plain(v) for k, v in sorted((tags or {}).items())},
+        "torch": f"{major}.{minor}",
+    }
+
+
+def fingerprint_model(
+    model: nn.Module,
+    example_batch: Any,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    precision: str = "fp32",
+    tags: Mapping[str, Any] | None = None,
+) -> str:
+    """Hex sha256 of the job setup.
+
+    Args:
+        model: the model instance (its device does not matter; its dtypes do).
+        example_batch: a batch of one sample (the leading batch dimension is dropped).
+        optimizer: the optimizer factory (None: AdamW, the probe's default).
+        precision: "fp32", "bf16" or "fp16".
+        tags: the task's free-form tags.
+
+    Example:
+        >>> fingerprint_model(nn.Linear(4, 2), torch.zeros(1, 4))[:8]  # doctest: +SKIP
+        '3f1c...'
+    """
+    setup = describe_setup(model, example_batch, optimizer=optimizer, precision=precision, tags=tags)
+    canonical = json.dumps(setup, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _build_for_fingerprint(task: ProbeTask) -> nn.Module:
+    # The meta device gives shapes and dtypes without allocating; some factories need real memory.
+    try:
+        with torch.device("meta"):
+            return task.model()
+    except Exception:
+        return task.model()
+
+
+def task_fingerprint(task: ProbeTask) -> str:
+    """The fingerprint of a ProbeTask: its model, batch(1), optimizer, precision and tags."""
+    model = _build_for_fingerprint(task)
+    return fingerprint_model(
+        model, task.batch(1), optimizer=task.optimizer, precision=task.precision, tags=task.tags
+    )
+

@@ -1,0 +1,56 @@
+"""Byte sizes as people write them ("800MiB", "24GiB", "1.5GB") and as people read them. Torch-free."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_bytes", "parse_bytes"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """Parse "800MiB", "24GiB", "1.5GB" or a plain number of bytes.
+
+    >>> parse_bytes("800MiB")
+    838860800
+
+    Raises:
+        ValueError: naming the text that could not be read.
+    """
+    match = _PATTERN.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: use bytes or a unit such as 800MiB, 24GiB, 1.5GB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def format_bytes(value: float | None) -> str:
+    """Human units, binary: 1536 -> '1.50 KiB'."""
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{size:.2f} TiB"
