@@ -1,0 +1,168 @@
+"""The REST API under /api/v1. Routes are thin: validate, call the repository, convert, answer."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Path, Query, Request, Response, status
+
+from autotune.schemas import Observation, Profile, Suggestion
+from autotune_server import repository
+from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
+from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
+from autotune_server.errors import ErrorBody
+from autotune_server.suggest import suggest as compute_suggestion
+from autotune_server.wire import ObservationPage, ProfilePage, ProfileRef, StoredObservation, StoredProfile
+
+__all__ = ["API_PREFIX", "MAX_PAGE_SIZE", "router"]
+
+API_PREFIX = "/api/v1"
+MAX_PAGE_SIZE = 500
+# Ids are 32-bit on every database; a larger one cannot exist, and must not reach PostgreSQL as an overflow.
+MAX_ID = 2**31 - 1
+MAX_WORLD_SIZE = 2**20  # as autotune.schemas bounds Plan.world_size
+# Effective batches beyond this cannot be represented in a Plan once rounded to the nearest plan.
+MAX_TARGET_BATCH = 2**40 - 2**30
+
+FINGERPRINT_PATTERN = r"^[0-9a-f]{16,128}$"
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {
+        401: "No bearer token where one is needed",
+        403: "A token that does not allow this",
+        404: "Nothing stored matches",
+        413: "Request body over the size cap",
+        422: "A field is missing, unknown or out of range (the error names it)",
+    }
+    return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
+
+
+router = APIRouter(prefix=API_PREFIX, tags=["api"])
+
+ProfileId = Annotated[int, Path(ge=1, le=MAX_ID, description="The id POST /profiles answered with")]
+
+
+@router.post(
+    "/profiles",
+    status_code=status.HTTP_201_CREATED,
+    response_model=ProfileRef,
+    responses={
+        200: {"model": ProfileRef, "description": "An identical profile was already stored"},
+        201: {
+            "description": "Stored",
+            "headers": {"Location": {"description": "URL of the profile", "schema": {"type": "string"}}},
+        },
+        **_errors(401, 403, 413, 422),
+    },
+)
+def upload_profile(
+    profile: Annotated[Profile, Body()],
+    uploader: WriteAccess,
+    session: SessionDep,
+    request: Request,
+    response: Response,
+) -> ProfileRef:
+    """Store a profile (idempotent: the same body twice is one row, 201 then 200)."""
+    row, created = repository.add_profile(session, profile, uploader=uploader)
+    url = str(request.url_for("get_profile", profile_id=row.id).path)
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    response.headers["Location"] = url
+    return ProfileRef(id=row.id, content_hash=row.content_hash, created=created, url=url)
+
+
+@router.get("/profiles", response_model=ProfilePage, responses=_errors(401, 403, 422))
+def list_profiles(
+    session: SessionDep,
+    _reader: ReadAccess,
+    fingerprint: Annotated[str | None, Query(pattern=FINGERPRINT_PATTERN)] = None,
+    task: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+    device_name: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+    precision: Literal["fp32", "bf16", "fp16"] | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 50,
+    cursor: Annotated[
+        str | None, Query(max_length=64, description="next_cursor of the previous page")
+    ] = None,
+) -> ProfilePage:
+    """List profiles, newest upload first, filtered and paginated by cursor."""
+    before_id = repository.decode_cursor(cursor) if cursor is not None else None
+    filters = repository.ProfileFilters(
+        fingerprint=fingerprint, task=task, device_name=device_name, precision=precision
+    )
+    rows, next_before = repository.list_profiles(session, filters, limit=limit, before_id=before_id)
+    return ProfilePage(
+        items=[to_summary(r) for r in rows],
+        next_cursor=repository.encode_cursor(next_before) if next_before is not None else None,
+    )
+
+
+@router.get("/profiles/{profile_id}", response_model=StoredProfile, responses=_errors(401, 403, 404, 422))
+def get_profile(profile_id: ProfileId, session: SessionDep, _reader: ReadAccess) -> StoredProfile:
+    """One stored profile with its trials."""
+    row = repository.get_profile(session, profile_id)
+    return to_stored_profile(row, repository.observation_count(session, profile_id))
+
+
+@router.delete(
+    "/profiles/{profile_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    responses=_errors(401, 403, 404, 422),
+)
+def delete_profile(profile_id: ProfileId, _uploader: WriteAccess, session: SessionDep) -> Response:
+    """Delete a profile with its trials and observations."""
+    repository.delete_profile(session, profile_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post(
+    "/profiles/{profile_id}/observations",
+    status_code=status.HTTP_201_CREATED,
+    response_model=StoredObservation,
+    responses=_errors(401, 403, 404, 413, 422),
+)
+def add_observation(
+    profile_id: ProfileId,
+    observation: Annotated[Observation, Body()],
+    uploader: WriteAccess,
+    session: SessionDep,
+) -> StoredObservation:
+    """Record what a training job really saw (its peak, or an OOM) against a profile."""
+    row = repository.add_observation(session, profile_id, observation, uploader=uploader)
+    return to_stored_observation(row)
+
+
+@router.get(
+    "/profiles/{profile_id}/observations",
+    response_model=ObservationPage,
+    responses=_errors(401, 403, 404, 422),
+)
+def list_observations(profile_id: ProfileId, session: SessionDep, _reader: ReadAccess) -> ObservationPage:
+    """The observations recorded against a profile, oldest first."""
+    rows = repository.list_observations(session, profile_id)
+    return ObservationPage(items=[to_stored_observation(r) for r in rows])
+
+
+@router.get("/suggest", response_model=Suggestion, responses=_errors(401, 403, 404, 422))
+def suggest(
+    session: SessionDep,
+    _reader: ReadAccess,
+    request: Request,
+    fingerprint: Annotated[str, Query(pattern=FINGERPRINT_PATTERN)],
+    target_batch: Annotated[int, Query(ge=1, le=MAX_TARGET_BATCH)],
+    device_name: Annotated[str, Query(min_length=1, max_length=256)],
+    world_size: Annotated[int, Query(ge=1, le=MAX_WORLD_SIZE)] = 1,
+    budget_bytes: Annotated[int | None, Query(gt=0, le=2**60)] = None,
+    headroom: Annotated[float | None, Query(ge=0, lt=1)] = None,
+) -> Suggestion:
+    """The plan for a job: measured on this device model, else predicted from another's fit, else 404."""
+    return compute_suggestion(
+        session,
+        fingerprint=fingerprint,
+        device_name=device_name,
+        target_batch=target_batch,
+        world_size=world_size,
+        budget_bytes=budget_bytes,
+        headroom=headroom,
+        server_url=str(request.base_url).rstrip("/"),
+    )

@@ -1,0 +1,93 @@
+"""FastAPI dependencies: the request's session, the app's settings, and bearer-token checks."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from autotune_server.errors import AuthenticationRequired, PermissionDenied
+from autotune_server.settings import Settings
+
+__all__ = ["ReadAccess", "SessionDep", "SettingsDep", "WriteAccess", "get_session", "get_settings"]
+
+# auto_error=False: a missing token must become our 401 in the one error shape, not FastAPI's 403.
+_bearer = HTTPBearer(auto_error=False, description="A write token from AUTOTUNE_API_TOKENS")
+
+
+def get_settings(request: Request) -> Settings:
+    """The settings the app was created with."""
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One session per request, closed (and rolled back if unfinished) when the request ends."""
+    with request.app.state.sessionmaker() as session:
+        yield session
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def _match(token: str, named: dict[str, str]) -> str | None:
+    # Compare against every configured token (no early exit) in constant time, so neither timing nor
+    # the position of a match in the list tells an attacker anything.
+    found: str | None = None
+    given = token.encode()
+    for candidate, name in named.items():
+        if hmac.compare_digest(given, candidate.encode()):
+            found = name
+    return found
+
+
+def require_write(
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str:
+    """The uploader's name for a valid write token.
+
+    Raises:
+        AuthenticationRequired: no bearer token (401).
+        PermissionDenied: a token that is not a write token (403).
+    """
+    if credentials is None or not credentials.credentials:
+        raise AuthenticationRequired(
+            "this request writes: send a write token as 'Authorization: Bearer TOKEN'"
+        )
+    named = settings.write_token_names()
+    if not named:
+        raise PermissionDenied("this server accepts no writes: it has no AUTOTUNE_API_TOKENS configured")
+    name = _match(credentials.credentials, named)
+    if name is None:
+        raise PermissionDenied("the bearer token is not a write token of this server")
+    return name
+
+
+def require_read(
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str | None:
+    """The reader's name, or None where reads are open (the default).
+
+    Raises:
+        AuthenticationRequired: reads need a token here and none was sent (401).
+        PermissionDenied: a token that is neither a read nor a write token (403).
+    """
+    if not settings.read_token_required:
+        return None
+    if credentials is None or not credentials.credentials:
+        raise AuthenticationRequired("this server requires a token for reads: 'Authorization: Bearer TOKEN'")
+    name = _match(credentials.credentials, settings.read_token_names())
+    if name is None:
+        raise PermissionDenied("the bearer token is not a token of this server")
+    return name
+
+
+WriteAccess = Annotated[str, Depends(require_write)]
+ReadAccess = Annotated[str | None, Depends(require_read)]

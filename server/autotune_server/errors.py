@@ -1,0 +1,220 @@
+"""Domain errors and the one JSON shape every error response has.
+
+    {"error": {"code": "profile_not_found", "message": "...", "field": null, "details": null}}
+
+Routes raise domain exceptions (``ProfileNotFound``, ``NoProfileForSuggestion``, ...) and the
+handlers installed by :func:`install_error_handlers` turn them, FastAPI's validation errors,
+Starlette's 404/405 and any unexpected exception into that shape. An unexpected exception becomes
+a bare 500 whose message says nothing about the code: no stack trace ever leaves the server.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+__all__ = [
+    "AuthenticationRequired",
+    "BodyTooLarge",
+    "BudgetTooSmall",
+    "DomainError",
+    "ErrorBody",
+    "ErrorDetail",
+    "InvalidCursor",
+    "InvalidPlanRequest",
+    "NoProfileForSuggestion",
+    "PermissionDenied",
+    "ProfileNotFound",
+    "error_response",
+    "install_error_handlers",
+]
+
+log = logging.getLogger(__name__)
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: a stable code for programs, a sentence for people, the field at fault."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: str
+    message: str
+    field: str | None = None
+    details: dict[str, Any] | list[Any] | None = None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorDetail
+
+
+class DomainError(Exception):
+    """Base of the errors routes raise; each subclass fixes its status and code."""
+
+    status_code = 400
+    code = "bad_request"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        details: dict[str, Any] | list[Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.details = details
+        self.headers = headers
+
+
+class ProfileNotFound(DomainError):
+    """No profile has this id (never stored, or deleted)."""
+
+    status_code = 404
+    code = "profile_not_found"
+
+
+class NoProfileForSuggestion(DomainError):
+    """Nothing stored matches a /suggest query; the details say what was looked for and how to probe."""
+
+    status_code = 404
+    code = "no_matching_profile"
+
+
+class InvalidPlanRequest(DomainError):
+    """The plan arithmetic refused the request (e.g. target_batch < world_size)."""
+
+    status_code = 422
+    code = "invalid_plan_request"
+
+
+class BudgetTooSmall(DomainError):
+    """The given budget does not fit even one sample by the stored fit."""
+
+    status_code = 422
+    code = "budget_too_small"
+
+
+class InvalidCursor(DomainError):
+    """A pagination cursor that this server did not hand out."""
+
+    status_code = 422
+    code = "invalid_cursor"
+
+
+class AuthenticationRequired(DomainError):
+    """No bearer token where one is needed (401)."""
+
+    status_code = 401
+    code = "authentication_required"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class PermissionDenied(DomainError):
+    """A bearer token that is not one of the configured tokens for this action (403)."""
+
+    status_code = 403
+    code = "permission_denied"
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while the body streams in past the cap.
+
+    A Starlette HTTPException on purpose: FastAPI re-raises those from its body reader, where any
+    other exception would be turned into a generic 400.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(status_code=413, detail=f"request body larger than {limit_bytes} bytes")
+        self.limit_bytes = limit_bytes
+
+
+# Codes for the framework's own HTTP errors (unknown route, wrong method, ...).
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "authentication_required",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+}
+
+
+def error_response(
+    status_code: int,
+    code: str,
+    message: str,
+    *,
+    field: str | None = None,
+    details: dict[str, Any] | list[Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """Build a response in the one error shape."""
+    body = ErrorBody(error=ErrorDetail(code=code, message=message, field=field, details=details))
+    return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers=headers)
+
+
+def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
+    # FastAPI prefixes the location ("body", "query", "path"); the field is what follows it.
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie") and len(parts) > 1:
+        parts = parts[1:]
+    return ".".join(parts) if parts else "body"
+
+
+def _validation_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = []
+    for err in exc.errors():
+        # "input" and "ctx" can echo back arbitrary (huge or hostile) request content: leave them out.
+        problems.append({"field": _field_of(err.get("loc", ())), "message": str(err.get("msg", ""))})
+    first = problems[0] if problems else {"field": "body", "message": "invalid request"}
+    message = f"{first['field']}: {first['message']}"
+    if len(problems) > 1:
+        message += f" (and {len(problems) - 1} more)"
+    return error_response(422, "validation_error", message, field=first["field"], details=problems)
+
+
+def _domain_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DomainError)
+    return error_response(
+        exc.status_code, exc.code, exc.message, field=exc.field, details=exc.details, headers=exc.headers
+    )
+
+
+def _http_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+    headers = dict(exc.headers) if exc.headers else None
+    field = "body" if exc.status_code == 413 else None
+    return error_response(exc.status_code, code, message, field=field, headers=headers)
+
+
+def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    # Logged here with its trace for the operator; the client learns only that it was our fault.
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal_error", "internal server error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error the app can raise to the one JSON error shape."""
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(DomainError, _domain_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_handler)
+    app.add_exception_handler(Exception, _unexpected_handler)

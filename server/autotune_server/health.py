@@ -1,0 +1,71 @@
+"""Probes for orchestrators and Prometheus: /healthz, /readyz, /metrics (outside /api/v1)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from autotune_server import repository
+from autotune_server.errors import ErrorBody, error_response
+from autotune_server.wire import Health, Readiness
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz() -> Health:
+    """The process is up (no database access: a liveness probe must not fail with the database)."""
+    return Health()
+
+
+def _readiness(request: Request) -> Readiness | JSONResponse:
+    sessions = request.app.state.sessionmaker
+    head = request.app.state.head_revision
+    backend = request.app.state.engine.dialect.name
+    try:
+        with sessions() as session:
+            session.execute(text("SELECT 1"))
+            revision = session.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    except SQLAlchemyError as exc:
+        # The exception's text can hold the URL (and a password): only its class goes out.
+        return error_response(
+            503, "database_unavailable", f"database not reachable or not migrated ({type(exc).__name__})"
+        )
+    if revision != head:
+        return error_response(
+            503,
+            "schema_out_of_date",
+            f"database schema at {revision}, server expects {head}: run the migrations",
+        )
+    return Readiness(database=backend, revision=revision)
+
+
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    responses={503: {"model": ErrorBody, "description": "Database unreachable or not migrated"}},
+)
+def readyz(request: Request) -> Readiness | JSONResponse:
+    """The database answers and its schema is at the migration head."""
+    return _readiness(request)
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+def metrics(request: Request) -> PlainTextResponse:
+    """Prometheus metrics: requests, latencies, profiles stored."""
+    gauges: dict[str, tuple[str, float]] = {}
+    try:
+        with request.app.state.sessionmaker() as session:
+            gauges["autotune_profiles_stored"] = (
+                "Profiles in the store.",
+                repository.count_profiles(session),
+            )
+        gauges["autotune_database_up"] = ("Whether the last scrape reached the database.", 1)
+    except SQLAlchemyError:
+        gauges["autotune_database_up"] = ("Whether the last scrape reached the database.", 0)
+    body = request.app.state.metrics.render(gauges)
+    return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")

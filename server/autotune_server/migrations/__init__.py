@@ -1,0 +1,1 @@
+"""Alembic migration scripts (the schema of record), shipped inside the package."""

@@ -1,0 +1,1 @@
+"""Migration revisions; Alembic skips this file."""

@@ -1,0 +1,68 @@
+"""Service settings, read from the environment (prefix ``AUTOTUNE_``) or passed explicitly by tests.
+
+AUTOTUNE_DATABASE_URL        sqlite:///./var/autotune.db (default) or postgresql+psycopg://...
+AUTOTUNE_API_TOKENS          comma-separated write tokens; an entry may be ``name=token`` so the
+                             store records who uploaded a profile without ever storing the token
+AUTOTUNE_READ_TOKENS         comma-separated read-only tokens
+AUTOTUNE_READ_TOKEN_REQUIRED reads need a (read or write) token too; default false
+AUTOTUNE_MAX_BODY_BYTES      request body cap, 413 past it; default 8 MiB
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+__all__ = ["DEFAULT_DATABASE_URL", "Settings"]
+
+DEFAULT_DATABASE_URL = "sqlite:///./var/autotune.db"
+
+
+def _split_tokens(value: object) -> object:
+    # Environment values arrive as one string; NoDecode keeps pydantic-settings from parsing it as JSON.
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    """Everything the app factory needs; tests build one per test instead of patching globals."""
+
+    model_config = SettingsConfigDict(env_prefix="AUTOTUNE_", extra="ignore", frozen=True)
+
+    database_url: str = DEFAULT_DATABASE_URL
+    api_tokens: Annotated[tuple[str, ...], NoDecode] = ()
+    read_tokens: Annotated[tuple[str, ...], NoDecode] = ()
+    read_token_required: bool = False
+    # A profile with 10,000 trials is about 2 MB of JSON; 8 MiB leaves room without inviting abuse.
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    # SQLite waits this long for another writer's lock before giving up (several processes may write).
+    sqlite_busy_timeout_seconds: float = Field(default=30.0, ge=0)
+    db_pool_size: int = Field(default=10, ge=1)
+    db_max_overflow: int = Field(default=20, ge=0)
+    page_size_max: int = Field(default=500, ge=1)
+
+    _split_api = field_validator("api_tokens", "read_tokens", mode="before")(_split_tokens)
+
+    def write_token_names(self) -> dict[str, str]:
+        """Map each write token to the name recorded as the uploader (never the token itself)."""
+        return _named(self.api_tokens)
+
+    def read_token_names(self) -> dict[str, str]:
+        """Tokens accepted for reads: the write tokens and the read-only ones."""
+        return {**_named(self.read_tokens), **_named(self.api_tokens)}
+
+
+def _named(entries: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for entry in entries:
+        name, sep, token = entry.partition("=")
+        if sep and name and token:
+            out[token] = name
+        else:
+            # An unnamed token is recorded by a short digest, enough to tell uploaders apart.
+            out[entry] = "token-" + hashlib.sha256(entry.encode()).hexdigest()[:8]
+    return out

@@ -1,0 +1,120 @@
+"""Response bodies of the REST API that are not in ``autotune.schemas`` (which holds what clients send).
+
+A stored profile is returned nested, ``{"id": ..., "profile": {...}}``, so that a client can parse
+``profile`` with ``autotune.schemas.Profile`` as it is (that model forbids unknown fields).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from autotune.schemas import Observation, Profile
+
+__all__ = [
+    "Health",
+    "ObservationPage",
+    "ProfilePage",
+    "ProfileRef",
+    "ProfileSummary",
+    "Readiness",
+    "StoredObservation",
+    "StoredProfile",
+    "content_hash",
+]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProfileRef(_Out):
+    """What POST /profiles answers: where the profile lives and whether this request stored it."""
+
+    id: int
+    content_hash: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    created: bool
+    url: str
+
+
+class ProfileSummary(_Out):
+    """One row of GET /profiles: the lookup columns, not the trials."""
+
+    id: int
+    content_hash: str
+    fingerprint: str
+    task: str
+    device_kind: str
+    device_name: str
+    precision: str
+    budget_bytes: int
+    headroom: float
+    max_micro_batch: int
+    world_size: int
+    trial_count: int
+    created_at: datetime
+    uploaded_at: datetime
+    uploader: str | None = None
+
+
+class ProfilePage(_Out):
+    """A page of profiles, newest upload first; pass ``next_cursor`` back as ``cursor`` for the next."""
+
+    items: list[ProfileSummary]
+    next_cursor: str | None = None
+
+
+class StoredObservation(Observation):
+    """An observation as stored: the sent fields plus where and when it was recorded."""
+
+    id: int
+    profile_id: int
+    created_at: datetime
+    uploader: str | None = None
+
+
+class ObservationPage(_Out):
+    """The observations of one profile, oldest first."""
+
+    items: list[StoredObservation]
+
+
+class StoredProfile(_Out):
+    """GET /profiles/{id}: the profile as uploaded, plus the store's bookkeeping."""
+
+    id: int
+    content_hash: str
+    uploaded_at: datetime
+    uploader: str | None = None
+    observation_count: int
+    profile: Profile
+
+
+class Health(_Out):
+    """The process answers."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(_Out):
+    """The database answers and its schema is at the migration head."""
+
+    status: Literal["ready"] = "ready"
+    database: str
+    revision: str | None = None
+
+
+def content_hash(profile: Profile) -> str:
+    """sha256 of the canonical JSON of a profile: equal bodies give equal hashes.
+
+    ``created_at`` counts only when the client sent it: the model fills a missing one with the
+    current time, which would make the same body hash differently on every upload.
+    """
+    exclude = None if "created_at" in profile.model_fields_set else {"created_at"}
+    data = profile.model_dump(mode="json", exclude=exclude)
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
