@@ -683,4 +683,3 @@ class Accumulator:
                 self.observe(observation)
             except Exception:  # telemetry must not stop a training run that just recovered
                 log.warning("observe() failed for an OOM observation", exc_info=True)
-
