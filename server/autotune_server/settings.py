@@ -43,7 +43,8 @@ class Settings(BaseSettings):
     sqlite_busy_timeout_seconds: float = Field(default=30.0, ge=0)
     db_pool_size: int = Field(default=10, ge=1)
     db_max_overflow: int = Field(default=20, ge=0)
-    page_size_max: int = Field(default=500, ge=1)
+    # uvicorn's per-request log line; off for load tests, on by default for operators.
+    access_log: bool = True
 
     _split_api = field_validator("api_tokens", "read_tokens", mode="before")(_split_tokens)
 

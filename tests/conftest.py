@@ -1,0 +1,158 @@
+"""Fixtures shared by every test folder: databases (a SQLite file and PostgreSQL), migrated or empty.
+
+PostgreSQL comes from ``AUTOTUNE_TEST_POSTGRES_URL`` (default: postgres@127.0.0.1:5432/test). Each
+test session works in schemas of its own (``at_<random>``, dropped at the end), selected through
+the connection's search_path, so that several developers and CI jobs can share one database.
+When PostgreSQL is unreachable its tests are skipped with the reason -- except under ``CI=true``,
+where they fail: CI must not pass by skipping the database it is meant to test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+# Starlette 1.x warns at import that its TestClient will move to httpx2: a note about Starlette's
+# roadmap, not about our code, and pytest runs with warnings as errors. Importing it once here, with
+# that one warning silenced, keeps it from firing in any conftest or test module that imports it.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
+    try:
+        import starlette.testclient  # noqa: F401
+    except ImportError:  # the server extra is not installed: its tests skip themselves
+        pass
+
+DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+BACKENDS = ("sqlite", "postgresql")
+
+
+def postgres_base_url() -> str:
+    """The PostgreSQL URL the tests use (without a schema)."""
+    return os.environ.get("AUTOTUNE_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
+
+
+def _with_search_path(url: str, schema: str) -> str:
+    separator = "&" if "?" in url else "?"
+    return f"{url}{separator}options={quote(f'-csearch_path={schema}')}"
+
+
+class PostgresSchemas:
+    """Creates throw-away schemas in the test database and drops them at the end of the session."""
+
+    def __init__(self, base_url: str) -> None:
+        from sqlalchemy import create_engine
+
+        self.base_url = base_url
+        self.engine = create_engine(base_url, isolation_level="AUTOCOMMIT", pool_size=2)
+        self.created: list[str] = []
+
+    def new(self) -> str:
+        """A new empty schema; returns the URL whose connections use it."""
+        from sqlalchemy import text
+
+        schema = f"at_{uuid.uuid4().hex[:16]}"
+        with self.engine.connect() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        self.created.append(schema)
+        return _with_search_path(self.base_url, schema)
+
+    def drop(self, url: str) -> None:
+        """Drop the schema behind a URL handed out by ``new``."""
+        from sqlalchemy import text
+
+        schema = url.rsplit("search_path%3D", 1)[-1]
+        with self.engine.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        if schema in self.created:
+            self.created.remove(schema)
+
+    def close(self) -> None:
+        """Drop every schema still there and release the connections."""
+        from sqlalchemy import text
+
+        with self.engine.connect() as conn:
+            for schema in self.created:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        self.engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_schemas() -> Iterator[PostgresSchemas]:
+    """Schemas in the test PostgreSQL; skips (fails under CI=true) when it is unreachable."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    url = postgres_base_url()
+    try:
+        schemas = PostgresSchemas(url)
+        with schemas.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except OperationalError as exc:
+        reason = f"PostgreSQL not reachable at {url}: {type(exc).__name__}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{reason} (CI=true: PostgreSQL tests must run)", pytrace=False)
+        pytest.skip(reason)
+    yield schemas
+    schemas.close()
+
+
+@pytest.fixture(scope="session")
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Migrating once and copying the file is ~100x faster than migrating for every test.
+    from autotune_server.migrate import upgrade_head
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    upgrade_head(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def _postgres_migrated(postgres_schemas: PostgresSchemas) -> str:
+    from autotune_server.migrate import upgrade_head
+
+    url = postgres_schemas.new()
+    upgrade_head(url)
+    return url
+
+
+def _truncate_postgres(url: str) -> None:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE observations, trials, profiles RESTART IDENTITY CASCADE"))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty database for this test: a fresh SQLite file, or PostgreSQL truncated."""
+    if request.param == "sqlite":
+        path = tmp_path / "autotune.db"
+        shutil.copyfile(request.getfixturevalue("_sqlite_template"), path)
+        return f"sqlite:///{path}"
+    url: str = request.getfixturevalue("_postgres_migrated")
+    _truncate_postgres(url)
+    return url
+
+
+@pytest.fixture(params=BACKENDS)
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database (no tables at all): a new SQLite file, or a new PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    schemas: PostgresSchemas = request.getfixturevalue("postgres_schemas")
+    url = schemas.new()
+    yield url
+    schemas.drop(url)
