@@ -1,0 +1,78 @@
+"""Alembic is the schema of record: an upgraded empty database matches the models exactly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.pool import NullPool
+
+from autotune_server.migrate import head_revision, upgrade_head
+from autotune_server.models import Base
+
+
+def _diff(url: str) -> list[object]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(conn, opts={"compare_type": True})
+            return list(compare_metadata(context, Base.metadata))
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_of_an_empty_database_matches_the_models(empty_database_url: str) -> None:
+    assert _diff(empty_database_url) != []  # the comparison does see a difference when there is one
+    upgrade_head(empty_database_url)
+    assert _diff(empty_database_url) == []
+    engine = create_engine(empty_database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == head_revision()
+            indexes = {ix["name"] for ix in inspect(conn).get_indexes("profiles")}
+            uniques = {uq["name"] for uq in inspect(conn).get_unique_constraints("profiles")}
+    finally:
+        engine.dispose()
+    assert {"ix_profiles_fingerprint_device_created", "ix_profiles_task", "ix_profiles_precision"} <= indexes
+    assert "uq_profiles_content_hash" in uniques
+
+
+def test_upgrade_twice_is_a_no_op(empty_database_url: str) -> None:
+    upgrade_head(empty_database_url)
+    upgrade_head(empty_database_url)
+    assert _diff(empty_database_url) == []
+
+
+def test_downgrade_to_base_and_back(empty_database_url: str) -> None:
+    from alembic import command
+
+    from autotune_server.migrate import alembic_config
+
+    upgrade_head(empty_database_url)
+    command.downgrade(alembic_config(empty_database_url), "base")
+    engine = create_engine(empty_database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            assert "profiles" not in inspect(conn).get_table_names()
+    finally:
+        engine.dispose()
+    upgrade_head(empty_database_url)
+    assert _diff(empty_database_url) == []
+
+
+def test_migrations_are_found_from_any_working_directory(tmp_path: Path) -> None:
+    # The service runs from wherever it is started (or from an installed wheel), not the repository root.
+    db = tmp_path / "nested" / "dir" / "store.db"
+    code = f"from autotune_server.migrate import upgrade_head; upgrade_head({f'sqlite:///{db}'!r})"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert db.exists()
+    assert _diff(f"sqlite:///{db}") == []
