@@ -13,7 +13,7 @@ and the probe, only when it runs.
 from autotune.schemas import Observation, Profile, Suggestion
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
-from autotune_client._suggest import parse_bytes, suggest
+from autotune_client._suggest import job_fingerprint, parse_bytes, suggest
 from autotune_client.errors import (
     APIConnectionError,
     APIStatusError,
@@ -50,6 +50,7 @@ __all__ = [
     "TunerClient",
     "TunerUnavailableWarning",
     "UnprocessableEntityError",
+    "job_fingerprint",
     "parse_bytes",
     "suggest",
 ]

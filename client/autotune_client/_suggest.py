@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from autotune.task import LossFn, OptimizerFactory
 
-__all__ = ["parse_bytes", "suggest"]
+__all__ = ["job_fingerprint", "parse_bytes", "suggest"]
 
 _UNITS = {
     "": 1,
@@ -76,6 +76,28 @@ def parse_bytes(value: int | str) -> int:
     if number <= 0:
         raise AutotuneClientError(f"budget must be positive, got {value!r}")
     return number
+
+
+def job_fingerprint(
+    model: nn.Module,
+    *,
+    example: Any,
+    optimizer: OptimizerFactory | None = None,
+    precision: str | None = None,
+    tags: Mapping[str, TagValue] | None = None,
+) -> str:
+    """The fingerprint :func:`suggest` asks the server for, without asking it.
+
+    For launch scripts that query with ``autotune suggest --fingerprint``; the arguments mean what
+    they mean for :func:`suggest`. Equal to ``autotune probe``'s fingerprint of a task with the same
+    model, ``batch``, optimizer, precision and tags.
+    """
+    from autotune.fingerprint import fingerprint_model
+
+    _, one_sample = _batch_factory(example)
+    return fingerprint_model(
+        _unwrap(model), one_sample, optimizer=optimizer, precision=precision or "fp32", tags=dict(tags or {})
+    )
 
 
 def suggest(
