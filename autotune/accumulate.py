@@ -129,7 +129,6 @@ class Group:
     global_samples: int
     partial: bool
     _acc: Accumulator = field(repr=False)
-    _counts: list[int] = field(default_factory=list, repr=False)
     _sizes: list[int] = field(default_factory=list, repr=False)
 
     def __len__(self) -> int:
@@ -427,7 +426,6 @@ class Accumulator:
             global_samples=global_samples,
             partial=partial,
             _acc=self,
-            _counts=counts,
             _sizes=sizes,
         )
         if self._first_micro_batch is None:
@@ -459,7 +457,7 @@ class Accumulator:
                 "BatchNorm normalizes each micro-batch with its own statistics, so accumulation does "
                 "not reproduce the large batch (consider GroupNorm/LayerNorm or SyncBatchNorm)",
                 SmallBatchNormWarning,
-                stacklevel=3,
+                stacklevel=4,  # the user's loop, through groups() or the group's iteration
             )
 
     def _begin_position(self, group: Group, position: int) -> None:
