@@ -316,7 +316,9 @@ def _batch_factory(example: Any) -> tuple[Callable[[int], Any], Any]:
             "callable, because the input shape decides memory as much as the model does"
         )
     if callable(example) and not isinstance(example, torch.Tensor):
-        one = example(1)
+        # The sample may be random; drawing it must not shift the job's seeded stream.
+        with torch.random.fork_rng(devices=[]):
+            one = example(1)
         if not _has_tensor(one):
             raise AutotuneClientError("example(1) returned no tensor: batch(m) must return tensors")
         return example, one
