@@ -1,4 +1,5 @@
-"""Test data for the client tests: profiles, suggestions, error bodies and mock servers."""
+"""Test data for the client tests: suggestions, error bodies, mock transports (profiles come from
+tests/factories.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 import httpx
 from autotune_client import TunerClient
 
-from autotune.schemas import Device, Fit, Plan, Profile, Suggestion, Trial
+from autotune.schemas import Profile, Suggestion
+from tests.factories import make_profile as shared_make_profile
 
 BASE_URL = "http://tuner.test"
 FINGERPRINT = "ab" * 32
@@ -17,31 +19,17 @@ FINGERPRINT = "ab" * 32
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-def make_profile(
-    *, fingerprint: str = FINGERPRINT, device_name: str = "cpu", max_micro_batch: int = 32
-) -> Profile:
-    """A small, valid profile as the probe would produce it."""
-    return Profile(
+def make_profile(*, fingerprint: str = FINGERPRINT, max_micro_batch: int = 32) -> Profile:
+    """A valid CPU profile (the shared factory, with this folder's fingerprint and device)."""
+    return shared_make_profile(
         fingerprint=fingerprint,
-        task="tiny",
-        device=Device(kind="cpu", name=device_name),
+        device_kind="cpu",
+        device_name="cpu",
+        precision="fp32",
         budget_bytes=64 << 20,
+        fixed_bytes=1 << 20,
+        bytes_per_sample=1 << 20,
         max_micro_batch=max_micro_batch,
-        trials=[
-            Trial(micro_batch=1, peak_bytes=1_000_000, fits=True),
-            Trial(micro_batch=max_micro_batch, peak_bytes=40_000_000, fits=True),
-            Trial(micro_batch=max_micro_batch + 1, peak_bytes=70_000_000, fits=False),
-        ],
-        fit=Fit(fixed_bytes=1_000_000, bytes_per_sample=1_200_000),
-        plan=Plan(
-            micro_batch=max_micro_batch,
-            accumulation_steps=2,
-            world_size=1,
-            effective_batch=2 * max_micro_batch,
-            target_batch=2 * max_micro_batch,
-            exact=True,
-            max_micro_batch=max_micro_batch,
-        ),
     )
 
 

@@ -1,0 +1,169 @@
+"""The CLI functions autotune.cli wires: output, exit codes, one-line errors, against the real app."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from autotune_client import AuthenticationError, PermissionDeniedError
+from autotune_client.cli import (
+    EXIT_ERROR,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    format_suggestion,
+    profiles_command,
+    suggest_command,
+    upload_profile,
+)
+
+from autotune.schemas import Suggestion
+from tests.client._factories import FINGERPRINT, make_profile, make_suggestion
+from tests.client.conftest import IN_PROCESS_URL, WRITE_TOKEN
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AUTOTUNE_URL", raising=False)
+    monkeypatch.delenv("AUTOTUNE_TOKEN", raising=False)
+
+
+def run_suggest(**overrides: Any) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    args: dict[str, Any] = {
+        "server": IN_PROCESS_URL,
+        "fingerprint": FINGERPRINT,
+        "target_batch": 64,
+        "world_size": 2,
+        "device_name": "cpu",
+        "budget_bytes": None,
+        "headroom": None,
+        "as_json": False,
+    }
+    args.update(overrides)
+    code = suggest_command(**args, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_profiles(
+    action: str, profile_id: int | None = None, *, as_json: bool = False, **filters: Any
+) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = profiles_command(
+        server=IN_PROCESS_URL,
+        action=action,
+        profile_id=profile_id,
+        as_json=as_json,
+        filters=filters,
+        out=out,
+        err=err,
+    )
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_suggest_before_and_after_an_upload(in_process_server: Callable[..., Any]) -> None:
+    code, out, err = run_suggest()
+    assert code == EXIT_NOT_FOUND
+    assert out == ""
+    assert err.startswith("autotune: error: GET /api/v1/suggest: 404 ") and err.count("\n") == 1
+
+    profile_id = upload_profile(make_profile(max_micro_batch=20), server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    code, out, err = run_suggest(as_json=True)
+    assert (code, err) == (EXIT_OK, "")
+    got = Suggestion.model_validate_json(out)
+    assert (got.source, got.profile_id, got.max_micro_batch) == ("measured", profile_id, 20)
+    assert got.micro_batch * got.accumulation_steps * 2 == got.effective_batch == 64
+
+    code, out, _ = run_suggest()
+    assert code == EXIT_OK
+    assert out.startswith(
+        f"micro_batch={got.micro_batch} accumulation_steps={got.accumulation_steps} world_size=2"
+    )
+    assert f"profile {profile_id}" in out
+
+
+def test_suggest_with_no_server_anywhere_is_a_one_line_error() -> None:
+    code, out, err = run_suggest(server=None)
+    assert code == EXIT_ERROR and out == ""
+    assert "AUTOTUNE_URL" in err and err.count("\n") == 1
+
+
+def test_suggest_against_a_dead_server_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, _, err = run_suggest(server=f"http://127.0.0.1:{port}")
+    assert code == EXIT_ERROR
+    assert "cannot reach the tuner" in err
+
+
+def test_upload_is_idempotent_and_needs_a_good_token(in_process_server: Callable[..., Any]) -> None:
+    profile = make_profile()
+    with pytest.raises(AuthenticationError) as info:
+        upload_profile(profile, server=IN_PROCESS_URL, token=None)
+    assert "\n" not in str(info.value)
+    with pytest.raises(PermissionDeniedError):
+        upload_profile(profile, server=IN_PROCESS_URL, token="wrong")
+    first = upload_profile(profile, server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    again = upload_profile(profile, server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    assert first == again
+    other = upload_profile(make_profile(max_micro_batch=9), server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    assert other != first
+
+
+def test_profiles_ls_show_rm(in_process_server: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    small = upload_profile(make_profile(max_micro_batch=9), server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    large = upload_profile(make_profile(max_micro_batch=30), server=IN_PROCESS_URL, token=WRITE_TOKEN)
+
+    code, out, _ = run_profiles("ls", as_json=True)
+    assert code == EXIT_OK
+    assert sorted(row["id"] for row in json.loads(out)) == sorted([small, large])
+
+    code, out, _ = run_profiles("ls")
+    lines = out.splitlines()
+    assert code == EXIT_OK and lines[0].split()[:2] == ["id", "fingerprint"] and len(lines) == 3
+
+    code, out, _ = run_profiles("ls", as_json=True, fingerprint="f" * 64)
+    assert (code, json.loads(out)) == (EXIT_OK, [])
+
+    code, out, _ = run_profiles("show", large)
+    assert code == EXIT_OK
+    assert f"profile {large}:" in out and "max micro-batch  30" in out
+
+    code, out, _ = run_profiles("show", large, as_json=True)
+    assert json.loads(out)["profile"]["max_micro_batch"] == 30
+
+    code, _, err = run_profiles("rm", large)
+    assert code == EXIT_ERROR and "401" in err  # deleting needs the write token
+    monkeypatch.setenv("AUTOTUNE_TOKEN", WRITE_TOKEN)
+    code, out, _ = run_profiles("rm", large)
+    assert (code, out.strip()) == (EXIT_OK, f"deleted profile {large}")
+    code, _, err = run_profiles("show", large)
+    assert code == EXIT_NOT_FOUND and "404" in err
+
+
+@pytest.mark.parametrize(
+    ("action", "profile_id", "match"), [("show", None, "needs a profile id"), ("cp", 1, "unknown")]
+)
+def test_profiles_bad_usage(action: str, profile_id: int | None, match: str) -> None:
+    code, _, err = run_profiles(action, profile_id)
+    assert code == EXIT_ERROR and match in err
+
+
+def test_format_suggestion_says_when_the_target_is_missed() -> None:
+    s = make_suggestion(
+        micro_batch=7,
+        accumulation_steps=3,
+        world_size=2,
+        effective_batch=42,
+        target_batch=40,
+        exact=False,
+        warnings=["nearest plan"],
+    )
+    text = format_suggestion(s)
+    assert "target 40, +2" in text
+    assert text.splitlines()[1] == "warning: nearest plan"
