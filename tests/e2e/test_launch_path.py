@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,3 +165,56 @@ def test_the_sentinel_would_catch_a_measurement(live_server: LiveServer) -> None
     assert done.returncode != 0
     assert '"trials_attempted": 1' in done.stderr
     assert "a measurement was started" in done.stderr
+
+
+DOC_SECTION = "## Use it from a training script"
+
+
+def documented_script(path: Path) -> str | None:
+    """The first python block under the section heading, or None when the file has no such section."""
+    text = path.read_text()
+    if DOC_SECTION not in text:
+        return None
+    rest = text.split(DOC_SECTION, 1)[1]
+    match = re.search(r"```python\n(.*?)```", rest, re.DOTALL)
+    assert match, f"{path.name}: no python block under {DOC_SECTION!r}"
+    return match.group(1)
+
+
+def test_the_documented_training_script_runs_as_written(live_server: LiveServer, tmp_path: Path) -> None:
+    import sys
+
+    example = (REPO / "examples" / "train_with_suggest.py").read_text()
+    blocks = {"docs/client.md": documented_script(REPO / "docs" / "client.md")}
+    if (REPO / "README.md").exists():
+        blocks["README.md"] = documented_script(REPO / "README.md")
+    assert blocks["docs/client.md"] is not None
+    for where, block in blocks.items():
+        if block is not None:
+            assert block == example, f"the script in {where} differs from examples/train_with_suggest.py"
+
+    script = tmp_path / "train.py"  # run from elsewhere, as a user's own script
+    script.write_text(blocks["docs/client.md"] or "")
+    outputs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env=live_server.env(),
+            capture_output=True,
+            text=True,
+            timeout=PROCESS_TIMEOUT_SECONDS,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout)
+    first = re.search(r"plan: (\d+) x (\d+) x 1 = 256 \((\w+), profile (\d+)\)", outputs[0])
+    second = re.search(r"plan: (\d+) x (\d+) x 1 = 256 \((\w+), profile (\d+)\)", outputs[1])
+    assert first and second, outputs
+    assert first.group(3) == "probed" and second.group(3) == "measured"  # stored by the first run
+    assert first.group(4) == second.group(4)
+    assert first.groups()[:2] == second.groups()[:2]
+    losses = [float(x) for x in re.findall(r"epoch \d+: loss ([0-9.]+)", outputs[1])]
+    assert len(losses) == 3 and losses[-1] < losses[0] / 2  # it trains
+    updates = re.search(r"updates=(\d+)", outputs[1])
+    assert updates and int(updates.group(1)) == 3 * 4096 // 256  # one update per 256 samples

@@ -1,0 +1,55 @@
+"""Train with the plan the tuner suggests (the README's "Use it from a training script").
+
+Run it with AUTOTUNE_URL (and AUTOTUNE_TOKEN, to upload what it measures) pointing at `autotune serve`;
+without them it measures locally and says so.
+"""
+
+import torch
+from autotune_client import suggest
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from autotune.accumulate import Accumulator
+
+TARGET_BATCH = 256  # samples per optimizer update, as the recipe says
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def make_optimizer(params):
+    return torch.optim.AdamW(params, lr=3e-3)
+
+
+torch.manual_seed(0)
+model = Net()
+inputs = torch.randn(4096, 128)
+dataset = TensorDataset(inputs, inputs[:, :8] * 2.0 - inputs[:, 8:16])  # a learnable target
+
+# Before the DataLoader: the largest micro-batch that fits and the accumulation steps that keep
+# TARGET_BATCH. The budget is only needed on a CPU; on a GPU the card's memory is the budget.
+plan = suggest(model, TARGET_BATCH, example=dataset[:1], optimizer=make_optimizer, budget="1.5MiB")
+print(f"plan: {plan.micro_batch} x {plan.accumulation_steps} x {plan.world_size} = {plan.effective_batch} "
+      f"({plan.source}, profile {plan.profile_id})")
+
+loader = DataLoader(dataset, batch_size=plan.micro_batch, shuffle=True)
+optimizer = make_optimizer(model.parameters())
+acc = Accumulator(model, optimizer, accumulation_steps=plan.accumulation_steps, max_grad_norm=1.0)
+
+for epoch in range(3):
+    total = 0.0
+    for group in acc.groups(loader):
+        for x, y in group:
+            with acc.micro_step():
+                loss_sum = nn.functional.mse_loss(model(x), y, reduction="sum")
+                acc.backward(loss_sum)  # divided by the samples of the whole group
+            total += loss_sum.item()
+        acc.step()
+    print(f"epoch {epoch}: loss {total / len(dataset):.4f}")
+print(acc.counters)
