@@ -1,8 +1,8 @@
 """Profiles for tests of every package: valid by construction, unique on demand.
 
-    from tests.factories import make_profile, profile_payload
-    profile = make_profile(device_name="NVIDIA H100 80GB HBM3", max_micro_batch=24)
-    body = profile_payload(seed=3)            # JSON-ready dict, distinct content per seed
+from tests.factories import make_profile, profile_payload
+profile = make_profile(device_name="NVIDIA H100 80GB HBM3", max_micro_batch=24)
+body = profile_payload(seed=3)            # JSON-ready dict, distinct content per seed
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def make_profile(
     ``seed`` changes the content (and so the content hash) without changing any lookup key, and
     moves ``created_at`` by seed seconds so that "newest" is well defined.
     """
+
     def peak(m: int) -> int:
         return int(fixed_bytes + bytes_per_sample * m) + seed
 

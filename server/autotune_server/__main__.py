@@ -1,7 +1,7 @@
 """``python -m autotune_server upgrade|serve``: the service without the probe's CLI (used by the image).
 
-    python -m autotune_server upgrade [--database-url URL]
-    python -m autotune_server serve [--host 127.0.0.1] [--port 8000] [--workers 1] [--database-url URL]
+python -m autotune_server upgrade [--database-url URL]
+python -m autotune_server serve [--host 127.0.0.1] [--port 8000] [--workers 1] [--database-url URL]
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autotune_server", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("upgrade", help="upgrade the database to the newest migration")
-    up.add_argument("--database-url", default=None, help="default: $AUTOTUNE_DATABASE_URL or ./var/autotune.db")
+    up.add_argument(
+        "--database-url", default=None, help="default: $AUTOTUNE_DATABASE_URL or ./var/autotune.db"
+    )
     run = commands.add_parser("serve", help="upgrade, then serve the API with uvicorn")
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8000)

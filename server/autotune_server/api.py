@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from fastapi import APIRouter, Body, Path, Query, Request, Response, status
+from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from autotune.schemas import Observation, Profile, Suggestion
 from autotune_server import repository
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
 from autotune_server.errors import ErrorBody
+from autotune_server.storable import check_storable
 from autotune_server.suggest import suggest as compute_suggestion
 from autotune_server.wire import ObservationPage, ProfilePage, ProfileRef, StoredObservation, StoredProfile
 
@@ -40,6 +43,30 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
 
+
+async def _raw_body(request: Request) -> bytes:
+    # Already read and cached by FastAPI for the typed parameter; this only hands the bytes over.
+    return await request.body()
+
+
+RawBody = Annotated[bytes, Depends(_raw_body)]
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _strict(model: type[M], raw: bytes) -> M:
+    """Validate a body again in strict mode: lax mode would take ``true`` for an integer field.
+
+    The typed parameter already validated it (and documents it in OpenAPI); this second pass makes
+    the server as strict as the JSON schema it publishes.
+    """
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_context=False)]
+        raise RequestValidationError(errors) from None
+
 ProfileId = Annotated[int, Path(ge=1, le=MAX_ID, description="The id POST /profiles answered with")]
 
 
@@ -58,12 +85,15 @@ ProfileId = Annotated[int, Path(ge=1, le=MAX_ID, description="The id POST /profi
 )
 def upload_profile(
     profile: Annotated[Profile, Body()],
+    raw: RawBody,
     uploader: WriteAccess,
     session: SessionDep,
     request: Request,
     response: Response,
 ) -> ProfileRef:
     """Store a profile (idempotent: the same body twice is one row, 201 then 200)."""
+    profile = _strict(Profile, raw)
+    check_storable(profile)
     row, created = repository.add_profile(session, profile, uploader=uploader)
     url = str(request.url_for("get_profile", profile_id=row.id).path)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
@@ -124,10 +154,13 @@ def delete_profile(profile_id: ProfileId, _uploader: WriteAccess, session: Sessi
 def add_observation(
     profile_id: ProfileId,
     observation: Annotated[Observation, Body()],
+    raw: RawBody,
     uploader: WriteAccess,
     session: SessionDep,
 ) -> StoredObservation:
     """Record what a training job really saw (its peak, or an OOM) against a profile."""
+    observation = _strict(Observation, raw)
+    check_storable(observation)
     row = repository.add_observation(session, profile_id, observation, uploader=uploader)
     return to_stored_observation(row)
 

@@ -69,11 +69,16 @@ def require_write(
     return name
 
 
-def require_read(
-    settings: SettingsDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> str | None:
+def _bearer_token(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def require_read(settings: SettingsDep, request: Request) -> str | None:
     """The reader's name, or None where reads are open (the default).
+
+    Reads read the header themselves instead of declaring HTTPBearer: that would mark the token as
+    required in the OpenAPI schema, which is false on a server with open reads.
 
     Raises:
         AuthenticationRequired: reads need a token here and none was sent (401).
@@ -81,9 +86,10 @@ def require_read(
     """
     if not settings.read_token_required:
         return None
-    if credentials is None or not credentials.credentials:
+    token = _bearer_token(request)
+    if token is None:
         raise AuthenticationRequired("this server requires a token for reads: 'Authorization: Bearer TOKEN'")
-    name = _match(credentials.credentials, settings.read_token_names())
+    name = _match(token, settings.read_token_names())
     if name is None:
         raise PermissionDenied("the bearer token is not a token of this server")
     return name

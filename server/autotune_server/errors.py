@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "NoProfileForSuggestion",
     "PermissionDenied",
     "ProfileNotFound",
+    "UnstorableValue",
     "error_response",
     "install_error_handlers",
 ]
@@ -104,6 +106,13 @@ class BudgetTooSmall(DomainError):
 
     status_code = 422
     code = "budget_too_small"
+
+
+class UnstorableValue(DomainError):
+    """A value pydantic accepts but the database cannot keep (NUL in text, NaN, a too-wide integer)."""
+
+    status_code = 422
+    code = "validation_error"
 
 
 class InvalidCursor(DomainError):
@@ -199,11 +208,24 @@ def _domain_handler(_request: Request, exc: Exception) -> JSONResponse:
 
 def _http_handler(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400:
+        # FastAPI's body reader says 400 for bytes that are not even text (invalid UTF-8), and 422
+        # for text that is not JSON; to a client both are "the body is not valid JSON".
+        return error_response(422, "validation_error", "body: not valid JSON", field="body")
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
     headers = dict(exc.headers) if exc.headers else None
     field = "body" if exc.status_code == 413 else None
     return error_response(exc.status_code, code, message, field=field, headers=headers)
+
+
+def _data_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    # The safety net behind storable.py: the database refused a value (e.g. a NUL in a query string on
+    # PostgreSQL). That is the client's input, so a 422 -- without the SQL or the value in the message.
+    log.info("database refused a value on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+    return error_response(
+        422, "unstorable_value", "a value cannot be stored or compared: out of range or containing NUL"
+    )
 
 
 def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -217,4 +239,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(DomainError, _domain_handler)
     app.add_exception_handler(StarletteHTTPException, _http_handler)
+    app.add_exception_handler(DataError, _data_error_handler)
     app.add_exception_handler(Exception, _unexpected_handler)

@@ -62,7 +62,7 @@ def _profile_row(profile: Profile, digest: str, uploader: str | None) -> Profile
         device=profile.device.model_dump(mode="json"),
         devices=[d.model_dump(mode="json") for d in profile.devices],
         precision=profile.precision,
-        tags=dict(profile.tags),
+        tags=profile.model_dump(mode="json", include={"tags"})["tags"],
         budget_bytes=profile.budget_bytes,
         headroom=profile.headroom,
         max_micro_batch=profile.max_micro_batch,

@@ -27,6 +27,7 @@ def _upload_all(clients: list[TestClient], bodies: list[dict[str, object]]) -> l
     # threads can let the warning escape (an error under pytest). Warm each app up first, one by one.
     for client in clients:
         assert client.get("/api/v1/profiles").status_code == 200
+
     def one(i: int) -> tuple[int, int]:
         response = clients[i % len(clients)].post("/api/v1/profiles", json=bodies[i], headers=WRITE)
         return response.status_code, int(response.json().get("id", -1))
@@ -36,9 +37,8 @@ def _upload_all(clients: list[TestClient], bodies: list[dict[str, object]]) -> l
 
 
 def _row_count(client: TestClient) -> int:
-    from sqlalchemy import func, select
-
     from autotune_server.models import ProfileRow, TrialRow
+    from sqlalchemy import func, select
 
     with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
         profiles = int(session.scalar(select(func.count()).select_from(ProfileRow)) or 0)

@@ -6,10 +6,10 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from fastapi.testclient import TestClient
-
 from autotune_server import Settings, create_app
 from autotune_server.migrate import head_revision
+from fastapi.testclient import TestClient
+
 from tests.factories import profile_payload
 from tests.server.conftest import WRITE
 
@@ -63,7 +63,10 @@ def test_metrics_count_requests_latency_and_profiles(client: TestClient) -> None
     route = "/api/v1/profiles/{profile_id}"
     assert _sample(text, "autotune_http_requests_total", method="GET", route=route, status="200") == 1
     assert _sample(text, "autotune_http_requests_total", method="GET", route=route, status="404") == 1
-    assert _sample(text, "autotune_http_requests_total", method="POST", route="/api/v1/profiles", status="201") == 2
+    assert (
+        _sample(text, "autotune_http_requests_total", method="POST", route="/api/v1/profiles", status="201")
+        == 2
+    )
     count = _sample(text, "autotune_http_request_duration_seconds_count", method="GET", route=route)
     inf = _sample(text, "autotune_http_request_duration_seconds_bucket", method="GET", route=route, le="+Inf")
     assert count == inf == 2
@@ -78,7 +81,9 @@ def test_unmatched_paths_share_one_label(client: TestClient) -> None:
     assert "/random/" not in text
 
 
-def test_unexpected_error_is_a_bare_500_without_trace(make_client: Callable[..., TestClient], settings: Settings) -> None:
+def test_unexpected_error_is_a_bare_500_without_trace(
+    make_client: Callable[..., TestClient], settings: Settings
+) -> None:
     from fastapi import APIRouter
 
     boom = APIRouter()
@@ -93,7 +98,12 @@ def test_unexpected_error_is_a_bare_500_without_trace(make_client: Callable[...,
         response = client.get("/boom")
     assert response.status_code == 500
     assert response.json() == {
-        "error": {"code": "internal_error", "message": "internal server error", "field": None, "details": None}
+        "error": {
+            "code": "internal_error",
+            "message": "internal server error",
+            "field": None,
+            "details": None,
+        }
     }
     assert "secret" not in response.text
     assert "Traceback" not in response.text

@@ -35,7 +35,11 @@ SCRIPT = textwrap.dedent(
         up = client.post("/api/v1/profiles", json=body, headers={"Authorization": "Bearer t"})
         suggest = client.get(
             "/api/v1/suggest",
-            params={"fingerprint": body["fingerprint"], "device_name": body["device"]["name"], "target_batch": 64},
+            params={
+                "fingerprint": body["fingerprint"],
+                "device_name": body["device"]["name"],
+                "target_batch": 64,
+            },
         )
     loaded = sorted(m for m in sys.modules if m == "autotune" or m.startswith("autotune."))
     print(json.dumps({

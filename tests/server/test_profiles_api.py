@@ -102,9 +102,8 @@ def test_delete_removes_profile_trials_and_observations(client: TestClient) -> N
 
 
 def test_delete_leaves_no_trial_rows(client: TestClient) -> None:
-    from sqlalchemy import func, select
-
     from autotune_server.models import ObservationRow, TrialRow
+    from sqlalchemy import func, select
 
     profile_id = _upload(client, profile_payload())
     client.post(f"{PROFILES}/{profile_id}/observations", json={"micro_batch": 2}, headers=WRITE)
@@ -173,6 +172,9 @@ def test_garbage_cursor_is_422_naming_cursor(client: TestClient) -> None:
         (lambda b: b["trials"][0].update(peak_bytes=2**61), "trials.0.peak_bytes"),
         (lambda b: b.update(fingerprint="NOT HEX"), "fingerprint"),
         (lambda b: b.pop("trials"), "trials"),
+        # Lax pydantic would read true as 1; the server is as strict as the schema it publishes.
+        (lambda b: b["trials"][1].update(allocated_bytes=True), "trials.1.allocated_bytes"),
+        (lambda b: b.update(max_micro_batch="24"), "max_micro_batch"),
     ],
 )
 def test_bad_profile_is_422_naming_the_field(
@@ -268,3 +270,38 @@ def test_path_id_out_of_range_is_422_not_a_database_error(client: TestClient) ->
     response = client.get(f"{PROFILES}/{2**63}")
     assert response.status_code == 422
     assert response.json()["error"]["field"] == "profile_id"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda b: b.update(task="gpt\x00"), "task"),
+        (lambda b: b.update(oom_count=2**31), "oom_count"),
+        (lambda b: b.update(tags={"lr": float("nan")}), "tags.lr"),
+        (lambda b: b.update(tags={"big": 2**70}), "tags.big"),
+    ],
+)
+def test_values_the_database_cannot_keep_are_422_naming_the_field(
+    client: TestClient, mutate: Callable[[dict[str, object]], None], field: str
+) -> None:
+    # Valid for pydantic, but NUL is refused by PostgreSQL text, NaN is not JSON, and the integers
+    # are wider than their columns: each must be the client's 422, never the server's 500.
+    import json
+
+    body = profile_payload()
+    mutate(body)
+    response = client.post(
+        PROFILES,
+        content=json.dumps(body, allow_nan=True),
+        headers={**WRITE, "Content-Type": "application/json"},
+    )
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == field
+    assert client.get(PROFILES).json()["items"] == []
+
+
+def test_nul_in_a_query_is_refused_without_a_500(client: TestClient) -> None:
+    response = client.get(PROFILES, params={"device_name": "a\x00b"})
+    assert response.status_code in (200, 422)  # SQLite compares it; PostgreSQL refuses it as a 422
+    if response.status_code == 422:
+        assert response.json()["error"]["code"] == "unstorable_value"

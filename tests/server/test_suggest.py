@@ -112,7 +112,12 @@ def test_target_smaller_than_world_size_is_422_with_the_plan_message(client: Tes
     _upload(client)
     response = client.get(
         SUGGEST,
-        params={"fingerprint": FINGERPRINT, "device_name": DEFAULT_DEVICE, "target_batch": 2, "world_size": 8},
+        params={
+            "fingerprint": FINGERPRINT,
+            "device_name": DEFAULT_DEVICE,
+            "target_batch": 2,
+            "world_size": 8,
+        },
     )
     assert response.status_code == 422
     error = response.json()["error"]
@@ -184,7 +189,10 @@ def test_observations_are_stored_and_listed(client: TestClient) -> None:
     assert first.json()["uploader"] == "ci"
     client.post(url, json={"micro_batch": 30, "oom": True}, headers=WRITE)
     items = client.get(url).json()["items"]
-    assert [(o["micro_batch"], o["oom"], o["peak_bytes"]) for o in items] == [(8, False, 12345), (30, True, None)]
+    assert [(o["micro_batch"], o["oom"], o["peak_bytes"]) for o in items] == [
+        (8, False, 12345),
+        (30, True, None),
+    ]
     assert client.get(f"/api/v1/profiles/{profile_id}").json()["observation_count"] == 2
 
 
