@@ -407,3 +407,17 @@ def test_delete_of_an_unknown_profile_is_not_found() -> None:
     handler, _ = sequence(json_response(404, error_body("profile_not_found", "no profile 99")))
     with mock_client(handler) as client, pytest.raises(NotFoundError, match="no profile 99"):
         client.delete(99)
+
+
+def test_healthy_is_one_attempt_and_never_raises() -> None:
+    handler, seen = sequence(httpx.Response(200, json={"status": "ok"}))
+    with mock_client(handler) as client:
+        assert client.healthy() is True
+    assert seen[0].url.path == "/healthz"
+    handler, seen = sequence(httpx.ConnectError("refused"))
+    with mock_client(handler) as client:
+        assert client.healthy() is False
+    assert len(seen) == 1
+    handler, _ = sequence(httpx.Response(503))
+    with mock_client(handler) as client:
+        assert client.healthy() is False
