@@ -374,13 +374,19 @@ def _cpu_copy(model: nn.Module) -> nn.Module:
     a GPU-resident model is never duplicated on the GPU; shared (tied) weights stay shared, and
     ``requires_grad`` is kept because frozen layers change memory.
     """
+    import torch
     from torch import nn
 
     memo: dict[int, Any] = {}
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if id(tensor) in memo:
             continue
-        data = tensor.detach().to("cpu", copy=True)
+        if tensor.is_meta:
+            # A model built on the meta device (deferred init) has shapes but no values, and only
+            # shapes decide memory: zeros stand in for the weights it does not have yet.
+            data = torch.zeros_like(tensor, device="cpu")
+        else:
+            data = tensor.detach().to("cpu", copy=True)
         if isinstance(tensor, nn.Parameter):
             memo[id(tensor)] = nn.Parameter(data, requires_grad=tensor.requires_grad)
         else:

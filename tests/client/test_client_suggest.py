@@ -406,3 +406,15 @@ def test_suggest_leaves_the_callers_model_bit_identical(loaded_model: Tied) -> N
     assert torch.equal(torch.get_rng_state(), rng_before)  # the job's random stream did not move
     # The probe measured a model with the same fingerprint as the caller's.
     assert got.fingerprint == job_fingerprint(loaded_model, example=example)
+
+
+def test_a_model_on_the_meta_device_is_probed_on_a_cpu_stand_in(fake_probe: FakeProbe) -> None:
+    with torch.device("meta"):
+        model = tiny_model()
+    with pytest.warns(TunerUnavailableWarning):
+        got = suggest(model, 40, example=tiny_batch, budget="8MiB")
+    ((task, _),) = fake_probe.calls
+    built = task.model()
+    assert all(p.device.type == "cpu" for p in built.parameters())
+    assert all(p.is_meta for p in model.parameters())  # the caller's model is still on meta
+    assert got.fingerprint == job_fingerprint(tiny_model(), example=tiny_batch)
