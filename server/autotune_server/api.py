@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from sqlalchemy import Engine
+from starlette.concurrency import run_in_threadpool
 
 from autotune.schemas import Observation, Profile, Suggestion
 from autotune_server import repository
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
 from autotune_server.errors import ErrorBody
+from autotune_server.repository import Lookup, lookup
 from autotune_server.storable import check_storable
-from autotune_server.suggest import suggest as compute_suggestion
+from autotune_server.suggest import LookupCache
+from autotune_server.suggest import compute as compute_suggestion
 from autotune_server.wire import ObservationPage, ProfilePage, ProfileRef, StoredObservation, StoredProfile
 
 __all__ = ["API_PREFIX", "MAX_PAGE_SIZE", "router"]
@@ -67,6 +72,7 @@ def _strict(model: type[M], raw: bytes) -> M:
         errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_context=False)]
         raise RequestValidationError(errors) from None
 
+
 ProfileId = Annotated[int, Path(ge=1, le=MAX_ID, description="The id POST /profiles answered with")]
 
 
@@ -95,6 +101,7 @@ def upload_profile(
     profile = _strict(Profile, raw)
     check_storable(profile)
     row, created = repository.add_profile(session, profile, uploader=uploader)
+    request.app.state.suggest_cache.clear()
     url = str(request.url_for("get_profile", profile_id=row.id).path)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     response.headers["Location"] = url
@@ -139,9 +146,12 @@ def get_profile(profile_id: ProfileId, session: SessionDep, _reader: ReadAccess)
     response_class=Response,
     responses=_errors(401, 403, 404, 422),
 )
-def delete_profile(profile_id: ProfileId, _uploader: WriteAccess, session: SessionDep) -> Response:
+def delete_profile(
+    profile_id: ProfileId, _uploader: WriteAccess, session: SessionDep, request: Request
+) -> Response:
     """Delete a profile with its trials and observations."""
     repository.delete_profile(session, profile_id)
+    request.app.state.suggest_cache.clear()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -157,11 +167,13 @@ def add_observation(
     raw: RawBody,
     uploader: WriteAccess,
     session: SessionDep,
+    request: Request,
 ) -> StoredObservation:
     """Record what a training job really saw (its peak, or an OOM) against a profile."""
     observation = _strict(Observation, raw)
     check_storable(observation)
     row = repository.add_observation(session, profile_id, observation, uploader=uploader)
+    request.app.state.suggest_cache.clear()
     return to_stored_observation(row)
 
 
@@ -177,8 +189,7 @@ def list_observations(profile_id: ProfileId, session: SessionDep, _reader: ReadA
 
 
 @router.get("/suggest", response_model=Suggestion, responses=_errors(401, 403, 404, 422))
-def suggest(
-    session: SessionDep,
+async def suggest(
     _reader: ReadAccess,
     request: Request,
     fingerprint: Annotated[str, Query(pattern=FINGERPRINT_PATTERN)],
@@ -187,15 +198,50 @@ def suggest(
     world_size: Annotated[int, Query(ge=1, le=MAX_WORLD_SIZE)] = 1,
     budget_bytes: Annotated[int | None, Query(gt=0, le=2**60)] = None,
     headroom: Annotated[float | None, Query(ge=0, lt=1)] = None,
-) -> Suggestion:
+) -> Response:
     """The plan for a job: measured on this device model, else predicted from another's fit, else 404."""
-    return compute_suggestion(
-        session,
-        fingerprint=fingerprint,
-        device_name=device_name,
-        target_batch=target_batch,
-        world_size=world_size,
-        budget_bytes=budget_bytes,
-        headroom=headroom,
-        server_url=str(request.base_url).rstrip("/"),
-    )
+    # The hot path of a sweep's start: async, one thread-pool hop for the database (none on a cache
+    # hit), and the Suggestion serialized once here instead of re-validated by the response model.
+    state = request.app.state
+    cache = state.suggest_cache
+    answer_key = (fingerprint, device_name, target_batch, world_size, budget_bytes, headroom)
+    body = cache.get_answer(answer_key)
+    if body is None:
+        key = (fingerprint, device_name)
+        found = cache.get(key)
+        if found is None:
+            found = await _single_flight(cache, key, state.engine)
+        suggestion = compute_suggestion(
+            found,
+            fingerprint=fingerprint,
+            device_name=device_name,
+            target_batch=target_batch,
+            world_size=world_size,
+            budget_bytes=budget_bytes,
+            headroom=headroom,
+            server_url=lambda: str(request.base_url).rstrip("/"),
+        )
+        body = suggestion.model_dump_json().encode()
+        cache.put_answer(answer_key, body)
+    return Response(body, media_type="application/json")
+
+
+async def _single_flight(cache: LookupCache, key: tuple[str, str], engine: Engine) -> Lookup:
+    # When the cached lookup expires under load, every waiting request would query at once; the
+    # first one queries and the others await its result (all on this one event loop).
+    pending = cache.inflight.get(key)
+    if pending is None:
+        pending = asyncio.ensure_future(run_in_threadpool(_lookup, engine, *key))
+        cache.inflight[key] = pending
+        try:
+            found: Lookup = await pending
+        finally:
+            cache.inflight.pop(key, None)
+        cache.put(key, found)
+        return found
+    return await asyncio.shield(pending)
+
+
+def _lookup(engine: Engine, fingerprint: str, device_name: str) -> Lookup:
+    with engine.connect() as conn:
+        return lookup(conn, fingerprint, device_name)

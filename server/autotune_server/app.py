@@ -29,6 +29,7 @@ from autotune_server.metrics import MetricsMiddleware, Registry
 from autotune_server.middleware import BodyLimitMiddleware
 from autotune_server.migrate import head_revision
 from autotune_server.settings import Settings
+from autotune_server.suggest import LookupCache
 
 __all__ = ["PAGES_MODULE", "create_app"]
 
@@ -85,6 +86,7 @@ def create_app(settings: Settings | None = None, *, routers: Sequence[APIRouter]
     )
     app.state.settings = settings
     app.state.metrics = Registry()
+    app.state.suggest_cache = LookupCache(settings.suggest_cache_seconds)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(api.router)

@@ -19,7 +19,9 @@ __all__ = ["ReadAccess", "SessionDep", "SettingsDep", "WriteAccess", "get_sessio
 _bearer = HTTPBearer(auto_error=False, description="A write token from AUTOTUNE_API_TOKENS")
 
 
-def get_settings(request: Request) -> Settings:
+# The auth and settings dependencies are async on purpose: they do no I/O, and a sync dependency
+# costs a hop through the thread pool on every request.
+async def get_settings(request: Request) -> Settings:
     """The settings the app was created with."""
     settings: Settings = request.app.state.settings
     return settings
@@ -46,7 +48,7 @@ def _match(token: str, named: dict[str, str]) -> str | None:
     return found
 
 
-def require_write(
+async def require_write(
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> str:
@@ -74,7 +76,7 @@ def _bearer_token(request: Request) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-def require_read(settings: SettingsDep, request: Request) -> str | None:
+async def require_read(settings: SettingsDep, request: Request) -> str | None:
     """The reader's name, or None where reads are open (the default).
 
     Reads read the header themselves instead of declaring HTTPBearer: that would mark the token as

@@ -11,16 +11,18 @@ import binascii
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import Connection, and_, delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from autotune.schemas import Observation, Profile
+from autotune.schemas import Fit, Observation, Profile
 from autotune_server.errors import InvalidCursor, ProfileNotFound
 from autotune_server.models import ObservationRow, ProfileRow, TrialRow, utcnow
 from autotune_server.wire import content_hash
 
 __all__ = [
+    "Candidate",
+    "Lookup",
     "ProfileFilters",
     "add_observation",
     "add_profile",
@@ -31,10 +33,9 @@ __all__ = [
     "get_profile",
     "list_observations",
     "list_profiles",
+    "lookup",
     "newest_profile",
-    "newest_profiles_elsewhere",
     "observation_count",
-    "smallest_oom_micro_batch",
     "to_utc",
 ]
 
@@ -235,27 +236,6 @@ def newest_profile(session: Session, fingerprint: str, device_name: str) -> Prof
     return session.scalars(query).first()
 
 
-def newest_profiles_elsewhere(
-    session: Session, fingerprint: str, device_name: str, *, limit: int = 50
-) -> list[ProfileRow]:
-    """Profiles of the fingerprint measured on other device models, newest first."""
-    query = (
-        select(ProfileRow)
-        .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name != device_name)
-        .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
-        .limit(limit)
-    )
-    return list(session.scalars(query))
-
-
-def smallest_oom_micro_batch(session: Session, profile_id: int) -> int | None:
-    """The smallest micro-batch at which a job reported an OOM against this profile, if any."""
-    query = select(func.min(ObservationRow.micro_batch)).where(
-        ObservationRow.profile_id == profile_id, ObservationRow.oom.is_(True)
-    )
-    return session.scalar(query)
-
-
 def add_observation(
     session: Session, profile_id: int, observation: Observation, *, uploader: str | None
 ) -> ObservationRow:
@@ -306,3 +286,98 @@ def observation_count(session: Session, profile_id: int) -> int:
 def count_profiles(session: Session) -> int:
     """How many profiles are stored (for /metrics)."""
     return int(session.scalar(select(func.count()).select_from(ProfileRow)) or 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The columns of a profile that a suggestion needs."""
+
+    id: int
+    fingerprint: str
+    device_name: str
+    budget_bytes: int
+    headroom: float
+    max_micro_batch: int
+    micro_batch_cap: int
+    multiple_of: int
+    fit: Fit | None
+    # (micro_batch, peak_bytes, fits, oom) of every trial; empty for profiles of other devices.
+    trials: tuple[tuple[int, int, bool, bool], ...] = ()
+    oom_at: int | None = None
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the database says about a (fingerprint, device): the measured profile or the others."""
+
+    measured: Candidate | None
+    elsewhere: tuple[Candidate, ...]
+
+
+_COLUMNS = (
+    ProfileRow.id,
+    ProfileRow.fingerprint,
+    ProfileRow.device_name,
+    ProfileRow.budget_bytes,
+    ProfileRow.headroom,
+    ProfileRow.max_micro_batch,
+    ProfileRow.micro_batch_cap,
+    ProfileRow.multiple_of,
+    ProfileRow.fit_fixed_bytes,
+    ProfileRow.fit_bytes_per_sample,
+)
+
+
+def _candidate(row: tuple[object, ...], **extra: object) -> Candidate:
+    (pid, fingerprint, device, budget, headroom, m_max, cap, multiple, fixed, per_sample) = row[:10]
+    fit = (
+        Fit(fixed_bytes=float(fixed), bytes_per_sample=float(per_sample))  # type: ignore[arg-type]
+        if fixed is not None and per_sample is not None
+        else None
+    )
+    return Candidate(
+        id=int(pid),  # type: ignore[call-overload]
+        fingerprint=str(fingerprint),
+        device_name=str(device),
+        budget_bytes=int(budget),  # type: ignore[call-overload]
+        headroom=float(headroom),  # type: ignore[arg-type]
+        max_micro_batch=int(m_max),  # type: ignore[call-overload]
+        micro_batch_cap=int(cap),  # type: ignore[call-overload]
+        multiple_of=int(multiple),  # type: ignore[call-overload]
+        fit=fit,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def lookup(conn: Connection, fingerprint: str, device_name: str, *, elsewhere_limit: int = 50) -> Lookup:
+    """Read the newest profile of a fingerprint on a device, or else its profiles on other devices."""
+    oom_at = (
+        select(func.min(ObservationRow.micro_batch))
+        .where(and_(ObservationRow.profile_id == ProfileRow.id, ObservationRow.oom.is_(True)))
+        .scalar_subquery()
+    )
+    newest = conn.execute(
+        select(*_COLUMNS, oom_at)
+        .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name == device_name)
+        .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
+        .limit(1)
+    ).first()
+    if newest is not None:
+        trials = conn.execute(
+            select(TrialRow.micro_batch, TrialRow.peak_bytes, TrialRow.fits, TrialRow.oom)
+            .where(TrialRow.profile_id == newest[0])
+            .order_by(TrialRow.position)
+        ).all()
+        measured = _candidate(
+            tuple(newest),
+            trials=tuple((int(m), int(p), bool(f), bool(o)) for m, p, f, o in trials),
+            oom_at=newest[10],
+        )
+        return Lookup(measured=measured, elsewhere=())
+    others = conn.execute(
+        select(*_COLUMNS)
+        .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name != device_name)
+        .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
+        .limit(elsewhere_limit)
+    ).all()
+    return Lookup(measured=None, elsewhere=tuple(_candidate(tuple(r)) for r in others))

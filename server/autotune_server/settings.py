@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     sqlite_busy_timeout_seconds: float = Field(default=30.0, ge=0)
     db_pool_size: int = Field(default=10, ge=1)
     db_max_overflow: int = Field(default=20, ge=0)
+    # /suggest caches its database lookup per (fingerprint, device) this long; a write in this
+    # process clears it at once, other workers' writes show within this time. 0 turns it off.
+    suggest_cache_seconds: float = Field(default=1.0, ge=0)
     # uvicorn's per-request log line; off for load tests, on by default for operators.
     access_log: bool = True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from fastapi.testclient import TestClient
 
@@ -207,3 +208,26 @@ def test_observation_needs_a_write_token_an_existing_profile_and_valid_fields(cl
     assert bad.status_code == 422
     assert bad.json()["error"]["field"] == "micro_batch"
     assert client.get(url).json()["items"] == []
+
+
+def test_writes_in_this_process_are_seen_by_the_next_suggest_at_once(client: TestClient) -> None:
+    # /suggest caches lookups for a second; an upload or delete here must not wait for that.
+    first = _upload(client, seed=1, max_micro_batch=16)
+    assert _suggest(client, target_batch=64).profile_id == first
+    newer = _upload(client, seed=9, max_micro_batch=32)
+    assert _suggest(client, target_batch=64).profile_id == newer
+    assert client.delete(f"/api/v1/profiles/{newer}", headers=WRITE).status_code == 204
+    assert _suggest(client, target_batch=64).profile_id == first
+    assert client.delete(f"/api/v1/profiles/{first}", headers=WRITE).status_code == 204
+    params = {"fingerprint": FINGERPRINT, "device_name": DEFAULT_DEVICE, "target_batch": 64}
+    assert client.get(SUGGEST, params=params).status_code == 404
+
+
+def test_another_process_write_is_seen_within_the_cache_ttl(make_client: Callable[..., TestClient]) -> None:
+    # Two apps on one database stand for two worker processes; with the cache off, at once.
+    reader = make_client(suggest_cache_seconds=0)
+    writer = make_client()
+    params = {"fingerprint": FINGERPRINT, "device_name": DEFAULT_DEVICE, "target_batch": 64}
+    assert reader.get(SUGGEST, params=params).status_code == 404
+    _upload(writer)
+    assert reader.get(SUGGEST, params=params).status_code == 200
