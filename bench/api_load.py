@@ -174,7 +174,10 @@ def bench_backend(backend: str, args: argparse.Namespace) -> tuple[Phase, Phase]
         )
         with urllib.request.urlopen(upload, timeout=10) as response:
             assert response.status in (200, 201), response.status
-        suggest_path = f"/api/v1/suggest?fingerprint={FINGERPRINT}&device_name={quote(DEVICE)}&target_batch=1024&world_size=8"
+        suggest_path = (
+            f"/api/v1/suggest?fingerprint={FINGERPRINT}&device_name={quote(DEVICE)}"
+            "&target_batch=1024&world_size=8"
+        )
         with urllib.request.urlopen(base + suggest_path, timeout=10) as response:
             body = json.loads(response.read())
             assert body["source"] == "measured", body

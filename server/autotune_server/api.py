@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
@@ -22,7 +24,7 @@ from autotune_server.suggest import LookupCache
 from autotune_server.suggest import compute as compute_suggestion
 from autotune_server.wire import ObservationPage, ProfilePage, ProfileRef, StoredObservation, StoredProfile
 
-__all__ = ["API_PREFIX", "MAX_PAGE_SIZE", "router"]
+__all__ = ["API_PREFIX", "MAX_PAGE_SIZE", "router", "use_docstring_summaries"]
 
 API_PREFIX = "/api/v1"
 MAX_PAGE_SIZE = 500
@@ -245,3 +247,14 @@ async def _single_flight(cache: LookupCache, key: tuple[str, str], engine: Engin
 def _lookup(engine: Engine, fingerprint: str, device_name: str) -> Lookup:
     with engine.connect() as conn:
         return lookup(conn, fingerprint, device_name)
+
+
+def use_docstring_summaries(target: APIRouter) -> None:
+    """Make each route's one-line docstring its OpenAPI summary (FastAPI would title-case the name)."""
+    for route in target.routes:
+        if isinstance(route, APIRoute) and not route.summary:
+            doc = inspect.getdoc(route.endpoint) or ""
+            route.summary = doc.split("\n", 1)[0] or None
+
+
+use_docstring_summaries(router)

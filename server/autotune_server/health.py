@@ -8,6 +8,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from autotune_server import repository
+from autotune_server.api import use_docstring_summaries
 from autotune_server.errors import ErrorBody, error_response
 from autotune_server.wire import Health, Readiness
 
@@ -69,3 +70,6 @@ def metrics(request: Request) -> PlainTextResponse:
         gauges["autotune_database_up"] = ("Whether the last scrape reached the database.", 0)
     body = request.app.state.metrics.render(gauges)
     return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+use_docstring_summaries(router)
