@@ -40,9 +40,7 @@ def _modules(model: nn.Module) -> list[list[str]]:
 
 
 def _tensors(model: nn.Module) -> dict[str, list[list[Any]]]:
-    params = [
-        [name, list(p.shape), str(p.dtype), bool(p.requires_grad)] for name, p in model.named_parameters()
-    ]
+    params = [[name, list(p.shape), str(p.dtype), bool(p.requires_grad)] for name, p in model.named_parameters()]
     buffers = [[name, list(b.shape), str(b.dtype)] for name, b in model.named_buffers()]
     return {"parameters": params, "buffers": buffers}
 
@@ -138,7 +136,4 @@ def _build_for_fingerprint(task: ProbeTask) -> nn.Module:
 def task_fingerprint(task: ProbeTask) -> str:
     """The fingerprint of a ProbeTask: its model, batch(1), optimizer, precision and tags."""
     model = _build_for_fingerprint(task)
-    return fingerprint_model(
-        model, task.batch(1), optimizer=task.optimizer, precision=task.precision, tags=task.tags
-    )
-
+    return fingerprint_model(model, task.batch(1), optimizer=task.optimizer, precision=task.precision, tags=task.tags)

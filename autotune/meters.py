@@ -351,9 +351,7 @@ class CudaMeter(Meter):
         if budget_bytes <= 0:
             raise BudgetError(f"budget must be positive, got {budget_bytes} bytes")
         if budget_bytes > self.total_bytes:
-            raise BudgetError(
-                f"budget {budget_bytes} bytes is more than cuda:{index} has ({self.total_bytes} bytes)"
-            )
+            raise BudgetError(f"budget {budget_bytes} bytes is more than cuda:{index} has ({self.total_bytes} bytes)")
         self.budget_bytes = int(budget_bytes)
         # The allocator's share leaves room for what lives outside it (context, workspaces).
         allocator_bytes = max(0, self.budget_bytes - self._outside_bytes())
@@ -477,4 +475,3 @@ def describe_device(spec: str) -> Device:
         torch_version=torch.__version__,
         compute_capability=f"{props.major}.{props.minor}",
     )
-

@@ -50,7 +50,5 @@ def probe_all_devices(task: ProbeTask, config: Any) -> Profile:
     profiles = [Profile.model_validate_json(text) for _, text, _ in sorted(results) if text]
     tightest = min(profiles, key=lambda p: p.max_micro_batch)
     devices = [p.device for p in profiles]
-    the_plan = (
-        plan(tightest.max_micro_batch, config.target_batch, config.world_size) if config.target_batch else None
-    )
+    the_plan = plan(tightest.max_micro_batch, config.target_batch, config.world_size) if config.target_batch else None
     return tightest.model_copy(update={"devices": devices, "plan": the_plan})

@@ -139,7 +139,8 @@ def micro_batch_for_limit(fit: Fit, limit_bytes: float, cap: int | None = None) 
     if fit.bytes_per_sample <= 0:
         fits_at_all = fit.fixed_bytes <= limit_bytes
         return (cap if cap is not None else 2**24) if fits_at_all else 0
-    micro = math.floor((limit_bytes - fit.fixed_bytes) / fit.bytes_per_sample)
+    # The epsilon absorbs least-squares rounding: a fit through exact points must land exactly.
+    micro = math.floor((limit_bytes - fit.fixed_bytes) / fit.bytes_per_sample + 1e-9)
     micro = max(0, micro)
     if cap is not None:
         micro = min(micro, cap)

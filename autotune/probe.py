@@ -1,7 +1,7 @@
 """Orchestration: device -> search -> plan -> Profile (the datasheet of one job setup).
 
-    profile = probe(load_task("examples/gpt.py:task"), ProbeConfig(device="cpu", budget_bytes=32 << 20))
-    profile.max_micro_batch, profile.plan
+profile = probe(load_task("examples/gpt.py:task"), ProbeConfig(device="cpu", budget_bytes=32 << 20))
+profile.max_micro_batch, profile.plan
 """
 
 from __future__ import annotations
@@ -56,9 +56,7 @@ class ProbeConfig:
             if value < 1:
                 raise AutotuneError(f"{name.replace('_', '-')} must be a positive integer, got {value}")
         if self.multiple_of > self.max_micro_batch:
-            raise AutotuneError(
-                f"multiple-of {self.multiple_of} is larger than max-micro-batch {self.max_micro_batch}"
-            )
+            raise AutotuneError(f"multiple-of {self.multiple_of} is larger than max-micro-batch {self.max_micro_batch}")
         if self.target_batch is not None:
             if self.target_batch < 1:
                 raise AutotuneError(f"target-batch must be a positive integer, got {self.target_batch}")
@@ -217,4 +215,3 @@ def probe(
         return probe_with_meter(task, meter, config, on_trial=on_trial)
     finally:
         meter.close()
-

@@ -51,8 +51,6 @@ def datasheet(profile: Profile) -> str:
             f"  fit              {format_bytes(profile.fit.fixed_bytes)} + "
             f"{format_bytes(profile.fit.bytes_per_sample)} per sample"
         )
-    lines.append(
-        f"  trials           {profile.trial_count} ({profile.oom_count} OOM) in {profile.seconds:.2f}s"
-    )
+    lines.append(f"  trials           {profile.trial_count} ({profile.oom_count} OOM) in {profile.seconds:.2f}s")
     lines.extend(f"  warning          {warning}" for warning in profile.warnings)
     return "\n".join(lines)

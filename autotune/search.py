@@ -23,7 +23,14 @@ from autotune.errors import AutotuneError
 from autotune.plan import fit_affine, micro_batch_for_limit
 from autotune.schemas import Fit, Trial
 
-__all__ = ["APPROACH_FRACTION", "FAR_EXTRAPOLATION", "MAX_PREDICTED_TRIALS", "NoFitError", "SearchResult", "find_max_micro_batch"]
+__all__ = [
+    "APPROACH_FRACTION",
+    "FAR_EXTRAPOLATION",
+    "MAX_PREDICTED_TRIALS",
+    "NoFitError",
+    "SearchResult",
+    "find_max_micro_batch",
+]
 
 # Trials guided by the fit before the search stops trusting it and bisects.
 MAX_PREDICTED_TRIALS = 4

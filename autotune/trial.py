@@ -159,6 +159,8 @@ def run_trial(
         else:
             first_line = (str(exc).strip().splitlines() or [""])[0]
             failure = f"trial at micro-batch {micro_batch} failed: {type(exc).__name__}: {first_line}"
+            if micro_batch == 1:
+                failure += " (a model that cannot train on one sample, BatchNorm1d say, needs --multiple-of 2)"
     # Out of the except block the traceback, and with it every frame of _cycle, is gone.
     seconds = time.perf_counter() - started
     reading = meter.reading()
@@ -180,6 +182,7 @@ def run_trial(
 def measure_weights(task: ProbeTask, meter: Meter) -> int | None:
     """Bytes of weights + gradients + optimizer state alone (no activations), or None if even that
     cannot be measured on this device. Used to explain a budget where m=1 does not fit."""
+
     def static() -> None:
         model = build_model(task, meter)
         optimizer = task.make_optimizer(model.parameters())

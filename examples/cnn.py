@@ -19,7 +19,9 @@ def conv_block(c_in: int, c_out: int) -> nn.Sequential:
 class CNN(nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
-        self.features = nn.Sequential(conv_block(3, width), conv_block(width, 2 * width), conv_block(2 * width, 4 * width))
+        self.features = nn.Sequential(
+            conv_block(3, width), conv_block(width, 2 * width), conv_block(2 * width, 4 * width)
+        )
         self.head = nn.Linear(4 * width * 4 * 4, NUM_CLASSES)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

@@ -91,9 +91,7 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     """Summed token loss and the number of supervised tokens (labels != -100)."""
     logits = model(batch["input_ids"])
     labels = batch["labels"]
-    total = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return total, int((labels != IGNORE_INDEX).sum())
 
 

@@ -5,11 +5,11 @@ without them it measures locally and says so.
 """
 
 import torch
-from autotune_client import suggest
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from autotune.accumulate import Accumulator
+from autotune_client import suggest
 
 TARGET_BATCH = 256  # samples per optimizer update, as the recipe says
 
