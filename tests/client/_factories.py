@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from autotune_client import TunerClient
 
 from autotune.schemas import Profile, Suggestion
+from autotune_client import TunerClient
 from tests.factories import make_profile as shared_make_profile
 
 BASE_URL = "http://tuner.test"

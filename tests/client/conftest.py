@@ -21,10 +21,11 @@ def in_process_server(
 ) -> Iterator[Callable[..., Any]]:
     """Routes every TunerClient the CLI functions build to a real app; yields a TunerClient factory."""
     pytest.importorskip("fastapi", reason="the server extra is not installed")
+    from fastapi.testclient import TestClient
+
     import autotune_client.cli
     from autotune_client import TunerClient
     from autotune_server import Settings, create_app
-    from fastapi.testclient import TestClient
 
     path = tmp_path / "store.db"
     shutil.copyfile(_sqlite_template, path)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from autotune.schemas import Suggestion
 from autotune_client import AuthenticationError, PermissionDeniedError
 from autotune_client.cli import (
     EXIT_ERROR,
@@ -18,8 +20,6 @@ from autotune_client.cli import (
     suggest_command,
     upload_profile,
 )
-
-from autotune.schemas import Suggestion
 from tests.client._factories import FINGERPRINT, make_profile, make_suggestion
 from tests.client.conftest import IN_PROCESS_URL, WRITE_TOKEN
 

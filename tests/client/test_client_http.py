@@ -6,6 +6,9 @@ import json
 
 import httpx
 import pytest
+
+from autotune.errors import AutotuneError
+from autotune.schemas import Observation
 from autotune_client import (
     APIConnectionError,
     APIStatusError,
@@ -26,9 +29,6 @@ from autotune_client._constants import (
     MAX_RETRY_DELAY_SECONDS,
     RETRY_JITTER_FRACTION,
 )
-
-from autotune.errors import AutotuneError
-from autotune.schemas import Observation
 from tests.client._factories import (
     BASE_URL,
     FINGERPRINT,

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import autotune_client
 import autotune_client._client
 import autotune_client._constants
@@ -14,8 +16,6 @@ import autotune_client._models
 import autotune_client._suggest
 import autotune_client.cli
 import autotune_client.errors
-import pytest
-
 from autotune.errors import AutotuneError
 
 REPO = Path(__file__).resolve().parents[2]

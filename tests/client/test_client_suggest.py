@@ -15,6 +15,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from torch import nn
+
+import autotune.probe
+import autotune.trial
+from autotune.fingerprint import task_fingerprint
+from autotune.probe import ProbeConfig
+from autotune.schemas import Profile
+from autotune.task import ProbeTask
 from autotune_client import (
     APIConnectionError,
     APITimeoutError,
@@ -27,14 +35,6 @@ from autotune_client import (
     parse_bytes,
     suggest,
 )
-from torch import nn
-
-import autotune.probe
-import autotune.trial
-from autotune.fingerprint import task_fingerprint
-from autotune.probe import ProbeConfig
-from autotune.schemas import Profile
-from autotune.task import ProbeTask
 from examples import mlp
 from tests.client._factories import (
     error_body,

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from autotune_client import APIConnectionError, APITimeoutError, TunerClient
 
 TIMEOUT_SECONDS = 0.6

@@ -20,11 +20,11 @@ import warnings
 from typing import Any, NoReturn
 
 import torch
-from autotune_client import TunerUnavailableWarning, suggest
 from torch import nn
 
 import autotune.probe
 import autotune.trial
+from autotune_client import TunerUnavailableWarning, suggest
 from examples import mlp
 
 WIDE_IN, WIDE_CLASSES = 96, 10

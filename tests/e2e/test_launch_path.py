@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from autotune_client import TunerClient
 
 from autotune.schemas import Profile, Suggestion
+from autotune_client import TunerClient
 from tests.e2e.conftest import REPO, LiveServer, autotune_command
 
 JOB = str(REPO / "tests" / "e2e" / "_launch_job.py")

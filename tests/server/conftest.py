@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from autotune_server import Settings, create_app
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+
+from autotune_server import Settings, create_app
 
 WRITE_TOKEN = "write-token-for-tests"
 OTHER_WRITE_TOKEN = "second-write-token"

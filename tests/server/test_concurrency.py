@@ -37,8 +37,9 @@ def _upload_all(clients: list[TestClient], bodies: list[dict[str, object]]) -> l
 
 
 def _row_count(client: TestClient) -> int:
-    from autotune_server.models import ProfileRow, TrialRow
     from sqlalchemy import func, select
+
+    from autotune_server.models import ProfileRow, TrialRow
 
     with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
         profiles = int(session.scalar(select(func.count()).select_from(ProfileRow)) or 0)

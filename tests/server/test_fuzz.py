@@ -10,7 +10,6 @@ schemathesis' pytest plugin, so that the database fixture (both backends) works 
 from __future__ import annotations
 
 import schemathesis
-from autotune_server import Settings, create_app
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
@@ -24,6 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from autotune_server import Settings, create_app
 from tests.factories import profile_payload
 from tests.server.conftest import WRITE, WRITE_TOKEN
 

@@ -6,10 +6,10 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from autotune_server import Settings, create_app
-from autotune_server.migrate import head_revision
 from fastapi.testclient import TestClient
 
+from autotune_server import Settings, create_app
+from autotune_server.migrate import head_revision
 from tests.factories import profile_payload
 from tests.server.conftest import WRITE
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from autotune_server.migrate import head_revision, upgrade_head
-from autotune_server.models import Base
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.pool import NullPool
+
+from autotune_server.migrate import head_revision, upgrade_head
+from autotune_server.models import Base
 
 
 def _diff(url: str) -> list[object]:
@@ -49,6 +50,7 @@ def test_upgrade_twice_is_a_no_op(empty_database_url: str) -> None:
 
 def test_downgrade_to_base_and_back(empty_database_url: str) -> None:
     from alembic import command
+
     from autotune_server.migrate import alembic_config
 
     upgrade_head(empty_database_url)

@@ -7,8 +7,9 @@ import inspect
 import pkgutil
 from pathlib import Path
 
-import autotune_server
 import pytest
+
+import autotune_server
 from autotune_server import Settings
 from autotune_server.db import make_engine
 

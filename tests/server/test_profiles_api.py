@@ -102,8 +102,9 @@ def test_delete_removes_profile_trials_and_observations(client: TestClient) -> N
 
 
 def test_delete_leaves_no_trial_rows(client: TestClient) -> None:
-    from autotune_server.models import ObservationRow, TrialRow
     from sqlalchemy import func, select
+
+    from autotune_server.models import ObservationRow, TrialRow
 
     profile_id = _upload(client, profile_payload())
     client.post(f"{PROFILES}/{profile_id}/observations", json={"micro_batch": 2}, headers=WRITE)
