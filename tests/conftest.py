@@ -12,22 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-
-# Starlette 1.x warns at import that its TestClient will move to httpx2: a note about Starlette's
-# roadmap, not about our code, and pytest runs with warnings as errors. Importing it once here, with
-# that one warning silenced, keeps it from firing in any conftest or test module that imports it.
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
-    try:
-        import starlette.testclient  # noqa: F401
-    except ImportError:  # the server extra is not installed: its tests skip themselves
-        pass
 
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BACKENDS = ("sqlite", "postgresql")

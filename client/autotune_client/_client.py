@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
-import httpx
+import httpx2 as httpx
 
 from autotune.schemas import Observation, Profile, Suggestion
 from autotune_client._constants import (

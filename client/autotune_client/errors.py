@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
+import httpx2 as httpx
 
 from autotune.errors import AutotuneError
 

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+import httpx2 as httpx
 
 from autotune.schemas import Profile, Suggestion
 from autotune_client import TunerClient

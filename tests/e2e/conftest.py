@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import httpx2 as httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]

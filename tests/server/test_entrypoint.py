@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import httpx2 as httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
