@@ -326,7 +326,7 @@ def _memory_figure(profile: Profile, observations: list[ObservationRow]) -> dict
         traces.append(_points("trials-over", "trials over the limit", [t.micro_batch for t in over],
                               [t.peak_bytes for t in over], unit, budget,
                               {"symbol": "circle-open", "size": 10, "color": "#d97706", "line": {"width": 2}},
-                              "over budget x (1 - headroom)"))
+                              "over budget × (1 − headroom)"))
     if ooms:
         traces.append(_points("trials-oom", "OOM", [t.micro_batch for t in ooms],
                               [t.peak_bytes or budget for t in ooms], unit, budget,
@@ -334,12 +334,12 @@ def _memory_figure(profile: Profile, observations: list[ObservationRow]) -> dict
     if profile.fit is not None:
         fit = profile.fit
         xs = sorted({1, chosen, x_end, *(t.micro_batch for t in profile.trials)})
-        traces.append(_line("fit", "fit: fixed + per sample x m", xs,
+        traces.append(_line("fit", "fit: fixed + per sample × m", xs,
                             [fit.fixed_bytes + fit.bytes_per_sample * x for x in xs], unit,
                             {"color": "#6b7280", "dash": "dot", "width": 2}, "fitted"))
     traces.append(_line("budget", "budget", [0, x_end], [budget, budget], unit,
                         {"color": "#c0262d", "width": 2}, "budget"))
-    traces.append(_line("limit", "budget x (1 - headroom)", [0, x_end], [limit, limit], unit,
+    traces.append(_line("limit", "budget × (1 − headroom)", [0, x_end], [limit, limit], unit,
                         {"color": "#d97706", "dash": "dash", "width": 2}, "limit"))
     traces.append(_line("chosen", f"chosen m = {chosen}", [chosen, chosen], [0, top * 1.05], unit,
                         {"color": "#15803d", "dash": "dashdot", "width": 2}, f"chosen m = {chosen}"))
@@ -402,7 +402,7 @@ def _time_figure(profile: Profile) -> dict[str, Any] | None:
         "xaxis": {"title": {"text": "micro-batch m (samples)"}, "rangemode": "tozero"},
         "yaxis": {"title": {"text": f"s per micro-batch (trial s / {TRIAL_MICRO_BATCHES})"}, "rangemode": "tozero"},
         "yaxis2": {
-            "title": {"text": f"samples/s ({TRIAL_MICRO_BATCHES} x m / trial s)"},
+            "title": {"text": f"samples/s ({TRIAL_MICRO_BATCHES} × m / trial s)"},
             "overlaying": "y",
             "side": "right",
             "rangemode": "tozero",
