@@ -1,0 +1,119 @@
+"""`autotune probe` as users run it: JSON on stdout, human text on stderr, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+BAD_TASKS = """
+import torch
+from autotune.task import ProbeTask
+
+no_tensors = ProbeTask(name="no-tensors", model=lambda: torch.nn.Linear(4, 2), batch=lambda m: {"x": [1, 2]})
+vector_loss = ProbeTask(
+    name="vector-loss", model=lambda: torch.nn.Linear(4, 2), batch=lambda m: torch.zeros(m, 4),
+    loss=lambda model, batch: model(batch).sum(dim=1),
+)
+"""
+
+
+def autotune(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autotune.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_probe_json_contract(tmp_path: Path) -> None:
+    out_file = tmp_path / "nested" / "profile.json"
+    done = autotune(
+        "probe",
+        "examples/mlp.py:task",
+        "--device",
+        "cpu",
+        "--budget",
+        "2MiB",
+        "--target-batch",
+        "100",
+        "--json",
+        "--output",
+        str(out_file),
+    )
+    assert done.returncode == 0, done.stderr
+    profile = json.loads(done.stdout)  # stdout is the profile and nothing else
+    assert json.loads(out_file.read_text()) == profile
+    for key in (
+        "fingerprint",
+        "task",
+        "device",
+        "budget_bytes",
+        "headroom",
+        "max_micro_batch",
+        "plan",
+        "trials",
+        "fit",
+    ):
+        assert key in profile
+    plan = profile["plan"]
+    assert plan["micro_batch"] * plan["accumulation_steps"] * plan["world_size"] == plan["effective_batch"] == 100
+    assert "trial m=1" in done.stderr and "autotune datasheet: mlp" in done.stderr
+
+
+def test_probe_human_output() -> None:
+    done = autotune("probe", "examples/cnn.py:task", "--device", "cpu", "--budget", "4MiB")
+    assert done.returncode == 0, done.stderr
+    assert "max micro-batch" in done.stdout and "BatchNorm" in done.stdout
+    assert "trial m=" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["probe", "nowhere.py:task", "--device", "cpu", "--budget", "1MiB"], "task file 'nowhere.py' not found"),
+        (["probe", "examples/gpt.py:task", "--device", "cpu", "--budget", "1MiB"], "alone take"),
+        (["probe", "BAD:no_tensors", "--device", "cpu", "--budget", "8MiB"], "no tensors"),
+        (["probe", "BAD:vector_loss", "--device", "cpu", "--budget", "8MiB"], "must return a scalar"),
+        (
+            [
+                "probe",
+                "examples/mlp.py:task",
+                "--device",
+                "cpu",
+                "--budget",
+                "8MiB",
+                "--target-batch",
+                "2",
+                "--world-size",
+                "4",
+            ],
+            "smaller than world-size",
+        ),
+        (["probe", "examples/mlp.py:task", "--device", "cuda:7", "--budget", "8MiB"], "CUDA"),
+        (["probe", "examples/mlp.py:task", "--device", "tpu", "--budget", "8MiB"], "unknown device"),
+        (["probe", "examples/mlp.py:task", "--device", "cpu", "--budget", "lots"], "cannot read 'lots' as a size"),
+        (["probe", "examples/mlp.py:task", "--device", "cpu"], "needs a budget"),
+        (["probe", "examples/mlp.py:task", "--device", "cpu", "--budget", "8MiB", "--headroom", "2"], "headroom"),
+    ],
+)
+def test_bad_input_gives_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(BAD_TASKS)
+    args = [a.replace("BAD", str(bad)) for a in args]
+    done = autotune(*args)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    error_lines = [line for line in done.stderr.splitlines() if line.startswith("autotune: error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], done.stderr
+    assert done.stdout == ""
+
+
+def test_verify_cli() -> None:
+    ok = autotune("verify", "examples/gpt.py:task", "--target-batch", "8", "--micro-batch", "2")
+    assert ok.returncode == 0, ok.stderr
+    bn = autotune("verify", "examples/cnn.py:task", "--target-batch", "8", "--micro-batch", "2")
+    assert bn.returncode == 1 and "BatchNorm" in bn.stderr and "Traceback" not in bn.stderr

@@ -1,0 +1,83 @@
+"""Loading tasks from files and modules, with one-line errors that say what was looked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotune.errors import TaskError
+from autotune.task import ProbeTask, default_loss, load_task
+
+TASK_FILE = """
+import torch
+from autotune.task import ProbeTask
+
+def make():
+    return ProbeTask(name="from-callable", model=lambda: torch.nn.Linear(4, 2), batch=lambda m: torch.zeros(m, 4))
+
+task = make()
+not_a_task = 42
+def broken():
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.fixture
+def task_file(tmp_path: Path) -> Path:
+    path = tmp_path / "job.py"
+    path.write_text(TASK_FILE)
+    return path
+
+
+def test_file_and_module_specs(task_file: Path) -> None:
+    assert load_task(f"{task_file}:task").name == "from-callable"
+    assert load_task(f"{task_file}:make").name == "from-callable"  # a zero-argument callable
+    assert load_task(str(task_file)).name == "from-callable"  # ":task" is the default
+    assert load_task("examples.gpt:task").name == "gpt-small"
+
+
+@pytest.mark.parametrize(
+    ("suffix", "message"),
+    [
+        (":missing", "has no attribute 'missing'"),
+        (":not_a_task", "is a int, not a ProbeTask"),
+        (":broken", "failed: RuntimeError: boom"),
+    ],
+)
+def test_bad_attributes(task_file: Path, suffix: str, message: str) -> None:
+    with pytest.raises(TaskError, match=message):
+        load_task(f"{task_file}{suffix}")
+
+
+def test_missing_file_and_module() -> None:
+    with pytest.raises(TaskError, match="task file 'nowhere/job.py' not found"):
+        load_task("nowhere/job.py:task")
+    with pytest.raises(TaskError, match="module 'no_such_module_xyz' not found"):
+        load_task("no_such_module_xyz:task")
+
+
+def test_import_error_in_the_users_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.py"
+    path.write_text("import no_such_dependency_xyz\n")
+    with pytest.raises(TaskError, match="importing .*bad.py.* failed: ModuleNotFoundError"):
+        load_task(f"{path}:task")
+
+
+def test_precision_is_checked() -> None:
+    with pytest.raises(TaskError, match="precision must be one of"):
+        ProbeTask(name="x", model=lambda: torch.nn.Linear(1, 1), batch=lambda m: torch.zeros(m, 1), precision="fp8")
+
+
+def test_default_loss_follows_the_output() -> None:
+    model = torch.nn.Linear(4, 3)
+    classes = (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+    regression = (torch.randn(5, 4), torch.randn(5, 3))
+    expected_ce = torch.nn.functional.cross_entropy(model(classes[0]), classes[1])
+    assert torch.allclose(default_loss(model, classes), expected_ce)
+    assert torch.allclose(
+        default_loss(model, regression), torch.nn.functional.mse_loss(model(regression[0]), regression[1])
+    )
+    x = torch.randn(5, 4)
+    assert torch.allclose(default_loss(model, x), model(x).mean())
