@@ -1,0 +1,330 @@
+"""The dashboard's pages through TestClient, on both databases: table, filters, sorting, pagination,
+the datasheet and its chart data, HTML error pages, escaping, static files."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from autotune.units import format_bytes
+from autotune_server.dashboard_queries import TableQuery
+from autotune_server.pages import (
+    CONTENT_SECURITY_POLICY,
+    PLOTLY_URL,
+    STATIC_DIR,
+    TEMPLATES_DIR,
+    human_age,
+    human_bytes,
+    parse_table_query,
+    plotly_js_path,
+    table_url,
+)
+from tests.factories import fingerprint_for, profile_payload
+from tests.server.conftest import READ, WRITE
+
+XSS_TASK = "<img src=x onerror=alert(1)>"
+ROW = re.compile(r'<tr data-profile-id="(\d+)">')
+TASK_CELL = re.compile(r'<td class="task"><a href="/profiles/\d+">(.*?)</a></td>')
+
+
+def upload(client: TestClient, **kwargs: Any) -> int:
+    """Store a profile through the API; kwargs go to the factory. Returns its id."""
+    kwargs.setdefault("fingerprint", fingerprint_for(f"{kwargs.get('task')}-{kwargs.get('seed', 0)}"))
+    response = client.post("/api/v1/profiles", json=profile_payload(**kwargs), headers=WRITE)
+    assert response.status_code == 201, response.text
+    return int(response.json()["id"])
+
+
+def tasks(page_html: str) -> list[str]:
+    """The task column of the table, unescaped, in page order."""
+    return [html.unescape(cell) for cell in TASK_CELL.findall(page_html)]
+
+
+def text_of(page_html: str) -> str:
+    """What a reader sees: tags dropped, entities decoded, white space collapsed."""
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page_html)).split())
+
+
+def chart_data(page_html: str) -> dict[str, Any]:
+    """The JSON block the chart script reads."""
+    match = re.search(r'<script type="application/json" id="chart-data">(.*?)</script>', page_html, re.S)
+    assert match is not None
+    data: dict[str, Any] = json.loads(match.group(1))
+    return data
+
+
+def traces(figure: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {trace["meta"]: trace for trace in figure["data"]}
+
+
+@pytest.fixture
+def three(client: TestClient) -> dict[str, int]:
+    """Three profiles of distinct tasks, devices and precisions (ids by short name)."""
+    return {
+        "gpt": upload(client, task="examples/gpt.py:task", precision="bf16", max_micro_batch=24, seed=1),
+        "cnn": upload(
+            client,
+            task="examples/cnn.py:task",
+            device_kind="cpu",
+            device_name="cpu",
+            precision="fp32",
+            budget_bytes=64 * 2**20,
+            fixed_bytes=8 * 2**20,
+            bytes_per_sample=2 * 2**20,
+            max_micro_batch=20,
+            seed=2,
+        ),
+        "mlp": upload(client, task="examples/mlp.py:task", precision="fp16", max_micro_batch=8, seed=3),
+    }
+
+
+def test_empty_store_shows_how_to_probe_a_first_model(client: TestClient) -> None:
+    response = client.get("/")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    assert "No profiles yet" in response.text
+    assert "autotune probe examples/gpt.py:task --device cpu --budget 32MiB --server http://testserver" in response.text
+    assert 'id="profiles"' not in response.text
+
+
+def test_table_lists_every_profile_with_its_columns(client: TestClient, three: dict[str, int]) -> None:
+    page = client.get("/").text
+    assert sorted(tasks(page)) == ["examples/cnn.py:task", "examples/gpt.py:task", "examples/mlp.py:task"]
+    assert len(ROW.findall(page)) == 3
+    gpt_row = page.split(f'data-profile-id="{three["gpt"]}"', 1)[1].split("</tr>", 1)[0]
+    assert f'title="{fingerprint_for("examples/gpt.py:task-1")}"' in gpt_row
+    assert fingerprint_for("examples/gpt.py:task-1")[:12] + "</code>" in gpt_row
+    assert "NVIDIA A100-SXM4-80GB" in gpt_row and "bf16" in gpt_row
+    assert "24 × 1 × 1 = 24" in gpt_row
+    # Largest fitting trial: 10 GiB + 2.5 GiB x 24 (+ seed 1 byte) of an 80 GiB budget.
+    assert "87.5%" in gpt_row
+    assert "<time datetime=" in gpt_row
+    assert "1–3 of 3 profiles" in page
+
+
+def test_text_filter_narrows_by_task_fingerprint_or_device(client: TestClient, three: dict[str, int]) -> None:
+    assert tasks(client.get("/", params={"q": "CNN"}).text) == ["examples/cnn.py:task"]
+    assert sorted(tasks(client.get("/", params={"q": "a100"}).text)) == [
+        "examples/gpt.py:task",
+        "examples/mlp.py:task",
+    ]
+    fingerprint = fingerprint_for("examples/mlp.py:task-3")
+    assert tasks(client.get("/", params={"q": fingerprint[:10]}).text) == ["examples/mlp.py:task"]
+    # LIKE wildcards are characters to find, not patterns.
+    page = client.get("/", params={"q": "%"}).text
+    assert tasks(page) == [] and "No profile matches these filters" in page
+
+
+def test_device_and_precision_filters_narrow_and_combine(client: TestClient, three: dict[str, int]) -> None:
+    assert tasks(client.get("/", params={"device": "cpu"}).text) == ["examples/cnn.py:task"]
+    assert tasks(client.get("/", params={"precision": "fp16"}).text) == ["examples/mlp.py:task"]
+    both = client.get("/", params={"device": "NVIDIA A100-SXM4-80GB", "precision": "fp32"}).text
+    assert tasks(both) == []
+    # The device filter offers every stored device, and keeps the selection.
+    page = client.get("/", params={"device": "cpu"}).text
+    assert '<option value="cpu" selected>cpu</option>' in page
+    assert '<option value="NVIDIA A100-SXM4-80GB">' in page
+    # An unknown precision is no filter rather than an error.
+    assert len(tasks(client.get("/", params={"precision": "fp8"}).text)) == 3
+
+
+def test_sorting_by_columns_both_ways(client: TestClient, three: dict[str, int]) -> None:
+    by_m = tasks(client.get("/", params={"sort": "m_max"}).text)
+    assert by_m == ["examples/mlp.py:task", "examples/cnn.py:task", "examples/gpt.py:task"]
+    assert tasks(client.get("/", params={"sort": "m_max", "order": "desc"}).text) == by_m[::-1]
+    assert tasks(client.get("/", params={"sort": "task"}).text) == sorted(by_m)
+    # Age: ascending is newest first (created_at moves by seed seconds in the factory).
+    assert tasks(client.get("/").text) == ["examples/mlp.py:task", "examples/cnn.py:task", "examples/gpt.py:task"]
+    assert tasks(client.get("/", params={"sort": "age", "order": "desc"}).text)[0] == "examples/gpt.py:task"
+    # The active column's header links to the other direction and says which way it sorts.
+    page = client.get("/", params={"sort": "m_max"}).text
+    assert 'aria-sort="ascending"' in page
+    assert 'href="/?sort=m_max&amp;order=desc"' in page
+    # An unknown key falls back to the default order.
+    assert tasks(client.get("/", params={"sort": "nonsense"}).text) == tasks(client.get("/").text)
+
+
+def test_sorting_by_peak_share(client: TestClient) -> None:
+    linear = {"fixed_bytes": 2**30, "bytes_per_sample": 2**30}
+    upload(client, task="low", budget_bytes=100 * 2**30, max_micro_batch=4, **linear)
+    upload(client, task="high", budget_bytes=40 * 2**30, max_micro_batch=30, **linear)
+    upload(client, task="middle", budget_bytes=40 * 2**30, max_micro_batch=15, **linear)
+    assert tasks(client.get("/", params={"sort": "peak_share"}).text) == ["low", "middle", "high"]
+    assert tasks(client.get("/", params={"sort": "peak_share", "order": "desc"}).text) == ["high", "middle", "low"]
+
+
+def test_pagination_keeps_filters_and_clamps_the_page(client: TestClient) -> None:
+    for seed in range(5):
+        upload(client, task=f"task-{seed}", precision="bf16", seed=seed)
+    upload(client, task="other", precision="fp32", seed=9)
+    params = {"precision": "bf16", "per_page": "2"}
+    first = client.get("/", params=params).text
+    assert tasks(first) == ["task-4", "task-3"]
+    assert "page 1 of 3" in first
+    assert 'rel="next" href="/?precision=bf16&amp;page=2&amp;per_page=2"' in first
+    last = client.get("/", params={**params, "page": "3"}).text
+    assert tasks(last) == ["task-0"] and "5–5 of 5 profiles" in last
+    assert 'rel="prev" href="/?precision=bf16&amp;page=2&amp;per_page=2"' in last
+    # Past the end is the last page; nonsense is the first.
+    assert tasks(client.get("/", params={**params, "page": "99"}).text) == ["task-0"]
+    assert tasks(client.get("/", params={**params, "page": "abc"}).text) == ["task-4", "task-3"]
+    # The pages together hold every match exactly once.
+    seen = [t for p in (1, 2, 3) for t in tasks(client.get("/", params={**params, "page": str(p)}).text)]
+    assert sorted(seen) == [f"task-{i}" for i in range(5)]
+
+
+def test_datasheet_shows_plan_budget_fit_trials_warnings_and_observations(client: TestClient) -> None:
+    body = profile_payload(task="examples/gpt.py:task", seed=1)
+    body["warnings"] = ["BatchNorm sees micro-batch statistics"]
+    body["trials"].append({"micro_batch": 30, "peak_bytes": 85 * 2**30, "fits": False, "oom": True, "seconds": 0.2})
+    profile_id = client.post("/api/v1/profiles", json=body, headers=WRITE).json()["id"]
+    observed = {"micro_batch": 24, "peak_bytes": 71 * 2**30, "note": "</script><script>alert(2)</script>"}
+    assert client.post(f"/api/v1/profiles/{profile_id}/observations", json=observed, headers=WRITE).status_code == 201
+
+    response = client.get(f"/profiles/{profile_id}")
+    assert response.status_code == 200
+    assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+    page = response.text
+    for text in ("24 × 1 × 1 = 24", "budget 80.00 GiB", "headroom 10.0%", "72.00 GiB", "10.00 GiB + 2.50 GiB × m"):
+        assert text in text_of(page), text
+    assert "BatchNorm sees micro-batch statistics" in page
+    assert page.count('<tr class="oom">') == 1
+    assert page.count('<strong class="bad">OOM</strong>') == 1
+    assert "71.00 GiB" in page
+    assert "&lt;/script&gt;&lt;script&gt;alert(2)&lt;/script&gt;" in page
+    assert "<script>alert(2)" not in page
+    assert f'href="/api/v1/profiles/{profile_id}"' in page
+    assert f'src="{PLOTLY_URL}"' in page
+
+
+def test_chart_data_has_every_point_the_lines_and_human_hover(client: TestClient) -> None:
+    body = profile_payload(seed=1)
+    body["trials"].append({"micro_batch": 30, "peak_bytes": 85 * 2**30, "fits": False, "oom": True, "seconds": 0.2})
+    profile_id = client.post("/api/v1/profiles", json=body, headers=WRITE).json()["id"]
+    observation = {"micro_batch": 24, "peak_bytes": 71 * 2**30}
+    client.post(f"/api/v1/profiles/{profile_id}/observations", json=observation, headers=WRITE)
+    client.post(f"/api/v1/profiles/{profile_id}/observations", json={"micro_batch": 26, "oom": True}, headers=WRITE)
+
+    figures = chart_data(client.get(f"/profiles/{profile_id}").text)
+    memory = traces(figures["chart-memory"])
+    # Factory trials: m = 1, 2, 12, 24 fit; 25 is over the limit; plus the OOM at 30.
+    assert memory["trials-fit"]["x"] == [1, 2, 12, 24]
+    assert memory["trials-over"]["x"] == [25]
+    assert memory["trials-oom"]["x"] == [30]
+    assert memory["observed"]["x"] == [24] and memory["observed-oom"]["x"] == [26]
+    assert figures["chart-memory"]["layout"]["yaxis"]["title"]["text"] == "peak memory (GiB)"
+    assert memory["budget"]["y"] == [80.0, 80.0] and memory["limit"]["y"] == [72.0, 72.0]
+    assert memory["chosen"]["x"] == [24, 24]
+    fit_line = dict(zip(memory["fit"]["x"], memory["fit"]["y"], strict=True))
+    assert fit_line[12] == pytest.approx(40.0)
+    # Hover text is preformatted in binary units, since Plotly's own formats are SI.
+    assert memory["trials-fit"]["customdata"][3][0] == format_bytes(10 * 2**30 + 2.5 * 2**30 * 24 + 1)
+    assert "%{customdata[0]}" in memory["trials-fit"]["hovertemplate"]
+    timing = traces(figures["chart-time"])
+    # The OOM is left out of the timings, and the over-limit trial (0 s in the factory) too.
+    assert timing["time-per-micro-batch"]["x"] == [1, 2, 12, 24]
+    assert timing["time-per-micro-batch"]["y"] == [0.125] * 4  # 0.5 s per trial / 4 micro-batches
+    assert timing["samples-per-second"]["y"] == [8.0, 16.0, 96.0, 192.0]
+
+
+def test_chart_json_holds_no_stored_text_and_no_raw_markup(client: TestClient) -> None:
+    task = "</script><script>alert(3)</script>"
+    profile_id = upload(client, task=task, tags={"k": "</script>"})
+    page = client.get(f"/profiles/{profile_id}").text
+    block = page.split('<script type="application/json" id="chart-data">', 1)[1].split("</script>", 1)[0]
+    # Plotly reads a little HTML in names and titles: stored text stays out of the figures entirely...
+    assert "alert(3)" not in html.unescape(json.dumps(json.loads(block)))
+    # ...and even the figures' own markup ("<br>" in hover templates) is escaped inside the block.
+    assert "<" not in block and ">" not in block and "\\u003cbr\\u003e" in block
+    assert "<script>alert(3)" not in page
+
+
+def test_xss_task_name_is_escaped_everywhere(client: TestClient) -> None:
+    profile_id = upload(client, task=XSS_TASK)
+    for page in (client.get("/").text, client.get(f"/profiles/{profile_id}").text):
+        assert XSS_TASK not in page
+        assert "&lt;img src=x onerror=alert(1)&gt;" in page
+    assert tasks(client.get("/").text) == [XSS_TASK]
+
+
+def test_missing_profile_is_an_html_404_page_and_the_api_keeps_json(client: TestClient) -> None:
+    for path in ("/profiles/999", "/profiles/abc", "/profiles/0", f"/profiles/{2**40}"):
+        response = client.get(path)
+        assert response.status_code == 404, path
+        assert response.headers["content-type"].startswith("text/html"), path
+        assert "No such profile" in response.text, path
+    api = client.get("/api/v1/profiles/999")
+    assert api.status_code == 404 and api.json()["error"]["code"] == "profile_not_found"
+    # A browser asking for an unknown page gets HTML; an API client gets the JSON shape.
+    assert client.get("/nowhere", headers={"Accept": "text/html"}).headers["content-type"].startswith("text/html")
+    assert client.get("/nowhere").json()["error"]["code"] == "not_found"
+    browser_on_api = client.get("/api/v1/nowhere", headers={"Accept": "text/html,*/*"})
+    assert browser_on_api.json()["error"]["code"] == "not_found"
+
+
+def test_pages_need_a_token_where_reads_do(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(read_token_required=True)
+    denied = client.get("/")
+    assert denied.status_code == 401
+    assert denied.headers["content-type"].startswith("text/html")
+    assert denied.headers["www-authenticate"] == "Bearer"
+    assert client.get("/", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    assert client.get("/", headers=READ).status_code == 200
+
+
+def test_plotly_comes_from_the_installed_package_and_no_cdn(client: TestClient) -> None:
+    path = plotly_js_path()
+    assert path is not None
+    response = client.get(PLOTLY_URL)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/javascript")
+    assert response.content == path.read_bytes()
+    assert client.get("/static/dashboard.js").status_code == 200
+    assert client.get("/static/dashboard.css").headers["content-type"].startswith("text/css")
+    # Nothing the pages load comes from another host: clusters are often offline.
+    for source in [*TEMPLATES_DIR.glob("*.html"), *STATIC_DIR.glob("*")]:
+        assert "://" not in source.read_text(), source
+
+
+def test_dashboard_routes_are_not_in_the_openapi_schema(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    assert "/" not in paths and "/profiles/{profile_id}" not in paths
+    assert "/api/v1/profiles/{profile_id}" in paths
+
+
+def test_human_bytes_matches_the_probe_library() -> None:
+    for value in (0, 1, 1023, 1024, 1536, 5 * 2**20, 80 * 2**30 - 1, 3 * 2**40, 2**52, -2048):
+        assert human_bytes(value) == format_bytes(value), value
+    assert human_bytes(None) == "-"
+
+
+def test_human_age() -> None:
+    now = datetime(2026, 6, 1, 12, 0, tzinfo=timezone.utc)
+    assert human_age(now - timedelta(seconds=30), now) == "just now"
+    assert human_age(now - timedelta(minutes=5), now) == "5 min"
+    assert human_age(now - timedelta(hours=3, minutes=59), now) == "3 h"
+    assert human_age(now - timedelta(days=12), now) == "12 d"
+    assert human_age(now - timedelta(days=90), now) == "2026-03-03"
+    # A clock ahead of ours: the date, not a negative age.
+    assert human_age(now + timedelta(hours=1), now) == "2026-06-01"
+    assert human_age(datetime(2026, 6, 1, 11, 0), now) == "1 h"  # naive is UTC
+
+
+def test_parse_table_query_is_lenient_and_table_url_round_trips() -> None:
+    query = parse_table_query({"q": " gpt\x00 ", "sort": "m_max", "order": "desc", "page": "2", "per_page": "9999"})
+    assert query == TableQuery(text="gpt", sort="m_max", descending=True, page=2, per_page=100)
+    assert parse_table_query({"page": "-3", "per_page": "0"}).page == 1
+    assert parse_table_query({"per_page": "0"}).per_page == 1
+    url = table_url("", query)
+    assert url == "/?q=gpt&sort=m_max&order=desc&page=2&per_page=100"
+    from urllib.parse import parse_qsl, urlsplit
+
+    assert parse_table_query(dict(parse_qsl(urlsplit(url).query))) == query
+    assert table_url("/tuner", TableQuery()) == "/tuner/"
