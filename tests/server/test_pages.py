@@ -328,3 +328,23 @@ def test_parse_table_query_is_lenient_and_table_url_round_trips() -> None:
 
     assert parse_table_query(dict(parse_qsl(urlsplit(url).query))) == query
     assert table_url("/tuner", TableQuery()) == "/tuner/"
+
+
+def test_a_profile_without_plan_fit_timings_or_fitting_trial_still_renders(client: TestClient) -> None:
+    body = profile_payload(task="nothing-fits", budget_bytes=2**30, fixed_bytes=2**31, with_fit=False)
+    body["plan"] = None
+    body["trials"] = [{"micro_batch": 1, "peak_bytes": 2**31, "fits": False, "oom": True}]
+    bare_id = client.post("/api/v1/profiles", json=body, headers=WRITE).json()["id"]
+    upload(client, task="fits", seed=1)
+
+    response = client.get(f"/profiles/{bare_id}")
+    assert response.status_code == 200
+    text = text_of(response.text)
+    assert "No plan" in text and "fit none" in text and "No trial recorded its time" in text
+    figures = chart_data(response.text)
+    assert "chart-time" not in figures and 'id="chart-time"' not in response.text
+    memory = traces(figures["chart-memory"])
+    assert set(memory) == {"trials-oom", "budget", "limit", "chosen"}
+    # No fitting trial: no share in the table, and last whichever way the share is sorted.
+    for order in ("asc", "desc"):
+        assert tasks(client.get("/", params={"sort": "peak_share", "order": order}).text) == ["fits", "nothing-fits"]
