@@ -224,12 +224,13 @@ class CpuMeter(Meter):
             torch_version=torch.__version__,
         )
 
-    def _account(self, out: Any, func: Any) -> None:
-        for storage in _storages(out):
+    def _account(self, tensors: Any, what: Any) -> None:
+        """Count the storages of tensors; raise the OOM at the one that crosses the budget."""
+        for storage in _storages(tensors):
             live = self._ledger.add(storage)
             if self._enforce and live > self.budget_bytes:
                 raise CpuOutOfMemoryError(
-                    f"CPU meter: out of memory. {func} brought live tensor bytes to {live} "
+                    f"CPU meter: out of memory. {what} brought live tensor bytes to {live} "
                     f"over the budget of {self.budget_bytes} bytes"
                 )
 
@@ -248,14 +249,7 @@ class CpuMeter(Meter):
             self._enforce = True
 
     def adopt(self, module: torch.nn.Module) -> None:
-        tensors = [*module.parameters(), *module.buffers()]
-        for storage in _storages(tensors):
-            live = self._ledger.add(storage)
-            if self._enforce and live > self.budget_bytes:
-                raise CpuOutOfMemoryError(
-                    f"CPU meter: out of memory. the model's weights bring live tensor bytes to {live} "
-                    f"over the budget of {self.budget_bytes} bytes"
-                )
+        self._account([*module.parameters(), *module.buffers()], "the model's weights")
 
     @property
     def live_bytes(self) -> int:

@@ -120,8 +120,8 @@ class Profile(_Model):
     plan: Plan | None = None
     trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
     fit: Fit | None = None
-    trial_count: Annotated[int, Field(ge=0)] = 0
-    oom_count: Annotated[int, Field(ge=0)] = 0
+    trial_count: Annotated[int, Field(ge=0, le=10_000)] = 0
+    oom_count: Annotated[int, Field(ge=0, le=10_000)] = 0
     seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
     warnings: Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=64)] = Field(
         default_factory=list
