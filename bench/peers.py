@@ -1,0 +1,330 @@
+"""autotune's probe beside Lightning's BatchSizeFinder and Accelerate's find_executable_batch_size.
+
+    .venv/bin/pip install -e '.[bench]'        # pytorch-lightning and accelerate (keep the torch you have)
+    .venv/bin/python bench/peers.py            # 9 cases, a few minutes on 2 cores
+    .venv/bin/python bench/peers.py --cases mlp --output /tmp/peers.json
+
+For each example task at three budgets (the cases of tests/autotune/test_probe.py, headroom 0.10), on
+the CPU meter:
+
+- autotune: ``probe(task, ProbeConfig(device="cpu", budget_bytes=B, headroom=0.10))``;
+- Lightning ``Tuner(trainer).scale_batch_size`` in ``binsearch`` and ``power`` modes (init_val 2,
+  margin 0, steps_per_trial 2 with accumulate_grad_batches 2), see bench/_peers_lightning.py;
+- Accelerate ``find_executable_batch_size`` from twice the true m, see bench/_peers_accelerate.py;
+- the truth: every m from 1 to (largest m anyone found) + 3 with autotune's trial on a fresh meter.
+
+The same line for everyone: a trial fits when its peak is at most B x (1 - headroom). autotune's meter
+has budget B and tells a fit from its measured peak; a peer sees only OOMs, so the peers' meter raises
+at B x (1 - headroom), which makes "no OOM" mean "fits" (bench/_peers_meter.py). The peers recognise an
+OOM by message text only; the peers' meter raises torch.OutOfMemoryError with the text of PyTorch's
+CPU allocator, and the script prints whether each peer recognises autotune's own CPU-meter OOM.
+
+Prints a markdown table (per case and method: m found, m_true, trials, OOMs, wall and CPU seconds,
+autotune/peer ratios of trials and wall seconds) and writes it all as JSON. Wall seconds on a shared
+machine are noisy; CPU seconds of this process are printed beside them, and every method runs with
+the same torch thread count (``--threads``, default 1). Figures only: never part of
+the test run's pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from _peers_accelerate import run_accelerate
+from _peers_lightning import PeerRun, PeerTrial, run_lightning
+from _peers_meter import PEER_OOM_TEXT, PeerMeter, recognition
+
+from autotune.meters import CpuMeter
+from autotune.probe import ProbeConfig, probe
+from autotune.task import load_task
+from autotune.trial import run_trial
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+HEADROOM = 0.10
+# The cases of tests/autotune/test_probe.py: small, medium and large m_max per example.
+CASES = [
+    ("mlp", 1.875),
+    ("mlp", 2),
+    ("mlp", 2.25),
+    ("gpt", 6),
+    ("gpt", 12),
+    ("gpt", 24),
+    ("cnn", 4),
+    ("cnn", 8),
+    ("cnn", 16),
+]
+PEERS = ("lightning-binsearch", "lightning-power", "accelerate")
+
+
+def run_autotune(spec: str, budget_bytes: int) -> PeerRun:
+    """autotune's probe, its trials in the same shape as a peer's."""
+    task = load_task(spec)
+    wall, cpu = time.perf_counter(), time.process_time()
+    profile = probe(task, ProbeConfig(device="cpu", budget_bytes=budget_bytes, headroom=HEADROOM))
+    run = PeerRun(name="autotune", micro_batch=profile.max_micro_batch)
+    run.seconds = round(time.perf_counter() - wall, 3)
+    run.cpu_seconds = round(time.process_time() - cpu, 3)
+    run.trials = [PeerTrial(t.micro_batch, t.oom, round(t.seconds, 4), 0) for t in profile.trials]
+    return run
+
+
+def exhaustive(spec: str, budget_bytes: int, upto: int) -> tuple[int, list[int], float]:
+    """(largest fitting m, every fitting m, seconds): autotune's trial at every m from 1 to upto.
+
+    The truth is not a timed contestant, so it runs with the heap that existed before it frozen
+    (``gc.freeze``): each trial's ``gc.collect()`` then skips the imported modules' objects, which
+    makes a trial on these small models about a hundred times faster and changes no byte it counts.
+    """
+    task = load_task(spec)
+    meter = CpuMeter(budget_bytes)
+    limit = int(budget_bytes * (1 - HEADROOM))
+    started = time.perf_counter()
+    frozen = gc.get_freeze_count() > 0
+    gc.freeze()
+    try:
+        fitting = [m for m in range(1, upto + 1) if run_trial(task, meter, m, limit_bytes=limit).fits]
+    finally:
+        if not frozen:
+            gc.unfreeze()
+    return (max(fitting) if fitting else 0), fitting, round(time.perf_counter() - started, 3)
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return round(numerator / denominator, 3) if denominator else None
+
+
+class GcClock:
+    """Counts and times ``gc.collect()`` calls (each method's own clean-up between trials).
+
+    On these small CPU models a full collection (~0.1-0.2 s with torch, Lightning and Accelerate
+    imported) costs more than a trial's compute, so the wall seconds are mostly collections: the
+    count and the time are reported beside them so the table says which is which.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = 0.0
+        self._collect = gc.collect
+
+    def __enter__(self) -> GcClock:
+        def collect(*args: Any, **kwargs: Any) -> int:
+            started = time.perf_counter()
+            try:
+                return self._collect(*args, **kwargs)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - started
+
+        gc.collect = collect
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.collect = self._collect
+
+
+def run_case(name: str, budget_mib: float, lightning_max_trials: int) -> dict[str, Any]:
+    """Every method on one case, then the truth; the accelerate start needs the truth, so it runs last."""
+    spec = str(REPO / "examples" / f"{name}.py") + ":task"
+    budget = int(budget_mib * MiB)
+    limit = int(budget * (1 - HEADROOM))
+    task = load_task(spec)
+    clocks = {key: GcClock() for key in ("autotune", *PEERS)}
+    runs: dict[str, PeerRun] = {}
+    with clocks["autotune"]:
+        runs["autotune"] = run_autotune(spec, budget)
+    for mode in ("binsearch", "power"):
+        with clocks[f"lightning-{mode}"]:
+            runs[f"lightning-{mode}"] = run_lightning(
+                task, PeerMeter(limit), mode=mode, max_trials=lightning_max_trials
+            )
+    found = [r.micro_batch for r in runs.values() if r.micro_batch is not None]
+    m_true, fitting, truth_seconds = exhaustive(spec, budget, max(found, default=1) + 3)
+    monotone = fitting == list(range(1, m_true + 1))
+    with clocks["accelerate"]:
+        runs["accelerate"] = run_accelerate(task, PeerMeter(limit), starting_batch_size=2 * max(m_true, 1))
+    auto = runs["autotune"]
+    methods = {}
+    for key, run in runs.items():
+        methods[key] = {
+            "micro_batch": run.micro_batch,
+            "exact": run.micro_batch == m_true,
+            "fits": run.micro_batch is not None and run.micro_batch in fitting,
+            "trials": len(run.trials),
+            "ooms": run.oom_count,
+            "seconds": run.seconds,
+            "cpu_seconds": run.cpu_seconds,
+            "gc_collects": clocks[key].calls,
+            "gc_seconds": round(clocks[key].seconds, 3),
+            "error": run.error,
+            "trial_log": [vars(t) for t in run.trials],
+            "autotune_over_peer": None
+            if key == "autotune"
+            else {
+                "trials": _ratio(len(auto.trials), len(run.trials)),
+                "ooms": _ratio(auto.oom_count, run.oom_count),
+                "seconds": _ratio(auto.seconds, run.seconds),
+                "cpu_seconds": _ratio(auto.cpu_seconds, run.cpu_seconds),
+            },
+        }
+    return {
+        "task": name,
+        "budget_mib": budget_mib,
+        "budget_bytes": budget,
+        "limit_bytes": limit,
+        "m_true": m_true,
+        "truth_checked_upto": max(found, default=1) + 3,
+        "truth_monotone": monotone,
+        "truth_seconds": truth_seconds,
+        "methods": methods,
+    }
+
+
+def table(cases: list[dict[str, Any]]) -> str:
+    """The per-case markdown table."""
+    head = (
+        "| task | budget | m_true | method | m | trials | OOMs | wall s | CPU s | gc.collect n / s | trials a/p "
+        "| wall a/p |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    for case in cases:
+        for key, r in case["methods"].items():
+            ratios = r["autotune_over_peer"] or {}
+            m = r["micro_batch"] if r["error"] is None else f"error: {r['error'][:40]}"
+            mark = "" if r["exact"] else " ≠"
+            rows.append(
+                f"| {case['task']} | {case['budget_mib']} MiB | {case['m_true']} | {key} | {m}{mark} | {r['trials']} "
+                f"| {r['ooms']} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} "
+                f"| {r['gc_collects']} / {r['gc_seconds']:.2f} "
+                f"| {ratios.get('trials', '') if ratios else ''} | {ratios.get('seconds', '') if ratios else ''} |"
+            )
+    return "\n".join(rows)
+
+
+def summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method: exact answers, median trials, OOMs and seconds; per peer: the cases autotune does not win."""
+    out: dict[str, Any] = {}
+    for key in ("autotune", *PEERS):
+        rs = [c["methods"][key] for c in cases]
+        out[key] = {
+            "exact": sum(r["exact"] for r in rs),
+            "cases": len(rs),
+            "median_trials": statistics.median(r["trials"] for r in rs),
+            "total_ooms": sum(r["ooms"] for r in rs),
+            "median_seconds": round(statistics.median(r["seconds"] for r in rs), 3),
+            "median_cpu_seconds": round(statistics.median(r["cpu_seconds"] for r in rs), 3),
+        }
+    for key in PEERS:
+        out[key]["autotune_not_winning"] = [
+            f"{c['task']} {c['budget_mib']} MiB"
+            for c in cases
+            if not (
+                c["methods"]["autotune"]["exact"]
+                and c["methods"]["autotune"]["trials"] < c["methods"][key]["trials"]
+                and c["methods"]["autotune"]["seconds"] < c["methods"][key]["seconds"]
+            )
+        ]
+    return out
+
+
+def summary_table(summ: dict[str, Any]) -> str:
+    """The per-method medians as a markdown table."""
+    rows = [
+        "| method | exact m | median trials | OOMs (all cases) | median wall s | median CPU s "
+        "| autotune not winning on |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, s in summ.items():
+        losing = ", ".join(s.get("autotune_not_winning", [])) or ("—" if key != "autotune" else "")
+        rows.append(
+            f"| {key} | {s['exact']}/{s['cases']} | {s['median_trials']} | {s['total_ooms']} | {s['median_seconds']} "
+            f"| {s['median_cpu_seconds']} | {losing} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="*", default=None, help="only these tasks (mlp, gpt, cnn)")
+    parser.add_argument("--lightning-max-trials", type=int, default=25, help="Lightning's max_trials (its default)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads for every method (1: steady timings on a shared machine)"
+    )
+    parser.add_argument(
+        "--freeze-heap",
+        action="store_true",
+        help="gc.freeze() the heap before every method (the same for all): what the times are without "
+        "the full collections each method makes between trials",
+    )
+    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "peers.json")
+    args = parser.parse_args(argv)
+    # Two intra-op threads on a 2-core machine that other work shares spin against each other and
+    # make a trial 10-40x slower and its time noise; one thread is the same for every method.
+    torch.set_num_threads(args.threads)
+
+    # Lightning reports each batch size it tries at INFO and gives advice through warnings: not figures.
+    for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    from accelerate.utils.memory import should_reduce_batch_size
+    from pytorch_lightning.utilities.memory import is_oom_error
+
+    recognised = {
+        "lightning is_oom_error": recognition(is_oom_error),
+        "accelerate should_reduce_batch_size": recognition(should_reduce_batch_size),
+    }
+    print(f"peers recognise (peer meter's OOM text: {PEER_OOM_TEXT!r}): {recognised}", file=sys.stderr)
+
+    if args.freeze_heap:
+        gc.freeze()
+    selected = [(n, b) for n, b in CASES if not args.cases or n in args.cases]
+    started = time.perf_counter()
+    cases = []
+    for name, budget_mib in selected:
+        case = run_case(name, budget_mib, args.lightning_max_trials)
+        brief = {k: (v["micro_batch"], v["trials"], v["ooms"], v["seconds"]) for k, v in case["methods"].items()}
+        print(f"{name} {budget_mib} MiB: m_true {case['m_true']}; (m, trials, OOMs, s) {brief}", file=sys.stderr)
+        cases.append(case)
+    summ = summary(cases)
+    print(table(cases))
+    print()
+    print(summary_table(summ))
+    import accelerate
+    import pytorch_lightning
+
+    result = {
+        "command": "python bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "headroom": HEADROOM,
+        "peer_meter": "CpuMeter accounting, budget = budget x (1 - headroom), enforced only inside peer trials, "
+        f"OOM message contains {PEER_OOM_TEXT!r}",
+        "versions": {
+            "torch": torch.__version__,
+            "pytorch_lightning": pytorch_lightning.__version__,
+            "accelerate": accelerate.__version__,
+        },
+        "torch_threads": torch.get_num_threads(),
+        "lightning_max_trials": args.lightning_max_trials,
+        "freeze_heap": args.freeze_heap,
+        "peers_recognise": recognised,
+        "total_seconds": round(time.perf_counter() - started, 1),
+        "summary": summ,
+        "cases": cases,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.output} ({result['total_seconds']} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
