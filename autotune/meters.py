@@ -47,8 +47,9 @@ __all__ = [
 
 class CpuOutOfMemoryError(torch.OutOfMemoryError):
     """The CPU meter's budget was crossed. Subclasses torch.OutOfMemoryError so that the search and
-    the clean-up take exactly the path they take on a GPU; the message reads like CUDA's so that
-    tools which recognise OOM by text (some peers do) recognise it too."""
+    the clean-up take exactly the path they take on a GPU. The message carries the text of PyTorch's
+    own CPU allocator failure, so that tools which recognise an OOM by its text (Lightning's
+    is_oom_error, Accelerate's should_reduce_batch_size) recognise this one too."""
 
 
 @dataclass(frozen=True)
@@ -230,8 +231,8 @@ class CpuMeter(Meter):
             live = self._ledger.add(storage)
             if self._enforce and live > self.budget_bytes:
                 raise CpuOutOfMemoryError(
-                    f"CPU meter: out of memory. {what} brought live tensor bytes to {live} "
-                    f"over the budget of {self.budget_bytes} bytes"
+                    f"CPU meter: out of memory (DefaultCPUAllocator: can't allocate memory): {what} "
+                    f"brought live tensor bytes to {live} over the budget of {self.budget_bytes} bytes"
                 )
 
     def _take_peak(self) -> tuple[int, int | None]:

@@ -7,6 +7,7 @@ profile.max_micro_batch, profile.plan
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -125,6 +126,12 @@ def probe_with_meter(
                 on_trial(result)
             return result
 
+        # Objects alive now (modules, the task, torch's own) are never garbage of a trial: freezing
+        # them makes the collection after every trial walk only what the trial made.
+        # A process that froze its own heap (some servers do) is left as it was.
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
         try:
             result = find_max_micro_batch(
                 trial,
@@ -135,7 +142,8 @@ def probe_with_meter(
         except NoFitError as exc:
             static_bytes = measure_weights(task, meter)
             what = (
-                f"weights, gradients and optimizer state alone take {static_bytes} bytes"
+                f"weights, gradients and optimizer state alone take {static_bytes} bytes "
+                "(with the optimizer step's temporaries)"
                 if static_bytes is not None
                 else "weights, gradients and optimizer state alone do not fit on the device"
             )
@@ -144,6 +152,9 @@ def probe_with_meter(
                 f"(limit {limit_bytes} with headroom {config.headroom}): {what}; "
                 f"micro-batch {config.multiple_of} peaked at {exc.trial.peak_bytes} bytes"
             ) from None
+        finally:
+            if freeze:
+                gc.unfreeze()
 
     m_max = result.max_micro_batch
     the_plan = plan(m_max, config.target_batch, config.world_size) if config.target_batch else None

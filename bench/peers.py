@@ -49,21 +49,13 @@ from autotune.probe import ProbeConfig, probe
 from autotune.task import load_task
 from autotune.trial import run_trial
 
+# Run as a script, bench/ is on sys.path but the repo root (examples/) is not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.cases import CPU_BUDGET_CASES, HEADROOM  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
-HEADROOM = 0.10
-# The cases of tests/autotune/test_probe.py: small, medium and large m_max per example.
-CASES = [
-    ("mlp", 1.875),
-    ("mlp", 2),
-    ("mlp", 2.25),
-    ("gpt", 6),
-    ("gpt", 12),
-    ("gpt", 24),
-    ("cnn", 4),
-    ("cnn", 8),
-    ("cnn", 16),
-]
+CASES = CPU_BUDGET_CASES
 PEERS = ("lightning-binsearch", "lightning-power", "accelerate")
 
 

@@ -2,40 +2,35 @@
 
     .venv/bin/python bench/search_table.py
 
-The same cases as tests/autotune/test_probe.py (which checks m_max against an exhaustive search).
+The cases of examples/cases.py, which tests/autotune/test_probe.py checks against an exhaustive search.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from autotune.probe import ProbeConfig, probe
 from autotune.task import load_task
 from autotune.units import format_bytes
 
+# Run as a script, bench/ is on sys.path but the repo root (examples/) is not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.cases import CPU_BUDGET_CASES, HEADROOM, task_spec  # noqa: E402
+
 MiB = 1 << 20
-CASES = [
-    ("examples/mlp.py:task", 1.875),
-    ("examples/mlp.py:task", 2),
-    ("examples/mlp.py:task", 2.25),
-    ("examples/gpt.py:task", 6),
-    ("examples/gpt.py:task", 12),
-    ("examples/gpt.py:task", 24),
-    ("examples/cnn.py:task", 4),
-    ("examples/cnn.py:task", 8),
-    ("examples/cnn.py:task", 16),
-]
 
 
 def main() -> None:
     print("| model | budget | m_max | trials | OOMs | seconds |")
     print("|---|---|---|---|---|---|")
     trials = []
-    for spec, budget_mib in CASES:
-        task = load_task(spec)
+    for name, budget_mib in CPU_BUDGET_CASES:
+        task = load_task(task_spec(name))
         started = time.perf_counter()
-        profile = probe(task, ProbeConfig(device="cpu", budget_bytes=int(budget_mib * MiB)))
+        profile = probe(task, ProbeConfig(device="cpu", budget_bytes=int(budget_mib * MiB), headroom=HEADROOM))
         seconds = time.perf_counter() - started
         trials.append(profile.trial_count)
         print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 
 import pytest
@@ -11,21 +12,10 @@ from autotune.meters import CpuMeter
 from autotune.probe import ProbeConfig, probe, probe_with_meter
 from autotune.task import load_task
 from autotune.trial import run_trial
+from examples.cases import CPU_BUDGET_CASES, HEADROOM, task_spec
 
 MiB = 1 << 20
-# Three budgets per example: small, medium, large m_max on this meter.
-CASES = [
-    ("examples/mlp.py:task", 1.875),
-    ("examples/mlp.py:task", 2),
-    ("examples/mlp.py:task", 2.25),
-    ("examples/gpt.py:task", 6),
-    ("examples/gpt.py:task", 12),
-    ("examples/gpt.py:task", 24),
-    ("examples/cnn.py:task", 4),
-    ("examples/cnn.py:task", 8),
-    ("examples/cnn.py:task", 16),
-]
-HEADROOM = 0.10
+CASES = [(task_spec(name), budget_mib) for name, budget_mib in CPU_BUDGET_CASES]
 
 
 def exhaustive_max(spec: str, budget_bytes: int, upto: int) -> int:
@@ -34,9 +24,13 @@ def exhaustive_max(spec: str, budget_bytes: int, upto: int) -> int:
     meter = CpuMeter(budget_bytes)
     limit = int(budget_bytes * (1 - HEADROOM))
     best = 0
-    for m in range(1, upto + 1):
-        if run_trial(task, meter, m, limit_bytes=limit).fits:
-            best = m
+    gc.freeze()  # as the probe does: each trial's collection then walks only what the trial made
+    try:
+        for m in range(1, upto + 1):
+            if run_trial(task, meter, m, limit_bytes=limit).fits:
+                best = m
+    finally:
+        gc.unfreeze()
     return best
 
 

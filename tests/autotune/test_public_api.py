@@ -1,0 +1,42 @@
+"""Every public module of autotune declares __all__, and every name in it exists."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+PUBLIC_MODULES = [
+    "autotune.schemas",
+    "autotune.plan",
+    "autotune.search",
+    "autotune.task",
+    "autotune.fingerprint",
+    "autotune.meters",
+    "autotune.trial",
+    "autotune.probe",
+    "autotune.accumulate",
+    "autotune.verify",
+    "autotune.errors",
+    "autotune.oom",
+    "autotune.units",
+    "autotune.report",
+    "autotune.cli",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_all_is_declared_and_resolves(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = getattr(module, "__all__", None)
+    assert exported, f"{name} has no __all__"
+    missing = [symbol for symbol in exported if not hasattr(module, symbol)]
+    assert not missing, f"{name}.__all__ names what it does not define: {missing}"
+
+
+def test_importing_the_package_does_not_import_torch() -> None:
+    code = "import sys, autotune, autotune.schemas, autotune.plan, autotune.units; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
