@@ -133,7 +133,12 @@ def _probe(args: argparse.Namespace) -> int:
     )
     limit = int(args.budget * (1 - args.headroom)) if args.budget else None
     print(f"probing {task.name} on {args.device} ...", file=sys.stderr)
-    profile = probe(task, config, on_trial=lambda t: print(trial_line(t, limit), file=sys.stderr, flush=True))
+    if args.device.strip().lower() == "all":
+        from autotune.multi import probe_all_devices
+
+        profile = probe_all_devices(args.task, config)
+    else:
+        profile = probe(task, config, on_trial=lambda t: print(trial_line(t, limit), file=sys.stderr, flush=True))
     text = profile.model_dump_json(indent=2)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

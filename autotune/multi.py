@@ -1,7 +1,8 @@
 """`--device all`: one probe process per visible GPU, in parallel; the plan uses the smallest m.
 
-Processes are forked before this process touches CUDA, so each child creates its own context on
-its own device and the ProbeTask (often full of lambdas) needs no pickling.
+The children are spawned, not forked: a parent that has touched CUDA (even to count devices) must
+not fork. Each child loads the task again from its spec ("file.py:name"), since a ProbeTask is
+usually full of lambdas that cannot be pickled.
 """
 
 from __future__ import annotations
@@ -15,30 +16,30 @@ import torch
 from autotune.errors import AutotuneError, DeviceError
 from autotune.plan import plan
 from autotune.schemas import Profile
-from autotune.task import ProbeTask
 
 __all__ = ["probe_all_devices"]
 
 
-def _child(task: ProbeTask, config: Any, index: int, queue: Any) -> None:
+def _child(spec: str, config: Any, index: int, queue: Any) -> None:
     from autotune.probe import probe
+    from autotune.task import load_task
 
     try:
-        profile = probe(task, dataclasses.replace(config, device=f"cuda:{index}"))
+        profile = probe(load_task(spec), dataclasses.replace(config, device=f"cuda:{index}"))
         queue.put((index, profile.model_dump_json(), None))
     except Exception as exc:  # reported by the parent as one line
         queue.put((index, None, f"{type(exc).__name__}: {exc}"))
 
 
-def probe_all_devices(task: ProbeTask, config: Any) -> Profile:
-    """Probe every visible CUDA device; the returned profile is the tightest device's, with all
-    devices listed and the plan made from the smallest m_max."""
+def probe_all_devices(spec: str, config: Any) -> Profile:
+    """Probe every visible CUDA device with the task at spec; the returned profile is the tightest
+    device's, with all devices listed and the plan made from the smallest m_max."""
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise DeviceError("--device all: no CUDA device is visible on this machine")
     count = torch.cuda.device_count()
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    workers = [ctx.Process(target=_child, args=(task, config, i, queue)) for i in range(count)]
+    workers = [ctx.Process(target=_child, args=(spec, config, i, queue)) for i in range(count)]
     for worker in workers:
         worker.start()
     results = [queue.get() for _ in workers]
@@ -50,5 +51,7 @@ def probe_all_devices(task: ProbeTask, config: Any) -> Profile:
     profiles = [Profile.model_validate_json(text) for _, text, _ in sorted(results) if text]
     tightest = min(profiles, key=lambda p: p.max_micro_batch)
     devices = [p.device for p in profiles]
-    the_plan = plan(tightest.max_micro_batch, config.target_batch, config.world_size) if config.target_batch else None
+    the_plan = (
+        plan(tightest.max_micro_batch, config.target_batch, config.world_size) if config.target_batch else None
+    )
     return tightest.model_copy(update={"devices": devices, "plan": the_plan})

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.errors import AutotuneError, BudgetError
+from autotune.errors import AutotuneError, BudgetError, DeviceError
 from autotune.fingerprint import task_fingerprint
 from autotune.meters import Meter, make_meter, resolve_device
 from autotune.plan import plan
@@ -218,9 +218,10 @@ def probe(
     config.validate()
     device = resolve_device(config.device)
     if device == "all":
-        from autotune.multi import probe_all_devices
-
-        return probe_all_devices(task, config)
+        raise DeviceError(
+            "--device all runs one process per GPU, each loading the task again: "
+            "use `autotune probe file.py:name --device all` or autotune.multi.probe_all_devices(spec, config)"
+        )
     meter = make_meter(device, config.budget_bytes)
     try:
         return probe_with_meter(task, meter, config, on_trial=on_trial)

@@ -15,5 +15,7 @@ echo "== examples: probe, 50 training steps at the chosen m, m+1"
 timeout 120 "$PY" bench/gpu_train_check.py || status=1
 echo "== CLI datasheet on cuda"
 timeout 60 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 512 || status=1
+echo "== --device all (one spawned process per GPU)"
+timeout 60 "$PY" -m autotune.cli probe examples/cnn.py:task --device all --budget 2GiB --target-batch 256 || status=1
 echo "== gpu_check exit status: $status"
 exit $status
