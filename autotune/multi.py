@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import queue as queue_module
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from autotune.plan import plan
 from autotune.schemas import Profile
 
 __all__ = ["probe_all_devices"]
+
+POLL_SECONDS = 5.0
 
 
 def _child(spec: str, config: Any, index: int, queue: Any) -> None:
@@ -31,6 +34,28 @@ def _child(spec: str, config: Any, index: int, queue: Any) -> None:
         queue.put((index, None, f"{type(exc).__name__}: {exc}"))
 
 
+def _collect(queue: Any, workers: list[Any]) -> list[tuple[int, str | None, str | None]]:
+    """One result per child; a child that died without reporting (segfault, OOM killer, a fatal
+    CUDA error) becomes a failure instead of a wait that never ends."""
+    results: dict[int, tuple[int, str | None, str | None]] = {}
+    while len(results) < len(workers):
+        try:
+            index, text, error = queue.get(timeout=POLL_SECONDS)
+            results[index] = (index, text, error)
+        except queue_module.Empty:
+            for index, worker in enumerate(workers):
+                if index not in results and not worker.is_alive() and worker.exitcode is not None:
+                    # It may have reported just before dying: give the queue one last look.
+                    try:
+                        got = queue.get(timeout=POLL_SECONDS)
+                        results[got[0]] = got
+                    except queue_module.Empty:
+                        results[index] = (index, None, f"the process exited with code {worker.exitcode}")
+    for worker in workers:
+        worker.join()
+    return [results[i] for i in sorted(results)]
+
+
 def probe_all_devices(spec: str, config: Any) -> Profile:
     """Probe every visible CUDA device with the task at spec; the returned profile is the tightest
     device's, with all devices listed and the plan made from the smallest m_max."""
@@ -42,9 +67,7 @@ def probe_all_devices(spec: str, config: Any) -> Profile:
     workers = [ctx.Process(target=_child, args=(spec, config, i, queue)) for i in range(count)]
     for worker in workers:
         worker.start()
-    results = [queue.get() for _ in workers]
-    for worker in workers:
-        worker.join()
+    results = _collect(queue, workers)
     failures = [f"cuda:{i}: {err}" for i, _, err in results if err]
     if failures:
         raise AutotuneError("probe failed on " + "; ".join(failures))
@@ -52,6 +75,8 @@ def probe_all_devices(spec: str, config: Any) -> Profile:
     tightest = min(profiles, key=lambda p: p.max_micro_batch)
     devices = [p.device for p in profiles]
     the_plan = (
-        plan(tightest.max_micro_batch, config.target_batch, config.world_size) if config.target_batch else None
+        plan(tightest.max_micro_batch, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+        if config.target_batch
+        else None
     )
     return tightest.model_copy(update={"devices": devices, "plan": the_plan})

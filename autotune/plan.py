@@ -16,6 +16,8 @@ from autotune.schemas import Fit, Plan
 
 __all__ = [
     "EXACT_SEARCH_FACTOR",
+    "MAX_ACCUMULATION_STEPS",
+    "MAX_TARGET_BATCH",
     "fit_affine",
     "micro_batch_for_limit",
     "plan",
@@ -24,6 +26,10 @@ __all__ = [
 # An exact plan is searched among A in [A_min, EXACT_SEARCH_FACTOR x A_min]: beyond that the
 # micro-batch falls under half of what fits, and a slightly different T is the better trade.
 EXACT_SEARCH_FACTOR = 2
+# Bounds that keep the arithmetic cheap on any input the API accepts (a /suggest request runs it).
+MAX_ACCUMULATION_STEPS = 2**24
+MAX_TARGET_BATCH = 2**40
+LINEAR_SCAN = 65_536
 
 
 def _require_positive_int(name: str, value: object) -> int:
@@ -40,64 +46,95 @@ def plan(
     world_size: int = 1,
     *,
     max_accumulation_steps: int | None = None,
+    multiple_of: int = 1,
 ) -> Plan:
     """Choose micro_batch m and accumulation_steps A so that m x A x world_size == target_batch.
 
     Fewest accumulation steps first; exact when some A in [A_min, 2 x A_min] divides the
     per-replica batch (A_min = ceil(T / (D x m_max))); otherwise the nearest effective batch in
-    that range, with the deviation stated in ``note``. m never exceeds max_micro_batch.
+    that range, with the deviation stated in ``note``. m never exceeds max_micro_batch and is
+    always a multiple of multiple_of.
 
     Args:
         max_micro_batch: the largest micro-batch that fits (m_max).
         target_batch: the effective batch T the recipe asks for.
         world_size: data-parallel replicas D (tensor/pipeline ranks are not replicas).
         max_accumulation_steps: optional cap on A for the exact search.
+        multiple_of: every micro-batch must be a multiple of this (kernels, BatchNorm1d, ...).
 
     Returns:
         A Plan; ``exact`` says whether m x A x D == T.
 
     Raises:
-        ValueError: non-positive or non-integer input, or T < D.
+        ValueError: non-positive or non-integer input, T < D, max_micro_batch < multiple_of, or a
+            target that would need more than MAX_ACCUMULATION_STEPS steps.
     """
     m_max = _require_positive_int("max_micro_batch", max_micro_batch)
     target = _require_positive_int("target_batch", target_batch)
     world = _require_positive_int("world_size", world_size)
+    unit = _require_positive_int("multiple_of", multiple_of)
+    if target > MAX_TARGET_BATCH:
+        raise ValueError(f"target_batch {target} is larger than {MAX_TARGET_BATCH}")
     if target < world:
         raise ValueError(
             f"target_batch {target} is smaller than world_size {world}: "
             "every replica needs at least one sample per update"
         )
-    a_min = math.ceil(target / (world * m_max))
-    a_max = EXACT_SEARCH_FACTOR * a_min
+    units_max = m_max // unit  # the search runs over k, with m = k x multiple_of
+    if units_max == 0:
+        raise ValueError(f"max_micro_batch {m_max} is smaller than multiple_of {unit}")
+    a_min = math.ceil(target / (world * unit * units_max))
+    if a_min > MAX_ACCUMULATION_STEPS:
+        raise ValueError(
+            f"target_batch {target} would need {a_min} accumulation steps of micro-batch {unit * units_max} "
+            f"on {world} replicas, more than {MAX_ACCUMULATION_STEPS}"
+        )
+    a_max = min(EXACT_SEARCH_FACTOR * a_min, MAX_ACCUMULATION_STEPS)
     if max_accumulation_steps is not None:
         cap = _require_positive_int("max_accumulation_steps", max_accumulation_steps)
         a_max = max(a_min, min(a_max, cap))
 
-    if target % world == 0:
-        per_replica = target // world
-        for steps in range(a_min, a_max + 1):
-            if per_replica % steps == 0:
-                return _make(per_replica // steps, steps, world, target, m_max, "")
+    if target % (world * unit) == 0:
+        steps = _smallest_divisor_in(target // (world * unit), a_min, a_max)
+        if steps is not None:
+            return _make(target // (world * steps), steps, world, target, m_max, "")
 
     # Nearest reachable effective batch: smallest |deviation|, then fewest steps, then larger m.
+    # Fewest steps first also bounds the work: only the first LINEAR_SCAN values of A are tried.
     best: tuple[int, int, int] | None = None
-    for steps in range(a_min, a_max + 1):
-        ideal = target / (world * steps)
-        for micro in {math.floor(ideal), math.ceil(ideal)}:
-            if 1 <= micro <= m_max:
+    for steps in range(a_min, min(a_max, a_min + LINEAR_SCAN) + 1):
+        ideal = target / (world * unit * steps)
+        for units in {math.floor(ideal), math.ceil(ideal)}:
+            if 1 <= units <= units_max:
+                micro = units * unit
                 key = (abs(micro * steps * world - target), steps, -micro)
                 if best is None or key < best:
                     best = key
-    assert best is not None  # steps == a_min always admits some micro in [1, m_max]
+    assert best is not None  # steps == a_min always admits some k in [1, units_max]
     steps, micro = best[1], -best[2]
     effective = micro * steps * world
     deviation = effective - target
+    what = f"micro-batch <= {m_max}" + (f" in multiples of {unit}" if unit > 1 else "")
     note = (
-        f"target batch {target} is not reachable exactly with micro-batch <= {m_max}, "
+        f"target batch {target} is not reachable exactly with {what}, "
         f"world size {world} and {a_min}..{a_max} accumulation steps; nearest is "
         f"{micro} x {steps} x {world} = {effective} ({deviation:+d}, {100 * deviation / target:+.1f}%)"
     )
     return _make(micro, steps, world, target, m_max, note)
+
+
+def _smallest_divisor_in(number: int, low: int, high: int) -> int | None:
+    """The smallest divisor of number in [low, high], or None."""
+    if high - low <= LINEAR_SCAN:
+        return next((d for d in range(low, high + 1) if number % d == 0), None)
+    # A wide range: walk the divisor pairs (d, number // d) up to sqrt(number) instead.
+    found = None
+    for small in range(1, math.isqrt(number) + 1):
+        if number % small == 0:
+            for divisor in (small, number // small):
+                if low <= divisor <= high and (found is None or divisor < found):
+                    found = divisor
+    return found
 
 
 def _make(micro: int, steps: int, world: int, target: int, m_max: int, note: str) -> Plan:

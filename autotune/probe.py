@@ -157,7 +157,11 @@ def probe_with_meter(
                 gc.unfreeze()
 
     m_max = result.max_micro_batch
-    the_plan = plan(m_max, config.target_batch, config.world_size) if config.target_batch else None
+    the_plan = (
+        plan(m_max, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+        if config.target_batch
+        else None
+    )
     if the_plan is not None and not the_plan.exact:
         warnings.append(the_plan.note)
     if m_max >= config.max_micro_batch:

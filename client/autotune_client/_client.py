@@ -218,7 +218,10 @@ class TunerClient:
             params["budget_bytes"] = budget_bytes
         if headroom is not None:
             params["headroom"] = headroom
-        return Suggestion.model_validate(self._request("GET", "/suggest", params=params).json())
+        body = self._request("GET", "/suggest", params=params).json()
+        # A newer server may add fields: an older client keeps what it knows instead of failing.
+        known = {key: value for key, value in body.items() if key in Suggestion.model_fields}
+        return Suggestion.model_validate(known)
 
     def observe(self, profile_id: int, observation: Observation) -> int | None:
         """Report what a job really saw at some micro-batch (a peak, or an OOM). Returns the id stored.

@@ -28,9 +28,10 @@ def rank_loader(rank: int) -> list[dict[str, torch.Tensor]]:
     return [micro_batch(g, rank, i) for g in range(GROUPS) for i in range(ACCUMULATION_STEPS)]
 
 
-def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def run(rank: int, world_size: int, rendezvous_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # two processes on a shared CPU: no oversubscription
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # A file rendezvous: no port to pick and then lose to another process before binding it.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
         model = DistributedDataParallel(gpt.GPT())

@@ -3,8 +3,6 @@ full-batch gradient (global token normalization across replicas)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,16 +19,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(worker.run, args=(WORLD_SIZE, _free_port(), str(out)), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(worker.run, args=(WORLD_SIZE, str(out / "rendezvous"), str(out)), nprocs=WORLD_SIZE, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 

@@ -71,3 +71,31 @@ def test_fit_and_limit() -> None:
     assert micro_batch_for_limit(fit, 50) == 0
     assert fit_affine([(3, 100)]) is None
     assert micro_batch_for_limit(Fit(fixed_bytes=10, bytes_per_sample=0), 20, cap=64) == 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    m_max=sizes,
+    target=st.integers(min_value=1, max_value=100_000),
+    world=st.integers(1, 16),
+    unit=st.sampled_from([1, 2, 8, 64]),
+)
+def test_micro_batch_respects_multiple_of(m_max: int, target: int, world: int, unit: int) -> None:
+    if m_max < unit or target < world:
+        with pytest.raises(ValueError):
+            plan(m_max, target, world, multiple_of=unit)
+        return
+    p = plan(m_max, target, world, multiple_of=unit)
+    assert p.micro_batch % unit == 0 and p.micro_batch <= m_max
+    assert p.exact == (p.micro_batch * p.accumulation_steps * world == target)
+
+
+def test_huge_inputs_are_bounded_and_fast() -> None:
+    with pytest.raises(ValueError, match="accumulation steps"):
+        plan(1, 2**40 - 1)
+    with pytest.raises(ValueError, match="larger than"):
+        plan(64, 2**41)
+    p = plan(64, 1_000_000_007)  # a prime: nearest plan, found by a bounded scan
+    assert not p.exact and abs(p.deviation) < 64
+    p = plan(100_000, 999_999_999_989)
+    assert p.micro_batch <= 100_000

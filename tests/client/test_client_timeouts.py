@@ -11,9 +11,10 @@ import pytest
 
 from autotune_client import APIConnectionError, APITimeoutError, TunerClient
 
-TIMEOUT_SECONDS = 0.6
+TIMEOUT_SECONDS = 2.0
 # Scheduling slack on a shared, loaded machine; still far below "a job hangs".
-SLACK_SECONDS = 0.8
+# Generous: the property is "bounded by the timeout, not by retries x timeout" on a loaded machine.
+SLACK_SECONDS = 2.0
 
 
 class BlackHole:
@@ -62,7 +63,7 @@ def test_a_silent_server_times_out_within_the_client_timeout(black_hole: BlackHo
         with pytest.raises(APITimeoutError) as info:
             client.suggest(fingerprint="ab" * 32, target_batch=8, world_size=1, device_name="cpu")
         elapsed = time.monotonic() - started
-    # The timeout bounds the whole call, retries included: three attempts of 0.6 s each would not.
+    # The timeout bounds the whole call, retries included: three attempts of 2 s each (6 s and more) would not.
     assert TIMEOUT_SECONDS * 0.9 <= elapsed < TIMEOUT_SECONDS + SLACK_SECONDS
     assert f"{TIMEOUT_SECONDS:g} s" in str(info.value)
     assert len(black_hole.accepted) >= 1  # it did connect: this is a read timeout, not a refusal

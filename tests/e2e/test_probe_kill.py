@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-import httpx
+import httpx2 as httpx
 
 from .conftest import REPO, LiveServer, autotune_command
 
