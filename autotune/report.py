@@ -43,13 +43,12 @@ def datasheet(profile: Profile) -> str:
         lines.append(
             f"  peak at m={chosen:<6d} {format_bytes(peak)} ({100 * peak / profile.budget_bytes:.1f}% of budget)"
         )
-    elif profile.fit is not None:
-        predicted = profile.fit.fixed_bytes + profile.fit.bytes_per_sample * chosen
+    elif (predicted := profile.predicted_peak(chosen)) is not None:
         lines.append(f"  peak at m={chosen:<6d} ~{format_bytes(predicted)} (from the fit)")
     if profile.fit is not None:
         lines.append(
             f"  fit              {format_bytes(profile.fit.fixed_bytes)} + "
-            f"{format_bytes(profile.fit.bytes_per_sample)} per sample"
+            f"{format_bytes(profile.fit.bytes_per_sample)} per sample (forward/backward)"
         )
     lines.append(f"  trials           {profile.trial_count} ({profile.oom_count} OOM) in {profile.seconds:.2f}s")
     lines.extend(f"  warning          {warning}" for warning in profile.warnings)

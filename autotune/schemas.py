@@ -78,7 +78,10 @@ class Trial(_Model):
 
 
 class Fit(_Model):
-    """peak_bytes(m) ~= fixed_bytes + bytes_per_sample * m, least squares over fitting trials."""
+    """forward_backward_bytes(m) ~= fixed_bytes + bytes_per_sample * m, least squares over the
+    measured (non-OOM) trials. It is the affine part of memory: the whole-trial peak is
+    max(this line, the optimizer step's peak), and the step's peak is at most the peak measured at
+    the smallest micro-batch."""
 
     fixed_bytes: Annotated[float, Field(ge=-MAX_BYTES, le=MAX_BYTES)]
     bytes_per_sample: Annotated[float, Field(ge=0, le=MAX_BYTES)]
@@ -134,6 +137,16 @@ class Profile(_Model):
     def limit_bytes(self) -> int:
         """The largest peak that counts as fitting: budget x (1 - headroom)."""
         return int(self.budget_bytes * (1.0 - self.headroom))
+
+    def predicted_peak(self, micro_batch: int) -> float | None:
+        """The whole-trial peak the fit predicts at micro_batch: the line, but never below the
+        smallest measured trial's peak (the optimizer step's share, flat in m)."""
+        if self.fit is None:
+            return None
+        line = self.fit.fixed_bytes + self.fit.bytes_per_sample * micro_batch
+        measured = [t for t in self.trials if not t.oom]
+        floor = min(measured, key=lambda t: t.micro_batch).peak_bytes if measured else 0
+        return max(line, float(floor))
 
     def peak_at(self, micro_batch: int) -> int | None:
         """The measured peak at micro_batch, if a fitting trial measured it."""

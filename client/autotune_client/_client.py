@@ -14,6 +14,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -238,6 +239,23 @@ class TunerClient:
             return _id_of(response)
         except AutotuneClientError:
             return None
+
+    def observer(self, profile_id: int) -> Callable[[Observation], None]:
+        """A callback for ``Accumulator(observe=...)``: posts each observation to profile_id.
+
+        A tuner that is down must not stop training: a failed post becomes a warning.
+
+            acc = Accumulator(model, opt, accumulation_steps=A, oom_fallback=True, target_batch=T,
+                              observe=client.observer(suggestion.profile_id))
+        """
+
+        def post(observation: Observation) -> None:
+            try:
+                self.observe(profile_id, observation)
+            except AutotuneClientError as exc:
+                warnings.warn(f"could not report the observation to the tuner: {exc}", stacklevel=2)
+
+        return post
 
     def healthy(self) -> bool:
         """Whether /healthz answers 200 (one attempt, no retries)."""

@@ -167,3 +167,23 @@ def test_format_suggestion_says_when_the_target_is_missed() -> None:
     text = format_suggestion(s)
     assert "target 40, +2" in text
     assert text.splitlines()[1] == "warning: nearest plan"
+
+
+def test_observer_posts_what_the_accumulator_reports(in_process_server: Callable[..., Any]) -> None:
+    import warnings
+
+    from autotune.schemas import Observation
+
+    client = in_process_server(token=WRITE_TOKEN)
+    profile_id = client.upload(make_profile())
+    observe = client.observer(profile_id)
+    observe(Observation(micro_batch=8, oom=True, note="OOM fallback halved m"))
+    stored = client._request("GET", f"/profiles/{profile_id}/observations").json()
+    items = stored["items"] if isinstance(stored, dict) else stored
+    assert [(o["micro_batch"], o["oom"]) for o in items] == [(8, True)]
+    # A refused post (no token) warns instead of stopping the training job.
+    silent = in_process_server(token=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        silent.observer(profile_id)(Observation(micro_batch=4, oom=True))
+    assert any("could not report" in str(w.message) for w in caught)
