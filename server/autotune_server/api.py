@@ -202,8 +202,10 @@ async def suggest(
     headroom: Annotated[float | None, Query(ge=0, lt=1)] = None,
 ) -> Response:
     """The plan for a job: measured on this device model, else predicted from another's fit, else 404."""
-    # The hot path of a sweep's start: async, one thread-pool hop for the database (none on a cache
-    # hit), and the Suggestion serialized once here instead of re-validated by the response model.
+    # The hot path of a sweep's start: async, no thread-pool hop at all on a cached answer; on a miss,
+    # one hop for the database (shared by concurrent misses) and one for the plan arithmetic, which
+    # never runs on the event loop. The Suggestion is serialized once here instead of re-validated
+    # by the response model.
     state = request.app.state
     cache = state.suggest_cache
     answer_key = (fingerprint, device_name, target_batch, world_size, budget_bytes, headroom)
@@ -213,7 +215,8 @@ async def suggest(
         found = cache.get(key)
         if found is None:
             found = await _single_flight(cache, key, state.engine)
-        suggestion = compute_suggestion(
+        body = await run_in_threadpool(
+            _answer,
             found,
             fingerprint=fingerprint,
             device_name=device_name,
@@ -223,9 +226,14 @@ async def suggest(
             headroom=headroom,
             server_url=lambda: str(request.base_url).rstrip("/"),
         )
-        body = suggestion.model_dump_json().encode()
         cache.put_answer(answer_key, body)
     return Response(body, media_type="application/json")
+
+
+def _answer(found: Lookup, **query: Any) -> bytes:
+    # In a worker thread: the plan arithmetic and the serialization are CPU work that must not stall
+    # the event loop (domain errors propagate to the route, and from there to the error handlers).
+    return compute_suggestion(found, **query).model_dump_json().encode()
 
 
 async def _single_flight(cache: LookupCache, key: tuple[str, str], engine: Engine) -> Lookup:

@@ -301,17 +301,39 @@ class Candidate:
     micro_batch_cap: int
     multiple_of: int
     fit: Fit | None
+    # The data-parallel world size D the probe ran with (D > 1: DDP's gradient buckets were counted).
+    world_size: int = 1
     # (micro_batch, peak_bytes, fits, oom) of every trial; empty for profiles of other devices.
     trials: tuple[tuple[int, int, bool, bool], ...] = ()
     oom_at: int | None = None
+    # The whole-trial peak of the smallest measured (non-OOM) micro-batch: weights, gradients and
+    # optimizer state with the least activations, an upper bound of the optimizer step's phase.
+    # ``fit`` is of the forward/backward peaks only and does not see that phase.
+    smallest_peak: int | None = None
+
+    @property
+    def uses_ddp(self) -> bool:
+        """Whether the probe wrapped the model in DDP (world size > 1)."""
+        return self.world_size > 1
 
 
 @dataclass(frozen=True)
 class Lookup:
-    """What the database says about a (fingerprint, device): the measured profile or the others."""
+    """What the database says about a (fingerprint, device).
 
-    measured: Candidate | None
+    ``single`` and ``ddp``: the newest profile on this device measured at world size 1, and the
+    newest measured with DDP (world size > 1); ``elsewhere``: only when neither exists, the newest
+    profiles of the fingerprint on other devices.
+    """
+
+    single: Candidate | None
+    ddp: Candidate | None
     elsewhere: tuple[Candidate, ...]
+
+    def measured_for(self, world_size: int) -> Candidate | None:
+        """The profile on this device whose DDP-ness matches ``world_size``, else the other one."""
+        preferred, other = (self.ddp, self.single) if world_size > 1 else (self.single, self.ddp)
+        return preferred if preferred is not None else other
 
 
 _COLUMNS = (
@@ -325,11 +347,12 @@ _COLUMNS = (
     ProfileRow.multiple_of,
     ProfileRow.fit_fixed_bytes,
     ProfileRow.fit_bytes_per_sample,
+    ProfileRow.world_size,
 )
 
 
 def _candidate(row: tuple[object, ...], **extra: object) -> Candidate:
-    (pid, fingerprint, device, budget, headroom, m_max, cap, multiple, fixed, per_sample) = row[:10]
+    (pid, fingerprint, device, budget, headroom, m_max, cap, multiple, fixed, per_sample, world) = row[:11]
     fit = (
         Fit(fixed_bytes=float(fixed), bytes_per_sample=float(per_sample))  # type: ignore[arg-type]
         if fixed is not None and per_sample is not None
@@ -345,39 +368,74 @@ def _candidate(row: tuple[object, ...], **extra: object) -> Candidate:
         micro_batch_cap=int(cap),  # type: ignore[call-overload]
         multiple_of=int(multiple),  # type: ignore[call-overload]
         fit=fit,
+        world_size=int(world),  # type: ignore[call-overload]
         **extra,  # type: ignore[arg-type]
     )
 
 
+def _smallest_peak(trials: tuple[tuple[int, int, bool, bool], ...]) -> int | None:
+    measured = [(m, -peak) for m, peak, _fits, oom in trials if not oom]
+    return -min(measured)[1] if measured else None
+
+
 def lookup(conn: Connection, fingerprint: str, device_name: str, *, elsewhere_limit: int = 50) -> Lookup:
-    """Read the newest profile of a fingerprint on a device, or else its profiles on other devices."""
+    """Read the newest profiles of a fingerprint on a device (one at world size 1, one with DDP),
+    or else its profiles on other devices."""
     oom_at = (
         select(func.min(ObservationRow.micro_batch))
         .where(and_(ObservationRow.profile_id == ProfileRow.id, ObservationRow.oom.is_(True)))
         .scalar_subquery()
     )
-    newest = conn.execute(
-        select(*_COLUMNS, oom_at)
-        .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name == device_name)
-        .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
-        .limit(1)
-    ).first()
-    if newest is not None:
-        trials = conn.execute(
-            select(TrialRow.micro_batch, TrialRow.peak_bytes, TrialRow.fits, TrialRow.oom)
-            .where(TrialRow.profile_id == newest[0])
-            .order_by(TrialRow.position)
-        ).all()
-        measured = _candidate(
-            tuple(newest),
-            trials=tuple((int(m), int(p), bool(f), bool(o)) for m, p, f, o in trials),
-            oom_at=newest[10],
+    here = (ProfileRow.fingerprint == fingerprint, ProfileRow.device_name == device_name)
+    newest = [
+        conn.execute(
+            select(*_COLUMNS, oom_at)
+            .where(*here, ddp)
+            .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
+            .limit(1)
+        ).first()
+        for ddp in (ProfileRow.world_size <= 1, ProfileRow.world_size > 1)
+    ]
+    if any(row is not None for row in newest):
+        ids = [int(row[0]) for row in newest if row is not None]
+        trials: dict[int, list[tuple[int, int, bool, bool]]] = {pid: [] for pid in ids}
+        for pid, m, peak, fits, oom in conn.execute(
+            select(TrialRow.profile_id, TrialRow.micro_batch, TrialRow.peak_bytes, TrialRow.fits, TrialRow.oom)
+            .where(TrialRow.profile_id.in_(ids))
+            .order_by(TrialRow.profile_id, TrialRow.position)
+        ):
+            trials[int(pid)].append((int(m), int(peak), bool(fits), bool(oom)))
+        single, ddp = (
+            None
+            if row is None
+            else _candidate(
+                tuple(row),
+                trials=tuple(trials[int(row[0])]),
+                oom_at=row[11],
+                smallest_peak=_smallest_peak(tuple(trials[int(row[0])])),
+            )
+            for row in newest
         )
-        return Lookup(measured=measured, elsewhere=())
+        return Lookup(single=single, ddp=ddp, elsewhere=())
+    # The whole peak of each profile's smallest measured micro-batch (larger peak on a tie).
+    smallest_peak = (
+        select(TrialRow.peak_bytes)
+        .where(TrialRow.profile_id == ProfileRow.id, TrialRow.oom.is_(False))
+        .order_by(TrialRow.micro_batch, TrialRow.peak_bytes.desc())
+        .limit(1)
+        .correlate(ProfileRow)
+        .scalar_subquery()
+    )
     others = conn.execute(
-        select(*_COLUMNS)
+        select(*_COLUMNS, smallest_peak)
         .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name != device_name)
         .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
         .limit(elsewhere_limit)
     ).all()
-    return Lookup(measured=None, elsewhere=tuple(_candidate(tuple(r)) for r in others))
+    return Lookup(
+        single=None,
+        ddp=None,
+        elsewhere=tuple(
+            _candidate(tuple(r), smallest_peak=None if r[11] is None else int(r[11])) for r in others
+        ),
+    )

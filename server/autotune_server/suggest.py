@@ -1,14 +1,18 @@
 """GET /suggest: the plan for a job from the newest matching profile, measured or predicted.
 
-Measured: a profile of this fingerprint on this device model; m_max is what the probe measured
-(lowered to the largest measured size within a smaller requested budget, and below the smallest
-micro-batch at which a job reported an OOM). Predicted: only other device models have profiles and a
-budget is given; m_max comes from the stored affine fit at budget x (1 - headroom) and the answer
-says plainly that it is a prediction.
+Measured: a profile of this fingerprint on this device model, preferably one probed with the same
+DDP-ness as the job (world size 1 vs > 1: with DDP the probe counted the gradient buckets); m_max is
+what the probe measured (lowered to the largest measured size within a stricter requested budget or
+headroom, and below the smallest micro-batch at which a job reported an OOM). Predicted: only other
+device models have profiles and a budget is given (or no measured size is within a stricter limit);
+m_max comes from the stored affine fit of the forward/backward peaks at budget x (1 - headroom),
+bounded by the whole peak of the smallest measured micro-batch (the optimizer step's phase, which
+the fit does not see), and the answer says plainly that it is a prediction. Every plan respects the
+profile's ``multiple_of``.
 
 The work is split for speed, since /suggest is what hundreds of jobs call at the start of a sweep:
-``repository.lookup`` reads the database (two small indexed queries, no ORM objects) and its result is cached
-per (fingerprint, device) for a second; ``compute`` is pure arithmetic on that result.
+``repository.lookup`` reads the database (a few small indexed queries, no ORM objects) and its result
+is cached per (fingerprint, device) for a second; ``compute`` is pure arithmetic on that result.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Connection
 
@@ -83,59 +87,84 @@ class LookupCache:
             self._answers.clear()
 
 
-def _plan(m_max: int, target_batch: int, world_size: int) -> Plan:
+def _plan(m_max: int, target_batch: int, world_size: int, multiple_of: int) -> Plan:
     try:
-        return plan(m_max, target_batch, world_size)
+        return plan(m_max, target_batch, world_size, multiple_of=multiple_of)
     except ValueError as exc:
-        field = "target_batch" if "target_batch" in str(exc) else "world_size"
-        # The first line only: a pydantic error's later lines echo internals, not advice.
-        raise InvalidPlanRequest(str(exc).splitlines()[0], field=field) from None
+        message = str(exc).splitlines()[0]  # a pydantic error's later lines echo internals, not advice
+        # The query parameter at fault; otherwise the stored profile's figures (max_micro_batch below
+        # multiple_of), which the fingerprint names.
+        field = next((f for f in ("target_batch", "world_size") if message.startswith(f)), None)
+        if field is None:
+            field = "target_batch" if "target_batch" in message else "fingerprint"
+        raise InvalidPlanRequest(message, field=field) from None
 
 
-def _measured(
-    c: Candidate, *, target_batch: int, world_size: int, budget_bytes: int | None, headroom: float | None
+def _round_down(m: int, multiple_of: int) -> int:
+    return m - m % multiple_of if multiple_of > 1 else m
+
+
+def _ddp_warning(c: Candidate, world_size: int) -> str | None:
+    """What a world-size mismatch between the profile and the job means, if there is one."""
+    if world_size > 1 and not c.uses_ddp:
+        return (
+            f"profile {c.id} was measured at world size 1: DDP's gradient buckets (about the size of "
+            f"the gradients) were not counted; probe with --world-size {world_size} for an exact figure"
+        )
+    if world_size == 1 and c.uses_ddp:
+        return (
+            f"profile {c.id} was measured with DDP at world size {c.world_size}: its figures include "
+            "DDP's gradient buckets, which a single-process job does not allocate (conservative)"
+        )
+    return None
+
+
+def _limit_text(budget_bytes: int, headroom: float) -> str:
+    return f"budget {budget_bytes} bytes less headroom {headroom:g}"
+
+
+def _predicted_max(c: Candidate, limit: float, *, limit_text: str, field: str) -> int:
+    """m_max within ``limit`` by c's fit and its smallest measured whole peak.
+
+    The fit is of the forward/backward peaks; while the optimizer step dominates, the whole peak
+    is flat at about peak(m=1), so the smallest measured micro-batch's whole peak must fit too.
+
+    Raises:
+        BudgetTooSmall: not even one (multiple_of) micro-batch fits.
+    """
+    fit = c.fit
+    assert fit is not None  # the caller picks a candidate with a fit
+    if c.smallest_peak is not None and c.smallest_peak > limit:
+        raise BudgetTooSmall(
+            f"the weights and optimizer state alone take about {c.smallest_peak} bytes (the whole "
+            f"peak of the smallest micro-batch measured on {c.device_name}, profile {c.id}), more "
+            f"than the {int(limit)} bytes within the {limit_text}",
+            field=field,
+        )
+    m_max = _round_down(micro_batch_for_limit(fit, limit, c.micro_batch_cap), c.multiple_of)
+    if m_max < 1:
+        what = "one sample" if c.multiple_of <= 1 else f"one micro-batch of {c.multiple_of}"
+        raise BudgetTooSmall(
+            f"by the fit measured on {c.device_name} (profile {c.id}), not even {what} "
+            f"fits within {int(limit)} bytes ({limit_text})",
+            field=field,
+        )
+    return m_max
+
+
+def _suggestion(
+    c: Candidate,
+    chosen: Plan,
+    *,
+    source: Literal["measured", "predicted"],
+    device_name: str,
+    m_max: int,
+    peak: int | None,
+    budget_bytes: int,
+    warnings: list[str],
 ) -> Suggestion:
-    warnings: list[str] = []
-    m_max = c.max_micro_batch
-    used_budget = c.budget_bytes
-    if budget_bytes is not None:
-        used_budget = budget_bytes
-        limit = budget_bytes * (1.0 - (headroom if headroom is not None else c.headroom))
-        measured_limit = c.budget_bytes * (1.0 - c.headroom)
-        if limit < measured_limit:
-            within = [
-                m
-                for m, peak, fits, oom in c.trials
-                if fits and not oom and peak <= limit and m <= c.max_micro_batch
-            ]
-            if not within:
-                raise BudgetTooSmall(
-                    f"no measured micro-batch of profile {c.id} peaks within {int(limit)} bytes "
-                    f"(budget_bytes {budget_bytes} less headroom); probe with this budget",
-                    field="budget_bytes",
-                )
-            m_max = max(within)
-            warnings.append(
-                f"budget {budget_bytes} is below the {c.budget_bytes} bytes the profile was measured "
-                f"with: micro-batch capped at {m_max}, the largest measured size within it"
-            )
-        elif limit > measured_limit:
-            warnings.append(
-                f"profile was measured with a budget of {c.budget_bytes} bytes; a larger budget may "
-                "fit a larger micro-batch: probe again with the larger budget to use it"
-            )
-    if c.oom_at is not None and c.oom_at <= m_max:
-        if c.oom_at <= 1:
-            raise BudgetTooSmall(
-                f"a job reported an out-of-memory error at micro-batch {c.oom_at} with profile {c.id}",
-                field="fingerprint",
-            )
-        m_max = c.oom_at - 1
-        warnings.append(f"a job reported an out-of-memory error at micro-batch {c.oom_at}: capped at {m_max}")
-    chosen = _plan(m_max, target_batch, world_size)
     if chosen.note:
         warnings.append(chosen.note)
-    peak = next((p for m, p, fits, oom in c.trials if m == chosen.micro_batch and fits and not oom), None)
     return Suggestion(
         micro_batch=chosen.micro_batch,
         accumulation_steps=chosen.accumulation_steps,
@@ -143,13 +172,132 @@ def _measured(
         effective_batch=chosen.effective_batch,
         target_batch=chosen.target_batch,
         exact=chosen.exact,
-        source="measured",
+        source=source,
         profile_id=c.id,
         fingerprint=c.fingerprint,
-        device_name=c.device_name,
+        device_name=device_name,
         max_micro_batch=m_max,
         peak_bytes=peak,
+        budget_bytes=budget_bytes,
+        warnings=warnings,
+    )
+
+
+def _predicted_peak(c: Candidate, micro_batch: int) -> int:
+    fit = c.fit
+    assert fit is not None
+    by_fit = max(0, round(fit.fixed_bytes + fit.bytes_per_sample * micro_batch))
+    return max(by_fit, c.smallest_peak or 0)
+
+
+def _measured(
+    c: Candidate, *, target_batch: int, world_size: int, budget_bytes: int | None, headroom: float | None
+) -> Suggestion:
+    warnings: list[str] = []
+    ddp = _ddp_warning(c, world_size)
+    if ddp is not None:
+        warnings.append(ddp)
+    m_max = c.max_micro_batch
+    used_budget = budget_bytes if budget_bytes is not None else c.budget_bytes
+    if budget_bytes is not None or headroom is not None:
+        used_headroom = headroom if headroom is not None else c.headroom
+        field = "budget_bytes" if budget_bytes is not None else "headroom"
+        limit = used_budget * (1.0 - used_headroom)
+        measured_limit = c.budget_bytes * (1.0 - c.headroom)
+        limit_text = _limit_text(used_budget, used_headroom)
+        if limit < measured_limit:
+            within = [
+                m
+                for m, peak, fits, oom in c.trials
+                if fits and not oom and peak <= limit and m <= c.max_micro_batch
+            ]
+            m_max = _round_down(max(within, default=0), c.multiple_of)
+            if m_max < 1:
+                # Nothing measured is within the stricter limit: predict from this profile's fit.
+                return _fallback_prediction(
+                    c,
+                    limit,
+                    limit_text=limit_text,
+                    field=field,
+                    target_batch=target_batch,
+                    world_size=world_size,
+                    budget_bytes=used_budget,
+                    warnings=warnings,
+                )
+            warnings.append(
+                f"the limit of {int(limit)} bytes ({limit_text}) is below the {int(measured_limit)} "
+                f"bytes profile {c.id} was measured within: micro-batch capped at {m_max}, the largest "
+                "measured size within it"
+            )
+        elif limit > measured_limit:
+            warnings.append(
+                f"profile {c.id} was measured within {int(measured_limit)} bytes "
+                f"({_limit_text(c.budget_bytes, c.headroom)}); the larger limit of {int(limit)} bytes "
+                f"({limit_text}) may fit a larger micro-batch than the measured {m_max}: probe again "
+                "with it to use it"
+            )
+    if c.oom_at is not None and c.oom_at <= m_max:
+        capped = _round_down(c.oom_at - 1, c.multiple_of)
+        if capped < 1:
+            raise BudgetTooSmall(
+                f"a job reported an out-of-memory error at micro-batch {c.oom_at} with profile {c.id}",
+                field="fingerprint",
+            )
+        m_max = capped
+        warnings.append(f"a job reported an out-of-memory error at micro-batch {c.oom_at}: capped at {m_max}")
+    chosen = _plan(m_max, target_batch, world_size, c.multiple_of)
+    peak = next((p for m, p, fits, oom in c.trials if m == chosen.micro_batch and fits and not oom), None)
+    return _suggestion(
+        c,
+        chosen,
+        source="measured",
+        device_name=c.device_name,
+        m_max=m_max,
+        peak=peak,
         budget_bytes=used_budget,
+        warnings=warnings,
+    )
+
+
+def _fallback_prediction(
+    c: Candidate,
+    limit: float,
+    *,
+    limit_text: str,
+    field: str,
+    target_batch: int,
+    world_size: int,
+    budget_bytes: int,
+    warnings: list[str],
+) -> Suggestion:
+    """No measured size of c is within a stricter limit: c's own fit, marked as a prediction."""
+    if c.fit is None:
+        raise BudgetTooSmall(
+            f"no measured micro-batch of profile {c.id} peaks within {int(limit)} bytes "
+            f"({limit_text}), and it has no memory fit to predict from; probe with this budget",
+            field=field,
+        )
+    m_max = _predicted_max(c, limit, limit_text=limit_text, field=field)
+    if c.oom_at is not None and c.oom_at <= m_max:
+        m_max = _round_down(c.oom_at - 1, c.multiple_of)
+        if m_max < 1:
+            raise BudgetTooSmall(
+                f"a job reported an out-of-memory error at micro-batch {c.oom_at} with profile {c.id}",
+                field="fingerprint",
+            )
+    chosen = _plan(m_max, target_batch, world_size, c.multiple_of)
+    warnings.append(
+        f"no measured micro-batch of profile {c.id} peaks within {int(limit)} bytes ({limit_text}): "
+        f"predicted from its memory fit, not measured; probe with this budget to be sure"
+    )
+    return _suggestion(
+        c,
+        chosen,
+        source="predicted",
+        device_name=c.device_name,
+        m_max=m_max,
+        peak=_predicted_peak(c, chosen.micro_batch),
+        budget_bytes=budget_bytes,
         warnings=warnings,
     )
 
@@ -163,39 +311,26 @@ def _predicted(
     budget_bytes: int,
     headroom: float | None,
 ) -> Suggestion:
-    fit = c.fit
-    assert fit is not None  # the caller picks a candidate with a fit
-    limit = budget_bytes * (1.0 - (headroom if headroom is not None else c.headroom))
-    m_max = micro_batch_for_limit(fit, limit, c.micro_batch_cap)
-    if c.multiple_of > 1:
-        m_max -= m_max % c.multiple_of
-    if m_max < 1:
-        raise BudgetTooSmall(
-            f"by the fit measured on {c.device_name} (profile {c.id}), not even one sample "
-            f"fits within {int(limit)} bytes (budget_bytes {budget_bytes} less headroom)",
-            field="budget_bytes",
-        )
-    chosen = _plan(m_max, target_batch, world_size)
+    used_headroom = headroom if headroom is not None else c.headroom
+    limit = budget_bytes * (1.0 - used_headroom)
+    m_max = _predicted_max(
+        c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes"
+    )
+    chosen = _plan(m_max, target_batch, world_size, c.multiple_of)
     warnings = [
         f"predicted from the memory fit measured on {c.device_name} (profile {c.id}), not measured "
         f"on {device_name}: probe on {device_name} to be sure"
     ]
-    if chosen.note:
-        warnings.append(chosen.note)
-    peak = max(0, round(fit.fixed_bytes + fit.bytes_per_sample * chosen.micro_batch))
-    return Suggestion(
-        micro_batch=chosen.micro_batch,
-        accumulation_steps=chosen.accumulation_steps,
-        world_size=chosen.world_size,
-        effective_batch=chosen.effective_batch,
-        target_batch=chosen.target_batch,
-        exact=chosen.exact,
+    ddp = _ddp_warning(c, world_size)
+    if ddp is not None:
+        warnings.append(ddp)
+    return _suggestion(
+        c,
+        chosen,
         source="predicted",
-        profile_id=c.id,
-        fingerprint=c.fingerprint,
         device_name=device_name,
-        max_micro_batch=m_max,
-        peak_bytes=peak,
+        m_max=m_max,
+        peak=_predicted_peak(c, chosen.micro_batch),
         budget_bytes=budget_bytes,
         warnings=warnings,
     )
@@ -218,23 +353,29 @@ def compute(
         found: the lookup for (fingerprint, device_name).
         target_batch: effective batch T; world_size: data-parallel replicas D.
         budget_bytes, headroom: the job's memory budget; needed for a prediction from another device.
+            A headroom without a budget applies to the measured profile's own budget.
         server_url: this server's URL (or a function giving it, only called for the 404), quoted in
             the how-to-probe advice of the 404.
 
     Raises:
         NoProfileForSuggestion: nothing to measure or predict from (404).
-        InvalidPlanRequest: the plan arithmetic refused (e.g. target_batch < world_size) (422).
-        BudgetTooSmall: not even one sample fits the given budget (422).
+        InvalidPlanRequest: the plan arithmetic refused (target_batch < world_size, or a target
+            that would need more accumulation steps than ``autotune.plan`` allows) (422).
+        BudgetTooSmall: not even one sample (or multiple_of) fits the given budget (422).
     """
-    if found.measured is not None:
+    measured = found.measured_for(world_size)
+    if measured is not None:
         return _measured(
-            found.measured,
+            measured,
             target_batch=target_batch,
             world_size=world_size,
             budget_bytes=budget_bytes,
             headroom=headroom,
         )
-    with_fit = [c for c in found.elsewhere if c.fit is not None]
+    # Newest first, those probed with the job's DDP-ness (world size 1 vs > 1) before the others.
+    with_fit = sorted(
+        (c for c in found.elsewhere if c.fit is not None), key=lambda c: c.uses_ddp != (world_size > 1)
+    )
     if budget_bytes is not None and with_fit:
         return _predicted(
             with_fit[0],

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 
+import pytest
 from fastapi.testclient import TestClient
 
 from autotune.plan import micro_batch_for_limit, plan
@@ -231,3 +233,246 @@ def test_another_process_write_is_seen_within_the_cache_ttl(make_client: Callabl
     assert reader.get(SUGGEST, params=params).status_code == 404
     _upload(writer)
     assert reader.get(SUGGEST, params=params).status_code == 200
+
+
+# --- The plan arithmetic off the event loop, and its errors -------------------------------------
+
+
+def _upload_payload(client: TestClient, payload: dict[str, object]) -> int:
+    response = client.post("/api/v1/profiles", json=payload, headers=WRITE)
+    assert response.status_code == 201, response.text
+    return int(response.json()["id"])
+
+
+def _suggest_error(client: TestClient, **params: object) -> dict[str, object]:
+    query = {"fingerprint": FINGERPRINT, "device_name": DEFAULT_DEVICE, **params}
+    response = client.get(SUGGEST, params=query)
+    assert response.status_code == 422, response.text
+    error: dict[str, object] = response.json()["error"]
+    return error
+
+
+def test_the_plan_is_computed_in_a_worker_thread_not_on_the_event_loop(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import autotune_server.api as api
+
+    seen: list[bool] = []
+    original = api.compute_suggestion
+
+    def spy(*args: object, **kwargs: object) -> Suggestion:
+        try:
+            asyncio.get_running_loop()
+            seen.append(True)
+        except RuntimeError:
+            seen.append(False)  # no running loop: a worker thread
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(api, "compute_suggestion", spy)
+    _upload(client)
+    assert _suggest(client, target_batch=64).source == "measured"
+    assert seen == [False]
+
+
+def test_a_target_needing_absurdly_many_steps_is_422_naming_the_problem(client: TestClient) -> None:
+    _upload(client, max_micro_batch=24)
+    target = 2**40 - 2**30  # the largest the API accepts: over 2**24 accumulation steps of 24
+    error = _suggest_error(client, target_batch=target)
+    assert error["code"] == "invalid_plan_request"
+    assert error["field"] == "target_batch"
+    assert "accumulation steps" in str(error["message"]) and str(target) in str(error["message"])
+
+
+def test_the_target_check_still_names_target_batch_with_multiple_of(client: TestClient) -> None:
+    payload = profile_payload(max_micro_batch=24)
+    payload["multiple_of"] = 8
+    _upload_payload(client, payload)
+    error = _suggest_error(client, target_batch=2, world_size=8)
+    assert error["code"] == "invalid_plan_request" and error["field"] == "target_batch"
+    assert "smaller than world_size" in str(error["message"])
+
+
+def test_a_stored_maximum_below_multiple_of_is_422_naming_both(client: TestClient) -> None:
+    payload = profile_payload(max_micro_batch=24)
+    payload["multiple_of"] = 32  # inconsistent, but a valid upload
+    _upload_payload(client, payload)
+    error = _suggest_error(client, target_batch=64)
+    assert error["code"] == "invalid_plan_request" and error["field"] == "fingerprint"
+    assert "max_micro_batch 24" in str(error["message"]) and "multiple_of 32" in str(error["message"])
+
+
+# --- multiple_of --------------------------------------------------------------------------------
+
+
+def test_measured_plan_respects_the_profiles_multiple_of(client: TestClient) -> None:
+    payload = profile_payload(max_micro_batch=24)
+    payload["multiple_of"] = 8
+    _upload_payload(client, payload)
+    for target in (40, 100, 24 * 7, 1000):
+        got = _suggest(client, target_batch=target)
+        expected = plan(24, target, 1, multiple_of=8)
+        assert (got.micro_batch, got.accumulation_steps, got.exact) == (
+            expected.micro_batch,
+            expected.accumulation_steps,
+            expected.exact,
+        )
+        assert got.micro_batch % 8 == 0
+
+
+def test_capped_measured_size_is_rounded_down_to_multiple_of(client: TestClient) -> None:
+    # Trials at 1, 2, 12, 24 with peak = 1000 + 100 m: within 3000 bytes the largest measured is 12.
+    payload = profile_payload(max_micro_batch=24, fixed_bytes=1000, bytes_per_sample=100, budget_bytes=10**6)
+    payload["multiple_of"] = 8
+    _upload_payload(client, payload)
+    got = _suggest(client, target_batch=64, budget_bytes=3000, headroom=0.0)
+    assert (got.source, got.max_micro_batch, got.micro_batch, got.accumulation_steps) == ("measured", 8, 8, 8)
+
+
+def test_predicted_plan_respects_the_profiles_multiple_of(client: TestClient) -> None:
+    payload = profile_payload(device_name=H100, fixed_bytes=10 * 2**30, bytes_per_sample=2.5 * 2**30)
+    payload["multiple_of"] = 4
+    _upload_payload(client, payload)
+    got = _suggest(client, target_batch=60, budget_bytes=40 * 2**30, headroom=0.1)
+    assert got.source == "predicted"
+    assert got.max_micro_batch == 8  # the fit allows 10
+    assert got.micro_batch % 4 == 0
+    expected = plan(8, 60, 1, multiple_of=4)
+    assert (got.micro_batch, got.accumulation_steps) == (expected.micro_batch, expected.accumulation_steps)
+
+
+# --- World size: DDP-ness of the profile vs the job ---------------------------------------------
+
+
+def _ddp_payload(world_size: int, **kwargs: object) -> dict[str, object]:
+    payload = profile_payload(**kwargs)
+    payload["world_size"] = world_size
+    return payload
+
+
+def test_a_profile_with_the_jobs_ddp_ness_is_preferred_over_a_newer_one(client: TestClient) -> None:
+    ddp = _upload_payload(client, _ddp_payload(4, seed=1, max_micro_batch=16))
+    single = _upload_payload(client, _ddp_payload(1, seed=5, max_micro_batch=24))  # newer
+    on_two = _suggest(client, target_batch=64, world_size=2)
+    assert (on_two.source, on_two.profile_id, on_two.max_micro_batch) == ("measured", ddp, 16)
+    assert not any("world size" in w for w in on_two.warnings)
+    on_one = _suggest(client, target_batch=64, world_size=1)
+    assert (on_one.profile_id, on_one.max_micro_batch) == (single, 24)
+    assert not any("world size" in w for w in on_one.warnings)
+    # Newest within the same DDP-ness still wins.
+    newer_ddp = _upload_payload(client, _ddp_payload(2, seed=9, max_micro_batch=20))
+    assert _suggest(client, target_batch=64, world_size=8).profile_id == newer_ddp
+
+
+def test_a_single_process_profile_serves_a_ddp_job_with_a_warning(client: TestClient) -> None:
+    profile_id = _upload(client, max_micro_batch=24)
+    got = _suggest(client, target_batch=64, world_size=2)
+    assert (got.source, got.profile_id, got.world_size) == ("measured", profile_id, 2)
+    (warning,) = [w for w in got.warnings if "world size 1" in w]
+    assert f"profile {profile_id}" in warning
+    assert "gradient buckets" in warning and "--world-size 2" in warning
+
+
+def test_a_ddp_profile_serves_a_single_process_job_noting_it_is_conservative(client: TestClient) -> None:
+    profile_id = _upload_payload(client, _ddp_payload(4, max_micro_batch=24))
+    got = _suggest(client, target_batch=64, world_size=1)
+    assert (got.source, got.profile_id) == ("measured", profile_id)
+    (note,) = [w for w in got.warnings if "DDP" in w]
+    assert "world size 4" in note and "conservative" in note
+
+
+def test_a_prediction_prefers_a_fit_with_the_jobs_ddp_ness(client: TestClient) -> None:
+    ddp = _upload_payload(client, _ddp_payload(2, seed=1, device_name=H100))
+    single = _upload_payload(client, _ddp_payload(1, seed=7, device_name=H100))  # newer
+    on_two = _suggest(client, target_batch=64, world_size=2, budget_bytes=40 * 2**30)
+    assert (on_two.source, on_two.profile_id) == ("predicted", ddp)
+    on_one = _suggest(client, target_batch=64, world_size=1, budget_bytes=40 * 2**30)
+    assert (on_one.source, on_one.profile_id) == ("predicted", single)
+
+
+# --- Predictions: the step phase the fit does not see -------------------------------------------
+
+
+def _step_dominated_payload(**kwargs: object) -> dict[str, object]:
+    """The fit is of the forward/backward peaks (1 GiB + 1 GiB x m); the whole peak is flat at
+    20 GiB up to m = 16 while the optimizer step dominates, then follows the activations."""
+    payload = profile_payload(device_name=H100, fixed_bytes=2**30, bytes_per_sample=2**30, **kwargs)
+    gib = 2**30
+    payload["trials"] = [
+        {"micro_batch": 1, "peak_bytes": 20 * gib, "fits": True, "forward_backward_bytes": 2 * gib},
+        {"micro_batch": 2, "peak_bytes": 20 * gib, "fits": True, "forward_backward_bytes": 3 * gib},
+        {"micro_batch": 12, "peak_bytes": 20 * gib, "fits": True, "forward_backward_bytes": 13 * gib},
+        {"micro_batch": 24, "peak_bytes": 25 * gib, "fits": True, "forward_backward_bytes": 25 * gib},
+        {"micro_batch": 25, "peak_bytes": 80 * gib, "fits": False, "oom": True},
+    ]
+    return payload
+
+
+def test_a_prediction_needs_the_smallest_measured_whole_peak_to_fit_too(client: TestClient) -> None:
+    _upload_payload(client, _step_dominated_payload())
+    # 18 GiB: the fit alone would allow 17 samples, but the step phase alone takes 20 GiB.
+    error = _suggest_error(client, target_batch=64, budget_bytes=18 * 2**30, headroom=0.0)
+    assert error["code"] == "budget_too_small" and error["field"] == "budget_bytes"
+    message = str(error["message"])
+    assert "weights and optimizer state alone take about" in message and str(20 * 2**30) in message
+
+
+def test_a_prediction_within_both_bounds_is_answered(client: TestClient) -> None:
+    _upload_payload(client, _step_dominated_payload())
+    got = _suggest(client, target_batch=64, budget_bytes=21 * 2**30, headroom=0.0)
+    assert got.source == "predicted"
+    assert got.max_micro_batch == 20  # fit: 1 GiB + 1 GiB x 20 <= 21 GiB; step phase 20 GiB <= 21 GiB
+    assert got.peak_bytes is not None and got.peak_bytes >= 20 * 2**30
+
+
+def test_a_prediction_ignores_oom_trials_for_the_step_phase(client: TestClient) -> None:
+    payload = _step_dominated_payload()
+    trials = payload["trials"]
+    assert isinstance(trials, list)
+    # An OOM at m = 1 says nothing reliable about the peak; the smallest measured one is m = 2.
+    trials.insert(0, {"micro_batch": 1, "peak_bytes": 79 * 2**30, "fits": False, "oom": True})
+    del trials[1]
+    _upload_payload(client, payload)
+    assert _suggest(client, target_batch=64, budget_bytes=21 * 2**30, headroom=0.0).max_micro_batch == 20
+
+
+# --- headroom without budget_bytes applies to the profile's own budget --------------------------
+
+
+def _small_budget_profile(client: TestClient, **extra: object) -> int:
+    # Trials at 1, 2, 12, 24 with peak = 1000 + 100 m (1100, 1200, 2200, 3400); measured within
+    # 4000 x 0.9 = 3600 bytes.
+    payload = profile_payload(max_micro_batch=24, fixed_bytes=1000, bytes_per_sample=100, budget_bytes=4000)
+    payload.update(extra)
+    return _upload_payload(client, payload)
+
+
+def test_a_stricter_headroom_alone_caps_at_the_largest_measured_size_within_it(client: TestClient) -> None:
+    profile_id = _small_budget_profile(client)
+    got = _suggest(client, target_batch=24, headroom=0.4)  # 4000 x 0.6 = 2400 bytes
+    assert (got.source, got.profile_id, got.max_micro_batch, got.budget_bytes) == ("measured", profile_id, 12, 4000)
+    assert got.peak_bytes == 2200
+    assert any("below" in w and "2400" in w for w in got.warnings)
+
+
+def test_a_looser_headroom_alone_keeps_the_measured_maximum(client: TestClient) -> None:
+    _small_budget_profile(client)
+    got = _suggest(client, target_batch=24, headroom=0.0)
+    assert (got.source, got.max_micro_batch) == ("measured", 24)
+    assert any("probe again" in w for w in got.warnings)
+    same = _suggest(client, target_batch=24, headroom=0.1)
+    assert same.max_micro_batch == 24 and not same.warnings
+
+
+def test_a_headroom_no_measured_size_fits_falls_back_to_a_prediction(client: TestClient) -> None:
+    # multiple_of 8: the sizes within 2000 bytes (1 and 2) are not usable; the fit allows 10 -> 8.
+    _small_budget_profile(client, multiple_of=8)
+    got = _suggest(client, target_batch=64, headroom=0.5)
+    assert (got.source, got.device_name, got.max_micro_batch, got.micro_batch) == ("predicted", DEFAULT_DEVICE, 8, 8)
+    assert any("predicted" in w for w in got.warnings)
+
+
+def test_a_headroom_leaving_less_than_the_weights_is_422(client: TestClient) -> None:
+    _small_budget_profile(client)
+    error = _suggest_error(client, target_batch=64, headroom=0.8)  # 800 bytes < 1100 at m = 1
+    assert error["code"] == "budget_too_small" and error["field"] == "headroom"
+    assert "weights and optimizer state alone take about 1100 bytes" in str(error["message"])
