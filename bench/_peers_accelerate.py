@@ -3,7 +3,8 @@
 The decorated function is what Accelerate's documentation asks for: everything that depends on the
 batch size is built inside it. It builds a fresh model and optimizer and runs autotune's trial cycle
 written as a user's loop (2 micro-batches accumulated, step, ``zero_grad(set_to_none=True)``, 2 more,
-step), each micro-batch made just before its forward and dropped after its backward. On an OOM
+step), each micro-batch made just before its forward and dropped after its backward, the model on the
+meter's device (moved there as a user would, ``model.to(device)``). On an OOM
 Accelerate multiplies the batch size by 0.9 and calls it again; the first size that runs is its answer.
 """
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import time
 
+import torch
 from _peers_lightning import PeerRun, PeerTrial
-from _peers_meter import PeerMeter
+from _peers_meter import CudaPeerMeter, PeerMeter
 from accelerate.utils import find_executable_batch_size
 from accelerate.utils.memory import should_reduce_batch_size
 
@@ -20,9 +22,11 @@ from autotune.task import ProbeTask
 from autotune.trial import MICRO_BATCHES_PER_STEP, OPTIMIZER_STEPS, move_to_device
 
 
-def training_step(task: ProbeTask, micro_batch: int) -> None:
+def training_step(task: ProbeTask, micro_batch: int, device: torch.device) -> None:
     """Autotune's trial as a plain training loop: fresh model and optimizer, 2 x (2 accumulated, step)."""
     model = task.model().train()
+    if device.type != "cpu":
+        model = model.to(device)
     optimizer = task.make_optimizer(model.parameters())
     for _ in range(OPTIMIZER_STEPS):
         for _ in range(MICRO_BATCHES_PER_STEP):
@@ -34,7 +38,7 @@ def training_step(task: ProbeTask, micro_batch: int) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def run_accelerate(task: ProbeTask, meter: PeerMeter, *, starting_batch_size: int) -> PeerRun:
+def run_accelerate(task: ProbeTask, meter: PeerMeter | CudaPeerMeter, *, starting_batch_size: int) -> PeerRun:
     """Run ``find_executable_batch_size(starting_batch_size=...)`` with every call under ``meter.enforcing()``."""
     if task.precision != "fp32":
         raise NotImplementedError("the Accelerate runner drives fp32 tasks only (the examples are fp32)")
@@ -47,7 +51,7 @@ def run_accelerate(task: ProbeTask, meter: PeerMeter, *, starting_batch_size: in
         oom = False
         try:
             with meter.enforcing():
-                training_step(task, batch_size)
+                training_step(task, batch_size, meter.device)
         except Exception as exc:
             oom = should_reduce_batch_size(exc)
             raise

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from _peers_meter import PeerMeter
+from _peers_meter import CudaPeerMeter, PeerMeter
 from pytorch_lightning.tuner import Tuner
 from pytorch_lightning.tuner import batch_size_scaling as scaling
 from pytorch_lightning.utilities.memory import is_oom_error
@@ -110,12 +110,13 @@ class SizesDataModule(pl.LightningDataModule):
 
 
 def run_lightning(
-    task: ProbeTask, meter: PeerMeter, *, mode: str, max_trials: int = 25, init_val: int = 2
+    task: ProbeTask, meter: PeerMeter | CudaPeerMeter, *, mode: str, max_trials: int = 25, init_val: int = 2
 ) -> PeerRun:
     """Run ``Tuner(trainer).scale_batch_size(mode=mode)`` with every trial under ``meter.enforcing()``.
 
     Trials are counted by wrapping Lightning's ``_try_loop_run`` (one call per batch size tried),
-    which is also where the budget is switched on.
+    which is also where the budget is switched on. The Trainer runs on the meter's device (the CPU, or
+    the one CUDA device of a CudaPeerMeter).
     """
     run = PeerRun(name=f"lightning-{mode}", micro_batch=None)
     datamodule = SizesDataModule(init_val)
@@ -139,8 +140,8 @@ def run_lightning(
         # Lightning advises on workers, loggers and the like; none of it concerns the search.
         warnings.simplefilter("ignore")
         trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
+            accelerator=meter.device.type,
+            devices=1 if meter.device.type == "cpu" else [meter.device.index],
             precision=_PRECISION[task.precision],  # type: ignore[arg-type]
             accumulate_grad_batches=2,
             max_epochs=1,

@@ -1,5 +1,8 @@
-"""The CPU meter as the peers see it: the same live-storage accounting, a budget of budget x (1 - headroom),
-the budget enforced only while a peer's trial runs, and an OOM message the peers recognise.
+"""The meters as the peers see them: the same accounting as autotune's, a budget of budget x (1 - headroom),
+the budget enforced only while a peer's trial runs, and an OOM the peers recognise.
+
+:class:`PeerMeter` is the CPU meter's; :class:`CudaPeerMeter` is the CUDA meter's (``bench/peers.py
+--device cuda``), where the OOM is CUDA's own and both peers recognise its text as it is.
 
 Why a different budget: autotune's meter raises at the budget and autotune calls a trial that stays under
 the budget but over budget x (1 - headroom) "over limit" from the measured peak. A peer sees nothing but
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from autotune.meters import CpuMeter, CpuOutOfMemoryError
+from autotune.meters import CpuMeter, CpuOutOfMemoryError, CudaMeter
 
 # What PyTorch's DefaultCPUAllocator says when malloc fails; both peers match it as a substring.
 PEER_OOM_TEXT = "DefaultCPUAllocator: can't allocate memory"
@@ -96,3 +99,58 @@ def recognition(predicate: Callable[[BaseException], bool]) -> dict[str, bool]:
         peer = exc
     assert peer is not None
     return {"autotune_cpu_meter_oom": bool(predicate(own)), "peer_meter_oom": bool(predicate(peer))}
+
+
+class CudaPeerMeter(CudaMeter):
+    """A CudaMeter whose budget binds only inside :meth:`enforcing`: there the allocator's per-process
+    memory fraction is what :class:`CudaMeter` sets (budget less the memory outside the allocator, read
+    now), outside it the fraction is 1. Crossing it is a real ``torch.OutOfMemoryError`` ("CUDA out of
+    memory"), which Lightning and Accelerate recognise by its text.
+    """
+
+    def __init__(self, index: int, budget_bytes: int) -> None:
+        super().__init__(index, budget_bytes)
+        self._fraction = 1.0
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+
+    @contextmanager
+    def _fraction_set_to(self, fraction: float) -> Iterator[None]:
+        previous, self._fraction = self._fraction, fraction
+        torch.cuda.set_per_process_memory_fraction(fraction, self.index)
+        try:
+            yield
+        finally:
+            self._fraction = previous
+            torch.cuda.set_per_process_memory_fraction(previous, self.index)
+
+    @contextmanager
+    def enforcing(self) -> Iterator[None]:
+        """Enforce the budget for one trial of a peer."""
+        allocator_bytes = max(0, self.budget_bytes - self._outside_bytes())
+        with self._fraction_set_to(min(1.0, allocator_bytes / self.total_bytes)):
+            yield
+
+    @contextmanager
+    def unbounded(self) -> Iterator[None]:
+        with self._fraction_set_to(1.0):
+            yield
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes the caching allocator has handed out now (tensors alive on the device)."""
+        return int(torch.cuda.memory_allocated(self.index))
+
+
+def cuda_recognition(predicates: dict[str, Callable[[BaseException], bool]], index: int = 0) -> dict[str, bool]:
+    """Whether each peer's OOM predicate accepts a real CUDA OOM raised under a :class:`CudaPeerMeter`."""
+    meter = CudaPeerMeter(index, 1 << 30)
+    oom: BaseException | None = None
+    try:
+        with meter.measure(), meter.enforcing():
+            torch.empty(2 * meter.budget_bytes, dtype=torch.uint8, device=meter.device)
+    except torch.OutOfMemoryError as exc:
+        oom = exc.with_traceback(None)
+    finally:
+        meter.close()
+    assert oom is not None, "2 GiB under a 1 GiB budget must raise"
+    return {name: bool(predicate(oom)) for name, predicate in predicates.items()}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with one NVIDIA GPU, in under 5 minutes: the GPU tests, the examples probed on the
-# card, 50 real training steps at each chosen m, and the CLI's datasheet. Prints everything it measures.
+# card, 50 real training steps at each chosen m, the CLI's datasheet, and the peer benchmark
+# (autotune beside Lightning's BatchSizeFinder and Accelerate) on the card. Prints everything it measures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -17,5 +18,25 @@ echo "== CLI datasheet on cuda"
 timeout 60 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 512 || status=1
 echo "== --device all (one spawned process per GPU)"
 timeout 60 "$PY" -m autotune.cli probe examples/cnn.py:task --device all --budget 2GiB --target-batch 256 || status=1
+echo "== peer benchmark on cuda: autotune, Lightning BatchSizeFinder, Accelerate (bench/peers.py)"
+# pytorch-lightning and accelerate come with the `bench` extra. The GPU machine may have no network:
+# a failed install does not fail the check, and peers.py then says it skipped (exit 3).
+if ! "$PY" -c "import pytorch_lightning, accelerate" >/dev/null 2>&1; then
+  timeout 60 "$PY" -m pip install -q --disable-pip-version-check --retries 0 --timeout 10 -e '.[bench]' 2>&1 | tail -n 3 \
+    || echo "(pip install -e '.[bench]' failed: no network here?)"
+fi
+# The whole check stays under 5 minutes: the peers get what is left of 290 s, at most 150 s.
+left=$((290 - SECONDS))
+if [ "$left" -lt 60 ]; then
+  echo "peer benchmark SKIPPED: ${left}s left of the check's 5 minutes, it needs about 90"
+else
+  timeout $((left < 150 ? left : 150)) "$PY" bench/peers.py --device cuda --output bench/results/peers_cuda.json
+  rc=$?
+  if [ "$rc" -eq 3 ]; then
+    echo "peer comparison skipped: the bench extra is not installed (pip install -e '.[bench]'); not a failure"
+  elif [ "$rc" -ne 0 ]; then
+    status=1
+  fi
+fi
 echo "== gpu_check exit status: $status"
 exit $status

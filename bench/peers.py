@@ -3,6 +3,7 @@
     .venv/bin/pip install -e '.[bench]'        # pytorch-lightning and accelerate (keep the torch you have)
     .venv/bin/python bench/peers.py            # 9 cases, a few minutes on 2 cores
     .venv/bin/python bench/peers.py --cases mlp --output /tmp/peers.json
+    .venv/bin/python bench/peers.py --device cuda   # 3 cases on one GPU, about a minute (bench/gpu_check.sh)
 
 For each example task at three budgets (the cases of tests/autotune/test_probe.py, headroom 0.10), on
 the CPU meter:
@@ -19,6 +20,16 @@ at B x (1 - headroom), which makes "no OOM" mean "fits" (bench/_peers_meter.py).
 OOM by message text only; the peers' meter raises torch.OutOfMemoryError with the text of PyTorch's
 CPU allocator, and the script prints whether each peer recognises autotune's own CPU-meter OOM.
 
+With ``--device cuda`` (one case per example, written to bench/results/peers_cuda.json): autotune probes
+with ``device="cuda:0"`` and its CudaMeter (the budget enforced through the allocator's per-process memory
+fraction; the figure is max_memory_reserved plus this process's memory outside the allocator); the peers
+run the same training step on the GPU under a CudaMeter of budget B x (1 - headroom) that binds only inside
+their trials (bench/_peers_meter.py ``CudaPeerMeter``), so their real CUDA OOMs mean "does not fit"; the
+truth is the same exhaustive trial with a CudaMeter. The CUDA context and what the allocator keeps (cuBLAS
+workspaces) count in the budget and differ between machines, so each CUDA budget is set from the meter's
+resting figure, measured after one warm-up trial: B = (resting + room) / (1 - headroom), in whole MiB,
+with the room per example in :data:`CUDA_CASES` (chosen for an m_true in the tens to hundreds).
+
 Prints a markdown table (per case and method: m found, m_true, trials, OOMs, wall and CPU seconds,
 autotune/peer ratios of trials and wall seconds) and writes it all as JSON. Wall seconds on a shared
 machine are noisy; CPU seconds of this process are printed beside them, and every method runs with
@@ -32,6 +43,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -40,11 +52,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _peers_accelerate import run_accelerate
-from _peers_lightning import PeerRun, PeerTrial, run_lightning
-from _peers_meter import PEER_OOM_TEXT, PeerMeter, recognition
 
-from autotune.meters import CpuMeter
+try:
+    from _peers_accelerate import run_accelerate
+    from _peers_lightning import PeerRun, PeerTrial, run_lightning
+except ModuleNotFoundError as exc:  # pytorch-lightning or accelerate (the `bench` extra) is not installed
+    MISSING_BENCH_EXTRA: ModuleNotFoundError | None = exc
+else:
+    MISSING_BENCH_EXTRA = None
+from _peers_meter import PEER_OOM_TEXT, CudaPeerMeter, PeerMeter, cuda_recognition, recognition
+
+from autotune.meters import CpuMeter, CudaMeter, Meter
 from autotune.probe import ProbeConfig, probe
 from autotune.task import load_task
 from autotune.trial import run_trial
@@ -57,13 +75,49 @@ REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 CASES = CPU_BUDGET_CASES
 PEERS = ("lightning-binsearch", "lightning-power", "accelerate")
+# --device cuda: (example, MiB of room above the CUDA meter's resting figure up to B x (1 - headroom)).
+# Chosen for an m_true in the tens to hundreds away from the caching allocator's jumps: a request over
+# 1 MiB takes a 20 MiB segment, one of 10 MiB or more a segment of its own. gpt (~0.8 MiB a sample on
+# the CPU meter, its largest tensors 64 KiB a sample) and cnn (~0.35 MiB, 64 KiB) stay under m = 160,
+# where those tensors reach 10 MiB. The mlp (~5 KiB a sample) is set by the allocator: its input (4 KiB
+# a sample) fits the 2 MiB small-pool segments up to m = 256 and needs a 20 MiB segment from m = 257,
+# or 12 MiB from m = 2561, so 10 MiB of room puts its m_true at 256 whatever its few small segments take.
+CUDA_CASES: list[tuple[str, float]] = [("gpt", 80), ("cnn", 40), ("mlp", 10)]
+CUDA_INDEX = 0
+SKIPPED_EXIT = 3  # the `bench` extra is not installed: nothing was compared
 
 
-def run_autotune(spec: str, budget_bytes: int) -> PeerRun:
+def _meter(device: str, budget_bytes: int) -> Meter:
+    return CpuMeter(budget_bytes) if device == "cpu" else CudaMeter(CUDA_INDEX, budget_bytes)
+
+
+def _peer_meter(device: str, limit_bytes: int) -> PeerMeter | CudaPeerMeter:
+    return PeerMeter(limit_bytes) if device == "cpu" else CudaPeerMeter(CUDA_INDEX, limit_bytes)
+
+
+def cuda_resting_bytes(warm_up_spec: str | None = None) -> int:
+    """The CUDA meter's figure for no work, after one trial of warm_up_spec at m = 2 (if given).
+
+    The warm-up loads what the first trial loads (kernels, cuBLAS handles and workspaces, which the
+    allocator keeps), so that the resting figure is what every later trial starts from.
+    """
+    meter = CudaMeter(CUDA_INDEX)
+    try:
+        if warm_up_spec is not None:
+            run_trial(load_task(warm_up_spec), meter, 2, limit_bytes=meter.budget_bytes)
+        with meter.measure():
+            pass
+        return meter.reading().peak_bytes
+    finally:
+        meter.close()
+
+
+def run_autotune(spec: str, budget_bytes: int, device: str = "cpu") -> PeerRun:
     """autotune's probe, its trials in the same shape as a peer's."""
     task = load_task(spec)
     wall, cpu = time.perf_counter(), time.process_time()
-    profile = probe(task, ProbeConfig(device="cpu", budget_bytes=budget_bytes, headroom=HEADROOM))
+    probe_device = "cpu" if device == "cpu" else f"cuda:{CUDA_INDEX}"
+    profile = probe(task, ProbeConfig(device=probe_device, budget_bytes=budget_bytes, headroom=HEADROOM))
     run = PeerRun(name="autotune", micro_batch=profile.max_micro_batch)
     run.seconds = round(time.perf_counter() - wall, 3)
     run.cpu_seconds = round(time.process_time() - cpu, 3)
@@ -71,7 +125,7 @@ def run_autotune(spec: str, budget_bytes: int) -> PeerRun:
     return run
 
 
-def exhaustive(spec: str, budget_bytes: int, upto: int) -> tuple[int, list[int], float]:
+def exhaustive(spec: str, budget_bytes: int, upto: int, device: str = "cpu") -> tuple[int, list[int], float]:
     """(largest fitting m, every fitting m, seconds): autotune's trial at every m from 1 to upto.
 
     The truth is not a timed contestant, so it runs with the heap that existed before it frozen
@@ -79,7 +133,7 @@ def exhaustive(spec: str, budget_bytes: int, upto: int) -> tuple[int, list[int],
     makes a trial on these small models about a hundred times faster and changes no byte it counts.
     """
     task = load_task(spec)
-    meter = CpuMeter(budget_bytes)
+    meter = _meter(device, budget_bytes)
     limit = int(budget_bytes * (1 - HEADROOM))
     started = time.perf_counter()
     frozen = gc.get_freeze_count() > 0
@@ -87,6 +141,7 @@ def exhaustive(spec: str, budget_bytes: int, upto: int) -> tuple[int, list[int],
     try:
         fitting = [m for m in range(1, upto + 1) if run_trial(task, meter, m, limit_bytes=limit).fits]
     finally:
+        meter.close()
         if not frozen:
             gc.unfreeze()
     return (max(fitting) if fitting else 0), fitting, round(time.perf_counter() - started, 3)
@@ -125,7 +180,16 @@ class GcClock:
         gc.collect = self._collect
 
 
-def run_case(name: str, budget_mib: float, lightning_max_trials: int) -> dict[str, Any]:
+def _run_peer(device: str, limit: int, run: Any, *args: Any, **kwargs: Any) -> PeerRun:
+    """A peer under a fresh peer meter, closed afterwards (the CUDA one resets the memory fraction)."""
+    meter = _peer_meter(device, limit)
+    try:
+        return run(*args, meter, **kwargs)
+    finally:
+        meter.close()
+
+
+def run_case(name: str, budget_mib: float, lightning_max_trials: int, device: str = "cpu") -> dict[str, Any]:
     """Every method on one case, then the truth; the accelerate start needs the truth, so it runs last."""
     spec = str(REPO / "examples" / f"{name}.py") + ":task"
     budget = int(budget_mib * MiB)
@@ -134,17 +198,19 @@ def run_case(name: str, budget_mib: float, lightning_max_trials: int) -> dict[st
     clocks = {key: GcClock() for key in ("autotune", *PEERS)}
     runs: dict[str, PeerRun] = {}
     with clocks["autotune"]:
-        runs["autotune"] = run_autotune(spec, budget)
+        runs["autotune"] = run_autotune(spec, budget, device)
     for mode in ("binsearch", "power"):
         with clocks[f"lightning-{mode}"]:
-            runs[f"lightning-{mode}"] = run_lightning(
-                task, PeerMeter(limit), mode=mode, max_trials=lightning_max_trials
+            runs[f"lightning-{mode}"] = _run_peer(
+                device, limit, run_lightning, task, mode=mode, max_trials=lightning_max_trials
             )
     found = [r.micro_batch for r in runs.values() if r.micro_batch is not None]
-    m_true, fitting, truth_seconds = exhaustive(spec, budget, max(found, default=1) + 3)
+    m_true, fitting, truth_seconds = exhaustive(spec, budget, max(found, default=1) + 3, device)
     monotone = fitting == list(range(1, m_true + 1))
     with clocks["accelerate"]:
-        runs["accelerate"] = run_accelerate(task, PeerMeter(limit), starting_batch_size=2 * max(m_true, 1))
+        runs["accelerate"] = _run_peer(
+            device, limit, run_accelerate, task, starting_batch_size=2 * max(m_true, 1)
+        )
     auto = runs["autotune"]
     methods = {}
     for key, run in runs.items():
@@ -258,8 +324,28 @@ def main(argv: list[str] | None = None) -> int:
         help="gc.freeze() the heap before every method (the same for all): what the times are without "
         "the full collections each method makes between trials",
     )
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "peers.json")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: the CPU meter, 3 budgets per example; cuda: cuda:0 and its meter, one budget per example",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None, help="default bench/results/peers.json (cpu), peers_cuda.json (cuda)"
+    )
     args = parser.parse_args(argv)
+    if args.output is None:
+        args.output = REPO / "bench" / "results" / ("peers.json" if args.device == "cpu" else "peers_cuda.json")
+    if MISSING_BENCH_EXTRA is not None:
+        print(
+            f"peers.py: skipped, the `bench` extra is not installed ({MISSING_BENCH_EXTRA}): "
+            "pip install -e '.[bench]' installs pytorch-lightning and accelerate",
+            file=sys.stderr,
+        )
+        return SKIPPED_EXIT
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"peers.py: --device cuda: CUDA is not available here (torch {torch.__version__})", file=sys.stderr)
+        return 2
     # Two intra-op threads on a 2-core machine that other work shares spin against each other and
     # make a trial 10-40x slower and its time noise; one thread is the same for every method.
     torch.set_num_threads(args.threads)
@@ -271,19 +357,37 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.utils.memory import should_reduce_batch_size
     from pytorch_lightning.utilities.memory import is_oom_error
 
-    recognised = {
-        "lightning is_oom_error": recognition(is_oom_error),
-        "accelerate should_reduce_batch_size": recognition(should_reduce_batch_size),
-    }
-    print(f"peers recognise (peer meter's OOM text: {PEER_OOM_TEXT!r}): {recognised}", file=sys.stderr)
+    if args.device == "cpu":
+        recognised: dict[str, Any] = {
+            "lightning is_oom_error": recognition(is_oom_error),
+            "accelerate should_reduce_batch_size": recognition(should_reduce_batch_size),
+        }
+        print(f"peers recognise (peer meter's OOM text: {PEER_OOM_TEXT!r}): {recognised}", file=sys.stderr)
+    else:
+        recognised = cuda_recognition(
+            {"lightning is_oom_error": is_oom_error, "accelerate should_reduce_batch_size": should_reduce_batch_size},
+            CUDA_INDEX,
+        )
+        print(f"peers recognise a real CUDA OOM under the peer meter: {recognised}", file=sys.stderr)
 
     if args.freeze_heap:
         gc.freeze()
-    selected = [(n, b) for n, b in CASES if not args.cases or n in args.cases]
+    table_cases = CASES if args.device == "cpu" else CUDA_CASES
+    selected = [(n, b) for n, b in table_cases if not args.cases or n in args.cases]
     started = time.perf_counter()
     cases = []
-    for name, budget_mib in selected:
-        case = run_case(name, budget_mib, args.lightning_max_trials)
+    for name, size_mib in selected:
+        cuda_facts: dict[str, Any] = {}
+        if args.device == "cpu":
+            budget_mib = size_mib
+        else:
+            resting = cuda_resting_bytes(str(REPO / "examples" / f"{name}.py") + ":task")
+            budget_mib = math.ceil((resting + size_mib * MiB) / (1 - HEADROOM) / MiB)
+            cuda_facts = {"room_mib": size_mib, "resting_bytes": resting}
+        case = run_case(name, budget_mib, args.lightning_max_trials, args.device)
+        if cuda_facts:
+            # A resting figure that grew during the case (kernels a peer loaded) moves the line for later methods.
+            case.update(cuda_facts, resting_after_bytes=cuda_resting_bytes())
         brief = {k: (v["micro_batch"], v["trials"], v["ooms"], v["seconds"]) for k, v in case["methods"].items()}
         print(f"{name} {budget_mib} MiB: m_true {case['m_true']}; (m, trials, OOMs, s) {brief}", file=sys.stderr)
         cases.append(case)
@@ -294,11 +398,18 @@ def main(argv: list[str] | None = None) -> int:
     import accelerate
     import pytorch_lightning
 
-    result = {
+    peer_meter = (
+        "CpuMeter accounting, budget = budget x (1 - headroom), enforced only inside peer trials, "
+        f"OOM message contains {PEER_OOM_TEXT!r}"
+        if args.device == "cpu"
+        else "CudaMeter accounting (max_memory_reserved + memory outside the allocator), budget = budget x "
+        "(1 - headroom), enforced through the per-process memory fraction only inside peer trials, "
+        "the OOM is CUDA's own"
+    )
+    result: dict[str, Any] = {
         "command": "python bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "headroom": HEADROOM,
-        "peer_meter": "CpuMeter accounting, budget = budget x (1 - headroom), enforced only inside peer trials, "
-        f"OOM message contains {PEER_OOM_TEXT!r}",
+        "peer_meter": peer_meter,
         "versions": {
             "torch": torch.__version__,
             "pytorch_lightning": pytorch_lightning.__version__,
@@ -312,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summ,
         "cases": cases,
     }
+    if args.device == "cuda":
+        result["device"] = {
+            "name": torch.cuda.get_device_name(CUDA_INDEX),
+            "cuda": torch.version.cuda,
+            "budget": "B = (resting figure after a warm-up trial + room_mib) / (1 - headroom), in whole MiB",
+        }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.output} ({result['total_seconds']} s)", file=sys.stderr)
