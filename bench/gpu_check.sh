@@ -11,13 +11,13 @@ echo "== device"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 echo "== GPU tests"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rs || status=1
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rs || status=1
 echo "== examples: probe, 50 training steps at the chosen m, m+1"
-timeout 120 "$PY" bench/gpu_train_check.py || status=1
+timeout 70 "$PY" bench/gpu_train_check.py || status=1
 echo "== CLI datasheet on cuda"
-timeout 60 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 512 || status=1
+timeout 30 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 512 || status=1
 echo "== --device all (one spawned process per GPU)"
-timeout 60 "$PY" -m autotune.cli probe examples/cnn.py:task --device all --budget 2GiB --target-batch 256 || status=1
+timeout 40 "$PY" -m autotune.cli probe examples/cnn.py:task --device all --budget 2GiB --target-batch 256 || status=1
 echo "== peer benchmark on cuda: autotune, Lightning BatchSizeFinder, Accelerate (bench/peers.py)"
 # pytorch-lightning and accelerate come with the `bench` extra. The GPU machine may have no network:
 # a failed install does not fail the check, and peers.py then says it skipped (exit 3).
