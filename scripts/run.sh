@@ -53,6 +53,6 @@ with TunerClient(base_url=url) as client:
         print(f"uploaded {profile.task} as profile {client.upload(profile)}")
 PY
 echo
-echo "autotune is serving the examples' profiles at $URL (dashboard) and $URL/docs (API)."
+echo "autotune is serving the examples' profiles at $URL (dashboard); the API schema is $URL/openapi.json."
 echo "Press Ctrl-C to stop."
 wait $server_pid
