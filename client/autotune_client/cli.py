@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from autotune.report import datasheet, trial_line
 from autotune.schemas import Profile, Suggestion
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
@@ -98,26 +99,13 @@ def _row(summary: ProfileSummary) -> str:
 
 
 def _describe(stored: StoredProfile) -> str:
+    """The probe's own datasheet (one text for both), headed by the stored id, with every trial."""
     p = stored.profile
-    lines = [
-        f"profile {stored.id}: {p.task} on {p.device.name} ({p.precision})",
-        f"  fingerprint      {p.fingerprint}",
-        f"  budget           {p.budget_bytes} bytes, headroom {p.headroom:.0%}",
-        f"  max micro-batch  {p.max_micro_batch}",
-    ]
-    if p.fit is not None:
-        lines.append(f"  fit              {p.fit.fixed_bytes:.0f} + {p.fit.bytes_per_sample:.0f} x m bytes")
-    if p.plan is not None:
-        lines.append(
-            f"  plan             {p.plan.micro_batch} x {p.plan.accumulation_steps} x {p.plan.world_size}"
-            f" = {p.plan.effective_batch}"
-        )
-    lines.append(f"  trials           {len(p.trials)} ({p.oom_count} OOM)")
-    for trial in sorted(p.trials, key=lambda t: t.micro_batch):
-        verdict = "OOM" if trial.oom else ("fits" if trial.fits else "over budget")
-        lines.append(f"    m={trial.micro_batch:<7} peak {trial.peak_bytes:>14} bytes  {verdict}")
-    lines.extend(f"  warning: {w}" for w in p.warnings)
-    return "\n".join(lines)
+    trials = "\n".join(f"    {trial_line(t, p.limit_bytes)}" for t in p.trials)
+    return (
+        f"profile {stored.id}: {p.task} on {p.device.name} ({p.precision})\n"
+        f"{datasheet(p)}\n  trials, in the order they ran:\n{trials}"
+    )
 
 
 def profiles_command(

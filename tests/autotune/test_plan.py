@@ -20,7 +20,7 @@ def test_plan_properties(m_max: int, target: int, world: int) -> None:
             plan(m_max, target, world)
         return
     p = plan(m_max, target, world)
-    assert 1 <= p.micro_batch <= m_max
+    assert p.micro_batch >= 1 and p.micro_batch <= m_max
     assert p.effective_batch == p.micro_batch * p.accumulation_steps * world
     assert p.exact == (p.effective_batch == target)
     a_min = -(-target // (world * m_max))
