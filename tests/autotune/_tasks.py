@@ -16,3 +16,14 @@ def linear_task(**overrides: object) -> ProbeTask:
     }
     fields.update(overrides)
     return ProbeTask(**fields)
+
+
+def assert_profile_contract(data: dict) -> None:
+    """The keys DESIGN.md's "Contracts" promises in a Profile's JSON (other tools depend on them)."""
+    top = {"fingerprint", "task", "device", "budget_bytes", "headroom", "max_micro_batch", "plan", "trials", "fit"}
+    assert top <= set(data), top - set(data)
+    assert set(data["device"]) >= {"kind", "name", "index", "total_bytes"}
+    if data["plan"] is not None:
+        assert set(data["plan"]) >= {"micro_batch", "accumulation_steps", "world_size", "effective_batch", "exact"}
+    assert set(data["trials"][0]) >= {"micro_batch", "peak_bytes", "fits", "oom", "seconds"}
+    assert set(data["fit"]) == {"fixed_bytes", "bytes_per_sample"}

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.autotune._tasks import assert_profile_contract
+
 REPO = Path(__file__).resolve().parents[2]
 
 BAD_TASKS = """
@@ -47,18 +49,7 @@ def test_probe_json_contract(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     profile = json.loads(done.stdout)  # stdout is the profile and nothing else
     assert json.loads(out_file.read_text()) == profile
-    for key in (
-        "fingerprint",
-        "task",
-        "device",
-        "budget_bytes",
-        "headroom",
-        "max_micro_batch",
-        "plan",
-        "trials",
-        "fit",
-    ):
-        assert key in profile
+    assert_profile_contract(profile)
     plan = profile["plan"]
     assert plan["micro_batch"] * plan["accumulation_steps"] * plan["world_size"] == plan["effective_batch"] == 100
     assert "trial m=1" in done.stderr and "autotune datasheet: mlp" in done.stderr

@@ -13,6 +13,7 @@ from autotune.probe import ProbeConfig, probe, probe_with_meter
 from autotune.task import load_task
 from autotune.trial import run_trial
 from examples.cases import CPU_BUDGET_CASES, HEADROOM, task_spec
+from tests.autotune._tasks import assert_profile_contract
 
 MiB = 1 << 20
 CASES = [(task_spec(name), budget_mib) for name, budget_mib in CPU_BUDGET_CASES]
@@ -58,22 +59,7 @@ def test_profile_contract_and_plan() -> None:
         ProbeConfig(device="cpu", budget_bytes=4 * MiB, target_batch=64, world_size=2),
     )
     data = profile.model_dump(mode="json")
-    for key in (
-        "fingerprint",
-        "task",
-        "device",
-        "budget_bytes",
-        "headroom",
-        "max_micro_batch",
-        "plan",
-        "trials",
-        "fit",
-    ):
-        assert key in data
-    assert set(data["plan"]) >= {"micro_batch", "accumulation_steps", "world_size", "effective_batch", "exact"}
-    assert set(data["trials"][0]) >= {"micro_batch", "peak_bytes", "fits", "oom", "seconds"}
-    assert set(data["fit"]) == {"fixed_bytes", "bytes_per_sample"}
-    assert set(data["device"]) >= {"kind", "name", "index", "total_bytes"}
+    assert_profile_contract(data)
     plan = profile.plan
     assert plan is not None and plan.micro_batch <= profile.max_micro_batch
     assert plan.micro_batch * plan.accumulation_steps * 2 == 64 and plan.exact
