@@ -105,12 +105,17 @@ def plan(
     for steps in range(a_min, min(a_max, a_min + LINEAR_SCAN) + 1):
         ideal = target / (world * unit * steps)
         for units in {math.floor(ideal), math.ceil(ideal)}:
-            if 1 <= units <= units_max:
+            # A rounded-up plan may not pass the largest effective batch a Plan can carry.
+            if 1 <= units <= units_max and units * unit * steps * world <= MAX_TARGET_BATCH:
                 micro = units * unit
                 key = (abs(micro * steps * world - target), steps, -micro)
                 if best is None or key < best:
                     best = key
-    assert best is not None  # steps == a_min always admits some k in [1, units_max]
+    if best is None:  # only at the edge of MAX_TARGET_BATCH with huge world sizes
+        raise ValueError(
+            f"target_batch {target} cannot be reached with micro-batch <= {m_max} on {world} replicas "
+            f"without passing {MAX_TARGET_BATCH} samples per update"
+        )
     steps, micro = best[1], -best[2]
     effective = micro * steps * world
     deviation = effective - target

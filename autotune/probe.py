@@ -21,7 +21,7 @@ import autotune
 from autotune.errors import AutotuneError, BudgetError, DeviceError
 from autotune.fingerprint import task_fingerprint
 from autotune.meters import Meter, make_meter, resolve_device
-from autotune.plan import plan
+from autotune.plan import MAX_TARGET_BATCH, plan
 from autotune.schemas import PRECISIONS, Profile, Trial
 from autotune.search import NoFitError, find_max_micro_batch
 from autotune.task import ProbeTask
@@ -61,6 +61,8 @@ class ProbeConfig:
         if self.target_batch is not None:
             if self.target_batch < 1:
                 raise AutotuneError(f"target-batch must be a positive integer, got {self.target_batch}")
+            if self.target_batch > MAX_TARGET_BATCH:
+                raise AutotuneError(f"target-batch {self.target_batch} is larger than {MAX_TARGET_BATCH}")
             if self.target_batch < self.world_size:
                 raise AutotuneError(
                     f"target-batch {self.target_batch} is smaller than world-size {self.world_size}: "
@@ -157,11 +159,12 @@ def probe_with_meter(
                 gc.unfreeze()
 
     m_max = result.max_micro_batch
-    the_plan = (
-        plan(m_max, config.target_batch, config.world_size, multiple_of=config.multiple_of)
-        if config.target_batch
-        else None
-    )
+    the_plan = None
+    if config.target_batch:
+        try:
+            the_plan = plan(m_max, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+        except ValueError as exc:  # the measurement stands even where no plan reaches the target
+            warnings.append(f"no plan: {exc}")
     if the_plan is not None and not the_plan.exact:
         warnings.append(the_plan.note)
     if m_max >= config.max_micro_batch:

@@ -8,32 +8,35 @@ PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 status=0
 echo "== device"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+timeout -k 5 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+timeout -k 5 30 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 echo "== GPU tests"
-timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rs || status=1
+timeout -k 5 80 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rs || status=1
 echo "== examples: probe, 50 training steps at the chosen m, m+1"
-timeout 70 "$PY" bench/gpu_train_check.py || status=1
+timeout -k 5 60 "$PY" bench/gpu_train_check.py || status=1
 echo "== CLI datasheet on cuda"
-timeout 30 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 512 || status=1
+timeout -k 5 25 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 512 || status=1
 echo "== --device all (one spawned process per GPU)"
-timeout 40 "$PY" -m autotune.cli probe examples/cnn.py:task --device all --budget 2GiB --target-batch 256 || status=1
+timeout -k 5 25 "$PY" -m autotune.cli probe examples/cnn.py:task --device all --budget 2GiB --target-batch 256 || status=1
 echo "== peer benchmark on cuda: autotune, Lightning BatchSizeFinder, Accelerate (bench/peers.py)"
 # pytorch-lightning and accelerate come with the `bench` extra. The GPU machine may have no network:
 # a failed install does not fail the check, and peers.py then says it skipped (exit 3).
-if ! "$PY" -c "import pytorch_lightning, accelerate" >/dev/null 2>&1; then
-  timeout 60 "$PY" -m pip install -q --disable-pip-version-check --retries 0 --timeout 10 -e '.[bench]' 2>&1 | tail -n 3 \
+if ! timeout -k 5 30 "$PY" -c "import pytorch_lightning, accelerate" >/dev/null 2>&1; then
+  timeout -k 5 40 "$PY" -m pip install -q --disable-pip-version-check --retries 0 --timeout 10 -e '.[bench]' 2>&1 | tail -n 3 \
     || echo "(pip install -e '.[bench]' failed: no network here?)"
 fi
 # The whole check stays under 5 minutes: the peers get what is left of 290 s, at most 150 s.
 left=$((290 - SECONDS))
-if [ "$left" -lt 60 ]; then
+if [ "$left" -lt 90 ]; then
   echo "peer benchmark SKIPPED: ${left}s left of the check's 5 minutes, it needs about 90"
 else
-  timeout $((left < 150 ? left : 150)) "$PY" bench/peers.py --device cuda --output bench/results/peers_cuda.json
+  timeout -k 5 $((left < 150 ? left : 150)) "$PY" bench/peers.py --device cuda --output bench/results/peers_cuda.json
   rc=$?
   if [ "$rc" -eq 3 ]; then
     echo "peer comparison skipped: the bench extra is not installed (pip install -e '.[bench]'); not a failure"
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "peer benchmark TIMED OUT within the check's 5 minutes (rerun bench/peers.py --device cuda alone)"
+    status=1
   elif [ "$rc" -ne 0 ]; then
     status=1
   fi

@@ -220,6 +220,8 @@ class TunerClient:
         if headroom is not None:
             params["headroom"] = headroom
         body = self._request("GET", "/suggest", params=params).json()
+        if not isinstance(body, dict):
+            raise AutotuneClientError(f"the server answered /suggest with {type(body).__name__}, not an object")
         # A newer server may add fields: an older client keeps what it knows instead of failing.
         known = {key: value for key, value in body.items() if key in Suggestion.model_fields}
         return Suggestion.model_validate(known)

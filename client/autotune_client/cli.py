@@ -104,6 +104,7 @@ def _describe(stored: StoredProfile) -> str:
     trials = "\n".join(f"    {trial_line(t, p.limit_bytes)}" for t in p.trials)
     return (
         f"profile {stored.id}: {p.task} on {p.device.name} ({p.precision})\n"
+        f"  fingerprint {p.fingerprint}\n  budget {p.budget_bytes} bytes, headroom {p.headroom}\n"
         f"{datasheet(p)}\n  trials, in the order they ran:\n{trials}"
     )
 

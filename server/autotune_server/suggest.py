@@ -278,6 +278,17 @@ def _fallback_prediction(
             field=field,
         )
     m_max = _predicted_max(c, limit, limit_text=limit_text, field=field)
+    # The fit is of the forward/backward peaks: never predict at or past a size this profile
+    # measured over the limit (or saw run out of memory).
+    over = [m for m, peak, _, oom in c.trials if oom or peak > limit]
+    if over and min(over) <= m_max:
+        m_max = _round_down(min(over) - 1, c.multiple_of)
+        if m_max < 1:
+            raise BudgetTooSmall(
+                f"micro-batch {min(over)} of profile {c.id} already peaks over {int(limit)} bytes "
+                f"({limit_text}); probe with this budget",
+                field=field,
+            )
     if c.oom_at is not None and c.oom_at <= m_max:
         m_max = _round_down(c.oom_at - 1, c.multiple_of)
         if m_max < 1:

@@ -99,3 +99,13 @@ def test_huge_inputs_are_bounded_and_fast() -> None:
     assert not p.exact and abs(p.deviation) < 64
     p = plan(100_000, 999_999_999_989)
     assert p.micro_batch <= 100_000
+
+
+def test_a_plan_never_passes_the_largest_effective_batch() -> None:
+    for args, kwargs in [((1, 2**40, 786_432), {}), ((8, 2**40 - 5, 3 * 2**18), {"multiple_of": 8})]:
+        try:
+            p = plan(*args, **kwargs)
+        except ValueError as exc:  # a clean refusal, never a schema error
+            assert "target_batch" in str(exc)
+        else:
+            assert p.effective_batch <= 2**40

@@ -25,13 +25,16 @@ def exhaustive_max(spec: str, budget_bytes: int, upto: int) -> int:
     meter = CpuMeter(budget_bytes)
     limit = int(budget_bytes * (1 - HEADROOM))
     best = 0
-    gc.freeze()  # as the probe does: each trial's collection then walks only what the trial made
+    freeze = gc.get_freeze_count() == 0  # as the probe does: a trial's collection walks only its own
+    if freeze:
+        gc.freeze()
     try:
         for m in range(1, upto + 1):
             if run_trial(task, meter, m, limit_bytes=limit).fits:
                 best = m
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
     return best
 
 

@@ -268,13 +268,13 @@ def test_an_unreachable_server_without_probe_if_missing_raises(fake_probe: FakeP
 def test_a_silent_server_costs_the_job_no_more_than_the_client_timeout(fake_probe: FakeProbe) -> None:
     hole = BlackHole()
     try:
-        with TunerClient(base_url=f"http://127.0.0.1:{hole.port}", timeout=0.5) as client:
+        with TunerClient(base_url=f"http://127.0.0.1:{hole.port}", timeout=2.0) as client:
             started = time.monotonic()
             with pytest.raises(APITimeoutError):
                 suggest(tiny_model(), 40, example=tiny_batch, probe_if_missing=False, client=client)
-            # Bounded by the client's timeout plus the job's own fingerprinting, not retries x timeout
-            # or a hang; the slack is wide because this machine is shared and noisy.
-            assert time.monotonic() - started < 0.5 + 5.0
+            # Bounded by the client's timeout plus the job's own fingerprinting (slack for a shared,
+            # noisy machine), and below the 6 s that three attempts of 2 s would take.
+            assert time.monotonic() - started < 2.0 + 2.5
             with pytest.warns(TunerUnavailableWarning):
                 got = suggest(tiny_model(), 40, example=tiny_batch, budget="8MiB", client=client)
         assert got.source == "probed"

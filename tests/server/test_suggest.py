@@ -476,3 +476,19 @@ def test_a_headroom_leaving_less_than_the_weights_is_422(client: TestClient) -> 
     error = _suggest_error(client, target_batch=64, headroom=0.8)  # 800 bytes < 1100 at m = 1
     assert error["code"] == "budget_too_small" and error["field"] == "headroom"
     assert "weights and optimizer state alone take about 1100 bytes" in str(error["message"])
+
+
+def test_a_prediction_never_reaches_a_size_measured_over_the_limit(client: TestClient) -> None:
+    # m = 12 measured 2600 bytes whole (its forward/backward part is on the line, 2200): a limit of
+    # 2400 leaves only m = 1 and 2 measured within, not multiples of 4, so the answer is predicted;
+    # the line alone would allow 12, but 12 was measured over the limit.
+    payload = profile_payload(max_micro_batch=24, fixed_bytes=1000, bytes_per_sample=100, budget_bytes=4000)
+    payload["multiple_of"] = 4
+    for trial in payload["trials"]:
+        if trial["micro_batch"] == 12:
+            trial["forward_backward_bytes"] = trial["peak_bytes"]
+            trial["peak_bytes"] = 2600
+    _upload_payload(client, payload)
+    got = _suggest(client, target_batch=64, headroom=0.4)  # 4000 x 0.6 = 2400 bytes
+    assert got.source == "predicted"
+    assert got.max_micro_batch == 8 and got.micro_batch % 4 == 0
