@@ -27,6 +27,8 @@ for name in mlp gpt cnn; do
     --output "$RUN_DIR/$name.json"
 done
 
+# var/run is this script's own scratch store: each run serves what it has just measured.
+rm -f "$RUN_DIR"/autotune.db "$RUN_DIR"/autotune.db-wal "$RUN_DIR"/autotune.db-shm
 export AUTOTUNE_DATABASE_URL="sqlite:///$PWD/$RUN_DIR/autotune.db"
 export AUTOTUNE_API_TOKENS="make-run=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 export AUTOTUNE_TOKEN="${AUTOTUNE_API_TOKENS#make-run=}"
