@@ -184,6 +184,21 @@ class Suggestion(_Model):
     budget_bytes: PosBytes | None = None
     warnings: list[str] = Field(default_factory=list)
 
+    @classmethod
+    def from_plan(cls, plan: Plan, **where: object) -> Suggestion:
+        """The plan's numbers plus where they came from (source, profile_id, device_name, ...)."""
+        return cls.model_validate(
+            {
+                "micro_batch": plan.micro_batch,
+                "accumulation_steps": plan.accumulation_steps,
+                "world_size": plan.world_size,
+                "effective_batch": plan.effective_batch,
+                "target_batch": plan.target_batch,
+                "exact": plan.exact,
+                **where,
+            }
+        )
+
     def as_hf_training_args(self) -> dict[str, int]:
         """Keyword arguments for transformers.TrainingArguments."""
         return {

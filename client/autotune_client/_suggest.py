@@ -455,13 +455,8 @@ def _suggestion_from_profile(
     else:
         chosen = plan(profile.max_micro_batch, target_batch, world_size)
     found = [*profile.warnings, *([chosen.note] if chosen.note else []), *notes]
-    return Suggestion(
-        micro_batch=chosen.micro_batch,
-        accumulation_steps=chosen.accumulation_steps,
-        world_size=chosen.world_size,
-        effective_batch=chosen.effective_batch,
-        target_batch=chosen.target_batch,
-        exact=chosen.exact,
+    return Suggestion.from_plan(
+        chosen,
         source="probed",
         profile_id=profile_id,
         fingerprint=profile.fingerprint,

@@ -165,13 +165,8 @@ def _suggestion(
 ) -> Suggestion:
     if chosen.note:
         warnings.append(chosen.note)
-    return Suggestion(
-        micro_batch=chosen.micro_batch,
-        accumulation_steps=chosen.accumulation_steps,
-        world_size=chosen.world_size,
-        effective_batch=chosen.effective_batch,
-        target_batch=chosen.target_batch,
-        exact=chosen.exact,
+    return Suggestion.from_plan(
+        chosen,
         source=source,
         profile_id=c.id,
         fingerprint=c.fingerprint,
