@@ -453,7 +453,7 @@ def _suggestion_from_profile(
     if stored is not None and stored.target_batch == target_batch and stored.world_size == world_size:
         chosen = stored
     else:
-        chosen = plan(profile.max_micro_batch, target_batch, world_size)
+        chosen = plan(profile.max_micro_batch, target_batch, world_size, multiple_of=profile.multiple_of)
     found = [*profile.warnings, *([chosen.note] if chosen.note else []), *notes]
     return Suggestion.from_plan(
         chosen,
