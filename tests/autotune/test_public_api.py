@@ -15,6 +15,9 @@ PUBLIC_MODULES = [
     "autotune.task",
     "autotune.fingerprint",
     "autotune.meters",
+    "autotune.meters.base",
+    "autotune.meters.cpu",
+    "autotune.meters.cuda",
     "autotune.trial",
     "autotune.probe",
     "autotune.accumulate",
@@ -24,6 +27,11 @@ PUBLIC_MODULES = [
     "autotune.units",
     "autotune.report",
     "autotune.cli",
+    "autotune.cli.common",
+    "autotune.cli.parser",
+    "autotune.cli.probe",
+    "autotune.cli.service",
+    "autotune.cli.store",
 ]
 
 

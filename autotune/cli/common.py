@@ -1,0 +1,49 @@
+"""What every command of the CLI shares: argument types, the one-line parser, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from autotune.units import parse_bytes
+
+__all__ = ["EXIT_FAILED", "EXIT_USAGE", "CliError", "Parser", "headroom", "positive_int", "size"]
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+class CliError(Exception):
+    """A user mistake caught by the CLI itself (bad flag values)."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def headroom(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"headroom must be in [0, 1), got {text}")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2, like every other usage error
+        self.exit(EXIT_USAGE, f"autotune: error: {message}\n")

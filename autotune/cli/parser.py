@@ -1,0 +1,18 @@
+"""The argument parser: one sub-parser group per command module."""
+
+from __future__ import annotations
+
+import argparse
+
+from autotune.cli import probe, service, store
+from autotune.cli.common import Parser
+
+__all__ = ["build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="autotune", description="Memory-budget tuner for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for module in (probe, service, store):
+        module.add_parsers(sub)
+    return parser

@@ -1,0 +1,94 @@
+"""`autotune probe` and `autotune verify`: the commands that run the user's model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from autotune.cli.common import EXIT_FAILED, headroom, positive_int, size
+
+__all__ = ["add_parsers", "run_probe", "run_verify", "write_atomically"]
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("probe", help="measure the largest micro-batch that fits and plan the target batch")
+    p.add_argument("task", help="path/to/file.py:name or package.module:name (a ProbeTask)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | all | auto (default)")
+    p.add_argument("--budget", type=size, help="bytes or 800MiB / 24GiB (required on cpu)")
+    p.add_argument("--headroom", type=headroom, default=0.10, help="fraction kept free (default 0.10)")
+    p.add_argument("--target-batch", type=positive_int, help="effective batch T to plan for")
+    p.add_argument("--world-size", type=positive_int, default=1, help="data-parallel replicas D")
+    p.add_argument("--max-micro-batch", type=positive_int, default=4096)
+    p.add_argument("--multiple-of", type=positive_int, default=1)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="override the task's precision")
+    p.add_argument("--output", type=Path, help="also write the profile JSON to this file")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+    p.add_argument("--server", help="upload the profile to this autotune server (token: AUTOTUNE_TOKEN)")
+    p.set_defaults(run=run_probe)
+
+    v = sub.add_parser("verify", help="prove that accumulation reproduces the big-batch gradient")
+    v.add_argument("task")
+    v.add_argument("--target-batch", type=positive_int)
+    v.add_argument("--micro-batch", type=positive_int)
+    v.add_argument("--tolerance", type=float)
+    v.set_defaults(run=run_verify)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Never a half-written profile on disk: write beside it, then rename over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    from autotune.probe import ProbeConfig, probe
+    from autotune.report import datasheet, trial_line
+    from autotune.task import load_task
+
+    task = load_task(args.task)
+    config = ProbeConfig(
+        device=args.device,
+        budget_bytes=args.budget,
+        headroom=args.headroom,
+        target_batch=args.target_batch,
+        world_size=args.world_size,
+        max_micro_batch=args.max_micro_batch,
+        multiple_of=args.multiple_of,
+        precision=args.precision,
+    )
+    limit = int(args.budget * (1 - args.headroom)) if args.budget else None
+    print(f"probing {task.name} on {args.device} ...", file=sys.stderr)
+    if args.device.strip().lower() == "all":
+        from autotune.multi import probe_all_devices
+
+        profile = probe_all_devices(args.task, config)
+    else:
+        profile = probe(task, config, on_trial=lambda t: print(trial_line(t, limit), file=sys.stderr, flush=True))
+    text = profile.model_dump_json(indent=2)
+    if args.output:
+        write_atomically(args.output, text)
+    if args.json:
+        print(text)
+        print(datasheet(profile), file=sys.stderr)
+    else:
+        print(datasheet(profile))
+    if args.server:
+        from autotune_client.cli import upload_profile
+
+        profile_id = upload_profile(profile, server=args.server, token=os.environ.get("AUTOTUNE_TOKEN"))
+        print(f"uploaded as profile {profile_id} to {args.server}", file=sys.stderr)
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from autotune.task import load_task
+    from autotune.verify import verify_cli
+
+    ok, message = verify_cli(load_task(args.task), args.target_batch, args.micro_batch, args.tolerance)
+    print(message, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else EXIT_FAILED

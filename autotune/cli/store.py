@@ -1,0 +1,69 @@
+"""`autotune suggest` and `autotune profiles`: the store seen through the client."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from autotune.cli.common import CliError, headroom, positive_int, size
+
+__all__ = ["add_parsers", "run_profiles", "run_suggest"]
+
+
+def add_parsers(sub: Any) -> None:
+    g = sub.add_parser("suggest", help="ask the server for a plan (for launch scripts)")
+    g.add_argument("--server")
+    g.add_argument("--fingerprint", required=True)
+    g.add_argument("--target-batch", type=positive_int, required=True)
+    g.add_argument("--world-size", type=positive_int, default=1)
+    g.add_argument("--device-name", required=True)
+    g.add_argument("--budget", type=size)
+    g.add_argument("--headroom", type=headroom)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(run=run_suggest)
+
+    r = sub.add_parser("profiles", help="list, show or remove stored profiles")
+    r.add_argument("action", choices=["ls", "show", "rm"])
+    r.add_argument("profile_id", nargs="?", type=int)
+    r.add_argument("--server")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--fingerprint")
+    r.add_argument("--task")
+    r.add_argument("--device-name")
+    r.add_argument("--precision")
+    r.set_defaults(run=run_profiles)
+
+
+def run_suggest(args: argparse.Namespace) -> int:
+    from autotune_client.cli import suggest_command
+
+    return suggest_command(
+        server=args.server,
+        fingerprint=args.fingerprint,
+        target_batch=args.target_batch,
+        world_size=args.world_size,
+        device_name=args.device_name,
+        budget_bytes=args.budget,
+        headroom=args.headroom,
+        as_json=args.json,
+    )
+
+
+def run_profiles(args: argparse.Namespace) -> int:
+    from autotune_client.cli import profiles_command
+
+    if args.action in ("show", "rm") and args.profile_id is None:
+        raise CliError(f"profiles {args.action} needs a profile id")
+    filters = {
+        key: value
+        for key, value in {
+            "fingerprint": args.fingerprint,
+            "task": args.task,
+            "device_name": args.device_name,
+            "precision": args.precision,
+        }.items()
+        if value is not None
+    }
+    return profiles_command(
+        server=args.server, action=args.action, profile_id=args.profile_id, as_json=args.json, filters=filters
+    )
