@@ -15,12 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "PRECISIONS",
     "SCHEMA_VERSION",
+    "SOURCES",
+    "STRATEGIES",
     "Device",
     "Fit",
     "Observation",
     "Plan",
     "Precision",
     "Profile",
+    "Source",
+    "Strategy",
     "Suggestion",
     "TagValue",
     "Trial",
@@ -30,6 +34,12 @@ SCHEMA_VERSION = 1
 PRECISIONS = ("fp32", "bf16", "fp16")
 Precision = Literal["fp32", "bf16", "fp16"]
 TagValue = str | int | float | bool
+# What one device holds: ddp (every replica the whole model) or fsdp (FSDP2, 1/N of it per rank).
+STRATEGIES = ("ddp", "fsdp")
+Strategy = Literal["ddp", "fsdp"]
+# Where a profile's figures come from: real trials on the device, or fake-tensor trials only.
+SOURCES = ("measured", "estimate")
+Source = Literal["measured", "estimate"]
 
 # Bounds keep hostile or corrupt uploads out of the database: no real card has 2**60 bytes.
 MAX_BYTES = 2**60
@@ -75,6 +85,9 @@ class Trial(_Model):
     # CUDA only: max_memory_allocated beside the reserved figure, and memory outside the allocator.
     allocated_bytes: NonNegBytes | None = None
     outside_allocator_bytes: NonNegBytes | None = None
+    # A fake-tensor trial (shapes and dtypes, no storage): a pre-search point or an estimate, never
+    # a measurement on the device.
+    fake: bool = False
 
 
 class Fit(_Model):
@@ -120,6 +133,13 @@ class Profile(_Model):
     micro_batch_cap: MicroBatch = 4096
     multiple_of: MicroBatch = 1
     world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    # fsdp: the figures are rank 0's of world_size ranks, and answer only for that world size.
+    strategy: Strategy = "ddp"
+    # estimate: fake trials only (`autotune estimate`); a measurement always wins over it.
+    source: Source = "measured"
+    # The real trials showed a size that fits above one that did not (cuDNN picks kernels per
+    # shape): max_micro_batch is then the largest m below the first size that failed.
+    non_monotone: bool = False
     plan: Plan | None = None
     trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
     fit: Fit | None = None
@@ -138,19 +158,26 @@ class Profile(_Model):
         """The largest peak that counts as fitting: budget x (1 - headroom)."""
         return int(self.budget_bytes * (1.0 - self.headroom))
 
+    @property
+    def deciding_trials(self) -> list[Trial]:
+        """The trials the profile's answer rests on: the real ones of a measurement (fake
+        pre-search points only guided it), the fake ones of an estimate."""
+        fake = self.source == "estimate"
+        return [t for t in self.trials if t.fake == fake]
+
     def predicted_peak(self, micro_batch: int) -> float | None:
         """The whole-trial peak the fit predicts at micro_batch: the line, but never below the
         smallest measured trial's peak (the optimizer step's share, flat in m)."""
         if self.fit is None:
             return None
         line = self.fit.fixed_bytes + self.fit.bytes_per_sample * micro_batch
-        measured = [t for t in self.trials if not t.oom]
+        measured = [t for t in self.deciding_trials if not t.oom]
         floor = min(measured, key=lambda t: t.micro_batch).peak_bytes if measured else 0
         return max(line, float(floor))
 
     def peak_at(self, micro_batch: int) -> int | None:
         """The measured peak at micro_batch, if a fitting trial measured it."""
-        for trial in self.trials:
+        for trial in self.deciding_trials:
             if trial.micro_batch == micro_batch and trial.fits:
                 return trial.peak_bytes
         return None
@@ -175,13 +202,14 @@ class Suggestion(_Model):
     effective_batch: Annotated[int, Field(ge=1)]
     target_batch: Annotated[int, Field(ge=1)]
     exact: bool
-    source: Literal["measured", "predicted", "probed"]
+    source: Literal["measured", "predicted", "probed", "estimated"]
     profile_id: int | None = None
     fingerprint: str | None = None
     device_name: str | None = None
     max_micro_batch: MicroBatch
     peak_bytes: NonNegBytes | None = None
     budget_bytes: PosBytes | None = None
+    strategy: Strategy = "ddp"
     warnings: list[str] = Field(default_factory=list)
 
     @classmethod
