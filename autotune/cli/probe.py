@@ -10,13 +10,11 @@ from typing import Any
 
 from autotune.cli.common import EXIT_FAILED, headroom, positive_int, size
 
-__all__ = ["add_parsers", "run_probe", "run_verify", "write_atomically"]
+__all__ = ["add_parsers", "add_probe_options", "config_from_args", "run_probe", "run_verify", "write_atomically"]
 
 
-def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("probe", help="measure the largest micro-batch that fits and plan the target batch")
-    p.add_argument("task", help="path/to/file.py:name or package.module:name (a ProbeTask)")
-    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | all | auto (default)")
+def add_probe_options(p: argparse.ArgumentParser) -> None:
+    """The options that shape one probe (shared by `probe`, and by the commands that run probes)."""
     p.add_argument("--budget", type=size, help="bytes or 800MiB / 24GiB (required on cpu)")
     p.add_argument("--headroom", type=headroom, default=0.10, help="fraction kept free (default 0.10)")
     p.add_argument("--target-batch", type=positive_int, help="effective batch T to plan for")
@@ -24,6 +22,29 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--max-micro-batch", type=positive_int, default=4096)
     p.add_argument("--multiple-of", type=positive_int, default=1)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="override the task's precision")
+
+
+def config_from_args(args: argparse.Namespace, device: str) -> Any:
+    """The ProbeConfig the probe options describe, on device."""
+    from autotune.probe import ProbeConfig
+
+    return ProbeConfig(
+        device=device,
+        budget_bytes=args.budget,
+        headroom=args.headroom,
+        target_batch=args.target_batch,
+        world_size=args.world_size,
+        max_micro_batch=args.max_micro_batch,
+        multiple_of=args.multiple_of,
+        precision=args.precision,
+    )
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("probe", help="measure the largest micro-batch that fits and plan the target batch")
+    p.add_argument("task", help="path/to/file.py:name or package.module:name (a ProbeTask)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | all | auto (default)")
+    add_probe_options(p)
     p.add_argument("--output", type=Path, help="also write the profile JSON to this file")
     p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     p.add_argument("--server", help="upload the profile to this autotune server (token: AUTOTUNE_TOKEN)")
@@ -46,21 +67,12 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from autotune.probe import ProbeConfig, probe
+    from autotune.probe import probe
     from autotune.report import datasheet, trial_line
     from autotune.task import load_task
 
     task = load_task(args.task)
-    config = ProbeConfig(
-        device=args.device,
-        budget_bytes=args.budget,
-        headroom=args.headroom,
-        target_batch=args.target_batch,
-        world_size=args.world_size,
-        max_micro_batch=args.max_micro_batch,
-        multiple_of=args.multiple_of,
-        precision=args.precision,
-    )
+    config = config_from_args(args, args.device)
     limit = int(args.budget * (1 - args.headroom)) if args.budget else None
     print(f"probing {task.name} on {args.device} ...", file=sys.stderr)
     if args.device.strip().lower() == "all":
