@@ -1,27 +1,52 @@
-"""Pure arithmetic of a plan: m x A x D = T, and the affine memory fit.
+"""Pure arithmetic of a plan: the micro-batches of an update on D replicas sum to T, and the
+affine memory fit.
 
 No torch here: the server imports this module to answer /suggest.
 
-    >>> p = plan(max_micro_batch=8, target_batch=512, world_size=4)
+Two policies. ``balanced`` (the default): the fewest steps, A = ceil(T / (D x m_max)), with sizes
+that differ by at most one and sum to T / D, so T is exact whenever D divides it (m_max = 26,
+T = 256: 6 x 26 + 4 x 25 in 10 steps). Exact because the accumulator divides a group's summed loss
+by the whole group's count, whatever the sizes. ``divisor``: equal micro-batches, exact T where some
+A in [A_min, 2 x A_min] divides it (16 x 16 for the same case), for the tools that run only equal
+micro-batches (transformers' Trainer, Lightning, DeepSpeed).
+
+    >>> p = plan(max_micro_batch=26, target_batch=256)
+    >>> (p.micro_batch, p.accumulation_steps, p.micro_batches, p.exact)
+    (26, 10, [(26, 6), (25, 4)], True)
+    >>> p = plan(max_micro_batch=26, target_batch=256, policy="divisor")
     >>> (p.micro_batch, p.accumulation_steps, p.exact)
-    (8, 16, True)
+    (16, 16, True)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
-from autotune.schemas import Fit, Plan
+from autotune.schemas import Fit, MicroBatchCount, Plan
 
 __all__ = [
+    "DEFAULT_PLAN_POLICY",
     "EXACT_SEARCH_FACTOR",
     "MAX_ACCUMULATION_STEPS",
     "MAX_TARGET_BATCH",
+    "PLAN_POLICIES",
+    "PlanPolicy",
+    "UnevenPlanWarning",
     "fit_affine",
     "micro_batch_for_limit",
+    "micro_batches_text",
     "plan",
 ]
+
+PLAN_POLICIES = ("balanced", "divisor")
+PlanPolicy = Literal["balanced", "divisor"]
+DEFAULT_PLAN_POLICY: PlanPolicy = "balanced"
+
+
+class UnevenPlanWarning(UserWarning):
+    """A tool that runs only equal micro-batches was given the best equal plan instead of a balanced one."""
 
 # An exact plan is searched among A in [A_min, EXACT_SEARCH_FACTOR x A_min]: beyond that the
 # micro-batch falls under half of what fits, and a slightly different T is the better trade.
@@ -47,28 +72,39 @@ def plan(
     *,
     max_accumulation_steps: int | None = None,
     multiple_of: int = 1,
+    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
 ) -> Plan:
-    """Choose micro_batch m and accumulation_steps A so that m x A x world_size == target_batch.
+    """Choose the micro-batches of one update so that their sum x world_size == target_batch.
 
-    Fewest accumulation steps first; exact when some A in [A_min, 2 x A_min] divides the
-    per-replica batch (A_min = ceil(T / (D x m_max))); otherwise the nearest effective batch in
-    that range, with the deviation stated in ``note``. m never exceeds max_micro_batch and is
-    always a multiple of multiple_of.
+    ``balanced``: A = A_min = ceil(T / (D x m_max)) micro-batches whose sizes differ by at most
+    one (one multiple_of) and sum to T / D; exact whenever D x multiple_of divides T, and then no
+    exact plan has fewer steps. Otherwise the nearest reachable effective batch (a multiple of
+    D x multiple_of), split the same way, with the deviation stated in ``note``.
+
+    ``divisor``: equal micro-batches m x A; exact when some A in [A_min, 2 x A_min] divides the
+    per-replica batch; otherwise the nearest effective batch in that range, with the deviation
+    stated in ``note``.
+
+    Under both, no micro-batch exceeds max_micro_batch and each is a multiple of multiple_of.
 
     Args:
         max_micro_batch: the largest micro-batch that fits (m_max).
         target_batch: the effective batch T the recipe asks for.
         world_size: data-parallel replicas D (tensor/pipeline ranks are not replicas).
-        max_accumulation_steps: optional cap on A for the exact search.
+        max_accumulation_steps: optional cap on A for the divisor policy's exact search.
         multiple_of: every micro-batch must be a multiple of this (kernels, BatchNorm1d, ...).
+        policy: ``"balanced"`` (default) or ``"divisor"``.
 
     Returns:
-        A Plan; ``exact`` says whether m x A x D == T.
+        A Plan: ``micro_batches`` as (size, count) pairs, ``micro_batch`` the largest size,
+        ``exact`` whether the effective batch equals T.
 
     Raises:
-        ValueError: non-positive or non-integer input, T < D, max_micro_batch < multiple_of, or a
-            target that would need more than MAX_ACCUMULATION_STEPS steps.
+        ValueError: non-positive or non-integer input, an unknown policy, T < D, max_micro_batch <
+            multiple_of, or a target that would need more than MAX_ACCUMULATION_STEPS steps.
     """
+    if policy not in PLAN_POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(PLAN_POLICIES)}, got {policy!r}")
     m_max = _require_positive_int("max_micro_batch", max_micro_batch)
     target = _require_positive_int("target_batch", target_batch)
     world = _require_positive_int("world_size", world_size)
@@ -89,6 +125,8 @@ def plan(
             f"target_batch {target} would need {a_min} accumulation steps of micro-batch {unit * units_max} "
             f"on {world} replicas, more than {MAX_ACCUMULATION_STEPS}"
         )
+    if policy == "balanced":
+        return _balanced(m_max, target, world, unit, a_min)
     a_max = min(EXACT_SEARCH_FACTOR * a_min, MAX_ACCUMULATION_STEPS)
     if max_accumulation_steps is not None:
         cap = _require_positive_int("max_accumulation_steps", max_accumulation_steps)
@@ -126,6 +164,68 @@ def plan(
         f"{micro} x {steps} x {world} = {effective} ({deviation:+d}, {100 * deviation / target:+.1f}%)"
     )
     return _make(micro, steps, world, target, m_max, note)
+
+
+def _balanced(m_max: int, target: int, world: int, unit: int, a_min: int) -> Plan:
+    """A_min micro-batches per replica, sizes within one unit of each other (see ``plan``)."""
+    units_max = m_max // unit
+    per_unit = world * unit  # the effective batch moves in steps of this
+    if target % per_unit == 0:
+        units = target // per_unit
+    else:
+        # Nearest reachable effective batch: smallest |deviation|, then fewest steps, then the
+        # larger micro-batch (today's rule for the divisor policy, over uneven splits).
+        below, above = target // per_unit, target // per_unit + 1
+        choices = [k for k in (below, above) if k >= 1 and k * per_unit <= MAX_TARGET_BATCH]
+        if not choices:  # only at the edge of MAX_TARGET_BATCH with huge world sizes
+            raise ValueError(
+                f"target_batch {target} cannot be reached with micro-batch <= {m_max} on {world} replicas "
+                f"without passing {MAX_TARGET_BATCH} samples per update"
+            )
+        units = min(choices, key=lambda k: (abs(k * per_unit - target), -(-k // units_max), -k))
+    steps = -(-units // units_max)
+    low, extra = divmod(units, steps)  # `extra` micro-batches of low + 1 units, the rest of low
+    pairs = [(unit * (low + 1), extra), (unit * low, steps - extra)]
+    micro_batches: list[MicroBatchCount] = [(size, count) for size, count in pairs if count > 0 and size > 0]
+    effective = units * per_unit
+    note = ""
+    if effective != target:
+        deviation = effective - target
+        what = f"micro-batch <= {m_max}" + (f" in multiples of {unit}" if unit > 1 else "")
+        note = (
+            f"target batch {target} is not reachable exactly with {what} and world size {world}: "
+            f"nearest is {micro_batches_text(micro_batches, world)} "
+            f"({deviation:+d}, {100 * deviation / target:+.1f}%)"
+        )
+    return Plan(
+        micro_batch=micro_batches[0][0],
+        accumulation_steps=steps,
+        world_size=world,
+        effective_batch=effective,
+        target_batch=target,
+        exact=effective == target,
+        max_micro_batch=m_max,
+        note=note,
+        micro_batches=micro_batches,
+    )
+
+
+def micro_batches_text(micro_batches: Sequence[tuple[int, int]], world_size: int = 1) -> str:
+    """A plan's micro-batches as a person reads them: ``6×26 + 4×25 = 256 (10 steps)``.
+
+    count×size per pair; with world_size > 1 the per-replica sum is multiplied out:
+    ``(6×26 + 4×25) × 2 = 512 (10 steps)``.
+
+    >>> micro_batches_text([(26, 6), (25, 4)])
+    '6×26 + 4×25 = 256 (10 steps)'
+    """
+    terms = " + ".join(f"{count}×{size}" for size, count in micro_batches)
+    per_replica = sum(size * count for size, count in micro_batches)
+    steps = sum(count for _, count in micro_batches)
+    if world_size > 1:
+        terms = f"({terms}) × {world_size}" if len(micro_batches) > 1 else f"{terms} × {world_size}"
+    unit = "step" if steps == 1 else "steps"
+    return f"{terms} = {per_replica * world_size} ({steps} {unit})"
 
 
 def _smallest_divisor_in(number: int, low: int, high: int) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "PRECISIONS",
@@ -19,6 +19,7 @@ __all__ = [
     "STRATEGIES",
     "Device",
     "Fit",
+    "MicroBatchCount",
     "Observation",
     "Plan",
     "Precision",
@@ -100,8 +101,22 @@ class Fit(_Model):
     bytes_per_sample: Annotated[float, Field(ge=0, le=MAX_BYTES)]
 
 
+# (size, count): `count` micro-batches of `size` samples each, per replica and per update.
+MicroBatchCount = tuple[MicroBatch, Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]]
+
+
+def _equal_micro_batches(micro_batch: int, accumulation_steps: int) -> list[MicroBatchCount]:
+    return [(micro_batch, accumulation_steps)]
+
+
 class Plan(_Model):
-    """How to reach a target effective batch: micro_batch x accumulation_steps x world_size."""
+    """How to reach a target effective batch: the micro-batches of one update, on world_size replicas.
+
+    ``micro_batches`` lists them as (size, count) pairs, largest first: one pair when all are equal
+    (``micro_batch`` x ``accumulation_steps``), two for a balanced plan whose sizes differ by one
+    (6 x 26 + 4 x 25 = 256 in 10 steps). ``micro_batch`` is the largest size, for the tools that know
+    only one number. Left out (profiles from before balanced plans), it is the one equal pair.
+    """
 
     micro_batch: MicroBatch
     accumulation_steps: Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]
@@ -111,10 +126,22 @@ class Plan(_Model):
     exact: bool
     max_micro_batch: MicroBatch
     note: Annotated[str, Field(max_length=1024)] = ""
+    micro_batches: Annotated[list[MicroBatchCount], Field(max_length=64)] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _default_micro_batches(self) -> Plan:
+        if not self.micro_batches:
+            self.micro_batches = _equal_micro_batches(self.micro_batch, self.accumulation_steps)
+        return self
 
     @property
     def deviation(self) -> int:
         return self.effective_batch - self.target_batch
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the micro-batches of an update differ in size (a balanced plan)."""
+        return len({size for size, _ in self.micro_batches}) > 1
 
 
 class Profile(_Model):
@@ -211,6 +238,16 @@ class Suggestion(_Model):
     budget_bytes: PosBytes | None = None
     strategy: Strategy = "ddp"
     warnings: list[str] = Field(default_factory=list)
+    # The plan's micro-batches as (size, count) pairs (Plan.micro_batches); micro_batch is the largest.
+    micro_batches: list[MicroBatchCount] = Field(default_factory=list)
+    # Every micro-batch size is a multiple of this (the profile's --multiple-of).
+    multiple_of: MicroBatch = 1
+
+    @model_validator(mode="after")
+    def _default_micro_batches(self) -> Suggestion:
+        if not self.micro_batches:
+            self.micro_batches = _equal_micro_batches(self.micro_batch, self.accumulation_steps)
+        return self
 
     @classmethod
     def from_plan(cls, plan: Plan, **where: object) -> Suggestion:
@@ -223,25 +260,71 @@ class Suggestion(_Model):
                 "effective_batch": plan.effective_batch,
                 "target_batch": plan.target_batch,
                 "exact": plan.exact,
+                "micro_batches": list(plan.micro_batches),
                 **where,
             }
         )
 
+    @property
+    def uneven(self) -> bool:
+        """Whether the micro-batches of an update differ in size (a balanced plan)."""
+        return len({size for size, _ in self.micro_batches}) > 1
+
+    def equal_plan(self, *, warn: str | None = None) -> tuple[int, int, int]:
+        """(micro_batch, accumulation_steps, effective_batch) with equal micro-batches.
+
+        The suggestion itself when its micro-batches are equal; for a balanced plan, the best equal
+        one (``autotune.plan.plan(..., policy="divisor")`` on the same m_max, T, D and multiple_of),
+        with an :class:`autotune.plan.UnevenPlanWarning` naming the balanced plan when ``warn`` names
+        the tool that cannot run it.
+        """
+        if not self.uneven:
+            return self.micro_batch, self.accumulation_steps, self.effective_batch
+        import warnings
+
+        from autotune.plan import UnevenPlanWarning, micro_batches_text, plan
+
+        equal = plan(
+            self.max_micro_batch,
+            self.target_batch,
+            self.world_size,
+            multiple_of=self.multiple_of,
+            policy="divisor",
+        )
+        if warn is not None:
+            balanced = micro_batches_text(self.micro_batches, self.world_size)
+            exact = "" if equal.exact else f", target {self.target_batch}"
+            warnings.warn(
+                f"{warn} runs equal micro-batches only: using {equal.micro_batch} x {equal.accumulation_steps}"
+                f" x {equal.world_size} = {equal.effective_batch} ({equal.accumulation_steps} steps{exact}) "
+                f"instead of the balanced plan {balanced}; autotune.accumulate.PlanBatchSampler with "
+                "Accumulator runs the balanced one",
+                UnevenPlanWarning,
+                stacklevel=3,
+            )
+        return equal.micro_batch, equal.accumulation_steps, equal.effective_batch
+
     def as_hf_training_args(self) -> dict[str, int]:
-        """Keyword arguments for transformers.TrainingArguments."""
-        return {
-            "per_device_train_batch_size": self.micro_batch,
-            "gradient_accumulation_steps": self.accumulation_steps,
-        }
+        """Keyword arguments for transformers.TrainingArguments.
+
+        The Trainer runs equal micro-batches only: a balanced plan becomes the best equal one, with
+        an UnevenPlanWarning that names the balanced plan.
+        """
+        micro, steps, _ = self.equal_plan(warn="transformers' Trainer")
+        return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": steps}
 
     def as_lightning(self) -> dict[str, int]:
-        """Trainer(accumulate_grad_batches=...) and the DataLoader batch_size."""
-        return {"accumulate_grad_batches": self.accumulation_steps, "batch_size": self.micro_batch}
+        """Trainer(accumulate_grad_batches=...) and the DataLoader batch_size (equal micro-batches:
+        a balanced plan becomes the best equal one, with an UnevenPlanWarning)."""
+        micro, steps, _ = self.equal_plan(warn="Lightning's Trainer")
+        return {"accumulate_grad_batches": steps, "batch_size": micro}
 
     def as_deepspeed(self) -> dict[str, int]:
-        """The three batch keys of a DeepSpeed config (DeepSpeed checks they multiply out)."""
+        """The three batch keys of a DeepSpeed config (DeepSpeed checks they multiply out; equal
+        micro-batches only: a balanced plan becomes the best equal one, with an UnevenPlanWarning)."""
+        micro, steps, effective = self.equal_plan(warn="DeepSpeed")
         return {
-            "train_micro_batch_size_per_gpu": self.micro_batch,
-            "gradient_accumulation_steps": self.accumulation_steps,
-            "train_batch_size": self.effective_batch,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": steps,
+            "train_batch_size": effective,
         }
