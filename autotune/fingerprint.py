@@ -133,7 +133,12 @@ def _build_for_fingerprint(task: ProbeTask) -> nn.Module:
         return task.model()
 
 
-def task_fingerprint(task: ProbeTask) -> str:
-    """The fingerprint of a ProbeTask: its model, batch(1), optimizer, precision and tags."""
+def task_fingerprint(task: ProbeTask, *, strategy: str = "ddp", world_size: int = 1) -> str:
+    """The fingerprint of a ProbeTask: its model, batch(1), optimizer, precision and tags; under
+    ``fsdp`` the strategy and the world size too, since each rank's memory depends on them (a ddp
+    fingerprint stays what it was, so that profiles stored before strategies still match)."""
     model = _build_for_fingerprint(task)
-    return fingerprint_model(model, task.batch(1), optimizer=task.optimizer, precision=task.precision, tags=task.tags)
+    tags: dict[str, Any] = dict(task.tags)
+    if strategy != "ddp":
+        tags["autotune.strategy"] = f"{strategy}x{world_size}"
+    return fingerprint_model(model, task.batch(1), optimizer=task.optimizer, precision=task.precision, tags=tags)

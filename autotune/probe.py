@@ -9,10 +9,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -22,10 +20,12 @@ from autotune.errors import AutotuneError, BudgetError, DeviceError
 from autotune.fingerprint import task_fingerprint
 from autotune.meters import Meter, make_meter, resolve_device
 from autotune.plan import MAX_TARGET_BATCH, plan
-from autotune.schemas import PRECISIONS, Profile, Trial
-from autotune.search import NoFitError, find_max_micro_batch
+from autotune.presearch import FakeSearch, fake_search, presearch_failed
+from autotune.schemas import PRECISIONS, STRATEGIES, Fit, Profile, Trial
+from autotune.search import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
+from autotune.strategies import Replicated, Strategy, make_strategy
 from autotune.task import ProbeTask
-from autotune.trial import measure_weights, run_trial
+from autotune.trial import TrialRunner, measure_weights
 
 __all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "ProbeConfig", "probe", "probe_with_meter"]
 
@@ -46,6 +46,9 @@ class ProbeConfig:
     max_micro_batch: int = 4096
     multiple_of: int = 1
     precision: str | None = None
+    strategy: str = "ddp"
+    # Find the boundary with fake-tensor trials first, then confirm it with real ones.
+    presearch: bool = True
 
     def validate(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -68,29 +71,15 @@ class ProbeConfig:
                     f"target-batch {self.target_batch} is smaller than world-size {self.world_size}: "
                     "every replica needs at least one sample per update"
                 )
+        if self.strategy not in STRATEGIES:
+            raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy == "fsdp" and self.world_size < 2:
+            raise AutotuneError(
+                f"--strategy fsdp needs --world-size of at least 2 (got {self.world_size}): "
+                "one rank holding the whole model is --strategy ddp"
+            )
         if self.precision is not None and self.precision not in PRECISIONS:
             raise AutotuneError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-
-
-@contextmanager
-def _single_process_group(world_size: int, device: torch.device) -> Iterator[Any]:
-    """A one-process group so DDP allocates its gradient buckets; None when world_size == 1."""
-    if world_size <= 1:
-        yield None
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        # Inside a running job: its default group is the real one; DDP over it would talk to the
-        # other ranks. Measure the buckets only when that group is this process alone.
-        yield dist.group.WORLD if dist.get_world_size() == 1 else None
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _has_batchnorm(task: ProbeTask) -> bool:
@@ -100,6 +89,77 @@ def _has_batchnorm(task: ProbeTask) -> bool:
     except Exception:
         model = task.model()
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _guide(fake: FakeSearch, real: SearchResult) -> Fit | None:
+    """The fit a profile keeps: where the pre-search ran, the fake line (exact on the CPU, smooth on
+    CUDA) moved to pass through the real forward/backward point at m_max; else the real trials' own."""
+    if fake.fit is None:
+        return real.fit
+    at_max = next(
+        (t for t in real.trials if t.micro_batch == real.max_micro_batch and t.forward_backward_bytes is not None),
+        None,
+    )
+    if at_max is None or at_max.forward_backward_bytes is None:
+        return real.fit
+    slope = fake.fit.bytes_per_sample
+    return Fit(fixed_bytes=at_max.forward_backward_bytes - slope * at_max.micro_batch, bytes_per_sample=slope)
+
+
+def _search(
+    task: ProbeTask,
+    meter: Meter,
+    config: ProbeConfig,
+    strategy: Strategy,
+    limit_bytes: int,
+    warnings: list[str],
+    on_trial: Callable[[Trial], None] | None,
+) -> tuple[SearchResult, FakeSearch | None]:
+    """Pre-search on fake trials (unless turned off or impossible), then real trials from its answer."""
+    fake: FakeSearch | None = None
+    if config.presearch:
+        try:
+            fake = fake_search(
+                task,
+                budget_bytes=meter.budget_bytes,
+                # What the device holds that fake tensors never show (the CUDA context) is not theirs.
+                limit_bytes=max(1, limit_bytes - meter.unseen_bytes()),
+                device_type=meter.device.type,
+                strategy=strategy,
+                max_micro_batch=config.max_micro_batch,
+                multiple_of=config.multiple_of,
+                on_trial=on_trial,
+            )
+            warnings.extend(fake.warnings)
+        except NoFitError as exc:  # the real trials will say so, with the real figures
+            fake = FakeSearch(max_micro_batch=config.multiple_of, trials=[], fit=None)
+            del exc
+        except Exception as exc:  # an op that cannot run fake: real trials only
+            warnings.append(presearch_failed(exc))
+            fake = None
+    runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy)
+
+    def trial(micro_batch: int) -> Trial:
+        result = runner(micro_batch)
+        if on_trial is not None:
+            on_trial(result)
+        return result
+
+    try:
+        result = find_max_micro_batch(
+            trial,
+            limit_bytes=limit_bytes,
+            max_micro_batch=config.max_micro_batch,
+            multiple_of=config.multiple_of,
+            hint=fake.max_micro_batch if fake is not None else None,
+            guide=fake.fit if fake is not None else None,
+        )
+    finally:
+        runner.close()
+        for warning in runner.warnings:
+            if warning not in warnings:
+                warnings.append(warning)
+    return result, fake
 
 
 def probe_with_meter(
@@ -114,20 +174,14 @@ def probe_with_meter(
     if config.precision is not None and config.precision != task.precision:
         task = dataclasses.replace(task, precision=config.precision)
     started = time.perf_counter()
-    fingerprint = task_fingerprint(task)
+    strategy = make_strategy(config.strategy, config.world_size)
+    fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size)
     limit_bytes = int(meter.budget_bytes * (1.0 - config.headroom))
+    warnings: list[str] = []
 
-    with _single_process_group(config.world_size, meter.device) as group:
-        warnings: list[str] = []
-        if config.world_size > 1 and group is None:
+    with strategy.process_group(meter.device):
+        if isinstance(strategy, Replicated) and config.world_size > 1 and not strategy.measures_buckets:
             warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
-
-        def trial(micro_batch: int) -> Trial:
-            result = run_trial(task, meter, micro_batch, limit_bytes=limit_bytes, process_group=group)
-            if on_trial is not None:
-                on_trial(result)
-            return result
-
         # Objects alive now (modules, the task, torch's own) are never garbage of a trial: freezing
         # them makes the collection after every trial walk only what the trial made.
         # A process that froze its own heap (some servers do) is left as it was.
@@ -135,19 +189,16 @@ def probe_with_meter(
         if freeze:
             gc.freeze()
         try:
-            result = find_max_micro_batch(
-                trial,
-                limit_bytes=limit_bytes,
-                max_micro_batch=config.max_micro_batch,
-                multiple_of=config.multiple_of,
-            )
+            result, fake = _search(task, meter, config, strategy, limit_bytes, warnings, on_trial)
         except NoFitError as exc:
-            static_bytes = measure_weights(task, meter)
+            static_bytes = measure_weights(task, meter) if isinstance(strategy, Replicated) else None
             what = (
                 f"weights, gradients and optimizer state alone take {static_bytes} bytes "
                 "(with the optimizer step's temporaries)"
                 if static_bytes is not None
                 else "weights, gradients and optimizer state alone do not fit on the device"
+                if isinstance(strategy, Replicated)
+                else f"at world size {config.world_size}"
             )
             raise BudgetError(
                 f"micro-batch {config.multiple_of} does not fit in budget {meter.budget_bytes} bytes "
@@ -159,6 +210,18 @@ def probe_with_meter(
                 gc.unfreeze()
 
     m_max = result.max_micro_batch
+    decrease = peaks_decrease(result.trials)
+    if decrease is not None:
+        low, high = decrease
+        warnings.append(
+            f"the peak is not monotone in m on this device (m={low.micro_batch} peaked at {low.peak_bytes} bytes, "
+            f"m={high.micro_batch} at {high.peak_bytes}): max micro-batch {m_max} is the largest m below the "
+            "smallest size measured not to fit, and only measured sizes are planned"
+        )
+    if fake is not None and fake.trials and fake.max_micro_batch != m_max:
+        warnings.append(
+            f"the fake pre-search predicted max micro-batch {fake.max_micro_batch}; the real trials found {m_max}"
+        )
     the_plan = None
     if config.target_batch:
         try:
@@ -176,6 +239,7 @@ def probe_with_meter(
             "micro-batch on its own, and accumulation does not change that"
         )
     device = meter.describe()
+    fake_trials = fake.trials if fake is not None else []
     return Profile(
         fingerprint=fingerprint,
         task=task.name,
@@ -189,9 +253,11 @@ def probe_with_meter(
         micro_batch_cap=config.max_micro_batch,
         multiple_of=config.multiple_of,
         world_size=config.world_size,
+        strategy=config.strategy,  # type: ignore[arg-type]
+        non_monotone=decrease is not None,
         plan=the_plan,
-        trials=result.trials,
-        fit=result.fit,
+        trials=[*fake_trials, *result.trials],
+        fit=_guide(fake, result) if fake is not None else result.fit,
         trial_count=len(result.trials),
         oom_count=result.oom_count,
         seconds=round(time.perf_counter() - started, 3),

@@ -11,10 +11,12 @@ __all__ = ["datasheet", "trial_line"]
 def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
     """One progress line: m, peak, verdict, time."""
     verdict = "OOM" if trial.oom else ("fits" if trial.fits else "over limit")
+    if trial.fake:
+        verdict = f"fake {verdict}"
     share = f" ({100 * trial.peak_bytes / limit_bytes:5.1f}% of limit)" if limit_bytes and not trial.oom else ""
     return (
         f"trial m={trial.micro_batch:<6d} peak {format_bytes(trial.peak_bytes):>11}{share}  "
-        f"{verdict:<10} {trial.seconds:6.2f}s"
+        f"{verdict:<15} {trial.seconds:6.2f}s"
     )
 
 

@@ -25,6 +25,7 @@ from autotune.schemas import Fit, Trial
 
 __all__ = [
     "APPROACH_FRACTION",
+    "peaks_decrease",
     "FAR_EXTRAPOLATION",
     "MAX_PREDICTED_TRIALS",
     "NoFitError",
@@ -71,10 +72,51 @@ def _affine_points(trials: list[Trial]) -> list[tuple[int, int]]:
     return sorted(points.items())
 
 
+def _smooth_points(trials: list[Trial]) -> list[tuple[int, int]]:
+    """The points that give the slope: on CUDA the allocator's allocated bytes, smooth in m where the
+    reserved figure moves in steps (blocks and segments rounded); elsewhere the affine points."""
+    measured = [t for t in trials if not t.oom]
+    if measured and all(t.allocated_bytes is not None for t in measured):
+        return sorted({t.micro_batch: int(t.allocated_bytes or 0) for t in measured}.items())
+    return _affine_points(trials)
+
+
 def _fit_near_boundary(trials: list[Trial]) -> Fit | None:
     """The line through the two largest measured micro-batches: the local slope."""
     measured = _affine_points(trials)
     return fit_affine(measured[-2:]) if len(measured) >= 2 else None
+
+
+def _predict(trials: list[Trial], limit_bytes: int, slope: float | None, cap: int) -> int | None:
+    """The largest m predicted to fit: a line through the measured trial whose peak is closest to the
+    limit, with the guide's slope (the fake pre-search's, exact on the CPU) or the local slope of
+    the smooth points. The anchor carries the device's full figure (on CUDA: reserved, rounded, plus
+    memory outside the allocator), the slope comes from what is smooth in m."""
+    measured = [t for t in trials if not t.oom]
+    if not measured:
+        return None
+    if slope is None:
+        points = _smooth_points(trials)
+        if len(points) < 2:
+            return None
+        (m1, p1), (m2, p2) = points[-2], points[-1]
+        slope = max(0.0, (p2 - p1) / (m2 - m1))
+    anchor = min(measured, key=lambda t: abs(t.peak_bytes - limit_bytes))
+    line = Fit(fixed_bytes=anchor.peak_bytes - slope * anchor.micro_batch, bytes_per_sample=slope)
+    return micro_batch_for_limit(line, limit_bytes, cap=cap)
+
+
+def peaks_decrease(trials: list[Trial]) -> tuple[Trial, Trial] | None:
+    """Two real measured trials whose peak goes down as m goes up (cuDNN picks kernels and
+    workspaces per shape; the allocator rounds), or None where the peak is monotone."""
+    measured = sorted((t for t in trials if not t.oom and not t.fake), key=lambda t: t.micro_batch)
+    highest: Trial | None = None
+    for trial in measured:
+        if highest is not None and trial.peak_bytes < highest.peak_bytes and trial.micro_batch > highest.micro_batch:
+            return highest, trial
+        if highest is None or trial.peak_bytes >= highest.peak_bytes:
+            highest = trial
+    return None
 
 
 def find_max_micro_batch(
@@ -83,16 +125,22 @@ def find_max_micro_batch(
     limit_bytes: int,
     max_micro_batch: int = 4096,
     multiple_of: int = 1,
+    hint: int | None = None,
+    guide: Fit | None = None,
 ) -> SearchResult:
     """The exact largest m (a multiple of multiple_of, at most max_micro_batch) whose trial fits.
 
-    Exact means: trial(m) fits and trial(m + multiple_of) does not, or m is the cap.
+    Exact means: trial(m) fits and trial(m + multiple_of) does not, or m is the cap. Where the peak
+    is not monotone in m, it is the largest m below the smallest size measured not to fit.
 
     Args:
-        trial: runs one measurement at m; must be monotone (a larger m never uses less memory).
-        limit_bytes: the peak that still fits, used to predict the boundary from the fit.
+        trial: runs one measurement at m.
+        limit_bytes: the peak that still fits, used to predict the boundary.
         max_micro_batch: the cap on m.
         multiple_of: every m tried is a multiple of this.
+        hint: a predicted m_max (the fake pre-search's): the first trials go there and one step past
+            it, and the search starts from what they show.
+        guide: the pre-search's line; its slope predicts the boundary from the real trials.
 
     Returns:
         SearchResult with m_max, every trial in order, and the least-squares fit of the measurements.
@@ -114,10 +162,26 @@ def find_max_micro_batch(
         trials.append(result)
         return result.fits
 
-    if not run(1):
-        raise NoFitError(trials[0], f"micro-batch {multiple_of} does not fit")
-    lo, hi = 1, top + 1  # lo fits; hi is the smallest k known not to fit (top + 1: none known)
-    if top >= 2:
+    lo, hi = 0, top + 1  # lo fits (0: none known yet); hi is the smallest k known not to fit
+    slope = guide.bytes_per_sample if guide is not None else None
+    if hint is not None:
+        k = min(max(hint // multiple_of, 1), top)
+        if run(k):
+            lo = k
+            if k < top:
+                if run(k + 1):
+                    lo = k + 1
+                else:
+                    hi = k + 1
+        else:
+            hi = k
+    if lo == 0:
+        if hi > 1 and run(1):
+            lo = 1
+        else:
+            first = next(t for t in trials if t.micro_batch == multiple_of) if hi == 1 else trials[-1]
+            raise NoFitError(first, f"micro-batch {multiple_of} does not fit")
+    if hint is None and top >= 2:
         if run(2):
             lo = 2
         else:
@@ -126,13 +190,19 @@ def find_max_micro_batch(
     measured_at_last_prediction = -1
     while hi - lo > 1:
         measured_now = sum(1 for t in trials if not t.oom)
-        fit = _fit_near_boundary(trials)
         # A prediction needs a measurement it has not used yet: after a missed prediction that
         # ended in an OOM the line is unchanged and would only point at the same place again.
-        if fit is not None and predicted < MAX_PREDICTED_TRIALS and measured_now > measured_at_last_prediction:
+        guess = None
+        if predicted < MAX_PREDICTED_TRIALS and measured_now > measured_at_last_prediction:
+            if slope is None and hint is None:
+                fit = _fit_near_boundary(trials)
+                guess = micro_batch_for_limit(fit, limit_bytes, cap=max_micro_batch) if fit is not None else None
+            else:
+                guess = _predict(trials, limit_bytes, slope, max_micro_batch)
+        if guess is not None:
             predicted += 1
             measured_at_last_prediction = measured_now
-            guess = micro_batch_for_limit(fit, limit_bytes, cap=max_micro_batch) // multiple_of
+            guess //= multiple_of
             if hi > top and guess > FAR_EXTRAPOLATION * lo:
                 # Peak memory is a maximum of affine phases, so convex in m: a chord from small m
                 # underestimates the slope further out and overshoots. Land short of the line

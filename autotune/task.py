@@ -59,6 +59,8 @@ class ProbeTask:
         tags: free-form facts that change memory (seq_len, checkpointing, ...); they enter the fingerprint.
         loss_sum: optional loss_sum(model, batch) -> (summed loss, supervised count), used by
             ``autotune verify`` and the accumulator for exact group normalization (token losses).
+        shard_classes: the block classes ``--strategy fsdp`` shards one by one; None shards every
+            child of every nn.ModuleList in the model.
     """
 
     name: str
@@ -69,6 +71,7 @@ class ProbeTask:
     precision: str = "fp32"
     tags: dict[str, TagValue] = field(default_factory=dict)
     loss_sum: LossSumFn | None = None
+    shard_classes: tuple[type[nn.Module], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

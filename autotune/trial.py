@@ -1,7 +1,8 @@
 """One trial: the steady state of an accumulating job at micro-batch m, measured on one device.
 
-Fresh model and optimizer, 2 micro-batches forward+backward accumulating, optimizer step,
-zero_grad(set_to_none=True), 2 more micro-batches, a second step. Each micro-batch is made just
+The model (built once per probe, see TrialRunner) and a fresh optimizer, 2 micro-batches
+forward+backward accumulating, optimizer step, zero_grad(set_to_none=True), 2 more micro-batches,
+a second step. Each micro-batch is made just
 before its forward and dropped after its backward. The peak over all of it is the figure.
 
 An OOM is a result: everything the trial held is released before this function returns, and
@@ -22,9 +23,19 @@ from autotune.errors import TaskError, TrialError
 from autotune.meters import FORWARD_BACKWARD, Meter
 from autotune.oom import is_oom
 from autotune.schemas import Trial
+from autotune.strategies import Replicated, Strategy
 from autotune.task import ProbeTask
 
-__all__ = ["MICRO_BATCHES_PER_STEP", "OPTIMIZER_STEPS", "measure_weights", "move_to_device", "run_trial"]
+__all__ = [
+    "MICRO_BATCHES_PER_STEP",
+    "OPTIMIZER_STEPS",
+    "TrialRunner",
+    "build_model",
+    "build_on_meta",
+    "measure_weights",
+    "move_to_device",
+    "run_trial",
+]
 
 MICRO_BATCHES_PER_STEP = 2
 OPTIMIZER_STEPS = 2
@@ -65,15 +76,81 @@ def make_batch(task: ProbeTask, micro_batch: int, device: torch.device) -> Any:
     return move_to_device(batch, device)
 
 
-def build_model(task: ProbeTask, meter: Meter) -> nn.Module:
-    """A fresh model on the meter's device, in train mode, its weights counted by the meter."""
-    with torch.device(meter.device):
-        model = task.model()
+def _failing_module(exc: BaseException) -> str | None:
+    """The class of the innermost nn.Module whose code raised exc (for a one-line message)."""
+    name = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            name = type(owner).__name__
+        tb = tb.tb_next
+    return name
+
+
+def _initialise(model: nn.Module) -> None:
+    """Values for storage that to_empty left uninitialised: a small normal for parameters, zeros for
+    buffers, then each module's own reset_parameters. Garbage could hold NaN or inf, and a GradScaler
+    that sees them skips the optimizer step, whose state then never exists: the peak would be low."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.normal_(0.0, 0.02)
+            else:
+                param.zero_()
+        for buffer in model.buffers():
+            buffer.zero_()
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+def build_on_meta(task: ProbeTask, warnings: list[str] | None = None) -> nn.Module | None:
+    """The task's model on the ``meta`` device (shapes, no memory), or None with a warning naming the
+    module that failed when the factory cannot run there. Call it outside any meter's span: under
+    the fake meter's mode, meta tensors would come out fake."""
+    try:
+        with torch.device("meta"):
+            model = task.model()
+    except Exception as exc:
+        if warnings is not None:
+            where = _failing_module(exc)
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            warnings.append(
+                f"model() of task {task.name!r} could not be built on the meta device"
+                + (f" (in {where})" if where else "")
+                + f": {type(exc).__name__}: {first_line}; built on the probe's device instead"
+            )
+        return None
+    _require_module(task, model)
+    return model
+
+
+def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = None) -> nn.Module:
+    """The task's model on the meter's device, in train mode, its weights counted by the meter.
+
+    meta_model (from :func:`build_on_meta`) is materialized on the meter's device with ``to_empty``
+    and the modules' own ``reset_parameters``, so that a large model is never first built on the
+    CPU; without one the factory is called on the device.
+    """
+    with meter.hold():
+        if meta_model is None:
+            with torch.device(meter.device):
+                model = task.model()
+            _require_module(task, model)
+            model = model.to(meter.device)
+        else:
+            model = meta_model.to_empty(device=meter.device)
+            _initialise(model)
+        model.train()
+        meter.adopt(model)
+    return model
+
+
+def _require_module(task: ProbeTask, model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TaskError(f"model() of task {task.name!r} returned {type(model).__name__}, not an nn.Module")
-    model = model.to(meter.device).train()
-    meter.adopt(model)
-    return model
 
 
 def _autocast(task: ProbeTask, device: torch.device) -> AbstractContextManager[Any]:
@@ -83,25 +160,15 @@ def _autocast(task: ProbeTask, device: torch.device) -> AbstractContextManager[A
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, process_group: Any) -> None:
-    """The measured work. Everything it creates lives in this frame and dies with it."""
+def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, model: nn.Module) -> None:
+    """The measured work. Everything it creates (optimizer and its state, batches, activations)
+    lives in this frame and dies with it; the model's gradients are dropped by the caller."""
     device = meter.device
-    model = build_model(task, meter)
-    if process_group is not None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=device_ids, process_group=process_group)
     optimizer = task.make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
     for _ in range(OPTIMIZER_STEPS):
         for index in range(MICRO_BATCHES_PER_STEP):
-            last = index == MICRO_BATCHES_PER_STEP - 1
-            # Under DDP only the last micro-batch of a group all-reduces, as a correct job does.
-            sync: AbstractContextManager[Any] = (
-                model.no_sync() if process_group is not None and not last else nullcontext()  # type: ignore[operator]
-            )
-            with sync:
+            with strategy.sync(model, last=index == MICRO_BATCHES_PER_STEP - 1):
                 batch = make_batch(task, micro_batch, device)
                 with _autocast(task, device):
                     loss = task.compute_loss(model, batch) / MICRO_BATCHES_PER_STEP
@@ -120,13 +187,21 @@ def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, process_group: Any) 
         meter.checkpoint("step")
 
 
+def _fresh_cycle(
+    task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, meta_model: nn.Module | None
+) -> None:
+    model = strategy.wrap(build_model(task, meter, meta_model), task, meter.device)
+    _cycle(task, meter, micro_batch, strategy, model)
+
+
 def run_trial(
     task: ProbeTask,
     meter: Meter,
     micro_batch: int,
     *,
     limit_bytes: int,
-    process_group: Any = None,
+    strategy: Strategy | None = None,
+    model: nn.Module | None = None,
 ) -> Trial:
     """Measure one trial at micro_batch.
 
@@ -135,7 +210,10 @@ def run_trial(
         meter: the device and its budget; crossing the budget is an OOM.
         micro_batch: m.
         limit_bytes: the peak that still fits (budget x (1 - headroom)).
-        process_group: a single-process group to wrap the model in DDP (world size > 1).
+        strategy: how the job holds the model (ddp by default, at world size 1); its process group
+            must be entered.
+        model: a model built by ``build_model`` and wrapped by the strategy, reused across trials
+            (see :class:`TrialRunner`); None builds a fresh one inside the measured span.
 
     Returns:
         A Trial; ``oom`` when the budget was crossed, ``fits`` when the peak is within limit_bytes.
@@ -144,12 +222,17 @@ def run_trial(
         TaskError: the task misbehaves (no tensors in the batch, non-scalar loss).
         TrialError: any other non-OOM failure, with the original error in one line.
     """
+    strategy = strategy or Replicated(1)
     oom = False
     failure: str | None = None
+    meta_model = build_on_meta(task) if model is None else None
     started = time.perf_counter()
     try:
         with meter.measure():
-            _cycle(task, meter, micro_batch, process_group)
+            if model is None:
+                _fresh_cycle(task, meter, micro_batch, strategy, meta_model)
+            else:
+                _cycle(task, meter, micro_batch, strategy, model)
     except TaskError:
         meter.release()
         raise
@@ -162,7 +245,10 @@ def run_trial(
             if micro_batch == 1:
                 failure += " (a model that cannot train on one sample, BatchNorm1d say, needs --multiple-of 2)"
     # Out of the except block the traceback, and with it every frame of _cycle, is gone.
+    del meta_model
     seconds = time.perf_counter() - started
+    if model is not None:
+        model.zero_grad(set_to_none=True)
     reading = meter.reading()
     meter.release()
     if failure is not None:
@@ -177,6 +263,73 @@ def run_trial(
         allocated_bytes=reading.allocated_bytes,
         outside_allocator_bytes=reading.outside_allocator_bytes,
     )
+
+
+class TrialRunner:
+    """Trials of one task on one meter, with the model built once and reused.
+
+    Between trials the gradients are set to None and the optimizer, its state, the batches and the
+    activations die with the trial, so every trial starts from the state a fresh model would: the
+    weights (and, under a wrapper, what the wrapper keeps: DDP's buckets, FSDP2's sharded
+    parameters) and nothing else. A test shows the peaks equal a fresh model's byte for byte on the
+    CPU meter. What a trial changes in place and that takes no memory (BatchNorm running statistics,
+    the weights' values after two optimizer steps) is not restored: it cannot change a peak. After an
+    OOM the wrapper may be stopped mid-step (FSDP2's units unsharded, DDP waiting for a reduction),
+    so the next trial gets a newly built model.
+
+    Use inside ``strategy.process_group(meter.device)``; ``close()`` drops the model.
+    """
+
+    def __init__(
+        self,
+        task: ProbeTask,
+        meter: Meter,
+        *,
+        limit_bytes: int,
+        strategy: Strategy | None = None,
+        reuse_model: bool = True,
+    ) -> None:
+        self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
+        self.strategy = strategy or Replicated(1)
+        self.reuse_model = reuse_model
+        self.warnings: list[str] = []
+        self._model: nn.Module | None = None
+
+    def _ensure_model(self) -> nn.Module | None:
+        if not self.reuse_model:
+            return None
+        if self._model is None:
+            model = build_model(self.task, self.meter, build_on_meta(self.task, self.warnings))
+            with self.meter.hold():
+                self._model = self.strategy.wrap(model, self.task, self.meter.device)
+        return self._model
+
+    def __call__(self, micro_batch: int) -> Trial:
+        model = self._ensure_model()
+        del_model = False
+        try:
+            trial = run_trial(
+                self.task,
+                self.meter,
+                micro_batch,
+                limit_bytes=self.limit_bytes,
+                strategy=self.strategy,
+                model=model,
+            )
+            del_model = trial.oom
+            return trial
+        except BaseException:
+            del_model = True
+            raise
+        finally:
+            del model
+            if del_model:
+                self.close()
+
+    def close(self) -> None:
+        """Drop the reused model (the next trial builds a new one)."""
+        self._model = None
+        self.meter.release()
 
 
 def measure_weights(task: ProbeTask, meter: Meter) -> int | None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import EXIT_FAILED, headroom, positive_int, size
+from autotune.cli.common import EXIT_FAILED, CliError, headroom, positive_int, size
 
 __all__ = ["add_parsers", "add_probe_options", "config_from_args", "run_probe", "run_verify", "write_atomically"]
 
@@ -22,6 +22,18 @@ def add_probe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-micro-batch", type=positive_int, default=4096)
     p.add_argument("--multiple-of", type=positive_int, default=1)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="override the task's precision")
+    p.add_argument(
+        "--strategy",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="ddp (default: each replica holds the whole model) or fsdp (FSDP2: rank 0 of --world-size)",
+    )
+    p.add_argument(
+        "--no-presearch",
+        dest="presearch",
+        action="store_false",
+        help="skip the fake-tensor pre-search: real trials only",
+    )
 
 
 def config_from_args(args: argparse.Namespace, device: str) -> Any:
@@ -37,6 +49,8 @@ def config_from_args(args: argparse.Namespace, device: str) -> Any:
         max_micro_batch=args.max_micro_batch,
         multiple_of=args.multiple_of,
         precision=args.precision,
+        strategy=args.strategy,
+        presearch=args.presearch,
     )
 
 
@@ -76,6 +90,11 @@ def run_probe(args: argparse.Namespace) -> int:
     limit = int(args.budget * (1 - args.headroom)) if args.budget else None
     print(f"probing {task.name} on {args.device} ...", file=sys.stderr)
     if args.device.strip().lower() == "all":
+        if config.strategy == "fsdp":
+            raise CliError(
+                "--strategy fsdp with --device all is refused: the fsdp probe answers for rank 0 of "
+                "--world-size on one device; probe one device (--device cuda:N)"
+            )
         from autotune.multi import probe_all_devices
 
         profile = probe_all_devices(args.task, config)

@@ -48,6 +48,7 @@ class Meter(ABC):
         self._phases: dict[str, int] = {}
         self._allocated = 0
         self._last = MemoryReading(0)
+        self._tracking_now = False
 
     @abstractmethod
     def describe(self) -> Device:
@@ -64,6 +65,11 @@ class Meter(ABC):
     def _outside(self) -> int | None:
         return None
 
+    def unseen_bytes(self) -> int:
+        """Bytes the device holds for this process that no tensor accounts for (the CUDA context
+        and library workspaces): fake trials never see them."""
+        return 0
+
     def checkpoint(self, phase: str) -> None:
         """Close the current phase; its peak counts towards ``phase``."""
         peak, allocated = self._take_peak()
@@ -78,7 +84,7 @@ class Meter(ABC):
         self._phases, self._allocated = {}, 0
         self._take_peak()
         try:
-            with self._tracking():
+            with self._tracked():
                 yield
         finally:
             self.checkpoint("tail")
@@ -88,6 +94,23 @@ class Meter(ABC):
                 allocated_bytes=self._allocated or None,
                 outside_allocator_bytes=self._outside(),
             )
+
+    @contextmanager
+    def _tracked(self) -> Iterator[None]:
+        if self._tracking_now:
+            yield
+            return
+        self._tracking_now = True
+        try:
+            with self._tracking():
+                yield
+        finally:
+            self._tracking_now = False
+
+    def hold(self) -> AbstractContextManager[None]:
+        """Make what outlives a measured span (a model reused across trials) under the meter's
+        accounting and budget: it stays counted, and every later span's peak includes it."""
+        return self._tracked()
 
     def reading(self) -> MemoryReading:
         """The peak of the last measured span."""

@@ -32,32 +32,47 @@ class CpuOutOfMemoryError(torch.OutOfMemoryError):
 
 
 class _StorageLedger:
-    """Live bytes of the storages seen so far, with the peak since the last reset."""
+    """Live bytes of the storages seen so far, with the peak since the last reset.
+
+    A storage is counted at its current size: FSDP2 keeps its unsharded parameters' storages alive
+    and resizes them to 0 after use and back before the next all-gather, so a size taken once at
+    creation would count them as held all the time.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[int, Any] = {}
+        # storage key -> [finalizer, counted bytes]
+        self._live: dict[int, list[Any]] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
 
-    def _release(self, key: int, nbytes: int) -> None:
+    def _release(self, key: int) -> None:
         with self._lock:
-            if self._live.pop(key, None) is not None:
-                self.live_bytes -= nbytes
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self.live_bytes -= entry[1]
 
     def add(self, storage: torch.UntypedStorage) -> int:
-        """Start counting storage; returns the live bytes after it (0 added if already counted)."""
+        """Count storage at its current size (a counted storage that changed size is recounted);
+        returns the live bytes after it."""
         key = storage._cdata
+        nbytes = storage.nbytes()
         with self._lock:
-            if key in self._live:
-                return self.live_bytes
-            nbytes = storage.nbytes()
-            # The finalizer fires when the C++ storage is freed, not when one Python handle dies:
-            # PyTorch keeps the storage's Python object alive while C++ still owns the storage.
-            self._live[key] = weakref.finalize(storage, self._release, key, nbytes)
-            self.live_bytes += nbytes
+            entry = self._live.get(key)
+            if entry is None:
+                # The finalizer fires when the C++ storage is freed, not when one Python handle dies:
+                # PyTorch keeps the storage's Python object alive while C++ still owns the storage.
+                self._live[key] = [weakref.finalize(storage, self._release, key), nbytes]
+                self.live_bytes += nbytes
+            elif entry[1] != nbytes:
+                self.live_bytes += nbytes - entry[1]
+                entry[1] = nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             return self.live_bytes
+
+    def counts(self, storage: torch.UntypedStorage) -> bool:
+        with self._lock:
+            return storage._cdata in self._live
 
     def take_peak(self) -> int:
         with self._lock:
@@ -65,9 +80,33 @@ class _StorageLedger:
             return peak
 
 
+def _plain_tensors(leaf: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A tensor subclass that wraps others (FSDP2's DTensor parameters) has no storage of its own:
+    its inner tensors (the local shard) hold the memory."""
+    flatten = getattr(type(leaf), "__tensor_flatten__", None)
+    if flatten is not None and type(leaf) is not torch.Tensor and not _is_fake(leaf):
+        names, _ = leaf.__tensor_flatten__()  # type: ignore[attr-defined]
+        for name in names:
+            inner = getattr(leaf, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _plain_tensors(inner)
+        return
+    yield leaf
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
 def _storages(obj: Any) -> Iterator[torch.UntypedStorage]:
-    for leaf in tree_flatten(obj)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type != "meta":
+    for top in tree_flatten(obj)[0]:
+        if not isinstance(top, torch.Tensor):
+            continue
+        for leaf in _plain_tensors(top):
+            if leaf.layout != torch.strided or (leaf.device.type == "meta" and not _is_fake(leaf)):
+                continue
             try:
                 yield leaf.untyped_storage()
             except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. functional wrappers)
@@ -117,18 +156,44 @@ class CpuMeter(Meter):
     def _account(self, tensors: Any, what: Any) -> None:
         """Count the storages of tensors; raise the OOM at the one that crosses the budget."""
         for storage in _storages(tensors):
-            live = self._ledger.add(storage)
-            if self._enforce and live > self.budget_bytes:
-                raise CpuOutOfMemoryError(
-                    f"CPU meter: out of memory (DefaultCPUAllocator: can't allocate memory): {what} "
-                    f"brought live tensor bytes to {live} over the budget of {self.budget_bytes} bytes"
-                )
+            self._count(storage, what)
+
+    def _count(self, storage: torch.UntypedStorage, what: Any) -> None:
+        live = self._ledger.add(storage)
+        if self._enforce and live > self.budget_bytes:
+            raise CpuOutOfMemoryError(
+                f"CPU meter: out of memory (DefaultCPUAllocator: can't allocate memory): {what} "
+                f"brought live tensor bytes to {live} over the budget of {self.budget_bytes} bytes"
+            )
+
+    @contextmanager
+    def _storage_resizes(self) -> Iterator[None]:
+        """Recount a counted storage when it is resized in place (FSDP2 frees and re-allocates its
+        unsharded parameters this way, outside any operator the dispatch mode sees)."""
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            if self._ledger.counts(storage):
+                self._count(storage, "UntypedStorage.resize_")
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+    @contextmanager
+    def _counting(self) -> Iterator[None]:
+        with self._storage_resizes(), _LiveStorageMode(self):
+            yield
 
     def _take_peak(self) -> tuple[int, int | None]:
         return self._ledger.take_peak(), None
 
     def _tracking(self) -> AbstractContextManager[Any]:
-        return _LiveStorageMode(self)
+        return self._counting()
 
     @contextmanager
     def unbounded(self) -> Iterator[None]:

@@ -163,6 +163,9 @@ class CudaMeter(Meter):
     def _outside(self) -> int | None:
         return self._outside_bytes()
 
+    def unseen_bytes(self) -> int:
+        return self._outside_bytes()
+
     @contextmanager
     def unbounded(self) -> Iterator[None]:
         torch.cuda.set_per_process_memory_fraction(1.0, self.index)
