@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 
-from autotune.schemas import Observation, Profile, Suggestion
+from autotune.schemas import Observation, Profile, Source, Strategy, Suggestion
 from autotune_server import repository
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
@@ -118,6 +118,9 @@ def list_profiles(
     task: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
     device_name: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
     precision: Literal["fp32", "bf16", "fp16"] | None = None,
+    strategy: Annotated[Strategy | None, Query(description="ddp or fsdp")] = None,
+    world_size: Annotated[int | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
+    source: Annotated[Source | None, Query(description="measured or estimate")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 50,
     cursor: Annotated[
         str | None, Query(max_length=64, description="next_cursor of the previous page")
@@ -126,7 +129,13 @@ def list_profiles(
     """List profiles, newest upload first, filtered and paginated by cursor."""
     before_id = repository.decode_cursor(cursor) if cursor is not None else None
     filters = repository.ProfileFilters(
-        fingerprint=fingerprint, task=task, device_name=device_name, precision=precision
+        fingerprint=fingerprint,
+        task=task,
+        device_name=device_name,
+        precision=precision,
+        strategy=strategy,
+        world_size=world_size,
+        source=source,
     )
     rows, next_before = repository.list_profiles(session, filters, limit=limit, before_id=before_id)
     return ProfilePage(
@@ -200,15 +209,18 @@ async def suggest(
     world_size: Annotated[int, Query(ge=1, le=MAX_WORLD_SIZE)] = 1,
     budget_bytes: Annotated[int | None, Query(gt=0, le=2**60)] = None,
     headroom: Annotated[float | None, Query(ge=0, lt=1)] = None,
+    strategy: Annotated[
+        Strategy, Query(description="ddp (every rank holds the whole model) or fsdp (sharded over world_size)")
+    ] = "ddp",
 ) -> Response:
-    """The plan for a job: measured on this device model, else predicted from another's fit, else 404."""
+    """The plan for a job: measured on this device model, else predicted, else estimated, else 404."""
     # The hot path of a sweep's start: async, no thread-pool hop at all on a cached answer; on a miss,
     # one hop for the database (shared by concurrent misses) and one for the plan arithmetic, which
     # never runs on the event loop. The Suggestion is serialized once here instead of re-validated
     # by the response model.
     state = request.app.state
     cache = state.suggest_cache
-    answer_key = (fingerprint, device_name, target_batch, world_size, budget_bytes, headroom)
+    answer_key = (fingerprint, device_name, target_batch, world_size, budget_bytes, headroom, strategy)
     body = cache.get_answer(answer_key)
     if body is None:
         key = (fingerprint, device_name)
@@ -224,6 +236,7 @@ async def suggest(
             world_size=world_size,
             budget_bytes=budget_bytes,
             headroom=headroom,
+            strategy=strategy,
             server_url=lambda: str(request.base_url).rstrip("/"),
         )
         cache.put_answer(answer_key, body)

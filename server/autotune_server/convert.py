@@ -36,6 +36,8 @@ def to_summary(row: ProfileRow) -> ProfileSummary:
         headroom=row.headroom,
         max_micro_batch=row.max_micro_batch,
         world_size=row.world_size,
+        strategy=row.strategy,
+        source=row.source,
         trial_count=row.trial_count,
         created_at=to_utc(row.created_at),
         uploaded_at=to_utc(row.uploaded_at),

@@ -22,6 +22,7 @@ from sqlalchemy import (
     MetaData,
     String,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -52,9 +53,16 @@ class ProfileRow(Base):
 
     __tablename__ = "profiles"
     __table_args__ = (
-        # /suggest: newest profile of a fingerprint on a device model (and, without the device, of a
-        # fingerprint on any device) -- one index serves both by its prefix.
-        Index("ix_profiles_fingerprint_device_created", "fingerprint", "device_name", "created_at"),
+        # /suggest: the newest profiles of a fingerprint on a device model per strategy and source
+        # (and, by its prefix, of a fingerprint on any device) -- one index serves every lookup.
+        Index(
+            "ix_profiles_fingerprint_device_strategy_source_created",
+            "fingerprint",
+            "device_name",
+            "strategy",
+            "source",
+            "created_at",
+        ),
         Index("ix_profiles_task", "task"),
         Index("ix_profiles_device_name", "device_name"),
         Index("ix_profiles_precision", "precision"),
@@ -79,6 +87,11 @@ class ProfileRow(Base):
     micro_batch_cap: Mapped[int] = mapped_column(Integer)
     multiple_of: Mapped[int] = mapped_column(Integer)
     world_size: Mapped[int] = mapped_column(Integer)
+    # "ddp" or "fsdp" (for fsdp the figures are rank 0's of world_size ranks); "measured" or
+    # "estimate" (fake-tensor trials only). Rows stored before these columns are ddp measurements.
+    strategy: Mapped[str] = mapped_column(String(8), server_default="ddp")
+    source: Mapped[str] = mapped_column(String(16), server_default="measured")
+    non_monotone: Mapped[bool] = mapped_column(Boolean, server_default=false())
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     fit_fixed_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
     fit_bytes_per_sample: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -126,6 +139,8 @@ class TrialRow(Base):
     forward_backward_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     allocated_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     outside_allocator_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # A fake-tensor trial (a pre-search point, or an estimate's figure), not a measurement.
+    fake: Mapped[bool] = mapped_column(Boolean, server_default=false())
 
     profile: Mapped[ProfileRow] = relationship(back_populates="trials")
 

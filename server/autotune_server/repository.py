@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
-from sqlalchemy import Connection, and_, delete, func, select
+from sqlalchemy import ColumnElement, Connection, and_, case, delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -70,6 +72,9 @@ def _profile_row(profile: Profile, digest: str, uploader: str | None) -> Profile
         micro_batch_cap=profile.micro_batch_cap,
         multiple_of=profile.multiple_of,
         world_size=profile.world_size,
+        strategy=profile.strategy,
+        source=profile.source,
+        non_monotone=profile.non_monotone,
         plan=profile.plan.model_dump(mode="json") if profile.plan is not None else None,
         fit_fixed_bytes=profile.fit.fixed_bytes if profile.fit is not None else None,
         fit_bytes_per_sample=profile.fit.bytes_per_sample if profile.fit is not None else None,
@@ -95,6 +100,7 @@ def _profile_row(profile: Profile, digest: str, uploader: str | None) -> Profile
             forward_backward_bytes=t.forward_backward_bytes,
             allocated_bytes=t.allocated_bytes,
             outside_allocator_bytes=t.outside_allocator_bytes,
+            fake=t.fake,
         )
         for i, t in enumerate(profile.trials)
     ]
@@ -170,6 +176,9 @@ class ProfileFilters:
     task: str | None = None
     device_name: str | None = None
     precision: str | None = None
+    strategy: str | None = None
+    world_size: int | None = None
+    source: str | None = None
 
 
 _CURSOR_PREFIX = "p1:"
@@ -216,6 +225,12 @@ def list_profiles(
         query = query.where(ProfileRow.device_name == filters.device_name)
     if filters.precision is not None:
         query = query.where(ProfileRow.precision == filters.precision)
+    if filters.strategy is not None:
+        query = query.where(ProfileRow.strategy == filters.strategy)
+    if filters.world_size is not None:
+        query = query.where(ProfileRow.world_size == filters.world_size)
+    if filters.source is not None:
+        query = query.where(ProfileRow.source == filters.source)
     if before_id is not None:
         query = query.where(ProfileRow.id < before_id)
     # One extra row tells whether there is a next page without a count query.
@@ -301,39 +316,59 @@ class Candidate:
     micro_batch_cap: int
     multiple_of: int
     fit: Fit | None
-    # The data-parallel world size D the probe ran with (D > 1: DDP's gradient buckets were counted).
+    # The world size the probe ran with: for ddp, D (D > 1: DDP's gradient buckets were counted);
+    # for fsdp, the N ranks that shared the model (the figures are one rank's of N).
     world_size: int = 1
-    # (micro_batch, peak_bytes, fits, oom) of every trial; empty for profiles of other devices.
+    strategy: str = "ddp"
+    # "measured" (real trials on the device) or "estimate" (fake-tensor trials only).
+    source: str = "measured"
+    # (micro_batch, peak_bytes, fits, oom) of every deciding trial (Profile.deciding_trials: the real
+    # ones of a measurement, the fake ones of an estimate); empty for profiles of other devices.
     trials: tuple[tuple[int, int, bool, bool], ...] = ()
     oom_at: int | None = None
-    # The whole-trial peak of the smallest measured (non-OOM) micro-batch: weights, gradients and
-    # optimizer state with the least activations, an upper bound of the optimizer step's phase.
-    # ``fit`` is of the forward/backward peaks only and does not see that phase.
+    # The whole-trial peak of the smallest measured (non-OOM) deciding micro-batch: weights,
+    # gradients and optimizer state with the least activations, an upper bound of the optimizer
+    # step's phase. ``fit`` is of the forward/backward peaks only and does not see that phase.
     smallest_peak: int | None = None
 
     @property
     def uses_ddp(self) -> bool:
-        """Whether the probe wrapped the model in DDP (world size > 1)."""
-        return self.world_size > 1
+        """Whether the probe wrapped the model in DDP (strategy ddp at world size > 1)."""
+        return self.strategy == "ddp" and self.world_size > 1
+
+    @property
+    def estimate(self) -> bool:
+        """Whether the figures are fake-tensor estimates rather than measurements on the device."""
+        return self.source == "estimate"
 
 
 @dataclass(frozen=True)
 class Lookup:
     """What the database says about a (fingerprint, device).
 
-    ``single`` and ``ddp``: the newest profile on this device measured at world size 1, and the
-    newest measured with DDP (world size > 1); ``elsewhere``: only when neither exists, the newest
-    profiles of the fingerprint on other devices.
+    ``here``: the newest profile on this device model of each kind, newest first. A kind is a
+    source (measured, estimate) with a strategy and, for ddp, world size 1 or > 1 (with or without
+    DDP's buckets), for fsdp each world size (one rank's memory depends on N). ``elsewhere``: the
+    newest profiles of the fingerprint on other device models (their fits, without trials).
+    ``suggest.compute`` decides which one answers a job. ``skipped``: the ids of profiles left out
+    of it (``without``), for the answer's warnings.
     """
 
-    single: Candidate | None
-    ddp: Candidate | None
+    here: tuple[Candidate, ...]
     elsewhere: tuple[Candidate, ...]
+    skipped: tuple[int, ...] = ()
 
-    def measured_for(self, world_size: int) -> Candidate | None:
-        """The profile on this device whose DDP-ness matches ``world_size``, else the other one."""
-        preferred, other = (self.ddp, self.single) if world_size > 1 else (self.single, self.ddp)
-        return preferred if preferred is not None else other
+    def ids(self) -> set[int]:
+        """The ids of every candidate, here and elsewhere."""
+        return {c.id for c in (*self.here, *self.elsewhere)}
+
+    def without(self, *, excluded: set[int]) -> Lookup:
+        """This lookup less the candidates in ``excluded``, which ``skipped`` then names too."""
+        return Lookup(
+            here=tuple(c for c in self.here if c.id not in excluded),
+            elsewhere=tuple(c for c in self.elsewhere if c.id not in excluded),
+            skipped=tuple(sorted(set(self.skipped) | excluded)),
+        )
 
 
 _COLUMNS = (
@@ -348,28 +383,35 @@ _COLUMNS = (
     ProfileRow.fit_fixed_bytes,
     ProfileRow.fit_bytes_per_sample,
     ProfileRow.world_size,
+    ProfileRow.strategy,
+    ProfileRow.source,
+    ProfileRow.created_at,
 )
+# At most this many kinds of profile of one (fingerprint, device) are read per lookup.
+_HERE_LIMIT = 64
 
 
-def _candidate(row: tuple[object, ...], **extra: object) -> Candidate:
-    (pid, fingerprint, device, budget, headroom, m_max, cap, multiple, fixed, per_sample, world) = row[:11]
+def _candidate(row: Any, **extra: Any) -> Candidate:
+    fixed, per_sample = row.fit_fixed_bytes, row.fit_bytes_per_sample
     fit = (
-        Fit(fixed_bytes=float(fixed), bytes_per_sample=float(per_sample))  # type: ignore[arg-type]
+        Fit(fixed_bytes=float(fixed), bytes_per_sample=float(per_sample))
         if fixed is not None and per_sample is not None
         else None
     )
     return Candidate(
-        id=int(pid),  # type: ignore[call-overload]
-        fingerprint=str(fingerprint),
-        device_name=str(device),
-        budget_bytes=int(budget),  # type: ignore[call-overload]
-        headroom=float(headroom),  # type: ignore[arg-type]
-        max_micro_batch=int(m_max),  # type: ignore[call-overload]
-        micro_batch_cap=int(cap),  # type: ignore[call-overload]
-        multiple_of=int(multiple),  # type: ignore[call-overload]
+        id=int(row.id),
+        fingerprint=str(row.fingerprint),
+        device_name=str(row.device_name),
+        budget_bytes=int(row.budget_bytes),
+        headroom=float(row.headroom),
+        max_micro_batch=int(row.max_micro_batch),
+        micro_batch_cap=int(row.micro_batch_cap),
+        multiple_of=int(row.multiple_of),
         fit=fit,
-        world_size=int(world),  # type: ignore[call-overload]
-        **extra,  # type: ignore[arg-type]
+        world_size=int(row.world_size),
+        strategy=str(row.strategy),
+        source=str(row.source),
+        **extra,
     )
 
 
@@ -378,64 +420,102 @@ def _smallest_peak(trials: tuple[tuple[int, int, bool, bool], ...]) -> int | Non
     return -min(measured)[1] if measured else None
 
 
-def lookup(conn: Connection, fingerprint: str, device_name: str, *, elsewhere_limit: int = 50) -> Lookup:
-    """Read the newest profiles of a fingerprint on a device (one at world size 1, one with DDP),
-    or else its profiles on other devices."""
+def _deciding_trial() -> ColumnElement[bool]:
+    # Profile.deciding_trials in SQL (correlated to the profile): an estimate's answer rests on its
+    # fake trials, a measurement's on its real ones (fake pre-search points only guided the search).
+    estimate = ProfileRow.source == "estimate"
+    return or_(and_(estimate, TrialRow.fake.is_(True)), and_(~estimate, TrialRow.fake.is_(False)))
+
+
+def lookup(
+    conn: Connection,
+    fingerprint: str,
+    device_name: str,
+    *,
+    exclude_ids: Collection[int] = (),
+    elsewhere_limit: int = 50,
+) -> Lookup:
+    """Read the newest profiles of a fingerprint on a device, one of each kind (see :class:`Lookup`),
+    with their deciding trials, and its newest profiles on other devices; profiles whose ids are in
+    ``exclude_ids`` are passed over (the next newest of their kind takes their place)."""
+    excluded = [ProfileRow.id.not_in(list(exclude_ids))] if exclude_ids else []
     oom_at = (
         select(func.min(ObservationRow.micro_batch))
         .where(and_(ObservationRow.profile_id == ProfileRow.id, ObservationRow.oom.is_(True)))
         .scalar_subquery()
     )
-    here = (ProfileRow.fingerprint == fingerprint, ProfileRow.device_name == device_name)
-    newest = [
-        conn.execute(
-            select(*_COLUMNS, oom_at)
-            .where(*here, ddp)
-            .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
-            .limit(1)
-        ).first()
-        for ddp in (ProfileRow.world_size <= 1, ProfileRow.world_size > 1)
-    ]
-    if any(row is not None for row in newest):
-        ids = [int(row[0]) for row in newest if row is not None]
-        trials: dict[int, list[tuple[int, int, bool, bool]]] = {pid: [] for pid in ids}
-        for pid, m, peak, fits, oom in conn.execute(
-            select(TrialRow.profile_id, TrialRow.micro_batch, TrialRow.peak_bytes, TrialRow.fits, TrialRow.oom)
-            .where(TrialRow.profile_id.in_(ids))
+    # ddp: world size 1 (-1) or DDP (-2); fsdp: each world size (>= 1) is a kind of its own.
+    kind = case(
+        (ProfileRow.strategy == "fsdp", ProfileRow.world_size),
+        (ProfileRow.world_size > 1, -2),
+        else_=-1,
+    )
+    ranked = (
+        select(
+            *_COLUMNS,
+            oom_at.label("oom_at"),
+            func.row_number()
+            .over(
+                partition_by=(ProfileRow.source, ProfileRow.strategy, kind),
+                order_by=(ProfileRow.created_at.desc(), ProfileRow.id.desc()),
+            )
+            .label("newest"),
+        )
+        .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name == device_name, *excluded)
+        .subquery()
+    )
+    newest = conn.execute(
+        select(ranked)
+        .where(ranked.c.newest == 1)
+        .order_by(ranked.c.created_at.desc(), ranked.c.id.desc())
+        .limit(_HERE_LIMIT)
+    ).all()
+    here: list[Candidate] = []
+    if newest:
+        estimates = {int(row.id) for row in newest if row.source == "estimate"}
+        trials: dict[int, list[tuple[int, int, bool, bool]]] = {int(row.id): [] for row in newest}
+        for pid, m, peak, fits, oom, fake in conn.execute(
+            select(
+                TrialRow.profile_id,
+                TrialRow.micro_batch,
+                TrialRow.peak_bytes,
+                TrialRow.fits,
+                TrialRow.oom,
+                TrialRow.fake,
+            )
+            .where(TrialRow.profile_id.in_(list(trials)))
             .order_by(TrialRow.profile_id, TrialRow.position)
         ):
-            trials[int(pid)].append((int(m), int(peak), bool(fits), bool(oom)))
-        single, ddp = (
-            None
-            if row is None
-            else _candidate(
-                tuple(row),
-                trials=tuple(trials[int(row[0])]),
-                oom_at=row[11],
-                smallest_peak=_smallest_peak(tuple(trials[int(row[0])])),
+            if bool(fake) == (int(pid) in estimates):
+                trials[int(pid)].append((int(m), int(peak), bool(fits), bool(oom)))
+        for row in newest:
+            deciding = tuple(trials[int(row.id)])
+            here.append(
+                _candidate(
+                    row,
+                    trials=deciding,
+                    oom_at=None if row.oom_at is None else int(row.oom_at),
+                    smallest_peak=_smallest_peak(deciding),
+                )
             )
-            for row in newest
-        )
-        return Lookup(single=single, ddp=ddp, elsewhere=())
-    # The whole peak of each profile's smallest measured micro-batch (larger peak on a tie).
+    # The whole peak of each profile's smallest measured deciding micro-batch (larger on a tie).
     smallest_peak = (
         select(TrialRow.peak_bytes)
-        .where(TrialRow.profile_id == ProfileRow.id, TrialRow.oom.is_(False))
+        .where(TrialRow.profile_id == ProfileRow.id, TrialRow.oom.is_(False), _deciding_trial())
         .order_by(TrialRow.micro_batch, TrialRow.peak_bytes.desc())
         .limit(1)
         .correlate(ProfileRow)
         .scalar_subquery()
     )
     others = conn.execute(
-        select(*_COLUMNS, smallest_peak)
-        .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name != device_name)
+        select(*_COLUMNS, smallest_peak.label("smallest_peak"))
+        .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name != device_name, *excluded)
         .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
         .limit(elsewhere_limit)
     ).all()
     return Lookup(
-        single=None,
-        ddp=None,
+        here=tuple(here),
         elsewhere=tuple(
-            _candidate(tuple(r), smallest_peak=None if r[11] is None else int(r[11])) for r in others
+            _candidate(r, smallest_peak=None if r.smallest_peak is None else int(r.smallest_peak)) for r in others
         ),
     )

@@ -1,4 +1,12 @@
-"""GET /suggest: the plan for a job from the newest matching profile, measured or predicted.
+"""GET /suggest: the plan for a job from the newest matching profile, measured, predicted or estimated.
+
+Which profile answers a job of strategy S at world size N (``_rank``): for ddp, ddp profiles only
+(an fsdp rank held 1/N of the model); for fsdp, an fsdp profile measured at N, else one at a smaller
+N' (each of its ranks held a larger shard: conservative), else a ddp profile (every rank held the
+whole model) -- only the first is ``measured``, the others are ``predicted`` with a warning saying
+what was measured. Profiles on this device model before those on others (which need a budget), and
+every answer resting on a measurement before any resting on an estimate (fake-tensor trials):
+an estimate answers only when nothing measured can, as ``estimated``, with a warning.
 
 Measured: a profile of this fingerprint on this device model, preferably one probed with the same
 DDP-ness as the job (world size 1 vs > 1: with DDP the probe counted the gradient buckets); m_max is
@@ -31,6 +39,10 @@ from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfile
 from autotune_server.repository import Candidate, Lookup, lookup
 
 __all__ = ["LookupCache", "compute", "suggest"]
+
+# What a suggestion rests on: a measurement of this kind of job, a prediction from another kind or
+# device model, or an estimate (fake-tensor trials).
+Label = Literal["measured", "predicted", "estimated"]
 
 
 class LookupCache:
@@ -119,6 +131,46 @@ def _ddp_warning(c: Candidate, world_size: int) -> str | None:
     return None
 
 
+def _rank(c: Candidate, strategy: str, world_size: int) -> tuple[int, int] | None:
+    """How well c answers a job of ``strategy`` at ``world_size``: lower is better, (0, _) is a
+    measurement of this kind of job; None: never (its ranks held less than the job's will)."""
+    ddp_ness = int(c.uses_ddp != (world_size > 1))
+    if strategy == "ddp":
+        return (0, ddp_ness) if c.strategy == "ddp" else None
+    if c.strategy == "fsdp":
+        if c.world_size == world_size:
+            return (0, 0)
+        return (1, world_size - c.world_size) if c.world_size < world_size else None
+    return (2, ddp_ness)
+
+
+def _strategy_warning(c: Candidate, strategy: str, world_size: int) -> str | None:
+    """What a strategy or world-size mismatch between the profile and the job means, if there is one."""
+    if strategy == "ddp":
+        return _ddp_warning(c, world_size)
+    if c.strategy == "fsdp" and c.world_size == world_size:
+        return None
+    how = f"probe with --strategy fsdp --world-size {world_size} for an exact figure"
+    if c.strategy == "fsdp":
+        return (
+            f"the per-rank memory of profile {c.id} was measured with FSDP at world size {c.world_size}, "
+            f"not {world_size}: predicted from it, not measured (at {world_size} each rank holds a smaller "
+            f"shard of the parameters, gradients and optimizer state: conservative); {how}"
+        )
+    return (
+        f"profile {c.id} was measured with DDP at world size {c.world_size} (every rank holds the whole "
+        f"model, its gradients and optimizer state), not with FSDP at world size {world_size}: predicted "
+        f"from it, not measured (usually conservative: FSDP shards those over the ranks); {how}"
+    )
+
+
+def _estimate_warning(c: Candidate, device_name: str) -> str:
+    return (
+        f"estimated, not measured: profile {c.id} rests on fake-tensor trials (shapes and dtypes, no "
+        f"memory spent), not on a measurement on the device; probe on {device_name} for a measured figure"
+    )
+
+
 def _limit_text(budget_bytes: int, headroom: float) -> str:
     return f"budget {budget_bytes} bytes less headroom {headroom:g}"
 
@@ -156,18 +208,20 @@ def _suggestion(
     c: Candidate,
     chosen: Plan,
     *,
-    source: Literal["measured", "predicted"],
+    source: Label,
     device_name: str,
     m_max: int,
     peak: int | None,
     budget_bytes: int,
     warnings: list[str],
+    strategy: str = "ddp",
 ) -> Suggestion:
     if chosen.note:
         warnings.append(chosen.note)
     return Suggestion.from_plan(
         chosen,
         source=source,
+        strategy=strategy,
         profile_id=c.id,
         fingerprint=c.fingerprint,
         device_name=device_name,
@@ -186,12 +240,21 @@ def _predicted_peak(c: Candidate, micro_batch: int) -> int:
 
 
 def _measured(
-    c: Candidate, *, target_batch: int, world_size: int, budget_bytes: int | None, headroom: float | None
+    c: Candidate,
+    *,
+    target_batch: int,
+    world_size: int,
+    budget_bytes: int | None,
+    headroom: float | None,
+    strategy: str = "ddp",
+    label: Label = "measured",
+    warnings: list[str] | None = None,
 ) -> Suggestion:
-    warnings: list[str] = []
-    ddp = _ddp_warning(c, world_size)
-    if ddp is not None:
-        warnings.append(ddp)
+    """The answer from c's own trials (``label`` says what they are to this job: see ``compute``)."""
+    warnings = list(warnings or [])
+    mismatch = _strategy_warning(c, strategy, world_size)
+    if mismatch is not None:
+        warnings.append(mismatch)
     m_max = c.max_micro_batch
     used_budget = budget_bytes if budget_bytes is not None else c.budget_bytes
     if budget_bytes is not None or headroom is not None:
@@ -218,6 +281,7 @@ def _measured(
                     world_size=world_size,
                     budget_bytes=used_budget,
                     warnings=warnings,
+                    strategy=strategy,
                 )
             warnings.append(
                 f"the limit of {int(limit)} bytes ({limit_text}) is below the {int(measured_limit)} "
@@ -245,12 +309,13 @@ def _measured(
     return _suggestion(
         c,
         chosen,
-        source="measured",
+        source=label,
         device_name=c.device_name,
         m_max=m_max,
         peak=peak,
         budget_bytes=used_budget,
         warnings=warnings,
+        strategy=strategy,
     )
 
 
@@ -264,8 +329,10 @@ def _fallback_prediction(
     world_size: int,
     budget_bytes: int,
     warnings: list[str],
+    strategy: str = "ddp",
 ) -> Suggestion:
-    """No measured size of c is within a stricter limit: c's own fit, marked as a prediction."""
+    """No measured size of c is within a stricter limit: c's own fit, marked as a prediction (an
+    estimate stays one)."""
     if c.fit is None:
         raise BudgetTooSmall(
             f"no measured micro-batch of profile {c.id} peaks within {int(limit)} bytes "
@@ -299,12 +366,13 @@ def _fallback_prediction(
     return _suggestion(
         c,
         chosen,
-        source="predicted",
+        source="estimated" if c.estimate else "predicted",
         device_name=c.device_name,
         m_max=m_max,
         peak=_predicted_peak(c, chosen.micro_batch),
         budget_bytes=budget_bytes,
         warnings=warnings,
+        strategy=strategy,
     )
 
 
@@ -316,6 +384,8 @@ def _predicted(
     world_size: int,
     budget_bytes: int,
     headroom: float | None,
+    strategy: str = "ddp",
+    warnings: list[str] | None = None,
 ) -> Suggestion:
     used_headroom = headroom if headroom is not None else c.headroom
     limit = budget_bytes * (1.0 - used_headroom)
@@ -323,23 +393,40 @@ def _predicted(
         c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes"
     )
     chosen = _plan(m_max, target_batch, world_size, c.multiple_of)
+    what = "estimated" if c.estimate else "measured"
     warnings = [
-        f"predicted from the memory fit measured on {c.device_name} (profile {c.id}), not measured "
-        f"on {device_name}: probe on {device_name} to be sure"
+        *(warnings or []),
+        f"predicted from the memory fit {what} on {c.device_name} (profile {c.id}), not measured "
+        f"on {device_name}: probe on {device_name} to be sure",
     ]
-    ddp = _ddp_warning(c, world_size)
-    if ddp is not None:
-        warnings.append(ddp)
+    mismatch = _strategy_warning(c, strategy, world_size)
+    if mismatch is not None:
+        warnings.append(mismatch)
     return _suggestion(
         c,
         chosen,
-        source="predicted",
+        source="estimated" if c.estimate else "predicted",
         device_name=device_name,
         m_max=m_max,
         peak=_predicted_peak(c, chosen.micro_batch),
         budget_bytes=budget_bytes,
         warnings=warnings,
+        strategy=strategy,
     )
+
+
+def _best(
+    candidates: tuple[Candidate, ...], strategy: str, world_size: int
+) -> tuple[tuple[int, int], Candidate] | None:
+    """The candidate that answers the job best by ``_rank``, the newest among equals (candidates
+    come newest first)."""
+    ranked = [
+        (rank, i, c) for i, c in enumerate(candidates) if (rank := _rank(c, strategy, world_size)) is not None
+    ]
+    if not ranked:
+        return None
+    rank, _, best = min(ranked, key=lambda item: (item[0], item[1]))
+    return rank, best
 
 
 def compute(
@@ -351,17 +438,25 @@ def compute(
     world_size: int = 1,
     budget_bytes: int | None = None,
     headroom: float | None = None,
+    strategy: str = "ddp",
     server_url: str | Callable[[], str] = "URL",
 ) -> Suggestion:
     """The plan for a job from what ``lookup`` found (pure).
 
     Args:
         found: the lookup for (fingerprint, device_name).
-        target_batch: effective batch T; world_size: data-parallel replicas D.
+        target_batch: effective batch T; world_size: data-parallel replicas D (for fsdp, the N
+            ranks the model is sharded over).
         budget_bytes, headroom: the job's memory budget; needed for a prediction from another device.
             A headroom without a budget applies to the measured profile's own budget.
+        strategy: "ddp" or "fsdp", how the job holds the model (see the module docstring for which
+            profiles answer which job).
         server_url: this server's URL (or a function giving it, only called for the 404), quoted in
             the how-to-probe advice of the 404.
+
+    The order of preference: measurements before estimates; within each, a profile of the job's
+    kind (``_rank``) before one of another kind, and at equal kind one on this device model before
+    one on another (which needs ``budget_bytes``), the newest first.
 
     Raises:
         NoProfileForSuggestion: nothing to measure or predict from (404).
@@ -369,31 +464,71 @@ def compute(
             that would need more accumulation steps than ``autotune.plan`` allows) (422).
         BudgetTooSmall: not even one sample (or multiple_of) fits the given budget (422).
     """
-    measured = found.measured_for(world_size)
-    if measured is not None:
-        return _measured(
-            measured,
-            target_batch=target_batch,
-            world_size=world_size,
-            budget_bytes=budget_bytes,
-            headroom=headroom,
+    for source in ("measured", "estimate"):
+        here = _best(tuple(c for c in found.here if c.source == source), strategy, world_size)
+        elsewhere = (
+            _best(
+                tuple(c for c in found.elsewhere if c.source == source and c.fit is not None),
+                strategy,
+                world_size,
+            )
+            if budget_bytes is not None
+            else None
         )
-    # Newest first, those probed with the job's DDP-ness (world size 1 vs > 1) before the others.
-    with_fit = sorted(
-        (c for c in found.elsewhere if c.fit is not None), key=lambda c: c.uses_ddp != (world_size > 1)
+        if here is not None and (elsewhere is None or here[0][0] <= elsewhere[0][0]):
+            (kind, _), c = here
+            return _measured(
+                c,
+                target_batch=target_batch,
+                world_size=world_size,
+                budget_bytes=budget_bytes,
+                headroom=headroom,
+                strategy=strategy,
+                label="estimated" if c.estimate else ("measured" if kind == 0 else "predicted"),
+                warnings=[_estimate_warning(c, device_name)] if c.estimate else [],
+            )
+        if elsewhere is not None and budget_bytes is not None:
+            c = elsewhere[1]
+            return _predicted(
+                c,
+                device_name=device_name,
+                target_batch=target_batch,
+                world_size=world_size,
+                budget_bytes=budget_bytes,
+                headroom=headroom,
+                strategy=strategy,
+                warnings=[_estimate_warning(c, device_name)] if c.estimate else [],
+            )
+    raise _not_found(
+        found,
+        fingerprint=fingerprint,
+        device_name=device_name,
+        budget_bytes=budget_bytes,
+        strategy=strategy,
+        world_size=world_size,
+        server_url=server_url() if callable(server_url) else server_url,
     )
-    if budget_bytes is not None and with_fit:
-        return _predicted(
-            with_fit[0],
-            device_name=device_name,
-            target_batch=target_batch,
-            world_size=world_size,
-            budget_bytes=budget_bytes,
-            headroom=headroom,
-        )
-    if callable(server_url):
-        server_url = server_url()
-    other_devices = sorted({c.device_name for c in found.elsewhere})
+
+
+def _kind_text(c: Candidate) -> str:
+    return f"{c.strategy} at world size {c.world_size}" + (" (estimate)" if c.estimate else "")
+
+
+def _not_found(
+    found: Lookup,
+    *,
+    fingerprint: str,
+    device_name: str,
+    budget_bytes: int | None,
+    strategy: str,
+    world_size: int,
+    server_url: str,
+) -> NoProfileForSuggestion:
+    usable = [c for c in found.elsewhere if _rank(c, strategy, world_size) is not None]
+    other_devices = sorted({c.device_name for c in usable})
+    probe = f"autotune probe TASK --server {server_url}" + (
+        f" --strategy fsdp --world-size {world_size}" if strategy == "fsdp" else ""
+    )
     if other_devices and budget_bytes is None:
         message = (
             f"no profile of fingerprint {fingerprint} on {device_name!r}; profiles exist on "
@@ -404,9 +539,17 @@ def compute(
         message = (
             f"no profile of fingerprint {fingerprint} on {device_name!r}"
             + (" and none elsewhere with a memory fit" if other_devices else "")
-            + f": probe it on that device with `autotune probe TASK --server {server_url}`"
+            + f": probe it on that device with `{probe}`"
         )
-    raise NoProfileForSuggestion(
+    # Profiles that exist but never answer this job: an fsdp rank held a smaller shard than the job's.
+    unusable = sorted({_kind_text(c) for c in found.here if _rank(c, strategy, world_size) is None})
+    if unusable:
+        message += (
+            f"; the profiles on {device_name!r} ({', '.join(unusable)}) do not answer a {strategy} job at "
+            f"world size {world_size}: each of their ranks held a smaller share of the model than this "
+            "job's ranks will"
+        )
+    return NoProfileForSuggestion(
         message,
         field="fingerprint",
         details={
@@ -414,9 +557,11 @@ def compute(
                 "fingerprint": fingerprint,
                 "device_name": device_name,
                 "budget_bytes": budget_bytes,
+                "strategy": strategy,
+                "world_size": world_size,
             },
             "devices_with_profiles": other_devices,
-            "how_to_probe": f"AUTOTUNE_TOKEN=... autotune probe TASK --server {server_url}",
+            "how_to_probe": f"AUTOTUNE_TOKEN=... {probe}",
         },
     )
 

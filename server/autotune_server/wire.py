@@ -55,6 +55,8 @@ class ProfileSummary(_Out):
     headroom: float
     max_micro_batch: int
     world_size: int
+    strategy: str
+    source: str
     trial_count: int
     created_at: datetime
     uploaded_at: datetime
@@ -108,6 +110,10 @@ class Readiness(_Out):
     revision: str | None = None
 
 
+# Profile fields of the second wave, with the value every profile stored before them had.
+_LATER_PROFILE_FIELDS: dict[str, object] = {"strategy": "ddp", "source": "measured", "non_monotone": False}
+
+
 def content_hash(profile: Profile) -> str:
     """sha256 of the canonical JSON of a profile: equal bodies give equal hashes.
 
@@ -116,5 +122,13 @@ def content_hash(profile: Profile) -> str:
     """
     exclude = None if "created_at" in profile.model_fields_set else {"created_at"}
     data = profile.model_dump(mode="json", exclude=exclude)
+    # Fields added after profiles were first stored count only when they differ from the default:
+    # a profile sent again by an older client hashes as it did, and stays one row.
+    for key, default in _LATER_PROFILE_FIELDS.items():
+        if data.get(key) == default:
+            del data[key]
+    for trial in data["trials"]:
+        if trial.get("fake") is False:
+            del trial["fake"]
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()

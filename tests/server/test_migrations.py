@@ -38,7 +38,11 @@ def test_upgrade_of_an_empty_database_matches_the_models(empty_database_url: str
             uniques = {uq["name"] for uq in inspect(conn).get_unique_constraints("profiles")}
     finally:
         engine.dispose()
-    assert {"ix_profiles_fingerprint_device_created", "ix_profiles_task", "ix_profiles_precision"} <= indexes
+    assert {
+        "ix_profiles_fingerprint_device_strategy_source_created",
+        "ix_profiles_task",
+        "ix_profiles_precision",
+    } <= indexes
     assert "uq_profiles_content_hash" in uniques
 
 
@@ -76,3 +80,38 @@ def test_migrations_are_found_from_any_working_directory(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     assert db.exists()
     assert _diff(f"sqlite:///{db}") == []
+
+
+def test_rows_stored_before_0002_become_ddp_measurements_with_real_trials(empty_database_url: str) -> None:
+    from alembic import command
+
+    from autotune_server.migrate import alembic_config
+
+    config = alembic_config(empty_database_url)
+    command.upgrade(config, "0001")
+    profile = {
+        "id": 1, "content_hash": "a" * 64, "schema_version": 1, "fingerprint": "0" * 64, "task": "t",
+        "device_kind": "cuda", "device_name": "GPU", "device": "{}", "devices": "[]", "precision": "fp32",
+        "tags": "{}", "budget_bytes": 2**33, "headroom": 0.1, "max_micro_batch": 8, "micro_batch_cap": 4096,
+        "multiple_of": 1, "world_size": 4, "trial_count": 1, "oom_count": 0, "seconds": 1.0,
+        "warnings": "[]", "created_at": "2026-01-01 00:00:00", "uploaded_at": "2026-01-01 00:00:00",
+        "document": "{}",
+    }
+    trial = {"id": 1, "profile_id": 1, "position": 0, "micro_batch": 8, "peak_bytes": 100, "fits": True,
+             "oom": False, "seconds": 0.5}
+    engine = create_engine(empty_database_url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            for table, row in (("profiles", profile), ("trials", trial)):
+                columns = ", ".join(row)
+                values = ", ".join(f":{key}" for key in row)
+                conn.execute(text(f"INSERT INTO {table} ({columns}) VALUES ({values})"), row)
+        command.upgrade(config, "head")
+        with engine.connect() as conn:
+            got = conn.execute(text("SELECT strategy, source, non_monotone, world_size FROM profiles")).one()
+            fake = conn.execute(text("SELECT fake FROM trials")).scalar()
+    finally:
+        engine.dispose()
+    assert (got[0], got[1], bool(got[2]), got[3]) == ("ddp", "measured", False, 4)
+    assert fake is not None and not fake
+    assert _diff(empty_database_url) == []

@@ -137,6 +137,74 @@ def test_list_filters_by_each_lookup_key(client: TestClient) -> None:
     assert count(precision="bf16", fingerprint=FINGERPRINT) == 3
 
 
+def test_list_filters_by_strategy_world_size_and_source(client: TestClient) -> None:
+    ddp = _upload(client, profile_payload(seed=1))
+    fsdp_8 = _upload(client, profile_payload(seed=2, strategy="fsdp", world_size=8))
+    fsdp_4 = _upload(client, profile_payload(seed=3, strategy="fsdp", world_size=4))
+    estimate = _upload(client, profile_payload(seed=4, source="estimate"))
+
+    def ids(**params: object) -> list[int]:
+        response = client.get(PROFILES, params=params)
+        assert response.status_code == 200, response.text
+        return [item["id"] for item in response.json()["items"]]
+
+    assert ids(strategy="fsdp") == [fsdp_4, fsdp_8]
+    assert ids(strategy="fsdp", world_size=8) == [fsdp_8]
+    assert ids(strategy="ddp") == [estimate, ddp]
+    assert ids(source="estimate") == [estimate]
+    assert ids(source="measured", strategy="ddp") == [ddp]
+    items = {item["id"]: item for item in client.get(PROFILES).json()["items"]}
+    assert (items[fsdp_8]["strategy"], items[fsdp_8]["world_size"], items[fsdp_8]["source"]) == ("fsdp", 8, "measured")
+    assert (items[estimate]["strategy"], items[estimate]["source"]) == ("ddp", "estimate")
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [({"strategy": "zero3"}, "strategy"), ({"source": "guess"}, "source"), ({"world_size": 0}, "world_size")],
+)
+def test_bad_strategy_source_or_world_size_filter_is_422(
+    client: TestClient, params: dict[str, object], field: str
+) -> None:
+    response = client.get(PROFILES, params=params)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == field
+
+
+def test_fake_trials_and_the_new_labels_are_stored_and_returned(client: TestClient) -> None:
+    from sqlalchemy import select
+
+    from autotune_server.models import ProfileRow, TrialRow
+
+    profile = make_profile(strategy="fsdp", world_size=4, fake_micro_batches=(6, 30))
+    profile_id = _upload(client, profile.model_dump(mode="json"))
+    stored = Profile.model_validate(client.get(f"{PROFILES}/{profile_id}").json()["profile"])
+    assert stored == profile
+    assert [t.fake for t in stored.trials][:3] == [True, True, False]
+    with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
+        row = session.get(ProfileRow, profile_id)
+        assert (row.strategy, row.world_size, row.source, row.non_monotone) == ("fsdp", 4, "measured", False)
+        fake = session.scalars(select(TrialRow.fake).where(TrialRow.profile_id == profile_id).order_by(TrialRow.position))
+        assert list(fake) == [t.fake for t in profile.trials]
+
+
+def test_a_profile_of_before_the_new_labels_hashes_as_it_did(client: TestClient) -> None:
+    import hashlib
+    import json
+
+    # What the store computed before strategy, source, non_monotone and Trial.fake existed.
+    body = profile_payload()
+    old = {k: v for k, v in body.items() if k not in ("strategy", "source", "non_monotone")}
+    old["trials"] = [{k: v for k, v in t.items() if k != "fake"} for t in body["trials"]]
+    old["plan"] = {k: v for k, v in body["plan"].items() if k != "micro_batches"}
+    canonical = json.dumps(old, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    response = client.post(PROFILES, json=old, headers=WRITE)
+    assert response.status_code == 201, response.text
+    assert response.json()["content_hash"] == hashlib.sha256(canonical.encode()).hexdigest()
+    # An fsdp profile is different content, whatever else it shares.
+    fsdp = client.post(PROFILES, json={**body, "strategy": "fsdp"}, headers=WRITE)
+    assert fsdp.status_code == 201 and fsdp.json()["content_hash"] != response.json()["content_hash"]
+
+
 def test_cursor_pagination_walks_every_profile_once_newest_first(client: TestClient) -> None:
     uploaded = [_upload(client, profile_payload(seed=seed)) for seed in range(7)]
     seen: list[int] = []

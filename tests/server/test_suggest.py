@@ -107,6 +107,8 @@ def test_nothing_matching_is_404_saying_what_was_looked_for_and_how_to_probe(cli
         "fingerprint": unknown,
         "device_name": H100,
         "budget_bytes": 2**30,
+        "strategy": "ddp",
+        "world_size": 1,
     }
     assert "autotune probe" in error["details"]["how_to_probe"]
 
@@ -492,3 +494,153 @@ def test_a_prediction_never_reaches_a_size_measured_over_the_limit(client: TestC
     got = _suggest(client, target_batch=64, headroom=0.4)  # 4000 x 0.6 = 2400 bytes
     assert got.source == "predicted"
     assert got.max_micro_batch == 8 and got.micro_batch % 4 == 0
+
+
+# --- Strategy (ddp | fsdp) and world size -------------------------------------------------------
+
+
+def _sized(max_micro_batch: int) -> dict[str, object]:
+    """A consistent profile's figures for this m_max: within the 72 GiB limit up to it, over after."""
+    per_sample = 62 * 2**30 / (max_micro_batch + 0.5)
+    return {"max_micro_batch": max_micro_batch, "fixed_bytes": 10 * 2**30, "bytes_per_sample": per_sample}
+
+
+def _suggest_404(client: TestClient, **params: object) -> dict[str, object]:
+    query = {"fingerprint": FINGERPRINT, "device_name": DEFAULT_DEVICE, **params}
+    response = client.get(SUGGEST, params=query)
+    assert response.status_code == 404, response.text
+    error: dict[str, object] = response.json()["error"]
+    return error
+
+
+def test_an_fsdp_profile_answers_an_fsdp_job_at_its_world_size_as_measured(client: TestClient) -> None:
+    _upload(client, seed=1, **_sized(8))  # ddp, newer ones below
+    fsdp = _upload(client, seed=2, strategy="fsdp", world_size=8, **_sized(40))
+    got = _suggest(client, target_batch=640, world_size=8, strategy="fsdp")
+    assert (got.source, got.profile_id, got.strategy, got.max_micro_batch) == ("measured", fsdp, "fsdp", 40)
+    assert (got.micro_batch, got.accumulation_steps, got.world_size) == (40, 2, 8)
+    assert got.warnings == []
+
+
+def test_a_ddp_job_never_gets_an_fsdp_profile(client: TestClient) -> None:
+    _upload(client, seed=5, strategy="fsdp", world_size=8, **_sized(40))
+    error = _suggest_404(client, target_batch=64, world_size=8)
+    assert "fsdp at world size 8" in str(error["message"]) and "do not answer a ddp job" in str(error["message"])
+    ddp = _upload(client, seed=1, **_sized(8))  # older than the fsdp one
+    got = _suggest(client, target_batch=64, world_size=8)
+    assert (got.source, got.profile_id, got.strategy, got.max_micro_batch) == ("measured", ddp, "ddp", 8)
+    # Same query but the strategy: a different answer (the answer cache keys on it too).
+    assert _suggest(client, target_batch=64, world_size=8, strategy="fsdp").max_micro_batch == 40
+
+
+def test_an_fsdp_profile_at_a_smaller_world_size_is_a_prediction_saying_so(client: TestClient) -> None:
+    at_two = _upload(client, seed=1, strategy="fsdp", world_size=2, **_sized(16))
+    _upload(client, seed=2, strategy="fsdp", world_size=4, max_micro_batch=24)
+    _upload(client, seed=3, strategy="fsdp", world_size=16, **_sized(64))  # ranks held less: never
+    got = _suggest(client, target_batch=256, world_size=8, strategy="fsdp")
+    assert (got.source, got.max_micro_batch, got.strategy) == ("predicted", 24, "fsdp")  # the nearest below
+    (warning,) = [w for w in got.warnings if "per-rank memory" in w]
+    assert "world size 4, not 8" in warning and "--strategy fsdp --world-size 8" in warning
+    assert _suggest(client, target_batch=256, world_size=3, strategy="fsdp").profile_id == at_two
+    error = _suggest_404(client, target_batch=256, world_size=1, strategy="fsdp")
+    assert "--strategy fsdp --world-size 1" in str(error["details"]["how_to_probe"])  # type: ignore[index]
+
+
+def test_an_fsdp_job_with_only_a_ddp_profile_is_a_prediction_saying_so(client: TestClient) -> None:
+    ddp = _upload(client, max_micro_batch=24)
+    got = _suggest(client, target_batch=64, world_size=8, strategy="fsdp")
+    assert (got.source, got.profile_id, got.strategy, got.world_size) == ("predicted", ddp, "fsdp", 8)
+    (warning,) = [w for w in got.warnings if "FSDP" in w]
+    assert "measured with DDP" in warning and "not with FSDP at world size 8" in warning
+
+
+def test_an_fsdp_fit_elsewhere_beats_a_ddp_profile_here_for_an_fsdp_job(client: TestClient) -> None:
+    ddp = _upload(client, seed=1, max_micro_batch=24)
+    fsdp = _upload(client, seed=2, device_name=H100, strategy="fsdp", world_size=8)
+    got = _suggest(client, target_batch=64, world_size=8, strategy="fsdp", budget_bytes=40 * 2**30)
+    assert (got.source, got.profile_id, got.device_name) == ("predicted", fsdp, DEFAULT_DEVICE)
+    assert not any("FSDP" in w for w in got.warnings)
+    # A ddp job is predicted from ddp fits only: the fsdp one elsewhere does not count.
+    payload = {"fingerprint": FINGERPRINT, "device_name": "another GPU", "target_batch": 64}
+    only_fsdp = client.get(SUGGEST, params={**payload, "world_size": 8, "budget_bytes": 40 * 2**30})
+    assert only_fsdp.status_code == 200 and only_fsdp.json()["profile_id"] == ddp
+
+
+def test_a_bad_strategy_is_422_naming_it(client: TestClient) -> None:
+    response = client.get(
+        SUGGEST,
+        params={"fingerprint": FINGERPRINT, "device_name": "x", "target_batch": 8, "strategy": "zero3"},
+    )
+    assert response.status_code == 422
+    assert response.json()["error"]["field"] == "strategy"
+
+
+# --- Source: measurements, estimates, and fake trials -------------------------------------------
+
+
+def test_a_measurement_wins_over_a_newer_estimate(client: TestClient) -> None:
+    measured = _upload(client, seed=1, **_sized(16))
+    _upload(client, seed=9, source="estimate", **_sized(32))
+    got = _suggest(client, target_batch=64)
+    assert (got.source, got.profile_id, got.max_micro_batch) == ("measured", measured, 16)
+    assert not any("estimate" in w for w in got.warnings)
+
+
+def test_an_estimate_alone_answers_as_estimated_with_a_warning(client: TestClient) -> None:
+    estimate = _upload(client, source="estimate", **_sized(32))
+    got = _suggest(client, target_batch=64)
+    assert (got.source, got.profile_id, got.max_micro_batch) == ("estimated", estimate, 32)
+    (warning,) = [w for w in got.warnings if "fake-tensor" in w]
+    assert warning.startswith("estimated, not measured") and f"profile {estimate}" in warning
+
+
+def test_a_measured_fit_elsewhere_wins_over_an_estimate_here(client: TestClient) -> None:
+    _upload(client, seed=1, source="estimate", **_sized(32))
+    measured = _upload(client, seed=2, device_name=H100)
+    got = _suggest(client, target_batch=64, budget_bytes=40 * 2**30)
+    assert (got.source, got.profile_id) == ("predicted", measured)
+    without_budget = _suggest(client, target_batch=64)  # no budget: no prediction, the estimate answers
+    assert without_budget.source == "estimated"
+
+
+def test_an_estimate_elsewhere_is_estimated_from_its_fit(client: TestClient) -> None:
+    estimate = _upload(client, device_name=H100, source="estimate")
+    got = _suggest(client, target_batch=64, budget_bytes=40 * 2**30, headroom=0.1)
+    assert (got.source, got.profile_id, got.max_micro_batch) == ("estimated", estimate, 10)
+    assert any("fit estimated on" in w for w in got.warnings)
+    assert any(w.startswith("estimated, not measured") for w in got.warnings)
+
+
+def test_fake_pre_search_trials_of_a_measurement_are_not_measured_sizes(client: TestClient) -> None:
+    # Real trials at 1, 2, 12, 24 (peak 1000 + 100 m, limit 3420); a fake one at 20 claims 1500 bytes.
+    payload = profile_payload(
+        max_micro_batch=24, fixed_bytes=1000, bytes_per_sample=100, budget_bytes=3800, fake_micro_batches=(20,)
+    )
+    _upload_payload(client, payload)
+    got = _suggest(client, target_batch=24, budget_bytes=3000, headroom=0.0)
+    assert (got.source, got.max_micro_batch) == ("measured", 12)
+    assert got.peak_bytes == 2200
+
+
+def test_a_prediction_takes_the_step_phase_from_deciding_trials_only(client: TestClient) -> None:
+    # The real trial at m = 1 is replaced by a fake one at 2 GiB: the smallest measured whole peak
+    # is then m = 2's 20 GiB, and an 18 GiB budget is too small; counting the fake one would answer.
+    payload = _step_dominated_payload()
+    trials = payload["trials"]
+    assert isinstance(trials, list)
+    trials[0] = {"micro_batch": 1, "peak_bytes": 2 * 2**30, "fits": True, "fake": True}
+    _upload_payload(client, payload)
+    error = _suggest_error(client, target_batch=64, budget_bytes=18 * 2**30, headroom=0.0)
+    assert error["code"] == "budget_too_small" and str(20 * 2**30) in str(error["message"])
+
+
+def test_an_estimates_fake_trials_are_its_deciding_trials(client: TestClient) -> None:
+    payload = _step_dominated_payload()
+    payload["source"] = "estimate"
+    for trial in payload["trials"]:  # type: ignore[attr-defined]
+        trial["fake"] = True
+    _upload_payload(client, payload)
+    error = _suggest_error(client, target_batch=64, budget_bytes=18 * 2**30, headroom=0.0)
+    assert error["code"] == "budget_too_small" and str(20 * 2**30) in str(error["message"])
+    got = _suggest(client, target_batch=64, budget_bytes=21 * 2**30, headroom=0.0)
+    assert (got.source, got.max_micro_batch) == ("estimated", 20)
