@@ -12,7 +12,9 @@ A plan (micro_batch m, accumulation_steps A, world_size D) is only as good as th
 - the LR scheduler advances per optimizer update; micro-batches, updates, samples and tokens are
   separate counters;
 - optional OOM fallback: a group that runs out of memory is redone from its start with micro-batches
-  of half the size, nothing double-counted.
+  of half the size, nothing double-counted;
+- uneven micro-batches (a balanced plan's 6 x 26 + 4 x 25) are exact too, since the denominator is
+  the group's; :class:`PlanBatchSampler` cuts a map-style dataset into them, group after group.
 
     acc = Accumulator(model, optimizer, accumulation_steps=4, max_grad_norm=1.0)
     for group in acc.groups(loader, count=lambda b: (b["labels"] != -100).sum()):
@@ -27,19 +29,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.data import Sampler
 
 from autotune.errors import AutotuneError
 from autotune.oom import is_oom
 from autotune.plan import plan as make_plan
-from autotune.schemas import Observation, Plan
+from autotune.schemas import Observation, Plan, Suggestion
 
 __all__ = [
     "SMALL_BATCHNORM_MICRO_BATCH",
@@ -49,6 +53,7 @@ __all__ = [
     "Group",
     "OomEvent",
     "PartialLastGroup",
+    "PlanBatchSampler",
     "SmallBatchNormWarning",
     "batch_size",
     "batchnorm_layers",
@@ -176,6 +181,83 @@ def batch_size(batch: Any) -> int:
     return sizes.pop()
 
 
+class PlanBatchSampler(Sampler[list[int]]):
+    """Index lists for a map-style dataset, cut into a plan's micro-batches, group after group.
+
+    A balanced plan's micro-batches differ in size (6 x 26 + 4 x 25 = 256), which a DataLoader's
+    ``batch_size`` cannot say; this batch sampler can. Each update's group is the plan's sizes in
+    order, so :class:`Accumulator` with ``accumulation_steps=plan.accumulation_steps`` takes exactly
+    one group per update and divides it by its true count. The last group of an epoch, when fewer
+    samples than a whole group are left, is those samples in micro-batches as even as they can be,
+    none larger than the plan's largest (``drop_last=True`` leaves it out).
+
+        plan = suggest(model, 256, example=dataset[:1])
+        loader = DataLoader(dataset, batch_sampler=PlanBatchSampler(RandomSampler(dataset), plan))
+        acc = Accumulator(model, optimizer, accumulation_steps=plan.accumulation_steps)
+
+    Under DDP pass each replica's ``DistributedSampler``: the plan's micro-batches are per replica.
+
+    Args:
+        sampler: the indices in the order to use them (a Sampler, any sized iterable of ints), or
+            the dataset's length for 0, 1, ..., n - 1.
+        plan: a Plan, a Suggestion, or the (size, count) pairs of one update's micro-batches.
+        drop_last: leave out a last group smaller than a whole one.
+
+    Raises:
+        ValueError: no micro-batches, or a size or count below 1.
+    """
+
+    def __init__(
+        self,
+        sampler: Iterable[int] | int,
+        plan: Plan | Suggestion | Sequence[tuple[int, int]],
+        *,
+        drop_last: bool = False,
+    ) -> None:
+        pairs = list(plan.micro_batches) if isinstance(plan, Plan | Suggestion) else [tuple(p) for p in plan]
+        if not pairs or any(size < 1 or count < 1 for size, count in pairs):
+            raise ValueError(f"micro-batches must be (size >= 1, count >= 1) pairs, got {pairs!r}")
+        self.sampler: Iterable[int] = range(sampler) if isinstance(sampler, int) else sampler
+        #: The sizes of one group's micro-batches, in the order they are yielded.
+        self.sizes = [size for size, count in pairs for _ in range(count)]
+        self.group_samples = sum(self.sizes)
+        self.drop_last = drop_last
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = iter(self.sampler)
+        while True:
+            group: list[list[int]] = []
+            for size in self.sizes:
+                batch = list(itertools.islice(indices, size))
+                if batch:
+                    group.append(batch)
+                if len(batch) < size:  # the sampler ran out inside this group
+                    break
+            if sum(len(b) for b in group) == self.group_samples:
+                yield from group
+                continue
+            if group and not self.drop_last:
+                yield from self._rebalanced([index for batch in group for index in batch])
+            return
+
+    def _rebalanced(self, indices: list[int]) -> Iterator[list[int]]:
+        # ceil(n / largest) micro-batches whose sizes differ by at most one: none larger than what fits.
+        parts = -(-len(indices) // max(self.sizes))
+        small, extra = divmod(len(indices), parts)
+        start = 0
+        for part in range(parts):
+            stop = start + small + (1 if part < extra else 0)
+            yield indices[start:stop]
+            start = stop
+
+    def __len__(self) -> int:
+        if not isinstance(self.sampler, Sized):
+            raise TypeError("the sampler has no length")
+        groups, rest = divmod(len(self.sampler), self.group_samples)
+        tail = 0 if self.drop_last or rest == 0 else -(-rest // max(self.sizes))
+        return groups * len(self.sizes) + tail
+
+
 def split_batch(batch: Any, micro_batch: int) -> list[Any]:
     """Split a batch along dim 0 into chunks of micro_batch samples (the last may be smaller).
 
@@ -263,7 +345,8 @@ class Accumulator:
         oom_fallback: on an out-of-memory inside :meth:`micro_step`, halve the micro-batch,
             redo the group from its start, and carry on with the smaller micro-batch.
             Single-process only (replicas cannot agree on a retry without a collective).
-        target_batch: T the fallback must keep; default m x A x D with m from the first group.
+        target_batch: T the fallback must keep; default the samples of the first group (m x A x D
+            for equal micro-batches, their sum x D for a balanced plan's).
         observe: called with an :class:`~autotune.schemas.Observation` (oom=True) after each
             recovered OOM, e.g. to post it to the autotune server. Its errors are logged, not raised.
         on_plan_change: called with the new :class:`~autotune.schemas.Plan` after each recovered OOM.
@@ -346,7 +429,9 @@ class Accumulator:
         self._oom_pending: int | None = None
         self._group_scale: float | None = None
         self._warned_batchnorm = False
-        self._first_micro_batch: int | None = None
+        # Samples of the first group over all replicas: the T a plan's micro-batches add up to (equal
+        # or balanced), kept by the OOM fallback when no target_batch is given.
+        self._first_group_samples: int | None = None
 
     # -- groups ---------------------------------------------------------------------------
 
@@ -428,8 +513,8 @@ class Accumulator:
             _acc=self,
             _sizes=sizes,
         )
-        if self._first_micro_batch is None:
-            self._first_micro_batch = sizes[0]
+        if self._first_group_samples is None:
+            self._first_group_samples = global_samples
         self._warn_small_batchnorm(max(sizes))
         return group
 
@@ -641,8 +726,7 @@ class Accumulator:
 
         target = self.target_batch
         if target is None:
-            first = self._first_micro_batch or old
-            target = first * self.accumulation_steps * self.world_size
+            target = self._first_group_samples or old * self.accumulation_steps * self.world_size
         new_plan = make_plan(max_micro_batch=max(1, old // 2), target_batch=target, world_size=1)
         new_micro = new_plan.micro_batch
         # Re-split the group's own samples: the same samples, the same denominator, nothing counted twice.

@@ -14,10 +14,12 @@ import autotune.accumulate as accumulate_module
 from autotune.accumulate import (
     AccumulationError,
     Accumulator,
+    PlanBatchSampler,
     SmallBatchNormWarning,
     batch_size,
     split_batch,
 )
+from autotune.plan import plan
 from autotune.schemas import Observation, Plan
 from examples import cnn, gpt, mlp
 from tests.autotune._acc_helpers import (
@@ -464,3 +466,85 @@ def test_non_oom_errors_are_not_swallowed_by_the_fallback() -> None:
     bad = [(torch.zeros(2, 3), torch.zeros(2, mlp.OUT_FEATURES))]  # wrong feature count: a shape error
     with pytest.raises(RuntimeError, match="shapes"):
         _train(model, bad, steps=1, mean_loss=mse_mean, oom_fallback=True)
+
+
+# -- balanced plans: uneven micro-batches from PlanBatchSampler ------------------------------
+
+
+class _Samples(torch.utils.data.Dataset):
+    """A map-style dataset over a dict batch: item i is sample i of every tensor."""
+
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return batch_size(self.batch)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {key: value[index] for key, value in self.batch.items()}
+
+
+def _loss_sum_float64(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    # gpt.loss_sum casts the logits to float32; this test holds everything in float64.
+    logits = model(batch["input_ids"])
+    labels = batch["labels"]
+    total = nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=gpt.IGNORE_INDEX, reduction="sum"
+    )
+    return total, int((labels != gpt.IGNORE_INDEX).sum())
+
+
+def test_balanced_micro_batches_from_the_sampler_give_the_full_batch_gradient() -> None:
+    torch.manual_seed(0)
+    model = gpt.GPT().double()
+    data = gpt.make_batch(256, seed=11, variable_lengths=True)
+    the_plan = plan(26, 256)  # 6 x 26 + 4 x 25 in 10 steps
+    sampler = PlanBatchSampler(len(data["labels"]), the_plan)
+    loader = torch.utils.data.DataLoader(_Samples(data), batch_sampler=sampler)
+    assert [batch_size(b) for b in loader] == [26] * 6 + [25] * 4
+    counts = {int(gpt_count(b)) for b in loader}
+    assert len(counts) > 1, "the test needs micro-batches with different token counts"
+
+    full = full_batch_grads(model, data, lambda m, b: _loss_sum_float64(m, b)[0] / _loss_sum_float64(m, b)[1])
+    got = accumulated_grads(
+        model, loader, loss_sum=_loss_sum_float64, count=gpt_count, accumulation_steps=the_plan.accumulation_steps
+    )
+    error = max_relative_error(got, full)
+    print(f"gpt float64, 6 x 26 + 4 x 25: relative error {error:.2e}")
+    assert error < EXACT
+
+
+def test_plan_batch_sampler_groups_order_tail_and_length() -> None:
+    sampler = PlanBatchSampler(256 * 2 + 60, [(26, 6), (25, 4)])
+    batches = list(sampler)
+    sizes = [len(b) for b in batches]
+    # Two whole groups in the plan's order, then the last 60 as evenly as the largest size allows.
+    assert sizes == ([26] * 6 + [25] * 4) * 2 + [20, 20, 20]
+    assert [i for b in batches for i in b] == list(range(572)) and len(sampler) == len(batches)
+    dropped = PlanBatchSampler(range(572), plan(26, 256), drop_last=True)
+    assert [len(b) for b in dropped] == ([26] * 6 + [25] * 4) * 2 and len(dropped) == 20
+    # A sampler's own order (shuffled, or a DistributedSampler's shard) is kept.
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(1)).tolist()
+    assert [i for b in PlanBatchSampler(order, plan(8, 24)) for i in b] == order
+    assert [len(b) for b in PlanBatchSampler(10, plan(8, 24))] == [5, 5]  # 10 < 24: one short group
+    for bad in ([], [(0, 1)], [(4, 0)]):
+        with pytest.raises(ValueError, match="micro-batches"):
+            PlanBatchSampler(10, bad)
+
+
+def test_accumulator_takes_one_balanced_group_per_update() -> None:
+    torch.manual_seed(0)
+    model = mlp.MLP()
+    x, y = mlp.make_batch(60, seed=4)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    the_plan = plan(8, 20)  # A = 3: sizes 7, 7, 6
+    assert the_plan.micro_batches == [(7, 2), (6, 1)]
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=PlanBatchSampler(len(dataset), the_plan))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+    for group in acc.groups(loader):
+        assert group.samples == 20 and [batch_size(b) for b in group] == [7, 7, 6]
+        for batch in group:
+            with acc.micro_step():
+                acc.backward(mse_sum(model, batch)[0])
+        acc.step()
+    assert (acc.counters.updates, acc.counters.micro_batches, acc.counters.samples) == (3, 9, 60)
