@@ -5,7 +5,7 @@ from __future__ import annotations
 from autotune.schemas import Profile, Trial
 from autotune.units import format_bytes
 
-__all__ = ["datasheet", "trial_line"]
+__all__ = ["datasheet", "strategy_text", "trial_counts", "trial_line"]
 
 
 def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
@@ -20,6 +20,23 @@ def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
     )
 
 
+def strategy_text(profile: Profile) -> str:
+    """How the probe held the model: 'ddp, world size 1', 'ddp over 4 replicas', 'fsdp over 8 ranks (...)'."""
+    if profile.strategy == "fsdp":
+        return f"fsdp over {profile.world_size} ranks (the figures are one rank's, for this world size only)"
+    if profile.world_size > 1:
+        return f"ddp over {profile.world_size} replicas (DDP's gradient buckets counted)"
+    return "ddp, world size 1"
+
+
+def trial_counts(profile: Profile) -> str:
+    """Real trials apart from fake ones: '3 real (1 OOM), 12 fake' ('0 real, 9 fake' for an estimate)."""
+    real = [t for t in profile.trials if not t.fake]
+    fake = len(profile.trials) - len(real)
+    text = f"{len(real)} real" + (f" ({sum(t.oom for t in real)} OOM)" if real else "")
+    return text + (f", {fake} fake" if fake else "")
+
+
 def datasheet(profile: Profile) -> str:
     """The profile as a page of text: plan, memory, fit, trials, warnings."""
     dev = profile.device
@@ -28,6 +45,9 @@ def datasheet(profile: Profile) -> str:
         f"  fingerprint      {profile.fingerprint[:16]}",
         f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
         f"  precision        {profile.precision}",
+        f"  strategy         {strategy_text(profile)}",
+        f"  source           {profile.source}"
+        + (" (fake-tensor trials only, not a measurement on the device)" if profile.source == "estimate" else ""),
         f"  budget           {format_bytes(profile.budget_bytes)} (headroom {profile.headroom:.0%}, "
         f"limit {format_bytes(profile.limit_bytes)})",
         f"  max micro-batch  {profile.max_micro_batch}"
@@ -43,7 +63,8 @@ def datasheet(profile: Profile) -> str:
     peak = profile.peak_at(chosen)
     if peak is not None:
         lines.append(
-            f"  peak at m={chosen:<6d} {format_bytes(peak)} ({100 * peak / profile.budget_bytes:.1f}% of budget)"
+            f"  peak at m={chosen:<6d} {format_bytes(peak)} ({100 * peak / profile.budget_bytes:.1f}% of budget"
+            + (", estimated)" if profile.source == "estimate" else ")")
         )
     elif (predicted := profile.predicted_peak(chosen)) is not None:
         lines.append(f"  peak at m={chosen:<6d} ~{format_bytes(predicted)} (from the fit)")
@@ -52,6 +73,6 @@ def datasheet(profile: Profile) -> str:
             f"  fit              {format_bytes(profile.fit.fixed_bytes)} + "
             f"{format_bytes(profile.fit.bytes_per_sample)} per sample (forward/backward)"
         )
-    lines.append(f"  trials           {profile.trial_count} ({profile.oom_count} OOM) in {profile.seconds:.2f}s")
+    lines.append(f"  trials           {trial_counts(profile)} in {profile.seconds:.2f}s")
     lines.extend(f"  warning          {warning}" for warning in profile.warnings)
     return "\n".join(lines)

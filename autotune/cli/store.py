@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from autotune.cli.common import CliError, headroom, positive_int, size
+from autotune.schemas import SOURCES, STRATEGIES
 
 __all__ = ["add_parsers", "run_profiles", "run_suggest"]
 
@@ -19,6 +20,12 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--device-name", required=True)
     g.add_argument("--budget", type=size)
     g.add_argument("--headroom", type=headroom)
+    g.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="ddp",
+        help="ddp (every rank holds the whole model) or fsdp (sharded over --world-size ranks)",
+    )
     g.add_argument("--json", action="store_true")
     g.set_defaults(run=run_suggest)
 
@@ -31,6 +38,9 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--task")
     r.add_argument("--device-name")
     r.add_argument("--precision")
+    r.add_argument("--strategy", choices=STRATEGIES)
+    r.add_argument("--world-size", type=positive_int)
+    r.add_argument("--source", choices=SOURCES, help="measured, or estimate (fake-tensor trials only)")
     r.set_defaults(run=run_profiles)
 
 
@@ -45,6 +55,7 @@ def run_suggest(args: argparse.Namespace) -> int:
         device_name=args.device_name,
         budget_bytes=args.budget,
         headroom=args.headroom,
+        strategy=args.strategy,
         as_json=args.json,
     )
 
@@ -61,6 +72,9 @@ def run_profiles(args: argparse.Namespace) -> int:
             "task": args.task,
             "device_name": args.device_name,
             "precision": args.precision,
+            "strategy": args.strategy,
+            "world_size": args.world_size,
+            "source": args.source,
         }.items()
         if value is not None
     }

@@ -146,7 +146,8 @@ class TunerClient:
 
         Args:
             **filters: the server's filters: ``fingerprint``, ``task``, ``device_name``,
-                ``precision``; ``limit`` caps how many are returned in all.
+                ``precision``, ``strategy``, ``world_size``, ``source``; ``limit`` caps how many are
+                returned in all.
 
         Returns:
             One summary per profile (ids and lookup columns; ``profile(id)`` has the trials).
@@ -198,16 +199,24 @@ class TunerClient:
         device_name: str,
         budget_bytes: int | None = None,
         headroom: float | None = None,
+        strategy: str = "ddp",
     ) -> Suggestion:
         """The plan for a job from what the store knows.
 
+        Args:
+            strategy: "ddp" (every rank holds the whole model) or "fsdp" (sharded over
+                ``world_size`` ranks: one rank's memory depends on it, so the store matches it).
+
         Returns:
-            A Suggestion with ``source`` "measured" (a profile on this device model) or
-            "predicted" (from a profile's fit on another device model, given ``budget_bytes``).
+            A Suggestion with ``source`` "measured" (a profile of this kind of job on this device
+            model), "predicted" (from another device model's fit given ``budget_bytes``, or from an
+            fsdp profile at another world size or a ddp one), or "estimated" (fake-tensor trials
+            only); ``warnings`` say what was not measured.
 
         Raises:
             NotFoundError: nothing stored matches; the message says what was looked for.
-            UnprocessableEntityError: e.g. target_batch < world_size.
+            UnprocessableEntityError: e.g. target_batch < world_size, or an unknown strategy.
+            AutotuneClientError: an fsdp job asked a server that does not know strategies.
         """
         params: dict[str, Any] = {
             "fingerprint": fingerprint,
@@ -219,11 +228,20 @@ class TunerClient:
             params["budget_bytes"] = budget_bytes
         if headroom is not None:
             params["headroom"] = headroom
+        if strategy != "ddp":  # the default is left out: a server from before strategies answers as before
+            params["strategy"] = strategy
         body = self._request("GET", "/suggest", params=params).json()
         if not isinstance(body, dict):
             raise AutotuneClientError(f"the server answered /suggest with {type(body).__name__}, not an object")
         # A newer server may add fields: an older client keeps what it knows instead of failing.
         known = {key: value for key, value in body.items() if key in Suggestion.model_fields}
+        if body.get("strategy", "ddp") != strategy:
+            # A server from before strategies ignores the parameter and would answer an fsdp job
+            # from a ddp profile as if it were measured.
+            raise AutotuneClientError(
+                f"the server answered /suggest for strategy {body.get('strategy', 'ddp')!r}, not {strategy!r}: "
+                "upgrade it to one that knows strategies"
+            )
         return Suggestion.model_validate(known)
 
     def observe(self, profile_id: int, observation: Observation) -> int | None:

@@ -32,6 +32,9 @@ class ProfileSummary(_Answer):
     headroom: float
     max_micro_batch: int
     world_size: int = 1
+    # A server from before strategies and estimates stored only ddp measurements.
+    strategy: str = "ddp"
+    source: str = "measured"
     trial_count: int = 0
     created_at: datetime
     uploaded_at: datetime | None = None

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from autotune.schemas import Profile, Suggestion, TagValue
+from autotune.schemas import STRATEGIES, Profile, Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._constants import ENV_URL
 from autotune_client.errors import (
@@ -114,6 +114,7 @@ def suggest(
     budget: int | str | None = None,
     probe_if_missing: bool = True,
     client: TunerClient | None = None,
+    strategy: str = "ddp",
 ) -> Suggestion:
     """The micro-batch and accumulation steps for this job, measured rather than guessed.
 
@@ -143,10 +144,14 @@ def suggest(
         probe_if_missing: on a miss, probe here and upload; when False a miss raises.
         client: a TunerClient; None builds one from ``$AUTOTUNE_URL`` / ``$AUTOTUNE_TOKEN``. With no
             server configured at all, the job probes locally (with a warning).
+        strategy: "ddp" (every rank holds the whole model) or "fsdp" (FSDP2 over ``world_size``
+            ranks, which the store then matches exactly: one rank's memory depends on it). A local
+            probe runs with the same strategy and world size.
 
     Returns:
         A Suggestion: ``micro_batch``, ``accumulation_steps``, ``world_size``, ``effective_batch``,
-        ``exact``, ``source`` ("measured", "predicted" or "probed"), ``profile_id`` and more.
+        ``exact``, ``source`` ("measured", "predicted", "estimated" or "probed"), ``strategy``,
+        ``profile_id`` and more.
 
     Raises:
         NotFoundError: nothing stored and ``probe_if_missing`` is False.
@@ -162,6 +167,8 @@ def suggest(
 
     if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
         raise AutotuneClientError(f"target_batch must be a positive integer, got {target_batch!r}")
+    if strategy not in STRATEGIES:
+        raise AutotuneClientError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     model = _unwrap(model)
     world = _resolve_world_size(world_size)
     if target_batch < world:
@@ -202,6 +209,7 @@ def suggest(
                     world_size=world,
                     device_name=device_name,
                     budget_bytes=budget_bytes,
+                    strategy=strategy,
                 )
             except NotFoundError:
                 if not probe_if_missing:
@@ -225,6 +233,7 @@ def suggest(
             budget_bytes=budget_bytes,
             target_batch=target_batch,
             world_size=world,
+            strategy=strategy,
         )
         if profile.fingerprint != fingerprint:
             # Should not happen (same function, same inputs); if it does, an upload would be
@@ -416,6 +425,7 @@ def _probe_locally(
     budget_bytes: int | None,
     target_batch: int,
     world_size: int,
+    strategy: str = "ddp",
 ) -> Profile:
     from autotune.probe import ProbeConfig, probe
     from autotune.task import ProbeTask
@@ -438,7 +448,11 @@ def _probe_locally(
         tags=tags,
     )
     config = ProbeConfig(
-        device=device_spec, budget_bytes=budget_bytes, target_batch=target_batch, world_size=world_size
+        device=device_spec,
+        budget_bytes=budget_bytes,
+        target_batch=target_batch,
+        world_size=world_size,
+        strategy=strategy,
     )
     with _rng_preserved(device_spec):
         return probe(task, config)
@@ -464,5 +478,6 @@ def _suggestion_from_profile(
         max_micro_batch=profile.max_micro_batch,
         peak_bytes=profile.peak_at(chosen.micro_batch),
         budget_bytes=profile.budget_bytes,
+        strategy=profile.strategy,
         warnings=list(dict.fromkeys(found)),
     )

@@ -1,7 +1,8 @@
 """The client's side of the ``autotune`` command line; ``autotune.cli`` wires these to its parser.
 
-    autotune suggest --server URL --fingerprint F --target-batch T --world-size D --device-name N [--json]
-    autotune profiles ls|show|rm [ID] --server URL [--json] [--fingerprint F --task NAME ...]
+    autotune suggest --server URL --fingerprint F --target-batch T --world-size D --device-name N
+                     [--strategy ddp|fsdp] [--json]
+    autotune profiles ls|show|rm [ID] --server URL [--json] [--fingerprint F --task NAME --strategy fsdp ...]
 
 Results go to stdout (JSON with ``--json``, one readable line otherwise) and every failure is one
 line on stderr with a non-zero exit code, so that launch scripts can branch on it:
@@ -47,6 +48,8 @@ def format_suggestion(s: Suggestion) -> str:
     """One line a person reads: the plan, where it came from, and any deviation from the target."""
     exact = "exact" if s.exact else f"target {s.target_batch}, {s.effective_batch - s.target_batch:+d}"
     where = s.source + (f", profile {s.profile_id}" if s.profile_id is not None else "")
+    if s.strategy != "ddp":
+        where = f"{s.strategy}, {where}"
     line = (
         f"micro_batch={s.micro_batch} accumulation_steps={s.accumulation_steps} world_size={s.world_size} "
         f"effective_batch={s.effective_batch} ({exact}; {where}; max micro-batch {s.max_micro_batch})"
@@ -64,6 +67,7 @@ def suggest_command(
     budget_bytes: int | None,
     headroom: float | None,
     as_json: bool,
+    strategy: str = "ddp",
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -83,6 +87,7 @@ def suggest_command(
                 device_name=device_name,
                 budget_bytes=budget_bytes,
                 headroom=headroom,
+                strategy=strategy,
             )
     except AutotuneClientError as exc:
         return _fail(exc, err)
@@ -92,9 +97,12 @@ def suggest_command(
 
 def _row(summary: ProfileSummary) -> str:
     created = summary.created_at.strftime("%Y-%m-%d %H:%M")
+    # fsdp x 8: one rank's figures of 8; ddp x 4: measured with DDP over 4 replicas.
+    kind = f"{summary.strategy} x{summary.world_size}"
     return (
         f"{summary.id:>6}  {summary.fingerprint[:12]:<12}  {summary.task[:20]:<20}  "
-        f"{summary.device_name[:28]:<28}  {summary.precision:<5}  {summary.max_micro_batch:>7}  {created}"
+        f"{summary.device_name[:28]:<28}  {summary.precision:<5}  {kind[:10]:<10}  {summary.source[:8]:<8}  "
+        f"{summary.max_micro_batch:>7}  {created}"
     )
 
 
@@ -122,7 +130,8 @@ def profiles_command(
     """``autotune profiles ls|show|rm``; returns the exit code.
 
     Args:
-        action: "ls" (filters apply: fingerprint, task, device_name, precision, limit), "show" or
+        action: "ls" (filters apply: fingerprint, task, device_name, precision, strategy,
+            world_size, source, limit), "show" or
             "rm" (both need ``profile_id``; rm needs a write token in ``$AUTOTUNE_TOKEN``).
     """
     out = out or sys.stdout
@@ -142,7 +151,7 @@ def profiles_command(
                 else:
                     header = (
                         f"{'id':>6}  {'fingerprint':<12}  {'task':<20}  {'device':<28}  "
-                        f"{'prec':<5}  {'m_max':>7}  created"
+                        f"{'prec':<5}  {'strategy':<10}  {'source':<8}  {'m_max':>7}  created"
                     )
                     print("\n".join([header, *(_row(s) for s in stored)]), file=out)
             elif action == "show":

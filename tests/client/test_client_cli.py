@@ -187,3 +187,43 @@ def test_observer_posts_what_the_accumulator_reports(in_process_server: Callable
         warnings.simplefilter("always")
         silent.observer(profile_id)(Observation(micro_batch=4, oom=True))
     assert any("could not report" in str(w.message) for w in caught)
+
+
+def test_profiles_ls_shows_strategy_world_size_and_source(in_process_server: Callable[..., Any]) -> None:
+    from tests.factories import make_profile as shared_make_profile
+
+    def upload(**kwargs: Any) -> int:
+        # 1 MiB + 1 MiB x m within 64 MiB x 0.9: 56 is the largest that fits.
+        profile = shared_make_profile(
+            fingerprint=FINGERPRINT,
+            device_kind="cpu",
+            device_name="cpu",
+            precision="fp32",
+            budget_bytes=64 << 20,
+            fixed_bytes=1 << 20,
+            bytes_per_sample=1 << 20,
+            max_micro_batch=56,
+            **kwargs,
+        )
+        return upload_profile(profile, server=IN_PROCESS_URL, token=WRITE_TOKEN)
+
+    ddp = upload(seed=1)
+    fsdp = upload(seed=2, strategy="fsdp", world_size=4)
+    estimate = upload(seed=3, source="estimate")
+    code, out, _ = run_profiles("ls")
+    header, *rows = out.splitlines()
+    assert code == EXIT_OK and "strategy" in header.split() and "source" in header.split()
+    by_id = {int(row.split()[0]): row for row in rows}
+    assert "fsdp x4" in by_id[fsdp] and "measured" in by_id[fsdp]
+    assert "ddp x1" in by_id[ddp] and "estimate" in by_id[estimate]
+
+    code, out, _ = run_profiles("ls", as_json=True, strategy="fsdp", world_size=4)
+    assert [row["id"] for row in json.loads(out)] == [fsdp]
+    code, out, _ = run_profiles("ls", as_json=True, source="estimate")
+    assert [(row["id"], row["source"]) for row in json.loads(out)] == [(estimate, "estimate")]
+
+    code, out, _ = run_suggest(strategy="fsdp", world_size=4, target_batch=224, as_json=True)
+    got = Suggestion.model_validate_json(out)
+    assert (code, got.source, got.profile_id, got.strategy) == (EXIT_OK, "measured", fsdp, "fsdp")
+    code, out, _ = run_suggest(strategy="fsdp", world_size=4, target_batch=224)
+    assert "fsdp, measured, profile" in out

@@ -421,3 +421,28 @@ def test_healthy_is_one_attempt_and_never_raises() -> None:
     handler, _ = sequence(httpx.Response(503))
     with mock_client(handler) as client:
         assert client.healthy() is False
+
+
+def test_an_fsdp_suggest_sends_the_strategy_and_keeps_it() -> None:
+    expected = make_suggestion(strategy="fsdp", source="predicted")
+    handler, seen = sequence(json_response(200, expected.model_dump(mode="json")))
+    with mock_client(handler) as client:
+        got = client.suggest(**SUGGEST_ARGS, strategy="fsdp")
+    assert seen[0].url.params["strategy"] == "fsdp"
+    assert (got.strategy, got.source) == ("fsdp", "predicted")
+
+
+def test_the_default_strategy_is_left_out_of_the_query() -> None:
+    handler, seen = sequence(json_response(200, make_suggestion().model_dump(mode="json")))
+    with mock_client(handler) as client:
+        assert client.suggest(**SUGGEST_ARGS).strategy == "ddp"
+    assert "strategy" not in seen[0].url.params
+
+
+def test_an_fsdp_job_refuses_an_answer_from_a_server_without_strategies() -> None:
+    # A server from before strategies ignores the parameter and answers without the field.
+    old_answer = make_suggestion().model_dump(mode="json")
+    del old_answer["strategy"]
+    handler, _ = sequence(json_response(200, old_answer))
+    with mock_client(handler) as client, pytest.raises(AutotuneClientError, match="strategy 'ddp', not 'fsdp'"):
+        client.suggest(**SUGGEST_ARGS, strategy="fsdp")

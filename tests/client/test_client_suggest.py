@@ -420,3 +420,41 @@ def test_a_model_on_the_meta_device_is_probed_on_a_cpu_stand_in(fake_probe: Fake
     assert all(p.device.type == "cpu" for p in built.parameters())
     assert all(p.is_meta for p in model.parameters())  # the caller's model is still on meta
     assert got.fingerprint == job_fingerprint(tiny_model(), example=tiny_batch)
+
+
+# -- strategy ------------------------------------------------------------------------------------
+
+
+def test_an_fsdp_job_asks_the_server_for_fsdp(no_trials: None) -> None:
+    answer = make_suggestion(world_size=4, effective_batch=128, accumulation_steps=2, strategy="fsdp")
+    handler, seen = sequence(json_response(200, answer.model_dump(mode="json")))
+    with mock_client(handler) as client:
+        got = suggest(tiny_model(), 128, example=tiny_batch, world_size=4, strategy="fsdp", client=client)
+    assert (seen[0].url.params["strategy"], seen[0].url.params["world_size"]) == ("fsdp", "4")
+    assert got.strategy == "fsdp"
+
+
+def test_a_local_probe_of_an_fsdp_job_runs_fsdp_at_its_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.factories import make_profile as shared_make_profile
+
+    configs: list[ProbeConfig] = []
+
+    def fsdp_probe(task: ProbeTask, config: ProbeConfig, **_: Any) -> Profile:
+        configs.append(config)
+        return shared_make_profile(
+            fingerprint=task_fingerprint(task), strategy=config.strategy, world_size=config.world_size
+        )
+
+    monkeypatch.setattr(autotune.probe, "probe", fsdp_probe)
+    with pytest.warns(TunerUnavailableWarning):
+        got = suggest(tiny_model(), 96, example=tiny_batch, world_size=4, strategy="fsdp", budget="8MiB")
+    ((config,),) = [configs]
+    assert (config.strategy, config.world_size, config.target_batch) == ("fsdp", 4, 96)
+    assert (got.source, got.strategy, got.world_size) == ("probed", "fsdp", 4)
+    assert got.micro_batch * got.accumulation_steps * 4 == got.effective_batch == 96
+
+
+def test_an_unknown_strategy_is_a_one_line_error(fake_probe: FakeProbe) -> None:
+    with pytest.raises(AutotuneClientError, match="strategy must be one of ddp, fsdp"):
+        suggest(tiny_model(), 8, example=tiny_batch, budget="8MiB", strategy="zero3")
+    assert fake_probe.calls == []

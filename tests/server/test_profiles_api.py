@@ -183,8 +183,8 @@ def test_fake_trials_and_the_new_labels_are_stored_and_returned(client: TestClie
     with client.app.state.sessionmaker() as session:  # type: ignore[attr-defined]
         row = session.get(ProfileRow, profile_id)
         assert (row.strategy, row.world_size, row.source, row.non_monotone) == ("fsdp", 4, "measured", False)
-        fake = session.scalars(select(TrialRow.fake).where(TrialRow.profile_id == profile_id).order_by(TrialRow.position))
-        assert list(fake) == [t.fake for t in profile.trials]
+        query = select(TrialRow.fake).where(TrialRow.profile_id == profile_id).order_by(TrialRow.position)
+        assert list(session.scalars(query)) == [t.fake for t in profile.trials]
 
 
 def test_a_profile_of_before_the_new_labels_hashes_as_it_did(client: TestClient) -> None:
