@@ -19,7 +19,7 @@ from sqlalchemy import ColumnElement, Float, cast, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from autotune_server.models import ProfileRow, TrialRow
-from autotune_server.repository import to_utc
+from autotune_server.repository import deciding_trial, to_utc
 
 __all__ = [
     "DEFAULT_PER_PAGE",
@@ -47,14 +47,17 @@ MAX_FILTER_CHARS = 256
 class TableQuery:
     """What the table shows, as read from the page's query parameters (already normalised).
 
-    ``text`` matches task, fingerprint and device name as a case-insensitive substring; ``device``
-    and ``precision`` are exact; empty means "any". ``sort`` is one of :data:`SORT_KEYS`; ascending
+    ``text`` matches task, fingerprint and device name as a case-insensitive substring; ``device``,
+    ``precision``, ``strategy`` (ddp, fsdp) and ``source`` (measured, estimate) are exact; empty
+    means "any". ``sort`` is one of :data:`SORT_KEYS`; ascending
     age means newest first, as a person reads an "age" column.
     """
 
     text: str = ""
     device: str = ""
     precision: str = ""
+    strategy: str = ""
+    source: str = ""
     sort: str = DEFAULT_SORT
     descending: bool = False
     page: int = 1
@@ -63,7 +66,7 @@ class TableQuery:
     @property
     def filtered(self) -> bool:
         """Whether any filter narrows the table."""
-        return bool(self.text or self.device or self.precision)
+        return bool(self.text or self.device or self.precision or self.strategy or self.source)
 
     def with_page(self, page: int) -> TableQuery:
         """The same query on another page."""
@@ -84,9 +87,18 @@ class TableRow:
     plan: dict[str, Any] | None
     budget_bytes: int
     headroom: float
-    # The largest peak among fitting trials: the measured cost of the largest m that fits.
+    # The largest peak among fitting deciding trials (real ones; an estimate's fake ones): the cost
+    # of the largest m that fits.
     peak_bytes: int | None
     created_at: datetime
+    strategy: str = "ddp"
+    world_size: int = 1
+    source: str = "measured"
+
+    @property
+    def estimate(self) -> bool:
+        """Whether the figures come from fake-tensor trials only."""
+        return self.source == "estimate"
 
     @property
     def peak_share(self) -> float | None:
@@ -120,7 +132,7 @@ def _peak_column() -> ColumnElement[Any]:
     # Correlated per row; the unique (profile_id, position) index of trials makes it an index range scan.
     return (
         select(func.max(TrialRow.peak_bytes))
-        .where(TrialRow.profile_id == ProfileRow.id, TrialRow.fits.is_(True))
+        .where(TrialRow.profile_id == ProfileRow.id, TrialRow.fits.is_(True), deciding_trial())
         .correlate(ProfileRow)
         .scalar_subquery()
     )
@@ -140,6 +152,10 @@ def _filters(query: TableQuery) -> list[ColumnElement[bool]]:
         clauses.append(ProfileRow.device_name == query.device)
     if query.precision:
         clauses.append(ProfileRow.precision == query.precision)
+    if query.strategy:
+        clauses.append(ProfileRow.strategy == query.strategy)
+    if query.source:
+        clauses.append(ProfileRow.source == query.source)
     return clauses
 
 
@@ -192,6 +208,9 @@ def profile_table(session: Session, query: TableQuery) -> TablePage:
             ProfileRow.headroom,
             peak.label("peak_bytes"),
             ProfileRow.created_at,
+            ProfileRow.strategy,
+            ProfileRow.world_size,
+            ProfileRow.source,
         )
         .where(*clauses)
         .order_by(*_order(query, peak))
@@ -212,6 +231,9 @@ def profile_table(session: Session, query: TableQuery) -> TablePage:
             headroom=float(r.headroom),
             peak_bytes=int(r.peak_bytes) if r.peak_bytes is not None else None,
             created_at=to_utc(r.created_at),
+            strategy=r.strategy,
+            world_size=int(r.world_size),
+            source=r.source,
         )
         for r in session.execute(statement)
     ]

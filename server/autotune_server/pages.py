@@ -1,6 +1,7 @@
 """The dashboard: server-rendered HTML pages of the stored profiles, from the same app as the API.
 
-    GET /                             the profile table: ?q=&device=&precision=&sort=&order=&page=&per_page=
+    GET /                             the profile table: ?q=&device=&precision=&strategy=&source=&sort=
+                                      &order=&page=&per_page=
     GET /profiles/{id}                one profile's datasheet with two charts
     GET /static/...                   the dashboard's own CSS and JS
     GET /static/vendor/plotly.min.js  plotly.js, read from the installed ``plotly`` package
@@ -33,7 +34,7 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from autotune.schemas import PRECISIONS, Profile
+from autotune.schemas import PRECISIONS, SOURCES, STRATEGIES, Profile
 from autotune_server.api import API_PREFIX, MAX_ID
 from autotune_server.convert import to_profile
 from autotune_server.dashboard_queries import (
@@ -66,6 +67,7 @@ __all__ = [
     "plotly_js_path",
     "router",
     "table_url",
+    "trial_counts",
 ]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -215,10 +217,14 @@ def parse_table_query(params: dict[str, str]) -> TableQuery:
     """
     sort = params.get("sort", DEFAULT_SORT)
     precision = _text(params.get("precision"))
+    strategy = _text(params.get("strategy"))
+    source = _text(params.get("source"))
     return TableQuery(
         text=_text(params.get("q")),
         device=_text(params.get("device")),
         precision=precision if precision in PRECISIONS else "",
+        strategy=strategy if strategy in STRATEGIES else "",
+        source=source if source in SOURCES else "",
         sort=sort if sort in SORT_KEYS else DEFAULT_SORT,
         descending=params.get("order") == "desc",
         page=max(1, _int_or(params.get("page"), 1)),
@@ -236,6 +242,10 @@ def table_url(root: str, query: TableQuery, **changes: Any) -> str:
         params["device"] = target.device
     if target.precision:
         params["precision"] = target.precision
+    if target.strategy:
+        params["strategy"] = target.strategy
+    if target.source:
+        params["source"] = target.source
     if target.sort != DEFAULT_SORT:
         params["sort"] = target.sort
     if target.descending:
@@ -266,8 +276,9 @@ def _axis_unit(largest_bytes: float) -> _Unit:
 
 def _points(
     meta: str, name: str, xs: list[int], ys: list[int], unit: _Unit, budget: int, marker: dict[str, Any],
-    label: str,
+    label: str | list[str],
 ) -> dict[str, Any]:
+    labels = label if isinstance(label, list) else [label] * len(ys)
     return {
         "type": "scatter",
         "mode": "markers",
@@ -276,7 +287,7 @@ def _points(
         "x": xs,
         "y": [y / unit.size for y in ys],
         # Preformatted: Plotly's own number formats would print bytes in SI units (G = 10**9).
-        "customdata": [[human_bytes(y), _percent(y / budget), label] for y in ys],
+        "customdata": [[human_bytes(y), _percent(y / budget), text] for y, text in zip(ys, labels, strict=True)],
         "hovertemplate": "m = %{x}<br>peak %{customdata[0]} (%{customdata[1]} of budget)"
         "<br>%{customdata[2]}<extra></extra>",
         "marker": marker,
@@ -314,9 +325,13 @@ def _memory_figure(profile: Profile, observations: list[ObservationRow]) -> dict
     x_values = [t.micro_batch for t in profile.trials] + [o.micro_batch for o in observations] + [chosen]
     x_end = max(x_values) + max(1, max(x_values) // 20)
 
-    fits = [t for t in profile.trials if t.fits]
-    over = [t for t in profile.trials if not t.fits and not t.oom]
-    ooms = [t for t in profile.trials if t.oom]
+    # Fake-tensor trials (an estimate's, or a measurement's pre-search points) are a mark of their
+    # own: they are never to be read as measurements on the device.
+    real = [t for t in profile.trials if not t.fake]
+    fake = [t for t in profile.trials if t.fake]
+    fits = [t for t in real if t.fits]
+    over = [t for t in real if not t.fits and not t.oom]
+    ooms = [t for t in real if t.oom]
     traces: list[dict[str, Any]] = []
     if fits:
         traces.append(_points("trials-fit", "trials that fit", [t.micro_batch for t in fits],
@@ -331,6 +346,12 @@ def _memory_figure(profile: Profile, observations: list[ObservationRow]) -> dict
         traces.append(_points("trials-oom", "OOM", [t.micro_batch for t in ooms],
                               [t.peak_bytes or budget for t in ooms], unit, budget,
                               {"symbol": "x", "size": 12, "color": "#c0262d"}, "out of memory"))
+    if fake:
+        verdicts = ["fake: " + ("out of memory" if t.oom else "fits" if t.fits else "over the limit") for t in fake]
+        traces.append(_points("trials-fake", "fake-tensor trials", [t.micro_batch for t in fake],
+                              [t.peak_bytes or budget for t in fake], unit, budget,
+                              {"symbol": "square-open", "size": 9, "color": "#6b7280", "line": {"width": 2}},
+                              verdicts))
     if profile.fit is not None:
         fit = profile.fit
         xs = sorted({1, chosen, x_end, *(t.micro_batch for t in profile.trials)})
@@ -364,8 +385,11 @@ def _memory_figure(profile: Profile, observations: list[ObservationRow]) -> dict
 
 
 def _time_figure(profile: Profile) -> dict[str, Any] | None:
-    # OOM trials stopped part-way: their seconds are not the cost of a full cycle.
-    timed = sorted((t for t in profile.trials if not t.oom and t.seconds > 0), key=lambda t: t.micro_batch)
+    # OOM trials stopped part-way: their seconds are not the cost of a full cycle; fake trials'
+    # seconds are the host's, not the device's.
+    timed = sorted(
+        (t for t in profile.trials if not t.oom and not t.fake and t.seconds > 0), key=lambda t: t.micro_batch
+    )
     if not timed:
         return None
     xs = [t.micro_batch for t in timed]
@@ -417,10 +441,11 @@ def _time_figure(profile: Profile) -> dict[str, Any] | None:
 def chart_figures(profile: Profile, observations: list[ObservationRow]) -> dict[str, dict[str, Any]]:
     """The Plotly figures of a datasheet, keyed by the id of the element each is drawn into.
 
-    ``chart-memory``: peak memory against m -- trials that fit, trials over the limit and OOMs as
-    separate point traces, the fitted line, the budget and budget x (1 - headroom) lines, the chosen
-    m as a vertical line, and the jobs' observations. ``chart-time`` (only when trials were timed):
-    seconds per micro-batch and samples per second against m. Each trace names itself in ``meta``.
+    ``chart-memory``: peak memory against m -- trials that fit, trials over the limit, OOMs and
+    fake-tensor trials as separate point traces, the fitted line, the budget and budget x
+    (1 - headroom) lines, the chosen m as a vertical line, and the jobs' observations. ``chart-time``
+    (only when real trials were timed): seconds per micro-batch and samples per second against m.
+    Each trace names itself in ``meta``.
     """
     config = {"responsive": True, "displaylogo": False}
     figures = {"chart-memory": {**_memory_figure(profile, observations), "config": config}}
@@ -430,12 +455,21 @@ def chart_figures(profile: Profile, observations: list[ObservationRow]) -> dict[
     return figures
 
 
+def trial_counts(profile: Profile) -> str:
+    """Real trials apart from fake ones, as the CLI's datasheet says it: '3 real (1 OOM), 12 fake'."""
+    real = [t for t in profile.trials if not t.fake]
+    fake = len(profile.trials) - len(real)
+    text = f"{len(real)} real" + (f" ({sum(t.oom for t in real)} OOM)" if real else "")
+    return text + (f", {fake} fake" if fake else "")
+
+
 def _predicted_peak(profile: Profile, micro_batch: int) -> tuple[float | None, str]:
     measured = profile.peak_at(micro_batch)
     if measured is not None:
         return float(measured), "measured"
-    if profile.fit is not None:
-        return profile.fit.fixed_bytes + profile.fit.bytes_per_sample * micro_batch, "by the fit"
+    predicted = profile.predicted_peak(micro_batch)
+    if predicted is not None:
+        return predicted, "by the fit"
     return None, ""
 
 
@@ -468,6 +502,8 @@ def index(request: Request, session: SessionDep, _reader: PageReader) -> HTMLRes
         "query": page.query,
         "devices": device_names(session),
         "precisions": PRECISIONS,
+        "strategies": STRATEGIES,
+        "sources": SOURCES,
         "default_sort": DEFAULT_SORT,
         "default_per_page": DEFAULT_PER_PAGE,
         "url": lambda **changes: table_url(root, page.query, **changes),
@@ -501,6 +537,7 @@ def profile_page(profile_id: str, request: Request, session: SessionDep, _reader
         "chosen_peak_source": peak_source,
         "figures": chart_figures(profile, observations),
         "trial_micro_batches": TRIAL_MICRO_BATCHES,
+        "trial_counts": trial_counts(profile),
         "api_url": f"{API_PREFIX}/profiles/{number}",
         "now": datetime.now(timezone.utc),
         "uploaded_at": to_utc(row.uploaded_at),

@@ -29,6 +29,7 @@ __all__ = [
     "add_observation",
     "add_profile",
     "count_profiles",
+    "deciding_trial",
     "decode_cursor",
     "delete_profile",
     "encode_cursor",
@@ -420,9 +421,10 @@ def _smallest_peak(trials: tuple[tuple[int, int, bool, bool], ...]) -> int | Non
     return -min(measured)[1] if measured else None
 
 
-def _deciding_trial() -> ColumnElement[bool]:
-    # Profile.deciding_trials in SQL (correlated to the profile): an estimate's answer rests on its
-    # fake trials, a measurement's on its real ones (fake pre-search points only guided the search).
+def deciding_trial() -> ColumnElement[bool]:
+    """``Profile.deciding_trials`` as a condition on a trial correlated to its profile: an
+    estimate's answer rests on its fake trials, a measurement's on its real ones (fake pre-search
+    points only guided the search)."""
     estimate = ProfileRow.source == "estimate"
     return or_(and_(estimate, TrialRow.fake.is_(True)), and_(~estimate, TrialRow.fake.is_(False)))
 
@@ -501,7 +503,7 @@ def lookup(
     # The whole peak of each profile's smallest measured deciding micro-batch (larger on a tie).
     smallest_peak = (
         select(TrialRow.peak_bytes)
-        .where(TrialRow.profile_id == ProfileRow.id, TrialRow.oom.is_(False), _deciding_trial())
+        .where(TrialRow.profile_id == ProfileRow.id, TrialRow.oom.is_(False), deciding_trial())
         .order_by(TrialRow.micro_batch, TrialRow.peak_bytes.desc())
         .limit(1)
         .correlate(ProfileRow)

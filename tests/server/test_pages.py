@@ -348,3 +348,71 @@ def test_a_profile_without_plan_fit_timings_or_fitting_trial_still_renders(clien
     # No fitting trial: no share in the table, and last whichever way the share is sorted.
     for order in ("asc", "desc"):
         assert tasks(client.get("/", params={"sort": "peak_share", "order": order}).text) == ["fits", "nothing-fits"]
+
+
+# --- Strategy, source and fake trials -----------------------------------------------------------
+
+
+def test_table_shows_strategy_with_world_size_and_marks_estimates(client: TestClient) -> None:
+    ddp = upload(client, task="ddp-job", seed=1)
+    fsdp = upload(client, task="fsdp-job", seed=2, strategy="fsdp", world_size=8)
+    estimate = upload(client, task="estimated-job", seed=3, source="estimate")
+    page = client.get("/").text
+    rows = dict(zip((int(i) for i in ROW.findall(page)), re.split(r'<tr data-profile-id="\d+">', page)[1:], strict=True))
+    assert "fsdp ×8" in text_of(rows[fsdp]) and "ddp ×1" in text_of(rows[ddp])
+    assert 'class="badge estimate"' in rows[estimate]
+    assert 'class="badge estimate"' not in rows[ddp] + rows[fsdp]
+
+
+def test_strategy_and_source_filters_narrow_and_clear(client: TestClient) -> None:
+    upload(client, task="ddp-job", seed=1)
+    upload(client, task="fsdp-job", seed=2, strategy="fsdp", world_size=8)
+    upload(client, task="estimated-job", seed=3, source="estimate")
+    assert tasks(client.get("/", params={"strategy": "fsdp"}).text) == ["fsdp-job"]
+    assert tasks(client.get("/", params={"source": "estimate"}).text) == ["estimated-job"]
+    both = client.get("/", params={"strategy": "ddp", "source": "measured"}).text
+    assert tasks(both) == ["ddp-job"]
+    assert '<option value="fsdp">' in both and '<option value="measured" selected>' in both
+    assert 'href="/"' in both and "Clear filters" in both
+    # A value the page does not know is ignored, as the other filters' are.
+    assert len(tasks(client.get("/", params={"strategy": "zero3", "source": "guess"}).text)) == 3
+    query = parse_table_query({"strategy": "fsdp", "source": "estimate"})
+    assert (query.strategy, query.source, query.filtered) == ("fsdp", "estimate", True)
+    assert table_url("", query) == "/?strategy=fsdp&source=estimate"
+
+
+def test_the_peak_share_of_a_measurement_ignores_its_fake_trials(client: TestClient) -> None:
+    # A fake pre-search point at m = 24 claims half the real peak; the share is the real one's.
+    upload(client, task="with-fake", seed=1, fake_micro_batches=(24,))
+    page = client.get("/").text
+    assert f"{(10 * 2**30 + 2.5 * 2**30 * 24 + 1) / (80 * 2**30) * 100:.1f}%" in text_of(page)
+
+
+def test_datasheet_shows_strategy_source_and_counts_fake_trials_apart(client: TestClient) -> None:
+    body = profile_payload(task="fsdp-job", strategy="fsdp", world_size=8, fake_micro_batches=(6, 20, 30))
+    body["trials"].append({"micro_batch": 40, "peak_bytes": 85 * 2**30, "fits": False, "oom": True})
+    profile_id = client.post("/api/v1/profiles", json=body, headers=WRITE).json()["id"]
+    page = client.get(f"/profiles/{profile_id}").text
+    text = text_of(page)
+    assert "fsdp over 8 ranks" in text and "answers only for world size 8" in text
+    assert "source measured" in text
+    assert "trials 6 real (1 OOM), 3 fake" in text
+    assert page.count('<span class="badge fake"') == 3
+    memory = traces(chart_data(page)["chart-memory"])
+    assert memory["trials-fake"]["x"] == [6, 20, 30]
+    assert [point[2] for point in memory["trials-fake"]["customdata"]] == ["fake: fits"] * 3
+    assert memory["trials-fit"]["x"] == [1, 2, 12, 24] and memory["trials-oom"]["x"] == [40]
+    assert traces(chart_data(page)["chart-time"])["time-per-micro-batch"]["x"] == [1, 2, 12, 24]
+
+
+def test_an_estimates_datasheet_says_it_is_one(client: TestClient) -> None:
+    profile_id = upload(client, task="estimated-job", source="estimate")
+    page = client.get(f"/profiles/{profile_id}").text
+    text = text_of(page)
+    assert "source estimate (fake-tensor trials, not a measurement on the device)" in text
+    assert "estimate estimated" in text  # the subtitle's badge and verb
+    assert "trials 0 real, 5 fake" in text
+    figures = chart_data(page)
+    assert set(traces(figures["chart-memory"])) >= {"trials-fake"}
+    assert not {"trials-fit", "trials-over"} & set(traces(figures["chart-memory"]))
+    assert "chart-time" not in figures and "their time is the host's" in text
