@@ -358,7 +358,8 @@ def test_table_shows_strategy_with_world_size_and_marks_estimates(client: TestCl
     fsdp = upload(client, task="fsdp-job", seed=2, strategy="fsdp", world_size=8)
     estimate = upload(client, task="estimated-job", seed=3, source="estimate")
     page = client.get("/").text
-    rows = dict(zip((int(i) for i in ROW.findall(page)), re.split(r'<tr data-profile-id="\d+">', page)[1:], strict=True))
+    cells = re.split(r'<tr data-profile-id="\d+">', page)[1:]
+    rows = dict(zip((int(i) for i in ROW.findall(page)), cells, strict=True))
     assert "fsdp ×8" in text_of(rows[fsdp]) and "ddp ×1" in text_of(rows[ddp])
     assert 'class="badge estimate"' in rows[estimate]
     assert 'class="badge estimate"' not in rows[ddp] + rows[fsdp]
