@@ -466,7 +466,7 @@ def trial_counts(profile: Profile) -> str:
 def _predicted_peak(profile: Profile, micro_batch: int) -> tuple[float | None, str]:
     measured = profile.peak_at(micro_batch)
     if measured is not None:
-        return float(measured), "measured"
+        return float(measured), "estimated by a fake trial" if profile.source == "estimate" else "measured"
     predicted = profile.predicted_peak(micro_batch)
     if predicted is not None:
         return predicted, "by the fit"

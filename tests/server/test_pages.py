@@ -413,6 +413,7 @@ def test_an_estimates_datasheet_says_it_is_one(client: TestClient) -> None:
     assert "source estimate (fake-tensor trials, not a measurement on the device)" in text
     assert "estimate estimated" in text  # the subtitle's badge and verb
     assert "trials 0 real, 5 fake" in text
+    assert "of budget, estimated by a fake trial)" in text  # the peak at the chosen m
     figures = chart_data(page)
     assert set(traces(figures["chart-memory"])) >= {"trials-fake"}
     assert not {"trials-fit", "trials-over"} & set(traces(figures["chart-memory"]))
