@@ -56,8 +56,15 @@ def make_profile(
     world_size: int = 1,
     source: str = "measured",
     fake_micro_batches: tuple[int, ...] = (),
+    multiple_of: int = 1,
 ) -> Profile:
     """A profile as the probe would produce it: trials that follow the affine fit.
+
+    Consistent by construction (``autotune.consistency``): trials at multiples of ``multiple_of``
+    up to ``max_micro_batch`` fit, and the one at ``max_micro_batch + multiple_of`` is over the limit
+    (its peak is raised to just over the limit where the fit would put it within: the boundary a real
+    search found). A ``max_micro_batch`` whose fitted peak is over the limit is a ValueError: such a
+    profile cannot be measured.
 
     ``seed`` changes the content (and so the content hash) without changing any lookup key, and
     moves ``created_at`` by seed seconds so that "newest" is well defined. ``source="estimate"``
@@ -68,9 +75,18 @@ def make_profile(
     def peak(m: int) -> int:
         return int(fixed_bytes + bytes_per_sample * m) + seed
 
-    sizes = sorted({1, 2, max(1, max_micro_batch // 2), max_micro_batch})
+    unit = multiple_of
+    limit = int(budget_bytes * (1.0 - headroom))
+    if max_micro_batch % unit or peak(max_micro_batch) > limit:
+        raise ValueError(
+            f"make_profile: max_micro_batch {max_micro_batch} with multiple_of {unit} and a peak of "
+            f"{peak(max_micro_batch)} bytes against a limit of {limit} is not a profile a probe makes"
+        )
+    sizes = sorted({unit, 2 * unit, max(unit, max_micro_batch // 2 // unit * unit), max_micro_batch} - {0})
+    sizes = [m for m in sizes if m <= max_micro_batch]
     trials = [Trial(micro_batch=m, peak_bytes=peak(m), fits=True, seconds=0.5) for m in sizes]
-    trials.append(Trial(micro_batch=max_micro_batch + 1, peak_bytes=peak(max_micro_batch + 1), fits=False))
+    above = max_micro_batch + unit
+    trials.append(Trial(micro_batch=above, peak_bytes=max(peak(above), limit + 1), fits=False))
     if source == "estimate":
         trials = [t.model_copy(update={"fake": True}) for t in trials]
     pre_search = [Trial(micro_batch=m, peak_bytes=peak(m) // 2, fits=True, fake=True) for m in fake_micro_batches]
@@ -84,6 +100,7 @@ def make_profile(
         budget_bytes=budget_bytes,
         headroom=headroom,
         max_micro_batch=max_micro_batch,
+        multiple_of=multiple_of,
         plan=Plan(
             micro_batch=max_micro_batch,
             accumulation_steps=1,

@@ -13,12 +13,14 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 
+from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy
 from autotune.schemas import Observation, Profile, Source, Strategy, Suggestion
 from autotune_server import repository
+from autotune_server.consistency import consistent_lookup, require_consistent
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
 from autotune_server.errors import ErrorBody
-from autotune_server.repository import Lookup, lookup
+from autotune_server.repository import Lookup
 from autotune_server.storable import check_storable
 from autotune_server.suggest import LookupCache
 from autotune_server.suggest import compute as compute_suggestion
@@ -43,7 +45,8 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         403: "A token that does not allow this",
         404: "Nothing stored matches",
         413: "Request body over the size cap",
-        422: "A field is missing, unknown or out of range (the error names it)",
+        422: "A field is missing, unknown or out of range, or a profile's trials contradict it "
+        "(the error names the field, and the trial)",
     }
     return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
 
@@ -102,6 +105,7 @@ def upload_profile(
     """Store a profile (idempotent: the same body twice is one row, 201 then 200)."""
     profile = _strict(Profile, raw)
     check_storable(profile)
+    require_consistent(profile)
     row, created = repository.add_profile(session, profile, uploader=uploader)
     request.app.state.suggest_cache.clear()
     url = str(request.url_for("get_profile", profile_id=row.id).path)
@@ -212,6 +216,13 @@ async def suggest(
     strategy: Annotated[
         Strategy, Query(description="ddp (every rank holds the whole model) or fsdp (sharded over world_size)")
     ] = "ddp",
+    plan: Annotated[
+        PlanPolicy,
+        Query(
+            description="balanced (the fewest steps: micro-batches within one of each other, listed in "
+            "micro_batches) or divisor (equal micro-batches)"
+        ),
+    ] = DEFAULT_PLAN_POLICY,
 ) -> Response:
     """The plan for a job: measured on this device model, else predicted, else estimated, else 404."""
     # The hot path of a sweep's start: async, no thread-pool hop at all on a cached answer; on a miss,
@@ -220,7 +231,7 @@ async def suggest(
     # by the response model.
     state = request.app.state
     cache = state.suggest_cache
-    answer_key = (fingerprint, device_name, target_batch, world_size, budget_bytes, headroom, strategy)
+    answer_key = (fingerprint, device_name, target_batch, world_size, budget_bytes, headroom, strategy, plan)
     body = cache.get_answer(answer_key)
     if body is None:
         key = (fingerprint, device_name)
@@ -237,6 +248,7 @@ async def suggest(
             budget_bytes=budget_bytes,
             headroom=headroom,
             strategy=strategy,
+            plan_policy=plan,
             server_url=lambda: str(request.base_url).rstrip("/"),
         )
         cache.put_answer(answer_key, body)
@@ -267,7 +279,8 @@ async def _single_flight(cache: LookupCache, key: tuple[str, str], engine: Engin
 
 def _lookup(engine: Engine, fingerprint: str, device_name: str) -> Lookup:
     with engine.connect() as conn:
-        return lookup(conn, fingerprint, device_name)
+        # Stored profiles that contradict their own trials never answer (autotune_server.consistency).
+        return consistent_lookup(conn, fingerprint, device_name)
 
 
 def use_docstring_summaries(target: APIRouter) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from autotune.schemas import Fit, Profile
+from autotune_server.consistency import stored_warnings
 from autotune_server.models import ObservationRow, ProfileRow
 from autotune_server.repository import to_utc
 from autotune_server.wire import ProfileSummary, StoredObservation, StoredProfile
@@ -54,6 +55,7 @@ def to_stored_profile(row: ProfileRow, observation_count: int) -> StoredProfile:
         uploader=row.uploader,
         observation_count=observation_count,
         profile=to_profile(row),
+        warnings=stored_warnings(row),
     )
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "DomainError",
     "ErrorBody",
     "ErrorDetail",
+    "InconsistentProfileError",
     "InvalidCursor",
     "InvalidPlanRequest",
     "NoProfileForSuggestion",
@@ -106,6 +107,14 @@ class BudgetTooSmall(DomainError):
 
     status_code = 422
     code = "budget_too_small"
+
+
+class InconsistentProfileError(DomainError):
+    """A profile whose claims its own trials contradict (``autotune.consistency``); the field and the
+    trial are named, every problem is in the details."""
+
+    status_code = 422
+    code = "inconsistent_profile"
 
 
 class UnstorableValue(DomainError):

@@ -34,8 +34,10 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from autotune.schemas import PRECISIONS, SOURCES, STRATEGIES, Profile
+from autotune.plan import micro_batches_text
+from autotune.schemas import PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
 from autotune_server.api import API_PREFIX, MAX_ID
+from autotune_server.consistency import stored_problems
 from autotune_server.convert import to_profile
 from autotune_server.dashboard_queries import (
     DEFAULT_PER_PAGE,
@@ -64,6 +66,7 @@ __all__ = [
     "human_bytes",
     "install",
     "parse_table_query",
+    "plan_text",
     "plotly_js_path",
     "router",
     "table_url",
@@ -153,6 +156,18 @@ def _seconds(value: float) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def plan_text(plan: Plan | dict[str, Any] | None) -> str:
+    """A plan as the table and the datasheet show it: ``16 × 16 × 1 = 256`` for equal micro-batches,
+    ``6×26 + 4×25 = 256 (10 steps)`` for a balanced plan's (``(…) × D = T`` on D replicas)."""
+    if plan is None:
+        return ""
+    if isinstance(plan, dict):  # the table reads the stored JSON column
+        plan = Plan.model_validate(plan)
+    if plan.uneven:
+        return micro_batches_text(plan.micro_batches, plan.world_size)
+    return f"{plan.micro_batch} × {plan.accumulation_steps} × {plan.world_size} = {plan.effective_batch}"
+
+
 def _environment() -> Environment:
     env = Environment(
         loader=FileSystemLoader(TEMPLATES_DIR),
@@ -167,6 +182,7 @@ def _environment() -> Environment:
     env.filters["seconds"] = _seconds
     env.filters["age"] = human_age
     env.filters["ago"] = _ago
+    env.filters["plan_text"] = plan_text
     return env
 
 
@@ -538,6 +554,8 @@ def profile_page(profile_id: str, request: Request, session: SessionDep, _reader
         "figures": chart_figures(profile, observations),
         "trial_micro_batches": TRIAL_MICRO_BATCHES,
         "trial_counts": trial_counts(profile),
+        # A stored profile that contradicts its own trials (stored before the checks): shown, never used.
+        "inconsistencies": stored_problems(row),
         "api_url": f"{API_PREFIX}/profiles/{number}",
         "now": datetime.now(timezone.utc),
         "uploaded_at": to_utc(row.uploaded_at),

@@ -33,10 +33,10 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection
 
-from autotune.plan import micro_batch_for_limit, plan
+from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy, micro_batch_for_limit, plan
 from autotune.schemas import Plan, Suggestion
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
-from autotune_server.repository import Candidate, Lookup, lookup
+from autotune_server.repository import Candidate, Lookup
 
 __all__ = ["LookupCache", "compute", "suggest"]
 
@@ -99,9 +99,11 @@ class LookupCache:
             self._answers.clear()
 
 
-def _plan(m_max: int, target_batch: int, world_size: int, multiple_of: int) -> Plan:
+def _plan(
+    m_max: int, target_batch: int, world_size: int, multiple_of: int, policy: PlanPolicy = DEFAULT_PLAN_POLICY
+) -> Plan:
     try:
-        return plan(m_max, target_batch, world_size, multiple_of=multiple_of)
+        return plan(m_max, target_batch, world_size, multiple_of=multiple_of, policy=policy)
     except ValueError as exc:
         message = str(exc).splitlines()[0]  # a pydantic error's later lines echo internals, not advice
         # The query parameter at fault; otherwise the stored profile's figures (max_micro_batch below
@@ -226,6 +228,7 @@ def _suggestion(
         fingerprint=c.fingerprint,
         device_name=device_name,
         max_micro_batch=m_max,
+        multiple_of=c.multiple_of,
         peak_bytes=peak,
         budget_bytes=budget_bytes,
         warnings=warnings,
@@ -249,6 +252,7 @@ def _measured(
     strategy: str = "ddp",
     label: Label = "measured",
     warnings: list[str] | None = None,
+    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
 ) -> Suggestion:
     """The answer from c's own trials (``label`` says what they are to this job: see ``compute``)."""
     warnings = list(warnings or [])
@@ -282,6 +286,7 @@ def _measured(
                     budget_bytes=used_budget,
                     warnings=warnings,
                     strategy=strategy,
+                    policy=policy,
                 )
             warnings.append(
                 f"the limit of {int(limit)} bytes ({limit_text}) is below the {int(measured_limit)} "
@@ -304,7 +309,7 @@ def _measured(
             )
         m_max = capped
         warnings.append(f"a job reported an out-of-memory error at micro-batch {c.oom_at}: capped at {m_max}")
-    chosen = _plan(m_max, target_batch, world_size, c.multiple_of)
+    chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
     peak = next((p for m, p, fits, oom in c.trials if m == chosen.micro_batch and fits and not oom), None)
     return _suggestion(
         c,
@@ -330,6 +335,7 @@ def _fallback_prediction(
     budget_bytes: int,
     warnings: list[str],
     strategy: str = "ddp",
+    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
 ) -> Suggestion:
     """No measured size of c is within a stricter limit: c's own fit, marked as a prediction (an
     estimate stays one)."""
@@ -358,7 +364,7 @@ def _fallback_prediction(
                 f"a job reported an out-of-memory error at micro-batch {c.oom_at} with profile {c.id}",
                 field="fingerprint",
             )
-    chosen = _plan(m_max, target_batch, world_size, c.multiple_of)
+    chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
     warnings.append(
         f"no measured micro-batch of profile {c.id} peaks within {int(limit)} bytes ({limit_text}): "
         f"predicted from its memory fit, not measured; probe with this budget to be sure"
@@ -386,13 +392,14 @@ def _predicted(
     headroom: float | None,
     strategy: str = "ddp",
     warnings: list[str] | None = None,
+    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
 ) -> Suggestion:
     used_headroom = headroom if headroom is not None else c.headroom
     limit = budget_bytes * (1.0 - used_headroom)
     m_max = _predicted_max(
         c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes"
     )
-    chosen = _plan(m_max, target_batch, world_size, c.multiple_of)
+    chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
     what = "estimated" if c.estimate else "measured"
     warnings = [
         *(warnings or []),
@@ -440,6 +447,7 @@ def compute(
     headroom: float | None = None,
     strategy: str = "ddp",
     server_url: str | Callable[[], str] = "URL",
+    plan_policy: PlanPolicy = DEFAULT_PLAN_POLICY,
 ) -> Suggestion:
     """The plan for a job from what ``lookup`` found (pure).
 
@@ -453,6 +461,11 @@ def compute(
             profiles answer which job).
         server_url: this server's URL (or a function giving it, only called for the 404), quoted in
             the how-to-probe advice of the 404.
+        plan_policy: "balanced" (default: the fewest steps, micro-batches within one of each other)
+            or "divisor" (equal micro-batches), see ``autotune.plan.plan``.
+
+    Profiles the lookup passed over (``found.skipped``: they contradict their own trials) never
+    answer; the suggestion says they were passed over.
 
     The order of preference: measurements before estimates; within each, a profile of the job's
     kind (``_rank``) before one of another kind, and at equal kind one on this device model before
@@ -477,7 +490,7 @@ def compute(
         )
         if here is not None and (elsewhere is None or here[0][0] <= elsewhere[0][0]):
             (kind, _), c = here
-            return _measured(
+            answer = _measured(
                 c,
                 target_batch=target_batch,
                 world_size=world_size,
@@ -486,10 +499,12 @@ def compute(
                 strategy=strategy,
                 label="estimated" if c.estimate else ("measured" if kind == 0 else "predicted"),
                 warnings=[_estimate_warning(c, device_name)] if c.estimate else [],
+                policy=plan_policy,
             )
+            return _with_skipped(found, answer)
         if elsewhere is not None and budget_bytes is not None:
             c = elsewhere[1]
-            return _predicted(
+            answer = _predicted(
                 c,
                 device_name=device_name,
                 target_batch=target_batch,
@@ -498,7 +513,9 @@ def compute(
                 headroom=headroom,
                 strategy=strategy,
                 warnings=[_estimate_warning(c, device_name)] if c.estimate else [],
+                policy=plan_policy,
             )
+            return _with_skipped(found, answer)
     raise _not_found(
         found,
         fingerprint=fingerprint,
@@ -508,6 +525,16 @@ def compute(
         world_size=world_size,
         server_url=server_url() if callable(server_url) else server_url,
     )
+
+
+def _with_skipped(found: Lookup, answer: Suggestion) -> Suggestion:
+    if found.skipped:
+        ids = ", ".join(str(i) for i in found.skipped)
+        answer.warnings.append(
+            f"stored profile(s) {ids} of this fingerprint contradict their own trials and were passed "
+            "over (GET /api/v1/profiles/{id} lists the problems)"
+        )
+    return answer
 
 
 def _kind_text(c: Candidate) -> str:
@@ -567,6 +594,9 @@ def _not_found(
 
 
 def suggest(conn: Connection, **kwargs: object) -> Suggestion:
-    """``compute(lookup(conn, fingerprint, device_name), **kwargs)``, uncached (for scripts and tests)."""
-    found = lookup(conn, str(kwargs["fingerprint"]), str(kwargs["device_name"]))
+    """``compute(consistent_lookup(conn, fingerprint, device_name), **kwargs)``, uncached (for scripts
+    and tests)."""
+    from autotune_server.consistency import consistent_lookup
+
+    found = consistent_lookup(conn, str(kwargs["fingerprint"]), str(kwargs["device_name"]))
     return compute(found, **kwargs)  # type: ignore[arg-type]

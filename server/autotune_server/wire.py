@@ -94,6 +94,9 @@ class StoredProfile(_Out):
     uploader: str | None = None
     observation_count: int
     profile: Profile
+    # Set when the stored profile contradicts itself (stored before the checks, or under older rules):
+    # it is served as it is, and never used by /suggest.
+    warnings: list[str] = Field(default_factory=list)
 
 
 class Health(_Out):
@@ -130,5 +133,9 @@ def content_hash(profile: Profile) -> str:
     for trial in data["trials"]:
         if trial.get("fake") is False:
             del trial["fake"]
+    # The same for a plan's micro-batches when they are the one equal pair every older plan meant.
+    plan = data.get("plan")
+    if plan is not None and plan.get("micro_batches") == [[plan["micro_batch"], plan["accumulation_steps"]]]:
+        del plan["micro_batches"]
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from autotune.schemas import Profile
 from autotune_server import Settings, create_app
+from autotune_server.repository import add_profile
 
 WRITE_TOKEN = "write-token-for-tests"
 OTHER_WRITE_TOKEN = "second-write-token"
@@ -50,3 +53,12 @@ def make_client(settings: Settings) -> Iterator[Callable[..., TestClient]]:
 def client(make_client: Callable[..., TestClient]) -> TestClient:
     """A client on the test app (reads open, writes need WRITE)."""
     return make_client()
+
+
+def store_unchecked(client: TestClient, body: dict[str, Any]) -> int:
+    """Store a profile as a server before the consistency checks did (straight into the database,
+    past POST /profiles). Returns its id."""
+    app: Any = client.app
+    with app.state.sessionmaker() as session:
+        row, _ = add_profile(session, Profile.model_validate(body), uploader="before-the-checks")
+        return int(row.id)

@@ -66,5 +66,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
     assert result["upload"] == 201
     assert result["suggest"] == 200
     assert result["torch_loaded"] is False
-    # Of autotune, the server may use the wire schemas and the plan arithmetic only.
-    assert set(result["autotune_modules"]) <= {"autotune", "autotune.schemas", "autotune.plan"}
+    # Of autotune, the server may use the wire schemas, the plan arithmetic and the consistency check
+    # (with the errors it raises) only.
+    allowed = {"autotune", "autotune.schemas", "autotune.plan", "autotune.consistency", "autotune.errors"}
+    assert set(result["autotune_modules"]) <= allowed

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from autotune.plan import plan
 from autotune.units import format_bytes
 from autotune_server.dashboard_queries import TableQuery
 from autotune_server.pages import (
@@ -26,8 +27,8 @@ from autotune_server.pages import (
     plotly_js_path,
     table_url,
 )
-from tests.factories import fingerprint_for, profile_payload
-from tests.server.conftest import READ, WRITE
+from tests.factories import fingerprint_for, make_run_payload, profile_payload
+from tests.server.conftest import READ, WRITE, store_unchecked
 
 XSS_TASK = "<img src=x onerror=alert(1)>"
 ROW = re.compile(r'<tr data-profile-id="(\d+)">')
@@ -331,16 +332,24 @@ def test_parse_table_query_is_lenient_and_table_url_round_trips() -> None:
 
 
 def test_a_profile_without_plan_fit_timings_or_fitting_trial_still_renders(client: TestClient) -> None:
-    body = profile_payload(task="nothing-fits", budget_bytes=2**30, fixed_bytes=2**31, with_fit=False)
+    # Nothing fits: the store refuses such a profile now, but one stored before the checks is still
+    # shown, with what it contradicts.
+    body = profile_payload(
+        task="nothing-fits", budget_bytes=2**30, fixed_bytes=2**20, bytes_per_sample=2**20, with_fit=False
+    )
     body["plan"] = None
     body["trials"] = [{"micro_batch": 1, "peak_bytes": 2**31, "fits": False, "oom": True}]
-    bare_id = client.post("/api/v1/profiles", json=body, headers=WRITE).json()["id"]
+    refused = client.post("/api/v1/profiles", json=body, headers=WRITE)
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "max_micro_batch"
+    bare_id = store_unchecked(client, body)
     upload(client, task="fits", seed=1)
 
     response = client.get(f"/profiles/{bare_id}")
     assert response.status_code == 200
     text = text_of(response.text)
     assert "No plan" in text and "fit none" in text and "No trial recorded its time" in text
+    assert 'id="inconsistent"' in response.text and "contradicts its own trials" in text
+    assert "max_micro_batch : 24 is contradicted by trial 0: m=1 ran out of memory" in text
     figures = chart_data(response.text)
     assert "chart-time" not in figures and 'id="chart-time"' not in response.text
     memory = traces(figures["chart-memory"])
@@ -418,3 +427,19 @@ def test_an_estimates_datasheet_says_it_is_one(client: TestClient) -> None:
     assert set(traces(figures["chart-memory"])) >= {"trials-fake"}
     assert not {"trials-fit", "trials-over"} & set(traces(figures["chart-memory"]))
     assert "chart-time" not in figures and "their time is the host's" in text
+
+
+# --- Balanced plans -----------------------------------------------------------------------------
+
+
+def test_a_balanced_plan_is_shown_as_its_micro_batches(client: TestClient) -> None:
+    body = make_run_payload()
+    body["plan"] = plan(26, 256).model_dump(mode="json")  # 6 x 26 + 4 x 25 in 10 steps
+    response = client.post("/api/v1/profiles", json=body, headers=WRITE)
+    assert response.status_code == 201, response.text
+    profile_id = response.json()["id"]
+    row_text = text_of(re.split(r'<tr data-profile-id="\d+">', client.get("/").text)[1])
+    assert "6×26 + 4×25 = 256 (10 steps)" in row_text
+    page = client.get(f"/profiles/{profile_id}").text
+    assert 'id="plan-balanced"' in page and "6×26 + 4×25 = 256 (10 steps)" in text_of(page)
+    assert 'id="inconsistent"' not in page

@@ -37,15 +37,16 @@ def test_measured_profile_gives_the_plan_of_autotune_plan(client: TestClient) ->
     expected = plan(24, 512, 4)
     assert got.source == "measured"
     assert got.profile_id == profile_id
-    assert (got.micro_batch, got.accumulation_steps, got.world_size) == (
+    assert (got.micro_batch, got.accumulation_steps, got.world_size, got.micro_batches) == (
         expected.micro_batch,
         expected.accumulation_steps,
         expected.world_size,
+        expected.micro_batches,
     )
     assert got.effective_batch == expected.effective_batch
     assert got.exact is expected.exact
     assert got.max_micro_batch == 24
-    assert got.micro_batch * got.accumulation_steps * got.world_size == got.effective_batch
+    assert sum(size * count for size, count in got.micro_batches) * got.world_size == got.effective_batch == 512
 
 
 def test_measured_peak_is_reported_when_the_chosen_size_was_measured(client: TestClient) -> None:
@@ -57,7 +58,7 @@ def test_measured_peak_is_reported_when_the_chosen_size_was_measured(client: Tes
 
 def test_newest_measurement_wins(client: TestClient) -> None:
     _upload(client, seed=1, max_micro_batch=16)
-    newest = _upload(client, seed=50, max_micro_batch=32)
+    newest = _upload(client, seed=50, **_sized(32))
     _upload(client, seed=2, max_micro_batch=8)  # uploaded last, measured earlier
     got = _suggest(client, target_batch=64)
     assert got.profile_id == newest
@@ -218,7 +219,7 @@ def test_writes_in_this_process_are_seen_by_the_next_suggest_at_once(client: Tes
     # /suggest caches lookups for a second; an upload or delete here must not wait for that.
     first = _upload(client, seed=1, max_micro_batch=16)
     assert _suggest(client, target_batch=64).profile_id == first
-    newer = _upload(client, seed=9, max_micro_batch=32)
+    newer = _upload(client, seed=9, **_sized(32))
     assert _suggest(client, target_batch=64).profile_id == newer
     assert client.delete(f"/api/v1/profiles/{newer}", headers=WRITE).status_code == 204
     assert _suggest(client, target_batch=64).profile_id == first
@@ -286,53 +287,55 @@ def test_a_target_needing_absurdly_many_steps_is_422_naming_the_problem(client: 
 
 
 def test_the_target_check_still_names_target_batch_with_multiple_of(client: TestClient) -> None:
-    payload = profile_payload(max_micro_batch=24)
-    payload["multiple_of"] = 8
-    _upload_payload(client, payload)
+    _upload_payload(client, profile_payload(max_micro_batch=24, multiple_of=8))
     error = _suggest_error(client, target_batch=2, world_size=8)
     assert error["code"] == "invalid_plan_request" and error["field"] == "target_batch"
     assert "smaller than world_size" in str(error["message"])
 
 
-def test_a_stored_maximum_below_multiple_of_is_422_naming_both(client: TestClient) -> None:
+def test_a_maximum_below_multiple_of_is_refused_on_upload(client: TestClient) -> None:
+    # It once was stored and answered with a 422 at /suggest; now the store never takes it.
     payload = profile_payload(max_micro_batch=24)
-    payload["multiple_of"] = 32  # inconsistent, but a valid upload
-    _upload_payload(client, payload)
-    error = _suggest_error(client, target_batch=64)
-    assert error["code"] == "invalid_plan_request" and error["field"] == "fingerprint"
-    assert "max_micro_batch 24" in str(error["message"]) and "multiple_of 32" in str(error["message"])
+    payload["multiple_of"] = 32
+    response = client.post("/api/v1/profiles", json=payload, headers=WRITE)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["code"] == "inconsistent_profile" and error["field"] == "max_micro_batch"
+    assert "24 is not a multiple of multiple_of 32" in error["message"]
 
 
 # --- multiple_of --------------------------------------------------------------------------------
 
 
 def test_measured_plan_respects_the_profiles_multiple_of(client: TestClient) -> None:
-    payload = profile_payload(max_micro_batch=24)
-    payload["multiple_of"] = 8
-    _upload_payload(client, payload)
+    _upload_payload(client, profile_payload(max_micro_batch=24, multiple_of=8))
     for target in (40, 100, 24 * 7, 1000):
-        got = _suggest(client, target_batch=target)
-        expected = plan(24, target, 1, multiple_of=8)
-        assert (got.micro_batch, got.accumulation_steps, got.exact) == (
-            expected.micro_batch,
-            expected.accumulation_steps,
-            expected.exact,
-        )
-        assert got.micro_batch % 8 == 0
+        for policy in ("balanced", "divisor"):
+            got = _suggest(client, target_batch=target, plan=policy)
+            expected = plan(24, target, 1, multiple_of=8, policy=policy)  # type: ignore[arg-type]
+            assert (got.micro_batch, got.accumulation_steps, got.exact, got.micro_batches) == (
+                expected.micro_batch,
+                expected.accumulation_steps,
+                expected.exact,
+                expected.micro_batches,
+            )
+            assert all(size % 8 == 0 for size, _ in got.micro_batches) and got.multiple_of == 8
 
 
 def test_capped_measured_size_is_rounded_down_to_multiple_of(client: TestClient) -> None:
-    # Trials at 1, 2, 12, 24 with peak = 1000 + 100 m: within 3000 bytes the largest measured is 12.
-    payload = profile_payload(max_micro_batch=24, fixed_bytes=1000, bytes_per_sample=100, budget_bytes=10**6)
-    payload["multiple_of"] = 8
+    # Trials at 8, 12, 16, 24 (32 over) with peak = 1000 + 100 m: within 2500 bytes the largest
+    # measured is 12 (a size the probe measured before --multiple-of 8 was asked for, say).
+    payload = profile_payload(
+        max_micro_batch=24, fixed_bytes=1000, bytes_per_sample=100, budget_bytes=10**6, multiple_of=8
+    )
+    payload["trials"].insert(1, {"micro_batch": 12, "peak_bytes": 2200, "fits": True})
     _upload_payload(client, payload)
-    got = _suggest(client, target_batch=64, budget_bytes=3000, headroom=0.0)
+    got = _suggest(client, target_batch=64, budget_bytes=2500, headroom=0.0)
     assert (got.source, got.max_micro_batch, got.micro_batch, got.accumulation_steps) == ("measured", 8, 8, 8)
 
 
 def test_predicted_plan_respects_the_profiles_multiple_of(client: TestClient) -> None:
-    payload = profile_payload(device_name=H100, fixed_bytes=10 * 2**30, bytes_per_sample=2.5 * 2**30)
-    payload["multiple_of"] = 4
+    payload = profile_payload(device_name=H100, fixed_bytes=10 * 2**30, bytes_per_sample=2.5 * 2**30, multiple_of=4)
     _upload_payload(client, payload)
     got = _suggest(client, target_batch=60, budget_bytes=40 * 2**30, headroom=0.1)
     assert got.source == "predicted"
@@ -426,25 +429,30 @@ def test_a_prediction_within_both_bounds_is_answered(client: TestClient) -> None
     assert got.peak_bytes is not None and got.peak_bytes >= 20 * 2**30
 
 
-def test_a_prediction_ignores_oom_trials_for_the_step_phase(client: TestClient) -> None:
+def test_an_oom_below_fitting_sizes_is_refused_so_the_step_phase_is_always_measured(client: TestClient) -> None:
+    # An OOM at m = 1 under sizes that fit once reached the store, and the step phase was then read
+    # from m = 2; now such a profile contradicts its own max_micro_batch and is refused.
     payload = _step_dominated_payload()
     trials = payload["trials"]
     assert isinstance(trials, list)
-    # An OOM at m = 1 says nothing reliable about the peak; the smallest measured one is m = 2.
-    trials.insert(0, {"micro_batch": 1, "peak_bytes": 79 * 2**30, "fits": False, "oom": True})
-    del trials[1]
-    _upload_payload(client, payload)
-    assert _suggest(client, target_batch=64, budget_bytes=21 * 2**30, headroom=0.0).max_micro_batch == 20
+    trials[0] = {"micro_batch": 1, "peak_bytes": 79 * 2**30, "fits": False, "oom": True}
+    response = client.post("/api/v1/profiles", json=payload, headers=WRITE)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert (error["field"], error["details"][0]["trial"]) == ("max_micro_batch", 0)
 
 
 # --- headroom without budget_bytes applies to the profile's own budget --------------------------
 
 
-def _small_budget_profile(client: TestClient, **extra: object) -> int:
+def _small_budget_profile(client: TestClient, multiple_of: int = 1) -> int:
     # Trials at 1, 2, 12, 24 with peak = 1000 + 100 m (1100, 1200, 2200, 3400); measured within
-    # 4000 x 0.9 = 3600 bytes.
+    # 4000 x 0.9 = 3600 bytes. With multiple_of, the same trials (1, 2 and 12 measured before the
+    # multiple was asked for), m_max 24 and the failure at 24 + multiple_of.
     payload = profile_payload(max_micro_batch=24, fixed_bytes=1000, bytes_per_sample=100, budget_bytes=4000)
-    payload.update(extra)
+    if multiple_of > 1:
+        payload["multiple_of"] = multiple_of
+        payload["trials"][-1]["micro_batch"] = 24 + multiple_of
     return _upload_payload(client, payload)
 
 
@@ -486,6 +494,7 @@ def test_a_prediction_never_reaches_a_size_measured_over_the_limit(client: TestC
     # the line alone would allow 12, but 12 was measured over the limit.
     payload = profile_payload(max_micro_batch=24, fixed_bytes=1000, bytes_per_sample=100, budget_bytes=4000)
     payload["multiple_of"] = 4
+    payload["trials"][-1]["micro_batch"] = 28  # the failure at m_max + multiple_of
     for trial in payload["trials"]:
         if trial["micro_batch"] == 12:
             trial["forward_backward_bytes"] = trial["peak_bytes"]
