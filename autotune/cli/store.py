@@ -29,9 +29,9 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--json", action="store_true")
     g.set_defaults(run=run_suggest)
 
-    r = sub.add_parser("profiles", help="list, show or remove stored profiles")
-    r.add_argument("action", choices=["ls", "show", "rm"])
-    r.add_argument("profile_id", nargs="?", type=int)
+    r = sub.add_parser("profiles", help="list, show, remove or upload stored profiles")
+    r.add_argument("action", choices=["ls", "show", "rm", "upload"])
+    r.add_argument("profile_id", nargs="?", metavar="ID|DIR", help="a profile id (show, rm); a directory (upload)")
     r.add_argument("--server")
     r.add_argument("--json", action="store_true")
     r.add_argument("--fingerprint")
@@ -63,8 +63,21 @@ def run_suggest(args: argparse.Namespace) -> int:
 def run_profiles(args: argparse.Namespace) -> int:
     from autotune_client.cli import profiles_command
 
+    if args.action == "upload":
+        from pathlib import Path
+
+        from autotune_client.cli import upload_directory
+
+        if args.profile_id is None:
+            raise CliError("profiles upload needs a directory of JSON profiles (what autotune fleet kept)")
+        return upload_directory(Path(args.profile_id), server=args.server)
     if args.action in ("show", "rm") and args.profile_id is None:
         raise CliError(f"profiles {args.action} needs a profile id")
+    if args.profile_id is not None:
+        try:
+            args.profile_id = int(args.profile_id)
+        except ValueError:
+            raise CliError(f"profiles {args.action}: {args.profile_id!r} is not a profile id") from None
     filters = {
         key: value
         for key, value in {

@@ -3,6 +3,7 @@
     autotune suggest --server URL --fingerprint F --target-batch T --world-size D --device-name N
                      [--strategy ddp|fsdp] [--json]
     autotune profiles ls|show|rm [ID] --server URL [--json] [--fingerprint F --task NAME --strategy fsdp ...]
+    autotune profiles upload DIR --server URL          (the JSON profiles a fleet run kept there)
 
 Results go to stdout (JSON with ``--json``, one readable line otherwise) and every failure is one
 line on stderr with a non-zero exit code, so that launch scripts can branch on it:
@@ -16,13 +17,16 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any, TextIO
+
+from pydantic import ValidationError
 
 from autotune.report import datasheet, trial_line
 from autotune.schemas import Profile, Suggestion
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
-from autotune_client.errors import AutotuneClientError, NotFoundError
+from autotune_client.errors import APIConnectionError, AutotuneClientError, NotFoundError
 
 __all__ = [
     "EXIT_ERROR",
@@ -31,6 +35,7 @@ __all__ = [
     "format_suggestion",
     "profiles_command",
     "suggest_command",
+    "upload_directory",
     "upload_profile",
 ]
 
@@ -179,3 +184,53 @@ def upload_profile(profile: Profile, *, server: str, token: str | None) -> int:
     """
     with TunerClient(base_url=server, token=token) as client:
         return client.upload(profile)
+
+
+def upload_directory(
+    directory: Path,
+    *,
+    server: str | None,
+    token: str | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """``autotune profiles upload DIR``: store every ``*.json`` profile in DIR; returns the exit code.
+
+    What ``autotune fleet`` (or ``autotune probe --output``) kept while the server was down. Each
+    file prints ``FILE: profile ID`` on stdout; uploading a directory again stores nothing twice
+    (the server keys profiles by content) and prints the same ids. A file that is not a profile, or
+    that the server rejects, is one line on stderr and the others still go; an unreachable server
+    stops the upload. ``server`` None falls back to ``$AUTOTUNE_URL``, ``token`` to ``$AUTOTUNE_TOKEN``.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if not directory.is_dir():
+        print(f"autotune: error: {str(directory)!r} is not a directory", file=err)
+        return EXIT_ERROR
+    files = sorted(directory.glob("*.json"))
+    if not files:
+        print(f"autotune: error: no *.json profiles in {directory}", file=err)
+        return EXIT_ERROR
+    failed = 0
+    try:
+        with TunerClient(base_url=server, token=token) as client:
+            for path in files:
+                try:
+                    profile = Profile.model_validate_json(path.read_text())
+                except (OSError, ValueError, ValidationError) as exc:
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    print(f"autotune: error: {path} is not a profile: {first}", file=err)
+                    failed += 1
+                    continue
+                try:
+                    print(f"{path}: profile {client.upload(profile)}", file=out, flush=True)
+                except APIConnectionError:
+                    raise
+                except AutotuneClientError as exc:
+                    print(f"autotune: error: {path}: {exc}", file=err)
+                    failed += 1
+    except AutotuneClientError as exc:
+        return _fail(exc, err)
+    if failed:
+        print(f"autotune: error: {failed} of {len(files)} files not uploaded", file=err)
+    return EXIT_ERROR if failed else EXIT_OK

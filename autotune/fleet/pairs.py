@@ -1,0 +1,170 @@
+"""What a fleet run probes: one pair per task spec × accelerator kind (or device) × budget.
+
+    pairs = make_pairs(["examples/gpt.py:task"], accelerators=["H100", "A100"], device=None,
+                       budgets=[None], config_for=lambda device, budget: ProbeConfig(device=device),
+                       working_dir=Path.cwd())
+
+Ray-free and torch-free: the driver builds the pairs before it connects to anything, so that a
+mistake in the command line costs no cluster time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import AutotuneError, TaskError
+from autotune.units import format_bytes
+
+__all__ = ["FLEET_DEVICES", "Pair", "make_pairs", "parse_accelerators", "worker_spec"]
+
+FLEET_DEVICES = ("cpu", "cuda")
+"""Devices a fleet pair may name without an accelerator kind: Ray, not the user, picks the GPU."""
+
+_ACCELERATOR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One probe to run on the fleet.
+
+    Attributes:
+        index: its place in the run (the key of its Ray task and of its row in the table).
+        spec: the task as given on the command line (``examples/gpt.py:task``).
+        worker_spec: the task as the worker loads it, relative to the shipped working directory.
+        on: the accelerator kind (``H100``) or the device (``cpu``, ``cuda``) it runs on.
+        accelerator: the Ray accelerator type it asks for, None for any GPU or the CPU.
+        config: the probe's config (a ``ProbeConfig``: device, budget and probe's other options).
+    """
+
+    index: int
+    spec: str
+    worker_spec: str
+    on: str
+    accelerator: str | None
+    config: Any
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return getattr(self.config, "budget_bytes", None)
+
+    @property
+    def budget_label(self) -> str:
+        """The budget in binary units, or "device" when the device's own memory is the budget."""
+        return "device" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec} on {self.on}, budget {self.budget_label}"
+
+    def ray_options(self, max_retries: int) -> dict[str, Any]:
+        """The options of this pair's Ray task.
+
+        One CPU always; a GPU on CUDA, of the pair's accelerator kind when it names one (Ray turns
+        ``accelerator_type="H100"`` into a request for the node resource ``accelerator_type:H100``,
+        which Ray's GPU detection sets on nodes with that card). ``max_retries`` re-runs a task whose
+        worker process died (a node lost, the OOM killer); a probe that raises is not retried: its
+        error is the answer.
+        """
+        options: dict[str, Any] = {"num_cpus": 1, "max_retries": max_retries}
+        if str(self.config.device).startswith("cuda"):
+            options["num_gpus"] = 1
+        if self.accelerator is not None:
+            options["accelerator_type"] = self.accelerator
+        return options
+
+
+def parse_accelerators(text: str) -> list[str]:
+    """``"H100,A100"`` -> ``["H100", "A100"]``: Ray's accelerator type names, without repeats.
+
+    Raises:
+        AutotuneError: an empty list or a name Ray could not have given a node.
+    """
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise AutotuneError(f"--accelerators {text!r} names no accelerator kind (e.g. H100,A100,L4)")
+    bad = [name for name in names if not _ACCELERATOR.match(name)]
+    if bad:
+        raise AutotuneError(f"--accelerators: {', '.join(map(repr, bad))} is not an accelerator type name (e.g. H100)")
+    return list(dict.fromkeys(names))
+
+
+def worker_spec(spec: str, working_dir: Path) -> str:
+    """The spec as a worker loads it: a task file's path made relative to the working directory
+    that Ray ships to the worker (the worker runs inside its copy); a module spec as it is.
+
+    Raises:
+        TaskError: the file does not exist, or lies outside the working directory (it would not
+            reach the workers).
+    """
+    module_part, sep, attr = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if not module_part:
+        raise TaskError(f"task {spec!r} is not of the form path/to/file.py:name or package.module:name")
+    if not (module_part.endswith(".py") or "/" in module_part):
+        return spec
+    path = Path(module_part)
+    if not path.is_file():
+        raise TaskError(f"task file {module_part!r} not found (from {spec!r})")
+    root = working_dir.resolve()
+    try:
+        relative = path.resolve().relative_to(root)
+    except ValueError:
+        raise TaskError(
+            f"task file {module_part!r} is outside the working directory {str(root)!r} that is shipped to the "
+            "workers: run from a directory that holds it, or pass --working-dir"
+        ) from None
+    return relative.as_posix() + sep + attr
+
+
+def make_pairs(
+    specs: Sequence[str],
+    *,
+    accelerators: Sequence[str] | None,
+    device: str | None,
+    budgets: Sequence[int | None],
+    config_for: Callable[[str, int | None], Any],
+    working_dir: Path,
+) -> list[Pair]:
+    """Every task × (accelerator kind, or the one device) × budget, in that order.
+
+    Args:
+        specs: task specs as ``autotune probe`` takes them.
+        accelerators: Ray accelerator types (each pair gets one GPU of that kind), or None.
+        device: ``cpu`` or ``cuda`` when no accelerator kinds are given.
+        budgets: budgets in bytes; ``[None]`` probes against each device's own memory.
+        config_for: ``(device, budget) -> ProbeConfig`` with the probe's other options.
+        working_dir: the directory shipped to the workers; task files must lie inside it.
+
+    Raises:
+        AutotuneError: no tasks, both or neither of accelerators and device, a device the fleet
+            cannot place, the CPU without a budget, a repeated pair; TaskError for a bad spec.
+    """
+    if not specs:
+        raise AutotuneError("fleet needs at least one task")
+    if (accelerators is None) == (device is None):
+        raise AutotuneError("give --accelerators H100,A100 (GPU kinds, one GPU each) or --device cpu|cuda")
+    if device is not None and device not in FLEET_DEVICES:
+        raise AutotuneError(
+            f"--device {device!r}: a fleet runs on cpu or cuda (Ray assigns the GPU); "
+            "name GPU kinds with --accelerators"
+        )
+    if device == "cpu" and any(budget is None for budget in budgets):
+        raise AutotuneError("--device cpu needs --budget (the CPU meter has no memory size of its own)")
+    if len(set(budgets)) != len(budgets):
+        raise AutotuneError("--budget repeats a value: each budget makes its own pairs")
+    if len(set(specs)) != len(specs):
+        raise AutotuneError("a task is given twice: each task makes its own pairs")
+    targets: list[tuple[str, str | None]] = (
+        [(name, name) for name in accelerators] if accelerators is not None else [(str(device), None)]
+    )
+    pairs: list[Pair] = []
+    for spec in specs:
+        shipped = worker_spec(spec, working_dir)
+        for on, accelerator in targets:
+            for budget in budgets:
+                config = config_for("cuda" if accelerator is not None else str(device), budget)
+                pairs.append(Pair(len(pairs), spec, shipped, on, accelerator, config))
+    return pairs

@@ -1,0 +1,157 @@
+"""One local Ray cluster for the fleet tests (2 CPUs, loopback only) and a live ``autotune serve``.
+
+    def test_something(ray_cluster: RayCluster, fleet_server: LiveServer) -> None:
+        done = run_fleet_cli([..., "--ray-address", ray_cluster.address, "--server", fleet_server.url],
+                             env=fleet_env(ray_cluster, fleet_server))
+
+The cluster is started once per session with ``ray start --head --block`` and stopped by signalling
+that one process (it takes its raylet, GCS and workers down with it), so the tests share its start-up
+cost. Its workers see ``AUTOTUNE_FLEET_TEST_DIR``, where the test tasks of tests/fleet/_tasks.py
+keep their markers. Without Ray installed the tests skip -- except under ``CI=true``, where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from tests.e2e.conftest import REPO, LiveServer, autotune_command, child_env, free_port, start_server
+
+RAY_START_TIMEOUT_SECONDS = 120.0
+RAY_STOP_TIMEOUT_SECONDS = 30.0
+FLEET_TIMEOUT_SECONDS = 300.0
+RAY_CPUS = 2
+
+
+@dataclass
+class RayCluster:
+    """A running local Ray cluster: its address, the environment that reaches it, and the folder
+    its test tasks keep markers in."""
+
+    address: str
+    env: dict[str, str]
+    marker_dir: Path
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+
+def ray_env() -> dict[str, str]:
+    """What the cluster and its drivers share: Ray's token authentication with a token of this
+    session's own (an explicit address needs RAY_AUTH_MODE=token on the driver too; nothing is read
+    from or written to ~/.ray), and Ray's single-node mode, which keeps every address on loopback
+    (otherwise Ray turns 127.0.0.1 into this machine's network address)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _require_ray() -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("ray is not installed: `make test` installs the fleet extra (pip install -e '.[fleet]')")
+        pytest.skip("ray is not installed (pip install -e '.[fleet]')")
+
+
+def ray_command() -> list[str]:
+    """The ``ray`` CLI beside this Python."""
+    script = Path(sys.executable).with_name("ray")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to ``ray start --block`` stops the processes it started; SIGKILL to its process group
+    (only what it started: it runs in a session of its own) if it lingers."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=RAY_STOP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=RAY_STOP_TIMEOUT_SECONDS)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    """``ray start --head`` on 127.0.0.1 with 2 CPUs, for the whole session."""
+    _require_ray()
+    marker_dir = tmp_path_factory.mktemp("fleet-markers")
+    log_path = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
+    port = free_port()
+    env = ray_env()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [
+                *ray_command(),
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                f"--num-cpus={RAY_CPUS}",
+                "--num-gpus=0",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                f"--object-store-memory={100 * 1024**2}",
+            ],
+            cwd=REPO,
+            env=child_env({**env, "AUTOTUNE_FLEET_TEST_DIR": str(marker_dir)}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    cluster = RayCluster(f"127.0.0.1:{port}", env, marker_dir, log_path, process)
+    deadline = time.monotonic() + RAY_START_TIMEOUT_SECONDS
+    while "Ray runtime started" not in log_path.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            _stop(process)
+            pytest.fail(f"ray start did not come up; its log:\n{log_path.read_text(errors='replace')[-4000:]}")
+        time.sleep(0.2)
+    yield cluster
+    _stop(process)
+
+
+@pytest.fixture(scope="module")
+def fleet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A real ``autotune serve`` on a fresh SQLite file, for one test module."""
+    server = start_server(tmp_path_factory.mktemp("fleet-server"))
+    yield server
+    server.stop()
+
+
+def fleet_env(cluster: RayCluster, server: LiveServer | None, **extra: str) -> dict[str, str]:
+    """A driver's environment: the server's write token, the cluster's Ray settings, and the
+    marker folder (which a local Ray instance started by the driver passes on to its workers)."""
+    base = server.env() if server else child_env()
+    base.pop("AUTOTUNE_URL", None)  # the fleet is told its server with --server
+    return {**base, **cluster.env, "AUTOTUNE_FLEET_TEST_DIR": str(cluster.marker_dir), **extra}
+
+
+def run_fleet_cli(args: Sequence[str], *, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``autotune fleet ARGS`` from the repository root (the working directory shipped to Ray)."""
+    return subprocess.run(
+        [*autotune_command(), "fleet", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=FLEET_TIMEOUT_SECONDS,
+    )
+
+
+def stored_profiles(server: LiveServer, **filters: str) -> list[dict[str, object]]:
+    """The profiles the server lists (filters: task, fingerprint, device_name, precision)."""
+    response = httpx.get(f"{server.url}/api/v1/profiles", params={"limit": 100, **filters}, timeout=10.0)
+    response.raise_for_status()
+    items: list[dict[str, object]] = response.json()["items"]
+    return items
