@@ -124,7 +124,8 @@ class Progress:
         counts = self.counts()
         elapsed = time.monotonic() - self.started_at
         states = ", ".join(f"{counts[state]} {state}" for state in STATES)
-        return f"fleet: {len(self.rows)} pairs: {states} ({elapsed:.1f}s)"
+        pairs = f"{len(self.rows)} pair" + ("" if len(self.rows) == 1 else "s")
+        return f"fleet: {pairs}: {states} ({elapsed:.1f}s)"
 
     def table(self) -> str:
         """The rows as an aligned table (the live view and the summary)."""

@@ -32,6 +32,13 @@ PUBLIC_MODULES = [
     "autotune.cli.probe",
     "autotune.cli.service",
     "autotune.cli.store",
+    "autotune.cli.fleet",
+    "autotune.fleet",
+    "autotune.fleet.pairs",
+    "autotune.fleet.worker",
+    "autotune.fleet.progress",
+    "autotune.fleet.sink",
+    "autotune.fleet.runner",
 ]
 
 
@@ -46,5 +53,16 @@ def test_all_is_declared_and_resolves(name: str) -> None:
 
 def test_importing_the_package_does_not_import_torch() -> None:
     code = "import sys, autotune, autotune.schemas, autotune.plan, autotune.units; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_nothing_but_the_fleet_command_imports_ray() -> None:
+    """Ray is the fleet extra's: the package, the parser of every command (fleet's included) and the
+    fleet's own modules import it only when `autotune fleet` runs."""
+    code = (
+        "import sys, autotune, autotune.cli, autotune.fleet, autotune_client; "
+        "autotune.cli.build_parser(); print('ray' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import pytest
@@ -149,9 +150,9 @@ def run_fleet_cli(args: Sequence[str], *, env: dict[str, str]) -> subprocess.Com
     )
 
 
-def stored_profiles(server: LiveServer, **filters: str) -> list[dict[str, object]]:
+def stored_profiles(server: LiveServer, **filters: str) -> list[dict[str, Any]]:
     """The profiles the server lists (filters: task, fingerprint, device_name, precision)."""
     response = httpx.get(f"{server.url}/api/v1/profiles", params={"limit": 100, **filters}, timeout=10.0)
     response.raise_for_status()
-    items: list[dict[str, object]] = response.json()["items"]
+    items: list[dict[str, Any]] = response.json()["items"]
     return items
