@@ -1,4 +1,5 @@
-"""One local Ray cluster for the fleet tests (2 CPUs, loopback only) and a live ``autotune serve``.
+"""One local Ray cluster for the fleet tests (2 CPUs, loopback only, one pretend T4 GPU) and a live
+``autotune serve``.
 
     def test_something(ray_cluster: RayCluster, fleet_server: LiveServer) -> None:
         done = run_fleet_cli([..., "--ray-address", ray_cluster.address, "--server", fleet_server.url],
@@ -12,6 +13,7 @@ keep their markers. Without Ray installed the tests skip -- except under ``CI=tr
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -32,6 +34,7 @@ RAY_START_TIMEOUT_SECONDS = 120.0
 RAY_STOP_TIMEOUT_SECONDS = 30.0
 FLEET_TIMEOUT_SECONDS = 300.0
 RAY_CPUS = 2
+FAKE_ACCELERATOR = "T4"
 
 
 @dataclass
@@ -100,7 +103,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster
                 "--node-ip-address=127.0.0.1",
                 f"--port={port}",
                 f"--num-cpus={RAY_CPUS}",
-                "--num-gpus=0",
+                # One GPU of kind T4 as Ray resources only (no CUDA here): --accelerators T4 pairs
+                # are placed by Ray as on a real cluster, and then fail on the CPU build of torch.
+                "--num-gpus=1",
+                f"--resources={json.dumps({f'accelerator_type:{FAKE_ACCELERATOR}': 1})}",
                 "--include-dashboard=false",
                 "--disable-usage-stats",
                 f"--object-store-memory={100 * 1024**2}",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.e2e.conftest import REPO, LiveServer, autotune_command, free_port
 
-from .conftest import FLEET_TIMEOUT_SECONDS, RayCluster, fleet_env, run_fleet_cli, stored_profiles
+from .conftest import FAKE_ACCELERATOR, FLEET_TIMEOUT_SECONDS, RayCluster, fleet_env, run_fleet_cli, stored_profiles
 
 EXAMPLES = ["examples/mlp.py:task", "examples/gpt.py:task", "examples/cnn.py:task"]
 BUDGETS = "8MiB,16MiB"
@@ -172,3 +172,24 @@ def test_ctrl_c_cancels_the_tasks_and_stores_nothing(ray_cluster: RayCluster, fl
     assert len(list(markers.glob("slow-started-*"))) == 2 and not list(markers.glob("slow-finished-*"))
     assert stored_profiles(fleet_server, task="fleet-slow") == []
     assert out == ""  # no summary of a run that was cut short
+
+
+def test_an_accelerator_pair_gets_one_gpu_of_its_kind(ray_cluster: RayCluster, fleet_server: LiveServer) -> None:
+    """The cluster's T4 is a Ray resource only: Ray places the pair on it with one GPU, and the probe
+    then fails on this CPU-only torch, which is the pair's one-line error."""
+    for old in ray_cluster.marker_dir.glob("assigned-*.json"):
+        old.unlink()
+    done = run_fleet_cli(
+        ["tests/fleet/_gpu_task.py:where", "--accelerators", FAKE_ACCELERATOR, "--server", fleet_server.url,
+         "--ray-address", ray_cluster.address, "--json"],
+        env=fleet_env(ray_cluster, fleet_server),
+    )  # fmt: skip
+    assert done.returncode == 1, _explain(done)
+    (row,) = _rows(done)
+    assert row["state"] == "failed" and row["on"] == FAKE_ACCELERATOR and row["budget_bytes"] is None
+    assert str(row["error"]).startswith("DeviceError: CUDA is not available"), _explain(done)
+    assert "no node of this cluster has a GPU of kind" not in done.stderr
+    (assigned_file,) = ray_cluster.marker_dir.glob("assigned-*.json")
+    assigned = json.loads(assigned_file.read_text())
+    assert assigned["resources"]["GPU"] == 1 and f"accelerator_type:{FAKE_ACCELERATOR}" in assigned["resources"]
+    assert assigned["cuda_visible_devices"] == "0"

@@ -14,6 +14,7 @@ from autotune.cli.common import EXIT_USAGE
 from autotune.errors import AutotuneError, TaskError
 from autotune.fleet import Pair, ProfileSink, Progress, Stored, make_pairs, parse_accelerators
 from autotune.fleet.pairs import worker_spec
+from autotune.fleet.runner import _warn_unplaceable
 from autotune.fleet.sink import profile_file_name
 from autotune.probe import ProbeConfig
 from autotune.schemas import Profile
@@ -196,3 +197,26 @@ def test_profiles_go_to_files_and_a_failed_upload_is_kept_for_later(tmp_path: Pa
     assert stored.profile_id is None and stored.path == tmp_path / "unsent" / name
     assert stored.upload_error and "\n" not in stored.upload_error
     assert [p.name for p in (tmp_path / "unsent").iterdir()] == [name]  # whole files only, no .tmp left
+
+
+class _Cluster:
+    """What ``_warn_unplaceable`` asks of Ray: the cluster's resources."""
+
+    def __init__(self, resources: dict[str, float]) -> None:
+        self.resources = resources
+
+    def cluster_resources(self) -> dict[str, float]:
+        return self.resources
+
+
+def test_pairs_no_node_can_take_now_are_named_at_the_start() -> None:
+    pairs = _pairs(["examples/mlp.py:task"], accelerators=["H100", "L4"], device=None, budgets=[None])
+    log = io.StringIO()
+    _warn_unplaceable(_Cluster({"CPU": 8, "GPU": 2, "accelerator_type:L4": 1}), pairs, log)
+    assert log.getvalue().count("warning") == 1 and "kind H100" in log.getvalue()
+    log = io.StringIO()
+    _warn_unplaceable(_Cluster({"CPU": 8}), _pairs(["examples/mlp.py:task"], device="cuda", budgets=[None]), log)
+    assert "no GPU now" in log.getvalue()
+    log = io.StringIO()
+    _warn_unplaceable(_Cluster({"CPU": 8}), _pairs(["examples/mlp.py:task"]), log)
+    assert log.getvalue() == ""
