@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import autotune
+from autotune.consistency import check_profile
 from autotune.errors import AutotuneError, BudgetError, DeviceError
 from autotune.fingerprint import task_fingerprint
 from autotune.meters import Meter, make_meter, resolve_device
-from autotune.plan import MAX_TARGET_BATCH, plan
+from autotune.plan import MAX_TARGET_BATCH, PLAN_POLICIES, plan
 from autotune.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.schemas import PRECISIONS, STRATEGIES, Fit, Profile, Trial
 from autotune.search import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
@@ -49,6 +50,8 @@ class ProbeConfig:
     strategy: str = "ddp"
     # Find the boundary with fake-tensor trials first, then confirm it with real ones.
     presearch: bool = True
+    # How the plan splits the target batch: "balanced" (fewest steps, uneven micro-batches) or "divisor".
+    plan_policy: str = "balanced"
 
     def validate(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -80,6 +83,8 @@ class ProbeConfig:
             )
         if self.precision is not None and self.precision not in PRECISIONS:
             raise AutotuneError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.plan_policy not in PLAN_POLICIES:
+            raise AutotuneError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {self.plan_policy!r}")
 
 
 def _has_batchnorm(task: ProbeTask) -> bool:
@@ -119,12 +124,13 @@ def _search(
     fake: FakeSearch | None = None
     if config.presearch:
         try:
+            # What the device holds that fake tensors never show (the CUDA context) is not theirs.
+            unseen = meter.unseen_bytes()
             fake = fake_search(
                 task,
-                budget_bytes=meter.budget_bytes,
-                # What the device holds that fake tensors never show (the CUDA context) is not theirs.
-                limit_bytes=max(1, limit_bytes - meter.unseen_bytes()),
-                device_type=meter.device.type,
+                budget_bytes=max(1, meter.budget_bytes - unseen),
+                limit_bytes=max(1, limit_bytes - unseen),
+                device_type=str(meter.device),
                 strategy=strategy,
                 max_micro_batch=config.max_micro_batch,
                 multiple_of=config.multiple_of,
@@ -225,7 +231,13 @@ def probe_with_meter(
     the_plan = None
     if config.target_batch:
         try:
-            the_plan = plan(m_max, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+            the_plan = plan(
+                m_max,
+                config.target_batch,
+                config.world_size,
+                multiple_of=config.multiple_of,
+                policy=config.plan_policy,  # type: ignore[arg-type]
+            )
         except ValueError as exc:  # the measurement stands even where no plan reaches the target
             warnings.append(f"no plan: {exc}")
     if the_plan is not None and not the_plan.exact:
@@ -240,7 +252,7 @@ def probe_with_meter(
         )
     device = meter.describe()
     fake_trials = fake.trials if fake is not None else []
-    return Profile(
+    profile = Profile(
         fingerprint=fingerprint,
         task=task.name,
         device=device,
@@ -265,6 +277,9 @@ def probe_with_meter(
         torch_version=torch.__version__,
         autotune_version=autotune.__version__,
     )
+    # A profile the store would refuse is a bug here, not something to write or upload.
+    check_profile(profile)
+    return profile
 
 
 def probe(

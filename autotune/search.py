@@ -175,17 +175,15 @@ def find_max_micro_batch(
                     hi = k + 1
         else:
             hi = k
-    if lo == 0:
-        if hi > 1 and run(1):
-            lo = 1
-        else:
-            first = next(t for t in trials if t.micro_batch == multiple_of) if hi == 1 else trials[-1]
-            raise NoFitError(first, f"micro-batch {multiple_of} does not fit")
-    if hint is None and top >= 2:
-        if run(2):
-            lo = 2
-        else:
-            hi = 2
+    if hint is None:
+        if not run(1):
+            raise NoFitError(trials[0], f"micro-batch {multiple_of} does not fit")
+        lo = 1
+        if top >= 2:
+            if run(2):
+                lo = 2
+            else:
+                hi = 2
     predicted = 0
     measured_at_last_prediction = -1
     while hi - lo > 1:
@@ -194,7 +192,8 @@ def find_max_micro_batch(
         # ended in an OOM the line is unchanged and would only point at the same place again.
         guess = None
         if predicted < MAX_PREDICTED_TRIALS and measured_now > measured_at_last_prediction:
-            if slope is None and hint is None:
+            smooth = any(t.allocated_bytes is not None for t in trials)
+            if slope is None and hint is None and not smooth:
                 fit = _fit_near_boundary(trials)
                 guess = micro_batch_for_limit(fit, limit_bytes, cap=max_micro_batch) if fit is not None else None
             else:
@@ -211,7 +210,7 @@ def find_max_micro_batch(
             # Clamping to the open interval turns a confirmed prediction into its verification
             # one step past it.
             k = min(max(guess, lo + 1), hi - 1)
-        elif hi > top:
+        elif hi > top and lo > 0:
             k = min(top, 2 * lo)  # no miss seen yet: gallop
         else:
             k = (lo + hi) // 2
@@ -219,4 +218,7 @@ def find_max_micro_batch(
             lo = k
         else:
             hi = k
+    if lo == 0:  # from a hint that did not fit, down to the smallest size
+        smallest = next(t for t in trials if t.micro_batch == multiple_of)
+        raise NoFitError(smallest, f"micro-batch {multiple_of} does not fit")
     return SearchResult(max_micro_batch=lo * multiple_of, trials=trials, fit=fit_affine(_affine_points(trials)))

@@ -142,14 +142,17 @@ class Sharded(Strategy):
 
     name = "fsdp"
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, *, mesh: Any = None) -> None:
         if world_size < 2:
             raise AutotuneError(
                 f"--strategy fsdp needs --world-size of at least 2 (got {world_size}): "
                 "one rank holds the whole model, which is --strategy ddp"
             )
         super().__init__(world_size)
-        self._mesh: Any = None
+        # A mesh of a real process group (one process per rank, as the multi-process check runs
+        # it): the probe then measures this rank as it is, with no fake group of its own.
+        self._given_mesh = mesh
+        self._mesh: Any = mesh
 
     @property
     def describes_replicas(self) -> bool:
@@ -159,6 +162,10 @@ class Sharded(Strategy):
     def process_group(self, device: torch.device) -> Iterator[Any]:
         _, _, fake_store = _fsdp_api()
         import torch.distributed as dist
+
+        if self._given_mesh is not None:
+            yield self._given_mesh.get_group()
+            return
         from torch.distributed.device_mesh import init_device_mesh
 
         if dist.is_initialized():

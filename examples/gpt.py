@@ -1,7 +1,14 @@
-"""A small GPT (causal LM, token-level loss) as a ProbeTask.
+"""A GPT (causal LM, token-level loss) as a ProbeTask, its size a parameter.
 
 Sequences are right-padded; padded positions carry label -100 and are excluded from the loss,
 so the number of supervised tokens varies between micro-batches, as in real LM training.
+
+- ``task``: the small model the tests use (2 layers, d_model 64).
+- ``task_100m``: about 100 M parameters (12 layers, d_model 768, seq 256), for the benchmarks.
+- ``task_7b``: a 7 B configuration (32 layers, d_model 4096, 32 heads, seq 4096, vocab 32000,
+  bf16), for ``autotune estimate`` only: it is never built for real here.
+
+``make_task(cfg, name=..., precision=...)`` gives any other size.
 """
 
 from __future__ import annotations
@@ -100,12 +107,24 @@ def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
     return total / max(count, 1)
 
 
-task = ProbeTask(
-    name="gpt-small",
-    model=GPT,
-    # Variable lengths padded to seq_len: the shape (and so the memory) is the worst case.
-    batch=lambda m: make_batch(m, variable_lengths=True),
-    loss=token_mean_loss,
-    loss_sum=loss_sum,
-    tags={"seq_len": GPTConfig().seq_len, "n_layers": GPTConfig().n_layers},
-)
+def make_task(cfg: GPTConfig = GPTConfig(), *, name: str = "gpt-small", precision: str = "fp32") -> ProbeTask:
+    """The GPT of cfg as a ProbeTask (the tags carry the sizes that change memory)."""
+    return ProbeTask(
+        name=name,
+        model=lambda: GPT(cfg),
+        # Variable lengths padded to seq_len: the shape (and so the memory) is the worst case.
+        batch=lambda m: make_batch(m, cfg, variable_lengths=True),
+        loss=token_mean_loss,
+        loss_sum=loss_sum,
+        precision=precision,
+        tags={"seq_len": cfg.seq_len, "n_layers": cfg.n_layers}
+        | ({} if cfg == GPTConfig() else {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size}),
+    )
+
+
+GPT_100M = GPTConfig(vocab_size=8192, seq_len=256, d_model=768, n_heads=12, n_layers=12)
+GPT_7B = GPTConfig(vocab_size=32000, seq_len=4096, d_model=4096, n_heads=32, n_layers=32)
+
+task = make_task()
+task_100m = make_task(GPT_100M, name="gpt-100m")
+task_7b = make_task(GPT_7B, name="gpt-7b", precision="bf16")

@@ -10,11 +10,31 @@ from typing import Any
 
 from autotune.cli.common import EXIT_FAILED, CliError, headroom, positive_int, size
 
-__all__ = ["add_parsers", "add_probe_options", "config_from_args", "run_probe", "run_verify", "write_atomically"]
+__all__ = [
+    "add_parsers",
+    "add_probe_options",
+    "add_setup_options",
+    "config_from_args",
+    "emit_profile",
+    "run_probe",
+    "run_verify",
+    "write_atomically",
+]
 
 
 def add_probe_options(p: argparse.ArgumentParser) -> None:
     """The options that shape one probe (shared by `probe`, and by the commands that run probes)."""
+    add_setup_options(p)
+    p.add_argument(
+        "--no-presearch",
+        dest="presearch",
+        action="store_false",
+        help="skip the fake-tensor pre-search: real trials only",
+    )
+
+
+def add_setup_options(p: argparse.ArgumentParser) -> None:
+    """The options that say what is measured and planned (`probe`'s and `estimate`'s)."""
     p.add_argument("--budget", type=size, help="bytes or 800MiB / 24GiB (required on cpu)")
     p.add_argument("--headroom", type=headroom, default=0.10, help="fraction kept free (default 0.10)")
     p.add_argument("--target-batch", type=positive_int, help="effective batch T to plan for")
@@ -29,10 +49,11 @@ def add_probe_options(p: argparse.ArgumentParser) -> None:
         help="ddp (default: each replica holds the whole model) or fsdp (FSDP2: rank 0 of --world-size)",
     )
     p.add_argument(
-        "--no-presearch",
-        dest="presearch",
-        action="store_false",
-        help="skip the fake-tensor pre-search: real trials only",
+        "--plan",
+        choices=["balanced", "divisor"],
+        default="balanced",
+        help="balanced (default: the fewest steps, micro-batches within one of each other, "
+        "e.g. 6x26 + 4x25 = 256) or divisor (equal micro-batches, e.g. 16x16)",
     )
 
 
@@ -51,6 +72,7 @@ def config_from_args(args: argparse.Namespace, device: str) -> Any:
         precision=args.precision,
         strategy=args.strategy,
         presearch=args.presearch,
+        plan_policy=args.plan,
     )
 
 
@@ -82,7 +104,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 def run_probe(args: argparse.Namespace) -> int:
     from autotune.probe import probe
-    from autotune.report import datasheet, trial_line
+    from autotune.report import trial_line
     from autotune.task import load_task
 
     task = load_task(args.task)
@@ -100,6 +122,13 @@ def run_probe(args: argparse.Namespace) -> int:
         profile = probe_all_devices(args.task, config)
     else:
         profile = probe(task, config, on_trial=lambda t: print(trial_line(t, limit), file=sys.stderr, flush=True))
+    return emit_profile(profile, args)
+
+
+def emit_profile(profile: Any, args: argparse.Namespace) -> int:
+    """The profile as --output, --json and --server ask, the datasheet on the terminal."""
+    from autotune.report import datasheet
+
     text = profile.model_dump_json(indent=2)
     if args.output:
         write_atomically(args.output, text)

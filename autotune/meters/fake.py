@@ -73,17 +73,18 @@ class FakeMeter(CpuMeter):
 
     Args:
         budget_bytes: required; crossing it raises CpuOutOfMemoryError at the op that crosses it.
-        device_type: the device the fake tensors claim to be on; it decides which kernels and
-            autocast lists the ops take.
+        device_type: the device the fake tensors claim to be on ("cpu", "cuda", "cuda:N"); it
+            decides which kernels and autocast lists the ops take.
         device_name: what describe() reports (an estimate is labelled with the card it is for).
     """
 
     def __init__(self, budget_bytes: int | None, device_type: str = "cpu", device_name: str | None = None) -> None:
         super().__init__(budget_bytes)
-        if device_type not in ("cpu", "cuda"):
+        device = torch.device(device_type)
+        if device.type not in ("cpu", "cuda"):
             raise AutotuneError(f"device kind must be cpu or cuda, got {device_type!r}")
-        self.device = torch.device("cpu") if device_type == "cpu" else torch.device("cuda", 0)
-        self.device_name = device_name or device_type
+        self.device = device if device.type == "cpu" or device.index is not None else torch.device("cuda", 0)
+        self.device_name = device_name or device.type
         # Tensors made outside the mode (a batch built by the task, a loss's constant) are allowed
         # and turned fake on use.
         self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -8,7 +8,7 @@ from torch import nn
 
 from autotune.errors import TaskError, TrialError
 from autotune.meters import CpuMeter
-from autotune.probe import _single_process_group
+from autotune.strategies import Replicated
 from autotune.trial import run_trial
 
 from ._tasks import linear_task
@@ -65,9 +65,10 @@ def test_ddp_gradient_buckets_are_counted() -> None:
     task = linear_task(model=lambda: nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 8)))
     meter = CpuMeter(64 * MiB)
     alone = run_trial(task, meter, 4, limit_bytes=64 * MiB)
-    with _single_process_group(2, torch.device("cpu")) as group:
-        assert group is not None
-        wrapped = run_trial(task, meter, 4, limit_bytes=64 * MiB, process_group=group)
+    strategy = Replicated(2)
+    with strategy.process_group(torch.device("cpu")) as group:
+        assert group is not None and strategy.measures_buckets
+        wrapped = run_trial(task, meter, 4, limit_bytes=64 * MiB, strategy=strategy)
     weights = (64 * 256 + 256 + 256 * 8 + 8) * 4
     # DDP's flat gradient buckets hold a copy of every gradient
     assert wrapped.peak_bytes >= alone.peak_bytes + weights

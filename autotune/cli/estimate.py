@@ -1,0 +1,54 @@
+"""`autotune estimate`: the datasheet from fake-tensor trials, for a card this machine does not have."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from autotune.cli.probe import add_setup_options, emit_profile
+
+__all__ = ["add_parsers", "run_estimate"]
+
+
+def add_parsers(sub: Any) -> None:
+    e = sub.add_parser(
+        "estimate",
+        help="estimate the largest micro-batch for a budget with fake tensors (no device memory used)",
+    )
+    e.add_argument("task", help="path/to/file.py:name or package.module:name (a ProbeTask)")
+    e.add_argument("--device-kind", choices=["cpu", "cuda"], default="cuda", help="the card's kind (default cuda)")
+    e.add_argument(
+        "--device-name", help='the card the estimate is for, as /suggest matches it ("NVIDIA H100 80GB HBM3")'
+    )
+    add_setup_options(e)
+    e.add_argument("--output", type=Path, help="also write the profile JSON to this file")
+    e.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+    e.add_argument("--server", help="upload the estimate to this autotune server (token: AUTOTUNE_TOKEN)")
+    e.set_defaults(run=run_estimate)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    from autotune.estimate import EstimateConfig, estimate
+    from autotune.report import trial_line
+    from autotune.task import load_task
+
+    config = EstimateConfig(
+        budget_bytes=args.budget,
+        device_kind=args.device_kind,
+        device_name=args.device_name,
+        headroom=args.headroom,
+        target_batch=args.target_batch,
+        world_size=args.world_size,
+        strategy=args.strategy,
+        max_micro_batch=args.max_micro_batch,
+        multiple_of=args.multiple_of,
+        precision=args.precision,
+    )
+    config.validate()  # a missing budget is refused before the task is even loaded
+    task = load_task(args.task)
+    limit = int(args.budget * (1 - args.headroom))
+    print(f"estimating {task.name} for {args.device_kind} with fake tensors ...", file=sys.stderr)
+    profile = estimate(task, config, on_trial=lambda t: print(trial_line(t, limit), file=sys.stderr, flush=True))
+    return emit_profile(profile, args)

@@ -1,0 +1,57 @@
+"""One rank of a real N-process FSDP2 job on gloo (spawned by test_fsdp_ranks.py).
+
+Each rank measures the trial with the CPU meter at one micro-batch, then runs the same search the
+probe runs. A budget that raised an OOM on one rank only would leave the others waiting in a
+collective, so the ranks measure without enforcing the budget and agree on each verdict: a size
+fits when the largest peak over the ranks is within the limit (what the job needs of every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autotune.meters import CpuMeter
+from autotune.schemas import Trial
+from autotune.search import find_max_micro_batch
+from autotune.strategies import Sharded
+from autotune.trial import TrialRunner
+from examples import gpt
+
+UNBOUNDED_BYTES = 1 << 40
+
+
+def run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: int, limit_bytes: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world_size,))
+        strategy = Sharded(world_size, mesh=mesh)
+        meter = CpuMeter(UNBOUNDED_BYTES)
+        with strategy.process_group(meter.device):
+            runner = TrialRunner(gpt.task, meter, limit_bytes=UNBOUNDED_BYTES, strategy=strategy)
+            peak_at = runner(micro_batch).peak_bytes
+
+            def agreed(m: int) -> Trial:
+                trial = runner(m)
+                worst = torch.tensor([trial.peak_bytes], dtype=torch.int64)
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                return trial.model_copy(update={"fits": int(worst.item()) <= limit_bytes})
+
+            result = find_max_micro_batch(agreed, limit_bytes=limit_bytes)
+            runner.close()
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps({"peak_bytes": peak_at, "max_micro_batch": result.max_micro_batch})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # pragma: no cover - spawned by the test
+    sys.exit(0)

@@ -1,0 +1,157 @@
+"""--strategy fsdp: FSDP2 over a fake process group of N, measured as rank 0 of N.
+
+The check that matters: rank 0 of N real processes (gloo, spawned, file rendezvous) peaks at exactly
+the fake-group trial's figure, and the real N-process search finds the fake-group probe's m_max.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from autotune.errors import AutotuneError, TaskError
+from autotune.fingerprint import task_fingerprint
+from autotune.meters import CpuMeter
+from autotune.probe import ProbeConfig, probe
+from autotune.strategies import Sharded, make_strategy, shard_units
+from autotune.trial import TrialRunner
+from examples import gpt
+from tests.autotune import _fsdp_worker as worker
+from tests.autotune._tasks import linear_task
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
+
+UNBOUNDED = 1 << 40
+MICRO_BATCH = 8
+LIMIT_BYTES = 20 << 20
+
+
+def fake_group_peak(world_size: int, micro_batch: int = MICRO_BATCH, task=gpt.task) -> int:
+    strategy = make_strategy("fsdp", world_size)
+    meter = CpuMeter(UNBOUNDED)
+    with strategy.process_group(meter.device):
+        runner = TrialRunner(task, meter, limit_bytes=UNBOUNDED, strategy=strategy)
+        try:
+            return runner(micro_batch).peak_bytes
+        finally:
+            runner.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rank0_of_real_processes_equals_the_fake_group(world_size: int, tmp_path: Path) -> None:
+    mp.spawn(
+        worker.run,
+        args=(world_size, str(tmp_path / "rendezvous"), str(tmp_path), MICRO_BATCH, LIMIT_BYTES),
+        nprocs=world_size,
+        join=True,
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    fake_peak = fake_group_peak(world_size)
+    print(f"N={world_size}: real rank 0 {ranks[0]['peak_bytes']} bytes, fake group {fake_peak} bytes")
+    assert ranks[0]["peak_bytes"] == fake_peak  # byte for byte
+    # The budget whose limit (budget x 0.9) is LIMIT_BYTES, as the workers judged their trials.
+    budget = int(LIMIT_BYTES / 0.9) + 1
+    config = ProbeConfig(device="cpu", budget_bytes=budget, strategy="fsdp", world_size=world_size)
+    profile = probe(gpt.task, config)
+    assert profile.limit_bytes == LIMIT_BYTES
+    assert all(rank["max_micro_batch"] == profile.max_micro_batch for rank in ranks)
+    assert profile.strategy == "fsdp" and profile.world_size == world_size
+
+
+def test_each_rank_holds_less_as_world_size_grows() -> None:
+    ddp = TrialRunner(gpt.task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED)(MICRO_BATCH).peak_bytes
+    peaks = [fake_group_peak(n) for n in (2, 4, 8)]
+    assert ddp > peaks[0] > peaks[1] > peaks[2]
+
+
+def test_bf16_units_compute_in_bf16_under_the_mixed_precision_policy() -> None:
+    seen: list[torch.dtype] = []
+    task = gpt.make_task(precision="bf16")
+    strategy = make_strategy("fsdp", 2)
+    meter = CpuMeter(UNBOUNDED)
+    with strategy.process_group(meter.device):
+        runner = TrialRunner(task, meter, limit_bytes=UNBOUNDED, strategy=strategy)
+        model = runner._ensure_model()
+        assert model is not None
+        block = model.blocks[0]  # type: ignore[index]
+        block.qkv.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+        trial = runner(2)
+        runner.close()
+    assert not trial.oom
+    assert seen and set(seen) == {torch.bfloat16}
+
+
+def test_a_model_without_blocks_is_refused_in_one_line_unless_the_task_names_them() -> None:
+    with pytest.raises(TaskError, match="no block to shard.*shard_classes"):
+        fake_group_peak(2, 2, linear_task())
+
+    class Twin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    named = linear_task(model=Twin, shard_classes=(nn.Linear,))
+    assert [type(u).__name__ for u in shard_units(Twin(), named.shard_classes)] == ["Linear", "Linear"]
+    assert fake_group_peak(2, 2, named) > 0
+
+
+def test_fsdp_needs_two_ranks() -> None:
+    with pytest.raises(AutotuneError, match="at least 2"):
+        make_strategy("fsdp", 1)
+    with pytest.raises(AutotuneError, match="at least 2"):
+        ProbeConfig(device="cpu", budget_bytes=1 << 20, strategy="fsdp", world_size=1).validate()
+    with pytest.raises(AutotuneError, match="strategy must be one of"):
+        ProbeConfig(device="cpu", budget_bytes=1 << 20, strategy="zero3").validate()
+
+
+def test_fsdp_inside_an_initialized_group_is_refused_in_one_line(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(AutotuneError, match="already initialized"):
+            with Sharded(2).process_group(torch.device("cpu")):
+                pass
+    finally:
+        dist.destroy_process_group()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autotune.cli", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cpu", "--budget", "8MiB", "--strategy", "fsdp"], "at least 2"),
+        (["--device", "all", "--strategy", "fsdp", "--world-size", "4"], "--device all is refused"),
+    ],
+)
+def test_cli_refuses_fsdp_misuse_in_one_line(args: list[str], message: str) -> None:
+    done = _cli("probe", "examples/gpt.py:task", *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 2  # "probing ..." and the one-line error
+    assert "Traceback" not in done.stderr
+
+
+def test_fsdp_enters_the_fingerprint_and_ddp_keeps_its_old_one() -> None:
+    ddp = task_fingerprint(gpt.task)
+    assert task_fingerprint(gpt.task, strategy="ddp", world_size=8) == ddp
+    # The small GPT's digest from before strategies existed (make run's stored profiles carry it).
+    assert ddp.startswith("923454115ee1139d")
+    fsdp2, fsdp4 = (task_fingerprint(gpt.task, strategy="fsdp", world_size=n) for n in (2, 4))
+    assert len({ddp, fsdp2, fsdp4}) == 3
