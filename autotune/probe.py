@@ -50,6 +50,9 @@ class ProbeConfig:
     strategy: str = "ddp"
     # Find the boundary with fake-tensor trials first, then confirm it with real ones.
     presearch: bool = True
+    # One model per probe, reused across trials (False: a fresh model per trial, as before; the
+    # benchmarks compare the two).
+    reuse_model: bool = True
     # How the plan splits the target batch: "balanced" (fewest steps, uneven micro-batches) or "divisor".
     plan_policy: str = "balanced"
 
@@ -143,7 +146,7 @@ def _search(
         except Exception as exc:  # an op that cannot run fake: real trials only
             warnings.append(presearch_failed(exc))
             fake = None
-    runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy)
+    runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, reuse_model=config.reuse_model)
 
     def trial(micro_batch: int) -> Trial:
         result = runner(micro_batch)
