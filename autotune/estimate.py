@@ -53,6 +53,7 @@ class EstimateConfig:
     max_micro_batch: int = 4096
     multiple_of: int = 1
     precision: str | None = None
+    plan_policy: str = "balanced"
 
     def validate(self) -> None:
         if self.budget_bytes is None:
@@ -74,6 +75,7 @@ class EstimateConfig:
             multiple_of=self.multiple_of,
             precision=self.precision,
             strategy=self.strategy,
+            plan_policy=self.plan_policy,
         )
 
 
@@ -125,7 +127,13 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
     the_plan = None
     if config.target_batch:
         try:
-            the_plan = plan(m_max, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+            the_plan = plan(
+                m_max,
+                config.target_batch,
+                config.world_size,
+                multiple_of=config.multiple_of,
+                policy=config.plan_policy,  # type: ignore[arg-type]
+            )
         except ValueError as exc:
             warnings.append(f"no plan: {exc}")
     if the_plan is not None and not the_plan.exact:

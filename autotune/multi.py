@@ -75,7 +75,13 @@ def probe_all_devices(spec: str, config: Any) -> Profile:
     tightest = min(profiles, key=lambda p: p.max_micro_batch)
     devices = [p.device for p in profiles]
     the_plan = (
-        plan(tightest.max_micro_batch, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+        plan(
+            tightest.max_micro_batch,
+            config.target_batch,
+            config.world_size,
+            multiple_of=config.multiple_of,
+            policy=config.plan_policy,
+        )
         if config.target_batch
         else None
     )

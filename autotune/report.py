@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autotune.plan import micro_batches_text
 from autotune.schemas import Profile, Trial
 from autotune.units import format_bytes
 
@@ -56,10 +57,14 @@ def datasheet(profile: Profile) -> str:
     plan = profile.plan
     chosen = plan.micro_batch if plan else profile.max_micro_batch
     if plan is not None:
-        lines += [
-            f"  plan             m={plan.micro_batch} x A={plan.accumulation_steps} x D={plan.world_size} "
-            f"= {plan.effective_batch} (target {plan.target_batch}, {'exact' if plan.exact else 'NOT exact'})",
-        ]
+        verdict = f"(target {plan.target_batch}, {'exact' if plan.exact else 'NOT exact'})"
+        if plan.uneven:  # balanced: the sizes of one update's micro-batches, count×size
+            lines.append(f"  plan             {micro_batches_text(plan.micro_batches, plan.world_size)} {verdict}")
+        else:
+            lines.append(
+                f"  plan             m={plan.micro_batch} x A={plan.accumulation_steps} x D={plan.world_size} "
+                f"= {plan.effective_batch} {verdict}"
+            )
     peak = profile.peak_at(chosen)
     if peak is not None:
         lines.append(

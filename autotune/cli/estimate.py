@@ -45,6 +45,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         max_micro_batch=args.max_micro_batch,
         multiple_of=args.multiple_of,
         precision=args.precision,
+        plan_policy=args.plan,
     )
     config.validate()  # a missing budget is refused before the task is even loaded
     task = load_task(args.task)

@@ -26,6 +26,13 @@ def add_parsers(sub: Any) -> None:
         default="ddp",
         help="ddp (every rank holds the whole model) or fsdp (sharded over --world-size ranks)",
     )
+    g.add_argument(
+        "--plan",
+        choices=["balanced", "divisor"],
+        default="balanced",
+        help="balanced (default: the fewest steps, micro-batches within one of each other) or divisor "
+        "(equal micro-batches)",
+    )
     g.add_argument("--json", action="store_true")
     g.set_defaults(run=run_suggest)
 
@@ -56,6 +63,7 @@ def run_suggest(args: argparse.Namespace) -> int:
         budget_bytes=args.budget,
         headroom=args.headroom,
         strategy=args.strategy,
+        plan=args.plan,
         as_json=args.json,
     )
 

@@ -200,12 +200,15 @@ class TunerClient:
         budget_bytes: int | None = None,
         headroom: float | None = None,
         strategy: str = "ddp",
+        plan: str = "balanced",
     ) -> Suggestion:
         """The plan for a job from what the store knows.
 
         Args:
             strategy: "ddp" (every rank holds the whole model) or "fsdp" (sharded over
                 ``world_size`` ranks: one rank's memory depends on it, so the store matches it).
+            plan: "balanced" (the fewest steps; micro-batches within one of each other, listed in
+                ``micro_batches``) or "divisor" (equal micro-batches).
 
         Returns:
             A Suggestion with ``source`` "measured" (a profile of this kind of job on this device
@@ -230,6 +233,8 @@ class TunerClient:
             params["headroom"] = headroom
         if strategy != "ddp":  # the default is left out: a server from before strategies answers as before
             params["strategy"] = strategy
+        if plan != "balanced":  # likewise; a server from before balanced plans answers equal ones anyway
+            params["plan"] = plan
         body = self._request("GET", "/suggest", params=params).json()
         if not isinstance(body, dict):
             raise AutotuneClientError(f"the server answered /suggest with {type(body).__name__}, not an object")

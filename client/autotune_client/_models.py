@@ -51,3 +51,5 @@ class StoredProfile(_Answer):
     uploaded_at: datetime | None = None
     uploader: str | None = None
     observation_count: int = 0
+    # What the store says about a profile that contradicts its own trials (never used by /suggest).
+    warnings: list[str] = []

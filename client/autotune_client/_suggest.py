@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from autotune.plan import PLAN_POLICIES
 from autotune.schemas import STRATEGIES, Profile, Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._constants import ENV_URL
@@ -115,6 +116,7 @@ def suggest(
     probe_if_missing: bool = True,
     client: TunerClient | None = None,
     strategy: str = "ddp",
+    plan: str = "balanced",
 ) -> Suggestion:
     """The micro-batch and accumulation steps for this job, measured rather than guessed.
 
@@ -147,6 +149,10 @@ def suggest(
         strategy: "ddp" (every rank holds the whole model) or "fsdp" (FSDP2 over ``world_size``
             ranks, which the store then matches exactly: one rank's memory depends on it). A local
             probe runs with the same strategy and world size.
+        plan: "balanced" (default: the fewest accumulation steps, with micro-batches that differ by
+            at most one, e.g. 6 x 26 + 4 x 25 = 256 in 10 steps; feed them with
+            ``autotune.accumulate.PlanBatchSampler``) or "divisor" (equal micro-batches, e.g. 16 x 16).
+            The adapters (``as_hf_training_args`` ...) give the best equal plan either way.
 
     Returns:
         A Suggestion: ``micro_batch``, ``accumulation_steps``, ``world_size``, ``effective_batch``,
@@ -169,6 +175,8 @@ def suggest(
         raise AutotuneClientError(f"target_batch must be a positive integer, got {target_batch!r}")
     if strategy not in STRATEGIES:
         raise AutotuneClientError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if plan not in PLAN_POLICIES:
+        raise AutotuneClientError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {plan!r}")
     model = _unwrap(model)
     world = _resolve_world_size(world_size)
     if target_batch < world:
@@ -210,6 +218,7 @@ def suggest(
                     device_name=device_name,
                     budget_bytes=budget_bytes,
                     strategy=strategy,
+                    plan=plan,
                 )
             except NotFoundError:
                 if not probe_if_missing:
@@ -234,6 +243,7 @@ def suggest(
             target_batch=target_batch,
             world_size=world,
             strategy=strategy,
+            plan_policy=plan,
         )
         if profile.fingerprint != fingerprint:
             # Should not happen (same function, same inputs); if it does, an upload would be
@@ -250,7 +260,7 @@ def suggest(
                 profile_id = upload_to.upload(profile)
             except AutotuneClientError as exc:
                 notes.append(_warn(f"the probed profile was not uploaded: {exc}"))
-        return _suggestion_from_profile(profile, target_batch, world, profile_id, notes)
+        return _suggestion_from_profile(profile, target_batch, world, profile_id, notes, plan)
     finally:
         if own_client is not None:
             own_client.close()
@@ -426,6 +436,7 @@ def _probe_locally(
     target_batch: int,
     world_size: int,
     strategy: str = "ddp",
+    plan_policy: str = "balanced",
 ) -> Profile:
     from autotune.probe import ProbeConfig, probe
     from autotune.task import ProbeTask
@@ -453,21 +464,34 @@ def _probe_locally(
         target_batch=target_batch,
         world_size=world_size,
         strategy=strategy,
+        plan_policy=plan_policy,
     )
     with _rng_preserved(device_spec):
         return probe(task, config)
 
 
 def _suggestion_from_profile(
-    profile: Profile, target_batch: int, world_size: int, profile_id: int | None, notes: list[str]
+    profile: Profile,
+    target_batch: int,
+    world_size: int,
+    profile_id: int | None,
+    notes: list[str],
+    policy: str = "balanced",
 ) -> Suggestion:
     from autotune.plan import plan
 
+    # The probe planned with the same policy; any other target or world size is planned here.
     stored = profile.plan
     if stored is not None and stored.target_batch == target_batch and stored.world_size == world_size:
         chosen = stored
     else:
-        chosen = plan(profile.max_micro_batch, target_batch, world_size, multiple_of=profile.multiple_of)
+        chosen = plan(
+            profile.max_micro_batch,
+            target_batch,
+            world_size,
+            multiple_of=profile.multiple_of,
+            policy=policy,  # type: ignore[arg-type]
+        )
     found = [*profile.warnings, *([chosen.note] if chosen.note else []), *notes]
     return Suggestion.from_plan(
         chosen,
@@ -476,6 +500,7 @@ def _suggestion_from_profile(
         fingerprint=profile.fingerprint,
         device_name=profile.device.name,
         max_micro_batch=profile.max_micro_batch,
+        multiple_of=profile.multiple_of,
         peak_bytes=profile.peak_at(chosen.micro_batch),
         budget_bytes=profile.budget_bytes,
         strategy=profile.strategy,

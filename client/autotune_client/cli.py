@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
+from autotune.plan import micro_batches_text
 from autotune.report import datasheet, trial_line
 from autotune.schemas import Profile, Suggestion
 from autotune_client._client import TunerClient
@@ -59,6 +60,8 @@ def format_suggestion(s: Suggestion) -> str:
         f"micro_batch={s.micro_batch} accumulation_steps={s.accumulation_steps} world_size={s.world_size} "
         f"effective_batch={s.effective_batch} ({exact}; {where}; max micro-batch {s.max_micro_batch})"
     )
+    if s.uneven:  # micro_batch is the largest size: say what the steps really are
+        line += f"\nmicro_batches: {micro_batches_text(s.micro_batches, s.world_size)}"
     return "\n".join([line, *(f"warning: {w}" for w in s.warnings)])
 
 
@@ -73,6 +76,7 @@ def suggest_command(
     headroom: float | None,
     as_json: bool,
     strategy: str = "ddp",
+    plan: str = "balanced",
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -93,6 +97,7 @@ def suggest_command(
                 budget_bytes=budget_bytes,
                 headroom=headroom,
                 strategy=strategy,
+                plan=plan,
             )
     except AutotuneClientError as exc:
         return _fail(exc, err)
@@ -115,8 +120,10 @@ def _describe(stored: StoredProfile) -> str:
     """The probe's own datasheet (one text for both), headed by the stored id, with every trial."""
     p = stored.profile
     trials = "\n".join(f"    {trial_line(t, p.limit_bytes)}" for t in p.trials)
+    # The store's own warnings first: a profile that contradicts its trials is never used by /suggest.
+    store = "".join(f"  store warning: {w}\n" for w in stored.warnings)
     return (
-        f"profile {stored.id}: {p.task} on {p.device.name} ({p.precision})\n"
+        f"profile {stored.id}: {p.task} on {p.device.name} ({p.precision})\n{store}"
         f"  fingerprint {p.fingerprint}\n  budget {p.budget_bytes} bytes, headroom {p.headroom}\n"
         f"{datasheet(p)}\n  trials, in the order they ran:\n{trials}"
     )

@@ -62,9 +62,24 @@ def test_probe_human_output() -> None:
     assert "trial m=" in done.stderr
 
 
+def test_probe_plan_balanced_by_default_and_divisor_on_request() -> None:
+    common = ["probe", "examples/gpt.py:task", "--device", "cpu", "--budget", "24MiB", "--target-batch", "256"]
+    balanced = autotune(*common, "--json")
+    assert balanced.returncode == 0, balanced.stderr
+    profile = json.loads(balanced.stdout)
+    assert profile["max_micro_batch"] == 26
+    assert (profile["plan"]["accumulation_steps"], profile["plan"]["micro_batches"]) == (10, [[26, 6], [25, 4]])
+    assert "plan             6×26 + 4×25 = 256 (10 steps) (target 256, exact)" in balanced.stderr
+    divisor = autotune(*common, "--plan", "divisor", "--json")
+    assert divisor.returncode == 0, divisor.stderr
+    plan = json.loads(divisor.stdout)["plan"]
+    assert (plan["micro_batch"], plan["accumulation_steps"], plan["micro_batches"]) == (16, 16, [[16, 16]])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["probe", "examples/mlp.py:task", "--device", "cpu", "--budget", "8MiB", "--plan", "round"], "--plan"),
         (["probe", "nowhere.py:task", "--device", "cpu", "--budget", "1MiB"], "task file 'nowhere.py' not found"),
         (["probe", "examples/gpt.py:task", "--device", "cpu", "--budget", "1MiB"], "alone take"),
         (["probe", "BAD:no_tensors", "--device", "cpu", "--budget", "8MiB"], "no tensors"),

@@ -84,6 +84,17 @@ def test_suggest_before_and_after_an_upload(in_process_server: Callable[..., Any
     assert f"profile {profile_id}" in out
 
 
+def test_suggest_prints_a_balanced_plan_and_asks_for_a_divisor_one(in_process_server: Callable[..., Any]) -> None:
+    upload_profile(make_profile(max_micro_batch=20), server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    code, out, _ = run_suggest(target_batch=50, world_size=1)
+    assert code == EXIT_OK
+    assert out.startswith("micro_batch=17 accumulation_steps=3 world_size=1 effective_batch=50 (exact;")
+    assert "micro_batches: 2×17 + 1×16 = 50 (3 steps)" in out
+    code, out, _ = run_suggest(target_batch=50, world_size=1, plan="divisor", as_json=True)
+    got = Suggestion.model_validate_json(out)
+    assert (got.micro_batch, got.accumulation_steps, got.micro_batches) == (10, 5, [(10, 5)])
+
+
 def test_suggest_with_no_server_anywhere_is_a_one_line_error() -> None:
     code, out, err = run_suggest(server=None)
     assert code == EXIT_ERROR and out == ""
@@ -227,3 +238,13 @@ def test_profiles_ls_shows_strategy_world_size_and_source(in_process_server: Cal
     assert (code, got.source, got.profile_id, got.strategy) == (EXIT_OK, "measured", fsdp, "fsdp")
     code, out, _ = run_suggest(strategy="fsdp", world_size=4, target_batch=224)
     assert "fsdp, measured, profile" in out
+
+
+def test_profiles_show_puts_the_stores_warnings_first() -> None:
+    from autotune_client._models import StoredProfile
+    from autotune_client.cli import _describe
+
+    stored = StoredProfile(id=7, profile=make_profile(), warnings=["this stored profile contradicts itself"])
+    text = _describe(stored)
+    assert text.splitlines()[1] == "  store warning: this stored profile contradicts itself"
+    assert "store warning" not in _describe(StoredProfile(id=8, profile=make_profile()))

@@ -446,3 +446,15 @@ def test_an_fsdp_job_refuses_an_answer_from_a_server_without_strategies() -> Non
     handler, _ = sequence(json_response(200, old_answer))
     with mock_client(handler) as client, pytest.raises(AutotuneClientError, match="strategy 'ddp', not 'fsdp'"):
         client.suggest(**SUGGEST_ARGS, strategy="fsdp")
+
+
+def test_a_divisor_plan_is_asked_for_and_balanced_is_the_default() -> None:
+    handler, seen = sequence(
+        json_response(200, make_suggestion().model_dump(mode="json")),
+        json_response(200, make_suggestion().model_dump(mode="json")),
+    )
+    with mock_client(handler) as client:
+        client.suggest(**SUGGEST_ARGS, plan="divisor")
+        client.suggest(**SUGGEST_ARGS)
+    assert seen[0].url.params["plan"] == "divisor"
+    assert "plan" not in seen[1].url.params  # the server's default: balanced

@@ -458,3 +458,29 @@ def test_an_unknown_strategy_is_a_one_line_error(fake_probe: FakeProbe) -> None:
     with pytest.raises(AutotuneClientError, match="strategy must be one of ddp, fsdp"):
         suggest(tiny_model(), 8, example=tiny_batch, budget="8MiB", strategy="zero3")
     assert fake_probe.calls == []
+
+
+# -- plan policy ---------------------------------------------------------------------------------
+
+
+def test_a_local_probe_plans_with_the_policy_asked_for(fake_probe: FakeProbe) -> None:
+    # The fake profile measured m_max 20; T = 50: balanced is 17 + 17 + 16, divisor 10 x 5.
+    with pytest.warns(TunerUnavailableWarning):
+        balanced = suggest(tiny_model(), 50, example=tiny_batch, budget="8MiB")
+    with pytest.warns(TunerUnavailableWarning):
+        divisor = suggest(tiny_model(), 50, example=tiny_batch, budget="8MiB", plan="divisor")
+    assert [config.plan_policy for _, config in fake_probe.calls] == ["balanced", "divisor"]
+    assert (balanced.micro_batches, balanced.accumulation_steps) == ([(17, 2), (16, 1)], 3)
+    assert balanced.effective_batch == 50
+    assert (divisor.micro_batches, divisor.accumulation_steps, divisor.effective_batch) == ([(10, 5)], 5, 50)
+
+
+def test_a_plan_policy_reaches_the_server_and_an_unknown_one_is_an_error(
+    no_trials: None, fake_probe: FakeProbe
+) -> None:
+    handler, seen = sequence(json_response(200, make_suggestion().model_dump(mode="json")))
+    with mock_client(handler) as client:
+        suggest(tiny_model(), 128, example=tiny_batch, world_size=2, plan="divisor", client=client)
+    assert seen[0].url.params["plan"] == "divisor"
+    with pytest.raises(AutotuneClientError, match="plan must be one of balanced, divisor"):
+        suggest(tiny_model(), 8, example=tiny_batch, budget="8MiB", plan="round")
