@@ -115,6 +115,7 @@ def run_fleet_command(args: argparse.Namespace) -> int:
             working_dir=args.working_dir,
             max_retries=args.max_retries,
         )
+    progress.close()
     if args.json:
         print(json.dumps([row.as_json() for row in rows], indent=2))
         print(progress.summary(), file=sys.stderr)

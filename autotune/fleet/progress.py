@@ -163,6 +163,13 @@ class Progress:
         self.stream.flush()
         self._drawn_lines = len(lines)
 
+    def close(self) -> None:
+        """Erase the live table, so that the summary printed next takes its place on the terminal."""
+        if self.live and self._drawn_lines:
+            self.stream.write(f"\x1b[{self._drawn_lines}F\x1b[J")
+            self.stream.flush()
+            self._drawn_lines = 0
+
     def _event(self, row: PairState) -> None:
         if self.live:
             return

@@ -127,7 +127,18 @@ def _finish(ray: Any, ref: Any, index: int, progress: Progress, sink: ProfileSin
             index, outcome.error or "no profile", attempt=outcome.attempt, seconds=outcome.seconds, host=outcome.host
         )
         return
-    profile = Profile.model_validate_json(outcome.profile_json)
+    try:
+        profile = Profile.model_validate_json(outcome.profile_json)
+    except ValueError as exc:  # a node with another autotune: its profile is not this driver's Profile
+        progress.failed(
+            index,
+            f"the worker's profile does not validate here (is autotune the same version on every node?): "
+            f"{one_line(exc)}",
+            attempt=outcome.attempt,
+            seconds=outcome.seconds,
+            host=outcome.host,
+        )
+        return
     stored = sink.keep(profile)
     the_plan = profile.plan
     plan_text = (

@@ -174,8 +174,9 @@ def test_the_live_table_is_redrawn_in_place() -> None:
     progress.refresh()
     progress.started(0, 1)
     progress.refresh()
-    first, second = stream.getvalue().split("\x1b[3F\x1b[J")  # up over the headline, the header and the row
-    assert "pending" in first and "running" in second and "\x1b" not in first
+    progress.close()
+    first, second, erased = stream.getvalue().split("\x1b[3F\x1b[J")  # up over the headline, the header and the row
+    assert "pending" in first and "running" in second and "\x1b" not in first + second and erased == ""
 
 
 def test_profiles_go_to_files_and_a_failed_upload_is_kept_for_later(tmp_path: Path) -> None:
