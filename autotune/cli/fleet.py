@@ -2,7 +2,8 @@
 
     autotune fleet examples/gpt.py:task my_job.py:task --accelerators H100,A100 --target-batch 512 \\
         --server http://tuner:8000 --ray-address head-node:6379
-    autotune fleet examples/*.py --device cpu --budget 8MiB,16MiB --server http://127.0.0.1:8765
+    autotune fleet examples/mlp.py:task examples/gpt.py:task --device cpu --budget 8MiB,16MiB \\
+        --server http://127.0.0.1:8765
 
 Ray is imported only when the command runs (``autotune.fleet.runner``), never by the parser.
 """

@@ -20,6 +20,7 @@ from autotune.fleet.pairs import Pair
 from autotune.fleet.progress import PairState, Progress
 from autotune.fleet.sink import ProfileSink
 from autotune.fleet.worker import Board, Outcome, one_line, probe_pair
+from autotune.schemas import Profile
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
@@ -114,13 +115,12 @@ def _warn_unplaceable(ray: Any, pairs: list[Pair], log: TextIO) -> None:
 
 
 def _finish(ray: Any, ref: Any, index: int, progress: Progress, sink: ProfileSink, attempts: dict[int, int]) -> None:
-    from autotune.schemas import Profile
-
     try:
         outcome: Outcome = ray.get(ref)
     except ray.exceptions.RayError as exc:  # the worker died on every attempt, the node is gone, ...
         started = attempts.get(index, 0)
-        progress.failed(index, f"{one_line(exc)} (started {started} times)", attempt=started)
+        tries = f" (started {started} times)" if started > 1 else ""
+        progress.failed(index, one_line(exc) + tries, attempt=started)
         return
     if outcome.error is not None or outcome.profile_json is None:
         progress.failed(
