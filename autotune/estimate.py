@@ -33,6 +33,7 @@ from autotune.schemas import Device, Profile, Trial
 from autotune.search import NoFitError
 from autotune.strategies import make_strategy
 from autotune.task import ProbeTask
+from autotune.trial import frozen_heap
 
 __all__ = ["DEVICE_KINDS", "EstimateConfig", "estimate"]
 
@@ -103,7 +104,7 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
     limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
     strategy = make_strategy(config.strategy, config.world_size)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
-    with strategy.process_group(torch.device(device_type)):
+    with strategy.process_group(torch.device(device_type)), frozen_heap():
         try:
             found = fake_search(
                 task,

@@ -7,7 +7,6 @@ profile.max_micro_batch, profile.plan
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from autotune.schemas import PRECISIONS, STRATEGIES, Fit, Profile, Trial
 from autotune.search import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
 from autotune.strategies import Replicated, Strategy, make_strategy
 from autotune.task import ProbeTask
-from autotune.trial import TrialRunner, measure_weights
+from autotune.trial import TrialRunner, frozen_heap, measure_weights
 
 __all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "ProbeConfig", "probe", "probe_with_meter"]
 
@@ -191,14 +190,9 @@ def probe_with_meter(
     with strategy.process_group(meter.device):
         if isinstance(strategy, Replicated) and config.world_size > 1 and not strategy.measures_buckets:
             warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
-        # Objects alive now (modules, the task, torch's own) are never garbage of a trial: freezing
-        # them makes the collection after every trial walk only what the trial made.
-        # A process that froze its own heap (some servers do) is left as it was.
-        freeze = gc.get_freeze_count() == 0
-        if freeze:
-            gc.freeze()
         try:
-            result, fake = _search(task, meter, config, strategy, limit_bytes, warnings, on_trial)
+            with frozen_heap():
+                result, fake = _search(task, meter, config, strategy, limit_bytes, warnings, on_trial)
         except NoFitError as exc:
             static_bytes = measure_weights(task, meter) if isinstance(strategy, Replicated) else None
             what = (
@@ -214,9 +208,6 @@ def probe_with_meter(
                 f"(limit {limit_bytes} with headroom {config.headroom}): {what}; "
                 f"micro-batch {config.multiple_of} peaked at {exc.trial.peak_bytes} bytes"
             ) from None
-        finally:
-            if freeze:
-                gc.unfreeze()
 
     m_max = result.max_micro_batch
     decrease = peaks_decrease(result.trials)

@@ -11,9 +11,10 @@ the next measurement is as clean as a fresh process's. Any other error stops the
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "TrialRunner",
     "build_model",
     "build_on_meta",
+    "frozen_heap",
     "measure_weights",
     "move_to_device",
     "run_trial",
@@ -263,6 +265,21 @@ def run_trial(
         allocated_bytes=reading.allocated_bytes,
         outside_allocator_bytes=reading.outside_allocator_bytes,
     )
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Objects alive now (modules, the task, torch's own) are never garbage of a trial: freezing them
+    makes the collection after every trial walk only what the trial made. A process that froze its
+    own heap (some servers do) is left as it was."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
 
 
 class TrialRunner:

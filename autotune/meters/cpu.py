@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -82,9 +83,10 @@ class _StorageLedger:
 
 def _plain_tensors(leaf: torch.Tensor) -> Iterator[torch.Tensor]:
     """A tensor subclass that wraps others (FSDP2's DTensor parameters) has no storage of its own:
-    its inner tensors (the local shard) hold the memory."""
-    flatten = getattr(type(leaf), "__tensor_flatten__", None)
-    if flatten is not None and type(leaf) is not torch.Tensor and not _is_fake(leaf):
+    its inner tensors (the local shard) hold the memory. Fake tensors are leaves: their (meta)
+    storage has the size the real one would have."""
+    kind = type(leaf)
+    if kind is not torch.Tensor and kind is not FakeTensor and hasattr(kind, "__tensor_flatten__"):
         names, _ = leaf.__tensor_flatten__()  # type: ignore[attr-defined]
         for name in names:
             inner = getattr(leaf, name)
@@ -94,23 +96,26 @@ def _plain_tensors(leaf: torch.Tensor) -> Iterator[torch.Tensor]:
     yield leaf
 
 
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
+def _storage(leaf: torch.Tensor) -> torch.UntypedStorage | None:
+    if leaf.layout != torch.strided or (leaf.device.type == "meta" and type(leaf) is not FakeTensor):
+        return None
+    try:
+        return leaf.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. functional wrappers)
+        return None
 
 
 def _storages(obj: Any) -> Iterator[torch.UntypedStorage]:
-    for top in tree_flatten(obj)[0]:
+    # Most ops return one plain tensor: skip the tree walk for them (the fake meter's trial is
+    # nothing but this bookkeeping and the dispatch).
+    tops = (obj,) if type(obj) is torch.Tensor or type(obj) is FakeTensor else tree_flatten(obj)[0]
+    for top in tops:
         if not isinstance(top, torch.Tensor):
             continue
         for leaf in _plain_tensors(top):
-            if leaf.layout != torch.strided or (leaf.device.type == "meta" and not _is_fake(leaf)):
-                continue
-            try:
-                yield leaf.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. functional wrappers)
-                continue
+            storage = _storage(leaf)
+            if storage is not None:
+                yield storage
 
 
 class _LiveStorageMode(TorchDispatchMode):
