@@ -6,9 +6,9 @@ without them it measures locally and says so.
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from autotune.accumulate import Accumulator
+from autotune.accumulate import Accumulator, PlanBatchSampler
 from autotune_client import suggest
 
 TARGET_BATCH = 256  # samples per optimizer update, as the recipe says
@@ -32,13 +32,14 @@ model = Net()
 inputs = torch.randn(4096, 128)
 dataset = TensorDataset(inputs, inputs[:, :8] * 2.0 - inputs[:, 8:16])  # a learnable target
 
-# Before the DataLoader: the largest micro-batch that fits and the accumulation steps that keep
-# TARGET_BATCH. The budget is only needed on a CPU; on a GPU the card's memory is the budget.
+# Before the DataLoader: the micro-batches that fit and keep TARGET_BATCH in the fewest steps.
+# The budget is only needed on a CPU; on a GPU the card's memory is the budget.
 plan = suggest(model, TARGET_BATCH, example=dataset[:1], optimizer=make_optimizer, budget="1.5MiB")
 print(f"plan: {plan.micro_batch} x {plan.accumulation_steps} x {plan.world_size} = {plan.effective_batch} "
-      f"({plan.source}, profile {plan.profile_id})")
+      f"({plan.source}, profile {plan.profile_id}); micro-batches (size, count): {plan.micro_batches}")
 
-loader = DataLoader(dataset, batch_size=plan.micro_batch, shuffle=True)
+# A balanced plan's micro-batches may differ by one sample (6 x 26 + 4 x 25 = 256): the sampler yields them.
+loader = DataLoader(dataset, batch_sampler=PlanBatchSampler(RandomSampler(dataset), plan))
 optimizer = make_optimizer(model.parameters())
 acc = Accumulator(model, optimizer, accumulation_steps=plan.accumulation_steps, max_grad_norm=1.0)
 
