@@ -3,8 +3,9 @@
     from autotune_client import suggest
 
     s = suggest(model, target_batch=512, example=lambda m: make_batch(m))
-    loader = DataLoader(dataset, batch_size=s.micro_batch)
-    # ... accumulate s.accumulation_steps micro-batches per optimizer step
+    loader = DataLoader(dataset, batch_sampler=PlanBatchSampler(RandomSampler(dataset), s))
+    # ... accumulate s.accumulation_steps micro-batches (s.micro_batches: sizes within one of each
+    # other, autotune.accumulate.PlanBatchSampler yields them) per optimizer step
 
 The model's fingerprint is asked of the server; on a miss the setup is probed here, on this job's own
 device, the profile is uploaded, and the next job with the same setup gets it from the store.
