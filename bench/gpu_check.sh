@@ -16,6 +16,10 @@ echo "== examples: probe, 50 training steps at the chosen m, m+1"
 timeout -k 5 60 "$PY" bench/gpu_train_check.py || status=1
 echo "== CLI datasheet on cuda"
 timeout -k 5 25 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 512 || status=1
+echo "== fsdp: the GPT example as rank 0 of 8 (fake process group on the cuda device)"
+timeout -k 5 25 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --strategy fsdp --world-size 8 --target-batch 512 || status=1
+echo "== estimate with CUDA semantics (fake trials only), beside the probe above"
+timeout -k 5 20 "$PY" -m autotune.cli estimate examples/gpt.py:task --device-kind cuda --budget 2GiB --target-batch 512 || status=1
 echo "== --device all (one spawned process per GPU)"
 timeout -k 5 25 "$PY" -m autotune.cli probe examples/cnn.py:task --device all --budget 2GiB --target-batch 256 || status=1
 echo "== peer benchmark on cuda: autotune, Lightning BatchSizeFinder, Accelerate (bench/peers.py)"
