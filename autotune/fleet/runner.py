@@ -20,6 +20,7 @@ from autotune.fleet.pairs import Pair
 from autotune.fleet.progress import PairState, Progress
 from autotune.fleet.sink import ProfileSink
 from autotune.fleet.worker import Board, Outcome, one_line, probe_pair
+from autotune.plan import micro_batches_text
 from autotune.schemas import Profile
 
 __all__ = [
@@ -140,21 +141,21 @@ def _finish(ray: Any, ref: Any, index: int, progress: Progress, sink: ProfileSin
         )
         return
     stored = sink.keep(profile)
-    the_plan = profile.plan
-    plan_text = (
-        f"{the_plan.micro_batch} x {the_plan.accumulation_steps} x {the_plan.world_size} = {the_plan.effective_batch}"
-        if the_plan is not None
-        else None
-    )
     progress.done(
         index,
         attempt=outcome.attempt,
         max_micro_batch=profile.max_micro_batch,
-        plan=plan_text,
+        plan=_plan_text(profile),
         stored=stored,
         seconds=outcome.seconds,
         host=outcome.host,
     )
+
+
+def _plan_text(profile: Profile) -> str | None:
+    """One update's micro-batches, count×size: ``16×16 = 256 (16 steps)``, ``6×26 + 4×25 = 256 (10 steps)``."""
+    the_plan = profile.plan
+    return None if the_plan is None else micro_batches_text(the_plan.micro_batches, the_plan.world_size)
 
 
 def _cancel(ray: Any, refs: dict[Any, int], progress: Progress) -> int:

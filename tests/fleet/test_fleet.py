@@ -43,6 +43,7 @@ def test_three_examples_at_two_budgets_store_six_profiles(ray_cluster: RayCluste
     assert [(row["task"], row["budget_bytes"], row["state"]) for row in rows] == [
         (spec, budget * MiB, "done") for spec in EXAMPLES for budget in (8, 16)
     ]
+    assert all(" = 256 (" in str(row["plan"]) for row in rows), _explain(done)  # --target-batch 256, planned
     ids = {row["profile_id"] for row in rows}
     stored = {item["id"]: item for item in stored_profiles(fleet_server)}
     assert len(ids) == 6 and ids <= set(stored), _explain(done)

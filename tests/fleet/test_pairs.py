@@ -145,7 +145,7 @@ def test_progress_logs_each_change_and_ends_with_the_summary_table() -> None:
     progress.started(0, 1)
     progress.started(0, 1)  # the board repeats itself every poll: one line per change only
     progress.started(0, 2)  # the worker died and Ray started it again
-    progress.done(0, attempt=2, max_micro_batch=26, plan="16 x 16 x 1 = 256", stored=Stored(7, None, None),
+    progress.done(0, attempt=2, max_micro_batch=26, plan="16×16 = 256 (16 steps)", stored=Stored(7, None, None),
                   seconds=1.5, host="node-a")  # fmt: skip
     progress.started(1, 1)
     progress.failed(1, "TrialError: trial at micro-batch 1 failed: ValueError: bad", attempt=1, seconds=0.5)
