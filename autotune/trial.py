@@ -141,7 +141,10 @@ def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = No
             with torch.device(meter.device):
                 model = task.model()
             _require_module(task, model)
-            model = model.to(meter.device)
+            # Only what the factory put elsewhere moves (a fake model is on the device already, and
+            # _apply cannot swap fake parameters for themselves).
+            if any(t.device != meter.device for t in (*model.parameters(), *model.buffers())):
+                model = model.to(meter.device)
         else:
             model = meta_model.to_empty(device=meter.device)
             _initialise(model)
