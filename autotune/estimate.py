@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 import autotune
+from autotune.consistency import check_profile
 from autotune.errors import AutotuneError, BudgetError
 from autotune.fingerprint import task_fingerprint
-from autotune.plan import plan
+from autotune.plan import nonnegative_fit, plan
 from autotune.presearch import fake_search
 from autotune.probe import ProbeConfig
 from autotune.schemas import Device, Profile, Trial
@@ -147,7 +148,7 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
         total_bytes=config.budget_bytes,
         torch_version=torch.__version__,
     )
-    return Profile(
+    profile = Profile(
         fingerprint=task_fingerprint(task, strategy=config.strategy, world_size=config.world_size),
         task=task.name,
         device=device,
@@ -164,7 +165,7 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
         source="estimate",
         plan=the_plan,
         trials=found.trials,
-        fit=found.fit,
+        fit=nonnegative_fit(found.fit),
         trial_count=len(found.trials),
         oom_count=sum(1 for t in found.trials if t.oom),
         seconds=round(time.perf_counter() - started, 3),
@@ -172,3 +173,6 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
         torch_version=torch.__version__,
         autotune_version=autotune.__version__,
     )
+    # A profile the store would refuse is a bug here, not something to write or upload.
+    check_profile(profile)
+    return profile

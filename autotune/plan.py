@@ -36,6 +36,7 @@ __all__ = [
     "UnevenPlanWarning",
     "fit_affine",
     "micro_batch_for_limit",
+    "nonnegative_fit",
     "micro_batches_text",
     "plan",
 ]
@@ -271,6 +272,14 @@ def fit_affine(points: Sequence[tuple[int, int]]) -> Fit | None:
     cov = sum((m - mean_m) * (p - mean_p) for m, p in points)
     slope = max(0.0, cov / var)
     return Fit(fixed_bytes=mean_p - slope * mean_m, bytes_per_sample=slope)
+
+
+def nonnegative_fit(fit: Fit | None) -> Fit | None:
+    """The fit as a profile keeps it: memory at m = 0 is the weights, never negative; a least-squares
+    line through convex points can cross below 0, and would then predict too little at small m."""
+    if fit is None or fit.fixed_bytes >= 0:
+        return fit
+    return Fit(fixed_bytes=0.0, bytes_per_sample=fit.bytes_per_sample)
 
 
 def micro_batch_for_limit(fit: Fit, limit_bytes: float, cap: int | None = None) -> int:

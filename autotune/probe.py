@@ -19,7 +19,7 @@ from autotune.consistency import check_profile
 from autotune.errors import AutotuneError, BudgetError, DeviceError
 from autotune.fingerprint import task_fingerprint
 from autotune.meters import Meter, make_meter, resolve_device
-from autotune.plan import MAX_TARGET_BATCH, PLAN_POLICIES, plan
+from autotune.plan import MAX_TARGET_BATCH, PLAN_POLICIES, nonnegative_fit, plan
 from autotune.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.schemas import PRECISIONS, STRATEGIES, Fit, Profile, Trial
 from autotune.search import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
@@ -263,7 +263,7 @@ def probe_with_meter(
         non_monotone=decrease is not None,
         plan=the_plan,
         trials=[*fake_trials, *result.trials],
-        fit=_guide(fake, result) if fake is not None else result.fit,
+        fit=nonnegative_fit(_guide(fake, result) if fake is not None else result.fit),
         trial_count=len(result.trials),
         oom_count=result.oom_count,
         seconds=round(time.perf_counter() - started, 3),
