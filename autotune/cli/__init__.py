@@ -1,6 +1,6 @@
-"""`autotune probe | verify | serve | db | suggest | profiles`.
+"""`autotune probe | verify | estimate | fleet | serve | db | suggest | profiles`.
 
-One module per command group (probe, service, store) adds its sub-parsers and runs them; this
+One module per command group (probe, estimate, fleet, service, store) adds its sub-parsers and runs them; this
 module holds only ``main``. Every failure a user can cause ends in one line on stderr and a
 non-zero exit, never a traceback (AUTOTUNE_DEBUG=1 shows it). Torch, the server and the client are
 imported only by the commands that need them, so `autotune serve` runs in the service image
