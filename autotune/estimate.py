@@ -125,6 +125,9 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
                 f"{exc.trial.peak_bytes} bytes"
             ) from None
     warnings.extend(found.warnings)
+    if config.strategy == "ddp" and config.world_size > 1:
+        # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors.
+        warnings.append("the estimate leaves out DDP's gradient buckets (about the size of the gradients)")
     m_max = found.max_micro_batch
     the_plan = None
     if config.target_batch:
