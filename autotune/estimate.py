@@ -27,9 +27,9 @@ import autotune
 from autotune.consistency import check_profile
 from autotune.errors import AutotuneError, BudgetError
 from autotune.fingerprint import task_fingerprint
-from autotune.plan import nonnegative_fit, plan
+from autotune.plan import nonnegative_fit
 from autotune.presearch import fake_search
-from autotune.probe import ProbeConfig
+from autotune.probe import ProbeConfig, plan_for
 from autotune.schemas import Device, Profile, Trial
 from autotune.search import NoFitError
 from autotune.strategies import make_strategy
@@ -129,22 +129,7 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
         # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors.
         warnings.append("the estimate leaves out DDP's gradient buckets (about the size of the gradients)")
     m_max = found.max_micro_batch
-    the_plan = None
-    if config.target_batch:
-        try:
-            the_plan = plan(
-                m_max,
-                config.target_batch,
-                config.world_size,
-                multiple_of=config.multiple_of,
-                policy=config.plan_policy,  # type: ignore[arg-type]
-            )
-        except ValueError as exc:
-            warnings.append(f"no plan: {exc}")
-    if the_plan is not None and not the_plan.exact:
-        warnings.append(the_plan.note)
-    if m_max >= config.max_micro_batch:
-        warnings.append(f"micro-batch reached the cap {config.max_micro_batch}: more may fit")
+    the_plan = plan_for(m_max, config.as_probe_config(), warnings)
     device = Device(
         kind=config.device_kind,  # type: ignore[arg-type]
         name=device_name,

@@ -21,13 +21,13 @@ from autotune.fingerprint import task_fingerprint
 from autotune.meters import Meter, make_meter, resolve_device
 from autotune.plan import MAX_TARGET_BATCH, PLAN_POLICIES, nonnegative_fit, plan
 from autotune.presearch import FakeSearch, fake_search, presearch_failed
-from autotune.schemas import PRECISIONS, STRATEGIES, Fit, Profile, Trial
+from autotune.schemas import PRECISIONS, STRATEGIES, Fit, Plan, Profile, Trial
 from autotune.search import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
 from autotune.strategies import Replicated, Strategy, make_strategy
 from autotune.task import ProbeTask
 from autotune.trial import TrialRunner, frozen_heap, measure_weights
 
-__all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "ProbeConfig", "probe", "probe_with_meter"]
+__all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "ProbeConfig", "plan_for", "probe", "probe_with_meter"]
 
 # Below this many samples per micro-batch, BatchNorm's batch statistics get noisy enough to change
 # training; accumulation does not help them because BatchNorm never sees the whole group.
@@ -96,6 +96,28 @@ def _has_batchnorm(task: ProbeTask) -> bool:
     except Exception:
         model = task.model()
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def plan_for(m_max: int, config: ProbeConfig, warnings: list[str]) -> Plan | None:
+    """The plan of config's target batch at m_max (None without a target), appending to warnings
+    what a datasheet must say: no plan reaches the target, the plan is not exact, m_max is the cap."""
+    the_plan = None
+    if config.target_batch:
+        try:
+            the_plan = plan(
+                m_max,
+                config.target_batch,
+                config.world_size,
+                multiple_of=config.multiple_of,
+                policy=config.plan_policy,  # type: ignore[arg-type]
+            )
+        except ValueError as exc:  # the measurement stands even where no plan reaches the target
+            warnings.append(f"no plan: {exc}")
+    if the_plan is not None and not the_plan.exact:
+        warnings.append(the_plan.note)
+    if m_max >= config.max_micro_batch:
+        warnings.append(f"micro-batch reached the cap {config.max_micro_batch}: more may fit")
+    return the_plan
 
 
 def _guide(fake: FakeSearch, real: SearchResult) -> Fit | None:
@@ -222,22 +244,7 @@ def probe_with_meter(
         warnings.append(
             f"the fake pre-search predicted max micro-batch {fake.max_micro_batch}; the real trials found {m_max}"
         )
-    the_plan = None
-    if config.target_batch:
-        try:
-            the_plan = plan(
-                m_max,
-                config.target_batch,
-                config.world_size,
-                multiple_of=config.multiple_of,
-                policy=config.plan_policy,  # type: ignore[arg-type]
-            )
-        except ValueError as exc:  # the measurement stands even where no plan reaches the target
-            warnings.append(f"no plan: {exc}")
-    if the_plan is not None and not the_plan.exact:
-        warnings.append(the_plan.note)
-    if m_max >= config.max_micro_batch:
-        warnings.append(f"micro-batch reached the cap {config.max_micro_batch}: more may fit")
+    the_plan = plan_for(m_max, config, warnings)
     chosen = the_plan.micro_batch if the_plan else m_max
     if chosen < BATCHNORM_SMALL_MICRO_BATCH and _has_batchnorm(task):
         warnings.append(
