@@ -86,6 +86,9 @@ class Trial(_Model):
     # CUDA only: max_memory_allocated beside the reserved figure, and memory outside the allocator.
     allocated_bytes: NonNegBytes | None = None
     outside_allocator_bytes: NonNegBytes | None = None
+    # The optimizer step's peak (weights, gradients, optimizer state and the step's temporaries, no
+    # activations): flat in m, so one trial anywhere gives the floor of every smaller m's peak.
+    step_bytes: NonNegBytes | None = None
     # A fake-tensor trial (shapes and dtypes, no storage): a pre-search point or an estimate, never
     # a measurement on the device.
     fake: bool = False
@@ -192,15 +195,24 @@ class Profile(_Model):
         fake = self.source == "estimate"
         return [t for t in self.trials if t.fake == fake]
 
+    @property
+    def step_floor_bytes(self) -> int | None:
+        """The optimizer step's share of the peak, flat in m: the step phase a deciding trial
+        measured where one did; for profiles from before the step was recorded, the whole peak of
+        the smallest measured trial (an upper bound of it)."""
+        measured = [t for t in self.deciding_trials if not t.oom]
+        steps = [t.step_bytes for t in measured if t.step_bytes is not None]
+        if steps:
+            return max(steps)
+        return min(measured, key=lambda t: t.micro_batch).peak_bytes if measured else None
+
     def predicted_peak(self, micro_batch: int) -> float | None:
         """The whole-trial peak the fit predicts at micro_batch: the line, but never below the
-        smallest measured trial's peak (the optimizer step's share, flat in m)."""
+        optimizer step's share (flat in m)."""
         if self.fit is None:
             return None
         line = self.fit.fixed_bytes + self.fit.bytes_per_sample * micro_batch
-        measured = [t for t in self.deciding_trials if not t.oom]
-        floor = min(measured, key=lambda t: t.micro_batch).peak_bytes if measured else 0
-        return max(line, float(floor))
+        return max(line, float(self.step_floor_bytes or 0))
 
     def peak_at(self, micro_batch: int) -> int | None:
         """The measured peak at micro_batch, if a fitting trial measured it."""

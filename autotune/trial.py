@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from autotune.errors import TaskError, TrialError
-from autotune.meters import FORWARD_BACKWARD, Meter
+from autotune.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.oom import is_oom
 from autotune.schemas import Trial
 from autotune.strategies import Replicated, Strategy
@@ -189,7 +189,7 @@ def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, 
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        meter.checkpoint("step")
+        meter.checkpoint(STEP)
 
 
 def _fresh_cycle(
@@ -265,6 +265,7 @@ def run_trial(
         oom=oom,
         seconds=round(seconds, 6),
         forward_backward_bytes=None if oom else reading.forward_backward_bytes,
+        step_bytes=None if oom else reading.step_bytes,
         allocated_bytes=reading.allocated_bytes,
         outside_allocator_bytes=reading.outside_allocator_bytes,
     )

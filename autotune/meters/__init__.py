@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from autotune.errors import DeviceError
-from autotune.meters.base import FORWARD_BACKWARD, MemoryReading, Meter
+from autotune.meters.base import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.meters.cpu import CpuMeter, CpuOutOfMemoryError
 from autotune.meters.cuda import CudaMeter
 from autotune.schemas import Device
 
 __all__ = [
     "FORWARD_BACKWARD",
+    "STEP",
     "CpuMeter",
     "CpuOutOfMemoryError",
     "CudaMeter",

@@ -19,18 +19,20 @@ import torch
 
 from autotune.schemas import Device
 
-__all__ = ["FORWARD_BACKWARD", "MemoryReading", "Meter"]
+__all__ = ["FORWARD_BACKWARD", "STEP", "MemoryReading", "Meter"]
 
 
 @dataclass(frozen=True)
 class MemoryReading:
     peak_bytes: int
     forward_backward_bytes: int | None = None
+    step_bytes: int | None = None
     allocated_bytes: int | None = None
     outside_allocator_bytes: int | None = None
 
 
 FORWARD_BACKWARD = "forward_backward"
+STEP = "step"
 
 
 class Meter(ABC):
@@ -91,6 +93,7 @@ class Meter(ABC):
             self._last = MemoryReading(
                 peak_bytes=max(self._phases.values()),
                 forward_backward_bytes=self._phases.get(FORWARD_BACKWARD),
+                step_bytes=self._phases.get(STEP),
                 allocated_bytes=self._allocated or None,
                 outside_allocator_bytes=self._outside(),
             )

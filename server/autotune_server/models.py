@@ -137,6 +137,7 @@ class TrialRow(Base):
     oom: Mapped[bool] = mapped_column(Boolean)
     seconds: Mapped[float] = mapped_column(Float)
     forward_backward_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    step_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     allocated_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     outside_allocator_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # A fake-tensor trial (a pre-search point, or an estimate's figure), not a measurement.

@@ -99,6 +99,7 @@ def _profile_row(profile: Profile, digest: str, uploader: str | None) -> Profile
             oom=t.oom,
             seconds=t.seconds,
             forward_backward_bytes=t.forward_backward_bytes,
+            step_bytes=t.step_bytes,
             allocated_bytes=t.allocated_bytes,
             outside_allocator_bytes=t.outside_allocator_bytes,
             fake=t.fake,
@@ -327,9 +328,10 @@ class Candidate:
     # ones of a measurement, the fake ones of an estimate); empty for profiles of other devices.
     trials: tuple[tuple[int, int, bool, bool], ...] = ()
     oom_at: int | None = None
-    # The whole-trial peak of the smallest measured (non-OOM) deciding micro-batch: weights,
-    # gradients and optimizer state with the least activations, an upper bound of the optimizer
-    # step's phase. ``fit`` is of the forward/backward peaks only and does not see that phase.
+    # The floor of every predicted peak: the optimizer step's phase (weights, gradients, optimizer
+    # state and the step's temporaries, flat in m) as the deciding trials recorded it; for profiles
+    # from before it was recorded, the whole peak of the smallest measured deciding micro-batch, an
+    # upper bound of it. ``fit`` is of the forward/backward peaks only and does not see that phase.
     smallest_peak: int | None = None
 
     @property
@@ -476,7 +478,8 @@ def lookup(
     if newest:
         estimates = {int(row.id) for row in newest if row.source == "estimate"}
         trials: dict[int, list[tuple[int, int, bool, bool]]] = {int(row.id): [] for row in newest}
-        for pid, m, peak, fits, oom, fake in conn.execute(
+        steps: dict[int, list[int]] = {int(row.id): [] for row in newest}
+        for pid, m, peak, fits, oom, fake, step in conn.execute(
             select(
                 TrialRow.profile_id,
                 TrialRow.micro_batch,
@@ -484,12 +487,15 @@ def lookup(
                 TrialRow.fits,
                 TrialRow.oom,
                 TrialRow.fake,
+                TrialRow.step_bytes,
             )
             .where(TrialRow.profile_id.in_(list(trials)))
             .order_by(TrialRow.profile_id, TrialRow.position)
         ):
             if bool(fake) == (int(pid) in estimates):
                 trials[int(pid)].append((int(m), int(peak), bool(fits), bool(oom)))
+                if step is not None and not oom:
+                    steps[int(pid)].append(int(step))
         for row in newest:
             deciding = tuple(trials[int(row.id)])
             here.append(
@@ -497,7 +503,7 @@ def lookup(
                     row,
                     trials=deciding,
                     oom_at=None if row.oom_at is None else int(row.oom_at),
-                    smallest_peak=_smallest_peak(deciding),
+                    smallest_peak=max(steps[int(row.id)]) if steps[int(row.id)] else _smallest_peak(deciding),
                 )
             )
     # The whole peak of each profile's smallest measured deciding micro-batch (larger on a tie).
@@ -509,8 +515,20 @@ def lookup(
         .correlate(ProfileRow)
         .scalar_subquery()
     )
+    # The optimizer step's peak where the trials recorded it (flat in m; exact at any m).
+    step_floor = (
+        select(func.max(TrialRow.step_bytes))
+        .where(
+            TrialRow.profile_id == ProfileRow.id,
+            TrialRow.oom.is_(False),
+            TrialRow.step_bytes.is_not(None),
+            deciding_trial(),
+        )
+        .correlate(ProfileRow)
+        .scalar_subquery()
+    )
     others = conn.execute(
-        select(*_COLUMNS, smallest_peak.label("smallest_peak"))
+        select(*_COLUMNS, func.coalesce(step_floor, smallest_peak).label("smallest_peak"))
         .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name != device_name, *excluded)
         .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
         .limit(elsewhere_limit)

@@ -70,3 +70,28 @@ def test_suggest_passes_the_strategy_and_refuses_an_unknown_one(monkeypatch: pyt
     assert seen["strategy"] == "ddp"
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--strategy", "zero3"])
+
+
+def test_the_step_phase_recorded_by_a_real_trial_is_the_floor_of_predictions() -> None:
+    from autotune.schemas import Fit, Profile
+
+    gib = 2**30
+    profile = Profile.model_validate(
+        {
+            "fingerprint": "ab" * 16,
+            "task": "t",
+            "device": {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3"},
+            "budget_bytes": 80 * gib,
+            "headroom": 0.0,
+            "max_micro_batch": 24,
+            "fit": Fit(fixed_bytes=gib, bytes_per_sample=gib).model_dump(),
+            "trials": [
+                {"micro_batch": 1, "peak_bytes": 2 * gib, "fits": True, "fake": True},
+                {"micro_batch": 24, "peak_bytes": 25 * gib, "fits": True, "step_bytes": 20 * gib},
+                {"micro_batch": 25, "peak_bytes": 81 * gib, "fits": False, "oom": True},
+            ],
+        }
+    )
+    assert profile.step_floor_bytes == 20 * gib
+    assert profile.predicted_peak(3) == 20 * gib  # the step phase, not the line's 4 GiB
+    assert profile.predicted_peak(22) == 23 * gib  # the line above it

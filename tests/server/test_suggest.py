@@ -653,3 +653,28 @@ def test_an_estimates_fake_trials_are_its_deciding_trials(client: TestClient) ->
     assert error["code"] == "budget_too_small" and str(20 * 2**30) in str(error["message"])
     got = _suggest(client, target_batch=64, budget_bytes=21 * 2**30, headroom=0.0)
     assert (got.source, got.max_micro_batch) == ("estimated", 20)
+
+
+def _presearch_payload() -> dict[str, object]:
+    """A probe's profile after a fake pre-search: fake trials at small m, real ones at m_max = 24
+    and 25 only, each real trial recording its optimizer step's peak (flat in m: 20 GiB)."""
+    payload = _step_dominated_payload()
+    gib = 2**30
+    payload["trials"] = [
+        {"micro_batch": 1, "peak_bytes": 20 * gib, "fits": True, "forward_backward_bytes": 2 * gib, "fake": True},
+        {"micro_batch": 2, "peak_bytes": 20 * gib, "fits": True, "forward_backward_bytes": 3 * gib, "fake": True},
+        {"micro_batch": 24, "peak_bytes": 25 * gib, "fits": True, "forward_backward_bytes": 25 * gib,
+         "step_bytes": 20 * gib},
+        {"micro_batch": 25, "peak_bytes": 80 * gib, "fits": False, "oom": True},
+    ]  # fmt: skip
+    return payload
+
+
+def test_a_prediction_from_a_presearch_profile_floors_at_the_recorded_step_not_at_m_max(client: TestClient) -> None:
+    # Without step_bytes the smallest real trial is m_max's 25 GiB, and a 21 GiB card would be
+    # refused as too small for the weights; the recorded step phase (20 GiB) says it is not.
+    _upload_payload(client, _presearch_payload())
+    got = _suggest(client, target_batch=64, budget_bytes=21 * 2**30, headroom=0.0)
+    assert (got.source, got.max_micro_batch) == ("predicted", 20)
+    error = _suggest_error(client, target_batch=64, budget_bytes=19 * 2**30, headroom=0.0)
+    assert error["code"] == "budget_too_small" and str(20 * 2**30) in str(error["message"])

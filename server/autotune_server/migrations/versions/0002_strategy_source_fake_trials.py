@@ -1,4 +1,5 @@
-"""Profiles gain strategy (ddp|fsdp), source (measured|estimate) and non_monotone; trials gain fake.
+"""Profiles gain strategy (ddp|fsdp), source (measured|estimate) and non_monotone; trials gain fake
+and step_bytes (the optimizer step's peak, flat in m: the floor of a prediction's peak).
 
 Every row stored before this revision was a DDP measurement with real trials, which is what the
 server defaults give existing rows. /suggest's index gains strategy and source: it looks up the
@@ -33,6 +34,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("non_monotone", sa.Boolean(), server_default=sa.false(), nullable=False))
     with op.batch_alter_table("trials") as batch:
         batch.add_column(sa.Column("fake", sa.Boolean(), server_default=sa.false(), nullable=False))
+        batch.add_column(sa.Column("step_bytes", sa.BigInteger(), nullable=True))
     op.drop_index(_OLD_INDEX, table_name="profiles")
     op.create_index(
         _NEW_INDEX, "profiles", ["fingerprint", "device_name", "strategy", "source", "created_at"]
@@ -44,6 +46,7 @@ def downgrade() -> None:
     op.drop_index(_NEW_INDEX, table_name="profiles")
     op.create_index(_OLD_INDEX, "profiles", ["fingerprint", "device_name", "created_at"])
     with op.batch_alter_table("trials") as batch:
+        batch.drop_column("step_bytes")
         batch.drop_column("fake")
     with op.batch_alter_table("profiles") as batch:
         batch.drop_column("non_monotone")
