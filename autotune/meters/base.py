@@ -51,6 +51,7 @@ class Meter(ABC):
         self._allocated = 0
         self._last = MemoryReading(0)
         self._tracking_now = False
+        self._phase_allocated: dict[str, int] = {}
 
     @abstractmethod
     def describe(self) -> Device:
@@ -78,25 +79,36 @@ class Meter(ABC):
         self._phases[phase] = max(self._phases.get(phase, 0), peak)
         if allocated is not None:
             self._allocated = max(self._allocated, allocated)
+            self._phase_allocated[phase] = max(self._phase_allocated.get(phase, 0), allocated)
 
     @contextmanager
     def measure(self) -> Iterator[None]:
         """Reset the peak, enforce the budget for the span, record the peak at exit."""
         self.release()
-        self._phases, self._allocated = {}, 0
+        self._phases, self._allocated, self._phase_allocated = {}, 0, {}
         self._take_peak()
         try:
             with self._tracked():
                 yield
         finally:
             self.checkpoint("tail")
+            outside = self._outside()
             self._last = MemoryReading(
                 peak_bytes=max(self._phases.values()),
                 forward_backward_bytes=self._phases.get(FORWARD_BACKWARD),
-                step_bytes=self._phases.get(STEP),
+                step_bytes=self._step_bytes(outside),
                 allocated_bytes=self._allocated or None,
-                outside_allocator_bytes=self._outside(),
+                outside_allocator_bytes=outside,
             )
+
+    def _step_bytes(self, outside: int | None) -> int | None:
+        """What the optimizer step needs. A caching allocator keeps the segments the activations
+        used reserved through the step, so there it is the step's allocated peak plus what lives
+        outside the allocator, not its reserved figure."""
+        allocated = self._phase_allocated.get(STEP)
+        if allocated is not None:
+            return allocated + (outside or 0)
+        return self._phases.get(STEP)
 
     @contextmanager
     def _tracked(self) -> Iterator[None]:
