@@ -127,6 +127,7 @@ def find_max_micro_batch(
     multiple_of: int = 1,
     hint: int | None = None,
     guide: Fit | None = None,
+    cautious: bool = True,
 ) -> SearchResult:
     """The exact largest m (a multiple of multiple_of, at most max_micro_batch) whose trial fits.
 
@@ -141,6 +142,8 @@ def find_max_micro_batch(
         hint: a predicted m_max (the fake pre-search's): the first trials go there and one step past
             it, and the search starts from what they show.
         guide: the pre-search's line; its slope predicts the boundary from the real trials.
+        cautious: approach a far first prediction from below (an overshoot costs an OOM); fake
+            trials cannot run out of memory for real and go straight to it.
 
     Returns:
         SearchResult with m_max, every trial in order, and the least-squares fit of the measurements.
@@ -202,7 +205,7 @@ def find_max_micro_batch(
             predicted += 1
             measured_at_last_prediction = measured_now
             guess //= multiple_of
-            if hi > top and guess > FAR_EXTRAPOLATION * lo:
+            if cautious and hi > top and guess > FAR_EXTRAPOLATION * lo:
                 # Peak memory is a maximum of affine phases, so convex in m: a chord from small m
                 # underestimates the slope further out and overshoots. Land short of the line
                 # first; the point it measures near the boundary makes the next line close to exact.
