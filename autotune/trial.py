@@ -2,8 +2,8 @@
 
 The model (built once per probe, see TrialRunner) and a fresh optimizer, 2 micro-batches
 forward+backward accumulating, optimizer step, zero_grad(set_to_none=True), 2 more micro-batches,
-a second step. Each micro-batch is made just
-before its forward and dropped after its backward. The peak over all of it is the figure.
+a second step. Each micro-batch is made just before its forward and dropped after its backward.
+The peak over all of it is the figure.
 
 An OOM is a result: everything the trial held is released before this function returns, and
 the next measurement is as clean as a fresh process's. Any other error stops the probe.
@@ -105,7 +105,10 @@ def _initialise(model: nn.Module) -> None:
         for module in model.modules():
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
-                reset()
+                try:
+                    reset()
+                except TypeError:  # a reset_parameters of the model's own that wants arguments
+                    continue
 
 
 def build_on_meta(task: ProbeTask, warnings: list[str] | None = None) -> nn.Module | None:
