@@ -7,7 +7,16 @@ from typing import Any
 
 from autotune.units import parse_bytes
 
-__all__ = ["EXIT_FAILED", "EXIT_USAGE", "CliError", "Parser", "headroom", "positive_int", "size"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "CliError",
+    "Parser",
+    "headroom",
+    "non_negative_int",
+    "positive_int",
+    "size",
+]
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -17,14 +26,22 @@ class CliError(Exception):
     """A user mistake caught by the CLI itself (bad flag values)."""
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str, lowest: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    return _integer(text, 0, "zero or more")
 
 
 def size(text: str) -> int:

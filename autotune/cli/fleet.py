@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import EXIT_FAILED, CliError, size
+from autotune.cli.common import EXIT_FAILED, CliError, non_negative_int, size
 from autotune.cli.probe import add_probe_options, config_from_args
 
-__all__ = ["add_parsers", "budget_list", "non_negative_int", "run_fleet_command"]
+__all__ = ["add_parsers", "budget_list", "run_fleet_command"]
 
 
 def budget_list(text: str) -> list[int]:
@@ -29,16 +29,6 @@ def budget_list(text: str) -> list[int]:
     if not all(parts):
         raise argparse.ArgumentTypeError(f"{text!r}: empty budget in the list (use 8MiB,16MiB)")
     return [size(part) for part in parts]
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be zero or more")
-    return value
 
 
 def add_parsers(sub: Any) -> None:
