@@ -10,8 +10,8 @@ A fake trial costs the Python dispatch of the trial's ops whatever m: FakeTensor
 is about 0.19 ms an op here, 1.0-1.4 s a trial for small transformers models (bench/peers.py
 --suite m50), about what a real trial of those models costs at m = 50; for a ~100M-parameter model a
 fake trial takes 3-4 s against 70 s for a real one at m = 8. The pre-search runs the exact search
-on fake trials, reusing one fake model, and goes straight to its predictions (a fake trial cannot
-run out of memory for real, so there is nothing to approach carefully).
+on fake trials, reusing one fake model, and approaches a far prediction from below only when it is
+very far (a fake OOM costs nothing on the device, but it measures nothing either).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from autotune.errors import AutotuneError
 from autotune.meters.fake import FakeMeter
 from autotune.schemas import Fit, Trial
-from autotune.search import SearchResult, find_max_micro_batch
+from autotune.search import FAKE_FAR_EXTRAPOLATION, SearchResult, find_max_micro_batch
 from autotune.strategies import Replicated, Strategy
 from autotune.task import ProbeTask
 from autotune.trial import TrialRunner
@@ -73,7 +73,11 @@ def fake_search(
 
     try:
         result: SearchResult = find_max_micro_batch(
-            trial, limit_bytes=limit_bytes, max_micro_batch=max_micro_batch, multiple_of=multiple_of, cautious=False
+            trial,
+            limit_bytes=limit_bytes,
+            max_micro_batch=max_micro_batch,
+            multiple_of=multiple_of,
+            far_extrapolation=FAKE_FAR_EXTRAPOLATION,
         )
     finally:
         runner.close()

@@ -26,6 +26,7 @@ from autotune.schemas import Fit, Trial
 __all__ = [
     "APPROACH_FRACTION",
     "peaks_decrease",
+    "FAKE_FAR_EXTRAPOLATION",
     "FAR_EXTRAPOLATION",
     "MAX_PREDICTED_TRIALS",
     "NoFitError",
@@ -36,8 +37,9 @@ __all__ = [
 # Trials guided by the fit before the search stops trusting it and bisects.
 MAX_PREDICTED_TRIALS = 4
 # A first prediction further than this many times the largest measured m is approached from below,
-# at this fraction of the way.
+# at this fraction of the way (fake trials: FAKE_FAR_EXTRAPOLATION).
 FAR_EXTRAPOLATION = 4
+FAKE_FAR_EXTRAPOLATION = 16
 APPROACH_FRACTION = 0.8
 
 
@@ -127,7 +129,7 @@ def find_max_micro_batch(
     multiple_of: int = 1,
     hint: int | None = None,
     guide: Fit | None = None,
-    cautious: bool = True,
+    far_extrapolation: float = FAR_EXTRAPOLATION,
 ) -> SearchResult:
     """The exact largest m (a multiple of multiple_of, at most max_micro_batch) whose trial fits.
 
@@ -142,8 +144,9 @@ def find_max_micro_batch(
         hint: a predicted m_max (the fake pre-search's): the first trials go there and one step past
             it, and the search starts from what they show.
         guide: the pre-search's line; its slope predicts the boundary from the real trials.
-        cautious: approach a far first prediction from below (an overshoot costs an OOM); fake
-            trials cannot run out of memory for real and go straight to it.
+        far_extrapolation: a first prediction further than this many times the largest fitting m is
+            approached from below (an overshoot costs an OOM, and on a convex peak the chord
+            overshoots); fake trials, whose OOMs cost nothing on the device, go further first.
 
     Returns:
         SearchResult with m_max, every trial in order, and the least-squares fit of the measurements.
@@ -205,7 +208,7 @@ def find_max_micro_batch(
             predicted += 1
             measured_at_last_prediction = measured_now
             guess //= multiple_of
-            if cautious and hi > top and guess > FAR_EXTRAPOLATION * lo:
+            if hi > top and guess > far_extrapolation * lo:
                 # Peak memory is a maximum of affine phases, so convex in m: a chord from small m
                 # underestimates the slope further out and overshoots. Land short of the line
                 # first; the point it measures near the boundary makes the next line close to exact.
