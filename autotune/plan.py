@@ -198,17 +198,7 @@ def _balanced(m_max: int, target: int, world: int, unit: int, a_min: int) -> Pla
             f"nearest is {micro_batches_text(micro_batches, world)} "
             f"({deviation:+d}, {100 * deviation / target:+.1f}%)"
         )
-    return Plan(
-        micro_batch=micro_batches[0][0],
-        accumulation_steps=steps,
-        world_size=world,
-        effective_batch=effective,
-        target_batch=target,
-        exact=effective == target,
-        max_micro_batch=m_max,
-        note=note,
-        micro_batches=micro_batches,
-    )
+    return _make_plan(micro_batches, world, target, m_max, note)
 
 
 def micro_batches_text(micro_batches: Sequence[tuple[int, int]], world_size: int = 1) -> str:
@@ -244,16 +234,25 @@ def _smallest_divisor_in(number: int, low: int, high: int) -> int | None:
 
 
 def _make(micro: int, steps: int, world: int, target: int, m_max: int, note: str) -> Plan:
-    effective = micro * steps * world
+    """An equal plan: steps micro-batches of micro on each replica."""
+    return _make_plan([(micro, steps)], world, target, m_max, note)
+
+
+def _make_plan(
+    micro_batches: Sequence[tuple[int, int]], world: int, target: int, m_max: int, note: str
+) -> Plan:
+    """The Plan of (size, count) micro-batches per replica, largest first; micro_batch is the largest."""
+    effective = sum(size * count for size, count in micro_batches) * world
     return Plan(
-        micro_batch=micro,
-        accumulation_steps=steps,
+        micro_batch=micro_batches[0][0],
+        accumulation_steps=sum(count for _, count in micro_batches),
         world_size=world,
         effective_batch=effective,
         target_batch=target,
         exact=effective == target,
         max_micro_batch=m_max,
         note=note,
+        micro_batches=list(micro_batches),
     )
 
 
