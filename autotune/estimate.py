@@ -117,6 +117,7 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
                 multiple_of=config.multiple_of,
                 device_name=device_name,
                 on_trial=on_trial,
+                confirm=True,
             )
         except NoFitError as exc:
             raise BudgetError(

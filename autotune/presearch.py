@@ -6,12 +6,11 @@ peak equals the real one byte for byte, so the boundary it finds is the real bou
 search only confirms it (m and m + multiple_of: two trials). On CUDA it is the allocator's view
 without rounding, workspaces and the context: the real trials start there and correct from it.
 
-A fake trial costs the Python dispatch of the trial's ops whatever m: FakeTensorMode's own dispatch
-is about 0.19 ms an op here, 1.0-1.4 s a trial for small transformers models (bench/peers.py
---suite m50), about what a real trial of those models costs at m = 50; for a ~100M-parameter model a
-fake trial takes 3-4 s against 70 s for a real one at m = 8. The pre-search runs the exact search
-on fake trials, reusing one fake model, and approaches a far prediction from below only when it is
-very far (a fake OOM costs nothing on the device, but it measures nothing either).
+A fake trial costs the Python dispatch of the trial's ops whatever m (about 0.3 s for the gpt
+example, 7 s for the 7B configuration), so the pre-search spends as few as it can: two traced trials
+at 2 and 3 times multiple_of give the whole curve (autotune/curve.py: every op's live bytes are
+affine in m), and its largest m under the limit is the answer. Where the traces do not line up, or
+the small sizes do not fit, it runs the exact search on fake trials instead, reusing one fake model.
 """
 
 from __future__ import annotations
@@ -19,25 +18,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from autotune.curve import PeakCurve
 from autotune.errors import AutotuneError
 from autotune.meters.fake import FakeMeter
 from autotune.schemas import Fit, Trial
-from autotune.search import FAKE_FAR_EXTRAPOLATION, SearchResult, find_max_micro_batch
+from autotune.search import FAKE_FAR_EXTRAPOLATION, find_max_micro_batch, measured_fit
 from autotune.strategies import Replicated, Strategy
 from autotune.task import ProbeTask
 from autotune.trial import TrialRunner
 
-__all__ = ["FakeSearch", "fake_search", "presearch_failed"]
+__all__ = ["TRACED_SIZES", "FakeSearch", "fake_search", "presearch_failed"]
+
+# The traced sizes, in units of multiple_of: not 1, where a dimension of size one makes some ops
+# views or no-ops (contiguous(), squeeze) that copy at every other size.
+TRACED_SIZES = (2, 3)
 
 
 @dataclass
 class FakeSearch:
-    """What the fake trials found: m_max, the fake trials (marked fake) and the line they give."""
+    """What the fake trials found: m_max, the fake trials (marked fake) and the line they give;
+    ``curve`` where m_max was read off two traced trials rather than searched for."""
 
     max_micro_batch: int
     trials: list[Trial]
     fit: Fit | None
     warnings: list[str] = field(default_factory=list)
+    curve: PeakCurve | None = None
 
 
 def fake_search(
@@ -51,39 +57,74 @@ def fake_search(
     multiple_of: int,
     device_name: str | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    confirm: bool = False,
 ) -> FakeSearch:
-    """The exact search on fake trials (inside strategy's process group when it has one).
+    """m_max by fake trials (inside strategy's process group when it has one): read off the curve of
+    two traced trials, or found by the exact search where the curve cannot be had.
+
+    Args:
+        confirm: also run fake trials at the curve's m_max and one step past it. An estimate has no
+            real trials to confirm it, so it stands on fake trials that show m_max fits and the next
+            size does not; the search goes on from them where they disagree with the curve.
 
     Raises:
         NoFitError: even multiple_of does not fit (the fake trial's verdict).
         TrialError / TaskError: an op cannot run fake (the message names it), or the task misbehaves.
     """
     meter = FakeMeter(budget_bytes, device_type, device_name)
+    meter.keep_trace = True
     if isinstance(strategy, Replicated) and strategy.world_size > 1:
         # DDP's constructor broadcasts the weights over gloo/nccl, which cannot carry fake tensors:
         # the fake trials leave the gradient buckets out and the real trials put them back.
         strategy = Replicated(1)
     runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy)
+    done: dict[int, Trial] = {}
+    traces: dict[int, list[int]] = {}
 
     def trial(micro_batch: int) -> Trial:
-        result = runner(micro_batch).model_copy(update={"fake": True})
-        if on_trial is not None:
-            on_trial(result)
-        return result
+        if micro_batch not in done:  # the exact search may ask again for a traced size
+            result = runner(micro_batch).model_copy(update={"fake": True})
+            done[micro_batch] = result
+            if meter.last_trace is not None and not result.oom:
+                traces[micro_batch] = meter.last_trace
+            if on_trial is not None:
+                on_trial(result)
+        return done[micro_batch]
 
     try:
-        result: SearchResult = find_max_micro_batch(
-            trial,
-            limit_bytes=limit_bytes,
-            max_micro_batch=max_micro_batch,
-            multiple_of=multiple_of,
-            far_extrapolation=FAKE_FAR_EXTRAPOLATION,
-        )
+        curve = _traced_curve(trial, traces, max_micro_batch=max_micro_batch, multiple_of=multiple_of)
+        predicted = curve.max_fitting(limit_bytes, cap=max_micro_batch, multiple_of=multiple_of) if curve else None
+        if predicted and not confirm:
+            m_max = predicted
+        else:
+            m_max = find_max_micro_batch(
+                trial,
+                limit_bytes=limit_bytes,
+                max_micro_batch=max_micro_batch,
+                multiple_of=multiple_of,
+                hint=predicted or None,
+                far_extrapolation=FAKE_FAR_EXTRAPOLATION,
+            ).max_micro_batch
     finally:
         runner.close()
+    trials = list(done.values())
     return FakeSearch(
-        max_micro_batch=result.max_micro_batch, trials=result.trials, fit=result.fit, warnings=runner.warnings
+        max_micro_batch=m_max, trials=trials, fit=measured_fit(trials), warnings=runner.warnings, curve=curve
     )
+
+
+def _traced_curve(
+    trial: Callable[[int], Trial], traces: dict[int, list[int]], *, max_micro_batch: int, multiple_of: int
+) -> PeakCurve | None:
+    """The curve through the traced sizes, or None where one of them is above the cap, does not fit,
+    or their traces do not line up."""
+    low, high = (size * multiple_of for size in TRACED_SIZES)
+    if high > max_micro_batch:
+        return None
+    for size in (low, high):
+        if not trial(size).fits:
+            return None
+    return PeakCurve.from_traces(low, traces.get(low, []), high, traces.get(high, []))
 
 
 def presearch_failed(exc: BaseException) -> str:

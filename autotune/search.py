@@ -32,6 +32,7 @@ __all__ = [
     "NoFitError",
     "SearchResult",
     "find_max_micro_batch",
+    "measured_fit",
 ]
 
 # Trials guided by the fit before the search stops trusting it and bisects.
@@ -72,6 +73,11 @@ def _affine_points(trials: list[Trial]) -> list[tuple[int, int]]:
         if not t.oom
     }
     return sorted(points.items())
+
+
+def measured_fit(trials: list[Trial]) -> Fit | None:
+    """The least-squares line through the measured trials' affine points (see _affine_points)."""
+    return fit_affine(_affine_points(trials))
 
 
 def _smooth_points(trials: list[Trial]) -> list[tuple[int, int]]:
@@ -227,4 +233,4 @@ def find_max_micro_batch(
     if lo == 0:  # from a hint that did not fit, down to the smallest size
         smallest = next(t for t in trials if t.micro_batch == multiple_of)
         raise NoFitError(smallest, f"micro-batch {multiple_of} does not fit")
-    return SearchResult(max_micro_batch=lo * multiple_of, trials=trials, fit=fit_affine(_affine_points(trials)))
+    return SearchResult(max_micro_batch=lo * multiple_of, trials=trials, fit=measured_fit(trials))

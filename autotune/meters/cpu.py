@@ -46,6 +46,10 @@ class _StorageLedger:
         self._live: dict[int, list[Any]] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        # Live bytes after every count that added bytes, while a trace is kept (CpuMeter.keep_trace).
+        # Counts that add nothing are left out: FSDP2's first forward makes empty storages and
+        # resizes that later trials do not, and they can never hold a peak.
+        self.trace: list[int] | None = None
 
     def _release(self, key: int) -> None:
         with self._lock:
@@ -59,6 +63,7 @@ class _StorageLedger:
         key = storage._cdata
         nbytes = storage.nbytes()
         with self._lock:
+            before = self.live_bytes
             entry = self._live.get(key)
             if entry is None:
                 # The finalizer fires when the C++ storage is freed, not when one Python handle dies:
@@ -69,6 +74,8 @@ class _StorageLedger:
                 self.live_bytes += nbytes - entry[1]
                 entry[1] = nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            if self.trace is not None and self.live_bytes > before:
+                self.trace.append(self.live_bytes)
             return self.live_bytes
 
     def counts(self, storage: torch.UntypedStorage) -> bool:
@@ -148,6 +155,8 @@ class CpuMeter(Meter):
         self.budget_bytes = budget_bytes
         self._ledger = _StorageLedger()
         self._enforce = True
+        self.keep_trace = False
+        self.last_trace: list[int] | None = None
 
     def describe(self) -> Device:
         return Device(
@@ -199,6 +208,19 @@ class CpuMeter(Meter):
 
     def _tracking(self) -> AbstractContextManager[Any]:
         return self._counting()
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        """Measure (see Meter.measure); with ``keep_trace`` set, ``last_trace`` is then the live
+        bytes after every count in the span that added bytes, in order. Live bytes only grow at a count, so
+        the peak is the trace's maximum, and two traces of one trial at two sizes line up op by op."""
+        with super().measure():
+            self._ledger.trace = [] if self.keep_trace else None
+            try:
+                yield
+            finally:
+                self.last_trace = self._ledger.trace
+                self._ledger.trace = None
 
     @contextmanager
     def unbounded(self) -> Iterator[None]:
