@@ -30,7 +30,8 @@ from autotune.trial import TrialRunner
 __all__ = ["TRACED_SIZES", "FakeSearch", "fake_search", "presearch_failed"]
 
 # The traced sizes, in units of multiple_of: not 1, where a dimension of size one makes some ops
-# views or no-ops (contiguous(), squeeze) that copy at every other size.
+# views or no-ops that copy at every other size (the transformers models of bench/_hf_tasks.py
+# count 1035, 1295 and 1153 allocations at m = 1 against 1075, 1299 and 1197 at every m >= 2).
 TRACED_SIZES = (2, 3)
 
 
