@@ -13,10 +13,11 @@ the largest m under a limit follows without another trial:
     >>> curve.max_fitting(1000, cap=4096, multiple_of=1)
     11
 
-It is exact where the assumption holds, which is what the fake meter counts on the CPU for the
-examples and the transformers models the benchmarks use. Where it does not (a model that branches on
-m, so the traces differ in length, or that allocates something not affine in m), ``from_traces``
-gives None or the real trials at the prediction disagree, and the search goes on from what they show.
+The assumption holds, and the curve is exact to the byte, for the examples and the transformers
+models the benchmarks use (tests/autotune/test_curve.py checks the examples against real trials).
+Where it does not (a model that branches on m, so the traces differ in length, or that allocates
+something not affine in m), ``from_traces`` gives None or the real trials at the prediction
+disagree, and the search goes on from what they show.
 """
 
 from __future__ import annotations

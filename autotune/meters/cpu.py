@@ -212,8 +212,9 @@ class CpuMeter(Meter):
     @contextmanager
     def measure(self) -> Iterator[None]:
         """Measure (see Meter.measure); with ``keep_trace`` set, ``last_trace`` is then the live
-        bytes after every count in the span that added bytes, in order. Live bytes only grow at a count, so
-        the peak is the trace's maximum, and two traces of one trial at two sizes line up op by op."""
+        bytes after every count in the span that added bytes, in order. Live bytes only grow at a
+        count, so the peak is the trace's maximum, and two traces of one trial at two sizes line up
+        allocation by allocation (autotune/curve.py)."""
         with super().measure():
             self._ledger.trace = [] if self.keep_trace else None
             try:
