@@ -5,7 +5,8 @@
     .venv/bin/python bench/reuse.py --methods autotune lightning-binsearch --output /tmp/reuse.json
 
 One task, ``examples/gpt.py:task_100m`` (12 layers, d_model 768, seq 256, vocab 8192: ~98 M
-parameters), one CPU-meter budget, headroom 0.10, every method in the same process, one after another:
+parameters), one CPU-meter budget, headroom 0.10, each method in a fresh process of its own, one after
+another (``--in-process``: all in this one, where the first pays for the process's warm-up):
 
 - ``autotune``: ``probe(task, ProbeConfig(device="cpu", budget_bytes=B, headroom=0.10))`` as it is
   now: fake-tensor pre-search, then real trials, one model built for the probe and reused;
@@ -33,7 +34,9 @@ import argparse
 import gc
 import json
 import logging
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -135,6 +138,47 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def run_method(key: str, task: Any, budget_bytes: int, limit_bytes: int) -> dict[str, Any]:
+    """One method's run, as the JSON keeps it."""
+    gc.collect()
+    extra: dict[str, Any] = {"fake_trials": None, "fake_seconds": 0.0}
+    if key in AUTOTUNE_CONFIGS:
+        run, extra = run_autotune(task, budget_bytes, **AUTOTUNE_CONFIGS[key])
+    else:
+        meter = PeerMeter(limit_bytes)
+        try:
+            run = run_lightning(task, meter, mode="binsearch")
+        finally:
+            meter.close()
+        extra["real_fits"] = {t.micro_batch: not t.oom for t in run.trials}
+    return {
+        "micro_batch": run.micro_batch,
+        "trials": len(run.trials),
+        "ooms": run.oom_count,
+        "seconds": run.seconds,
+        "cpu_seconds": run.cpu_seconds,
+        "error": run.error,
+        "trial_log": [vars(t) for t in run.trials],
+        **extra,
+    }
+
+
+def run_method_in_child(key: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One method in a process of its own. In one process, whichever method runs first pays for the
+    process's first large allocations and first kernels at each shape: its trial at m = 8 took 61 s
+    where the same trial later took 54 s, and the order decided which method looked faster."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "method.json"
+        command = [
+            sys.executable, __file__, "--one", key, "--spec", args.spec, "--budget-mib", str(args.budget_mib),
+            "--threads", str(args.threads), "--output", str(out),
+        ]  # fmt: skip
+        subprocess.run(command, check=True)
+        entry: dict[str, Any] = json.loads(out.read_text())
+    entry["real_fits"] = {int(m): ok for m, ok in entry["real_fits"].items()}
+    return entry
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--spec", default=SPEC, help="another task (a quick check of the script)")
@@ -143,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every method")
     parser.add_argument("--truth", action="store_true", help="also an exhaustive real search from m = 1")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "reuse.json")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="every method in this process, one after another (default: each in its own)",
+    )
+    parser.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # a child's single method
     args = parser.parse_args(argv)
     if MISSING_BENCH_EXTRA is not None:
         print(f"reuse.py: skipped, the `bench` extra is not installed ({MISSING_BENCH_EXTRA})", file=sys.stderr)
@@ -155,37 +205,25 @@ def main(argv: list[str] | None = None) -> int:
     task = load_task(str(REPO / args.spec))
     budget = int(args.budget_mib * MiB)
     limit = int(budget * (1 - HEADROOM))
+    if args.one:
+        args.output.write_text(json.dumps(run_method(args.one, task, budget, limit), default=str) + "\n")
+        return 0
     started = time.perf_counter()
     methods: dict[str, dict[str, Any]] = {}
     fits: dict[int, bool] = {}
     for key in args.methods:
-        gc.collect()
-        extra: dict[str, Any] = {"fake_trials": None, "fake_seconds": 0.0}
-        if key in AUTOTUNE_CONFIGS:
-            run, extra = run_autotune(task, budget, **AUTOTUNE_CONFIGS[key])
+        if args.in_process:
+            entry = run_method(key, task, budget, limit)
         else:
-            meter = PeerMeter(limit)
-            try:
-                run = run_lightning(task, meter, mode="binsearch")
-            finally:
-                meter.close()
-            extra["real_fits"] = {t.micro_batch: not t.oom for t in run.trials}
-        for m, ok in extra["real_fits"].items():
-            if fits.setdefault(m, ok) != ok:
+            entry = run_method_in_child(key, args)
+        methods[key] = entry
+        for m, ok in entry["real_fits"].items():
+            if fits.setdefault(int(m), ok) != ok:
                 print(f"reuse.py: m = {m} fits for one method and not for another", file=sys.stderr)
-        methods[key] = {
-            "micro_batch": run.micro_batch,
-            "trials": len(run.trials),
-            "ooms": run.oom_count,
-            "seconds": run.seconds,
-            "cpu_seconds": run.cpu_seconds,
-            "error": run.error,
-            "trial_log": [vars(t) for t in run.trials],
-            **extra,
-        }
         print(
-            f"{key}: m {run.micro_batch}, real trials {len(run.trials)} {extra['real_fits']}, "
-            f"fake {extra['fake_trials']}, OOMs {run.oom_count}, {run.seconds} s wall, {run.cpu_seconds} s CPU",
+            f"{key}: m {entry['micro_batch']}, real trials {entry['trials']} {entry['real_fits']}, "
+            f"fake {entry['fake_trials']}, OOMs {entry['ooms']}, {entry['seconds']} s wall, "
+            f"{entry['cpu_seconds']} s CPU",
             file=sys.stderr,
         )
     m_true = truth_from_trials(fits)
