@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from autotune.plan import PLAN_POLICIES
+from autotune.schemas import STRATEGIES
 from autotune.units import parse_bytes
 
 __all__ = [
@@ -12,6 +14,7 @@ __all__ = [
     "EXIT_USAGE",
     "CliError",
     "Parser",
+    "add_strategy_and_plan_options",
     "headroom",
     "non_negative_int",
     "positive_int",
@@ -59,6 +62,23 @@ def headroom(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"headroom must be in [0, 1), got {text}")
     return value
+
+
+def add_strategy_and_plan_options(p: argparse.ArgumentParser) -> None:
+    """--strategy and --plan, as every command that measures or plans takes them."""
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="ddp",
+        help="ddp (default: each replica holds the whole model) or fsdp (FSDP2: rank 0 of --world-size)",
+    )
+    p.add_argument(
+        "--plan",
+        choices=PLAN_POLICIES,
+        default="balanced",
+        help="balanced (default: the fewest steps, micro-batches within one of each other, "
+        "e.g. 6x26 + 4x25 = 256) or divisor (equal micro-batches, e.g. 16x16)",
+    )
 
 
 class Parser(argparse.ArgumentParser):

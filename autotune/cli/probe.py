@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import EXIT_FAILED, CliError, headroom, positive_int, size
+from autotune.cli.common import EXIT_FAILED, CliError, add_strategy_and_plan_options, headroom, positive_int, size
+from autotune.schemas import PRECISIONS
 
 __all__ = [
     "add_parsers",
@@ -41,20 +42,8 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=positive_int, default=1, help="data-parallel replicas D")
     p.add_argument("--max-micro-batch", type=positive_int, default=4096)
     p.add_argument("--multiple-of", type=positive_int, default=1)
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="override the task's precision")
-    p.add_argument(
-        "--strategy",
-        choices=["ddp", "fsdp"],
-        default="ddp",
-        help="ddp (default: each replica holds the whole model) or fsdp (FSDP2: rank 0 of --world-size)",
-    )
-    p.add_argument(
-        "--plan",
-        choices=["balanced", "divisor"],
-        default="balanced",
-        help="balanced (default: the fewest steps, micro-batches within one of each other, "
-        "e.g. 6x26 + 4x25 = 256) or divisor (equal micro-batches, e.g. 16x16)",
-    )
+    p.add_argument("--precision", choices=PRECISIONS, help="override the task's precision")
+    add_strategy_and_plan_options(p)
 
 
 def config_from_args(args: argparse.Namespace, device: str) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from autotune.cli.common import CliError, headroom, positive_int, size
+from autotune.cli.common import CliError, add_strategy_and_plan_options, headroom, positive_int, size
 from autotune.schemas import SOURCES, STRATEGIES
 
 __all__ = ["add_parsers", "run_profiles", "run_suggest"]
@@ -20,19 +20,7 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--device-name", required=True)
     g.add_argument("--budget", type=size)
     g.add_argument("--headroom", type=headroom)
-    g.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default="ddp",
-        help="ddp (every rank holds the whole model) or fsdp (sharded over --world-size ranks)",
-    )
-    g.add_argument(
-        "--plan",
-        choices=["balanced", "divisor"],
-        default="balanced",
-        help="balanced (default: the fewest steps, micro-batches within one of each other) or divisor "
-        "(equal micro-batches)",
-    )
+    add_strategy_and_plan_options(g)
     g.add_argument("--json", action="store_true")
     g.set_defaults(run=run_suggest)
 
