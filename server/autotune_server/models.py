@@ -67,6 +67,7 @@ class ProfileRow(Base):
         Index("ix_profiles_device_name", "device_name"),
         Index("ix_profiles_precision", "precision"),
         Index("ix_profiles_created_at", "created_at"),
+        Index("ix_profiles_seq_len", "seq_len"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -93,6 +94,12 @@ class ProfileRow(Base):
     source: Mapped[str] = mapped_column(String(16), server_default="measured")
     non_monotone: Mapped[bool] = mapped_column(Boolean, server_default=false())
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # Third wave: the length of a sequence-aware task (null otherwise) and the pieces of its memory
+    # surface over (m, L); the checkpointing policy (none | every-2 | full); the timed run.
+    seq_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    surface: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    activation_checkpointing: Mapped[str] = mapped_column(String(16), server_default="none")
+    throughput: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     fit_fixed_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
     fit_bytes_per_sample: Mapped[float | None] = mapped_column(Float, nullable=True)
     trial_count: Mapped[int] = mapped_column(Integer)
