@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e '.[server,dev,fleet]'
+	$(PIP) install --quiet -e '.[server,dev,fleet,hf,lightning]'
 	touch $@
 
 install: $(VENV)/.installed
