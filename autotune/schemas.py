@@ -7,10 +7,13 @@ not a silently dropped value.
 
 from __future__ import annotations
 
+import warnings
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from autotune.split import UnevenPlanWarning, micro_batches_text, split
 
 __all__ = [
     "PRECISIONS",
@@ -286,35 +289,32 @@ class Suggestion(_Model):
         """(micro_batch, accumulation_steps, effective_batch) with equal micro-batches.
 
         The suggestion itself when its micro-batches are equal; for a balanced plan, the best equal
-        one (``autotune.plan.plan(..., policy="divisor")`` on the same m_max, T, D and multiple_of),
-        with an :class:`autotune.plan.UnevenPlanWarning` naming the balanced plan when ``warn`` names
+        one (``autotune.split.split(..., policy="divisor")`` on the same m_max, T, D and multiple_of),
+        with an :class:`autotune.split.UnevenPlanWarning` naming the balanced plan when ``warn`` names
         the tool that cannot run it.
         """
         if not self.uneven:
             return self.micro_batch, self.accumulation_steps, self.effective_batch
-        import warnings
-
-        from autotune.plan import UnevenPlanWarning, micro_batches_text, plan
-
-        equal = plan(
+        [(micro, steps)], _ = split(
             self.max_micro_batch,
             self.target_batch,
             self.world_size,
             multiple_of=self.multiple_of,
             policy="divisor",
         )
+        effective = micro * steps * self.world_size
         if warn is not None:
             balanced = micro_batches_text(self.micro_batches, self.world_size)
-            exact = "" if equal.exact else f", target {self.target_batch}"
+            exact = "" if effective == self.target_batch else f", target {self.target_batch}"
             warnings.warn(
-                f"{warn} runs equal micro-batches only: using {equal.micro_batch} x {equal.accumulation_steps}"
-                f" x {equal.world_size} = {equal.effective_batch} ({equal.accumulation_steps} steps{exact}) "
+                f"{warn} runs equal micro-batches only: using {micro} x {steps}"
+                f" x {self.world_size} = {effective} ({steps} steps{exact}) "
                 f"instead of the balanced plan {balanced}; autotune.accumulate.PlanBatchSampler with "
                 "Accumulator runs the balanced one",
                 UnevenPlanWarning,
                 stacklevel=3,
             )
-        return equal.micro_batch, equal.accumulation_steps, equal.effective_batch
+        return micro, steps, effective
 
     def as_hf_training_args(self) -> dict[str, int]:
         """Keyword arguments for transformers.TrainingArguments.

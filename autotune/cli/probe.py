@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.cli.common import EXIT_FAILED, CliError, add_strategy_and_plan_options, headroom, positive_int, size
+from autotune.files import write_atomically
 from autotune.schemas import PRECISIONS
 
 __all__ = [
@@ -19,7 +20,6 @@ __all__ = [
     "emit_profile",
     "run_probe",
     "run_verify",
-    "write_atomically",
 ]
 
 
@@ -81,14 +81,6 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("--micro-batch", type=positive_int)
     v.add_argument("--tolerance", type=float)
     v.set_defaults(run=run_verify)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Never a half-written profile on disk: write beside it, then rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(path)
 
 
 def run_probe(args: argparse.Namespace) -> int:

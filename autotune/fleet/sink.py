@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from autotune.cli.probe import write_atomically
+from autotune.files import write_atomically
 from autotune.schemas import Profile
 
 __all__ = ["DEFAULT_UNSENT_DIR", "ProfileSink", "Stored", "profile_file_name"]

@@ -1,7 +1,7 @@
 """autotune_server: the profile store and REST API (FastAPI, SQLAlchemy 2, Alembic).
 
-Imports ``autotune.schemas`` and ``autotune.plan`` and nothing else of autotune: the service image
-has no torch.
+Imports ``autotune.schemas`` and ``autotune.plan`` (with ``autotune.split`` below them) and nothing
+else of autotune: the service image has no torch.
 """
 
 from autotune_server.app import create_app

@@ -68,5 +68,12 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
     assert result["torch_loaded"] is False
     # Of autotune, the server may use the wire schemas, the plan arithmetic and the consistency check
     # (with the errors it raises) only.
-    allowed = {"autotune", "autotune.schemas", "autotune.plan", "autotune.consistency", "autotune.errors"}
+    allowed = {
+        "autotune",
+        "autotune.schemas",
+        "autotune.split",
+        "autotune.plan",
+        "autotune.consistency",
+        "autotune.errors",
+    }
     assert set(result["autotune_modules"]) <= allowed
