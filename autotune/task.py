@@ -138,9 +138,16 @@ def load_task(spec: str) -> ProbeTask:
     ``name`` is a ProbeTask or a zero-argument callable returning one. Without ":name" the
     module's ``task`` attribute is used.
 
+    ``hf:path/to/config.json`` (or ``hf:DIRECTORY``) builds a causal LM from a Hugging Face config
+    instead (:mod:`autotune.hf_task`; needs the ``hf`` extra).
+
     Raises:
         TaskError: with what was looked for and why it failed, in one line.
     """
+    from autotune.hf_task import is_hf_spec, load_hf_spec
+
+    if is_hf_spec(spec):
+        return load_hf_spec(spec)
     module_part, _, attr = spec.rpartition(":") if ":" in spec else (spec, "", "task")
     attr = attr or "task"
     if not module_part:

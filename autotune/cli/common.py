@@ -15,10 +15,12 @@ __all__ = [
     "CliError",
     "Parser",
     "add_strategy_and_plan_options",
+    "add_task_options",
     "headroom",
     "non_negative_int",
     "positive_int",
     "size",
+    "task_spec",
 ]
 
 EXIT_USAGE = 2
@@ -79,6 +81,24 @@ def add_strategy_and_plan_options(p: argparse.ArgumentParser) -> None:
         help="balanced (default: the fewest steps, micro-batches within one of each other, "
         "e.g. 6x26 + 4x25 = 256) or divisor (equal micro-batches, e.g. 16x16)",
     )
+
+
+def add_task_options(p: argparse.ArgumentParser) -> None:
+    """--optimizer and --lr: what an hf: task trains with (a task file's ProbeTask brings its own)."""
+    p.add_argument(
+        "--optimizer",
+        metavar="CLASS",
+        help="hf: tasks: a torch.optim class (AdamW, SGD, ...) or package.module.Class (default AdamW)",
+    )
+    p.add_argument("--lr", type=float, metavar="LR", help="hf: tasks: the optimizer's learning rate")
+
+
+def task_spec(spec: str, args: argparse.Namespace) -> str:
+    """The spec with --optimizer/--lr written into it, so that it alone rebuilds the task elsewhere
+    (``--device all`` children, fleet workers). Raises TaskError for a spec that is not hf:."""
+    from autotune.hf_task import with_options
+
+    return with_options(spec, optimizer=getattr(args, "optimizer", None), lr=getattr(args, "lr", None))
 
 
 class Parser(argparse.ArgumentParser):

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autotune.cli.common import task_spec
 from autotune.cli.probe import add_setup_options, emit_profile
 
 __all__ = ["add_parsers", "run_estimate"]
@@ -48,7 +49,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         plan_policy=args.plan,
     )
     config.validate()  # a missing budget is refused before the task is even loaded
-    task = load_task(args.task)
+    task = load_task(task_spec(args.task, args))
     limit = int(args.budget * (1 - args.headroom))
     print(f"estimating {task.name} for {args.device_kind} with fake tensors ...", file=sys.stderr)
     profile = estimate(task, config, on_trial=lambda t: print(trial_line(t, limit), file=sys.stderr, flush=True))

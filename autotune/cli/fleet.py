@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import EXIT_FAILED, CliError, non_negative_int, size
+from autotune.cli.common import EXIT_FAILED, CliError, non_negative_int, size, task_spec
 from autotune.cli.probe import add_probe_options, config_from_args
 
 __all__ = ["add_parsers", "budget_list", "run_fleet_command"]
@@ -89,7 +89,7 @@ def run_fleet_command(args: argparse.Namespace) -> int:
         return config
 
     pairs = make_pairs(
-        args.tasks,
+        [task_spec(spec, args) for spec in args.tasks],
         accelerators=parse_accelerators(args.accelerators) if args.accelerators else None,
         device=args.device,
         budgets=args.budget or [None],

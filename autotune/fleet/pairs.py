@@ -94,29 +94,42 @@ def parse_accelerators(text: str) -> list[str]:
 
 def worker_spec(spec: str, working_dir: Path) -> str:
     """The spec as a worker loads it: a task file's path made relative to the working directory
-    that Ray ships to the worker (the worker runs inside its copy); a module spec as it is.
+    that Ray ships to the worker (the worker runs inside its copy), and an ``hf:`` spec's config the
+    same way; a module spec as it is.
 
     Raises:
         TaskError: the file does not exist, or lies outside the working directory (it would not
             reach the workers).
     """
+    from autotune.hf_task import HF_PREFIX, is_hf_spec
+
+    if is_hf_spec(spec):  # hf:PATH[?options]: the config, like a task file, must reach the workers
+        path_part, query_sep, query = spec[len(HF_PREFIX) :].partition("?")
+        return HF_PREFIX + _shipped(path_part, spec, working_dir) + query_sep + query
     module_part, sep, attr = spec.rpartition(":") if ":" in spec else (spec, "", "")
     if not module_part:
         raise TaskError(f"task {spec!r} is not of the form path/to/file.py:name or package.module:name")
     if not (module_part.endswith(".py") or "/" in module_part):
         return spec
-    path = Path(module_part)
-    if not path.is_file():
+    if not Path(module_part).is_file():
         raise TaskError(f"task file {module_part!r} not found (from {spec!r})")
+    return _shipped(module_part, spec, working_dir) + sep + attr
+
+
+def _shipped(file: str, spec: str, working_dir: Path) -> str:
+    """file's path relative to the working directory, which is what the workers receive."""
+    path = Path(file)
+    if not path.exists():
+        raise TaskError(f"{file!r} not found (from {spec!r})")
     root = working_dir.resolve()
     try:
         relative = path.resolve().relative_to(root)
     except ValueError:
         raise TaskError(
-            f"task file {module_part!r} is outside the working directory {str(root)!r} that is shipped to the "
+            f"task file {file!r} is outside the working directory {str(root)!r} that is shipped to the "
             "workers: run from a directory that holds it, or pass --working-dir"
         ) from None
-    return relative.as_posix() + sep + attr
+    return relative.as_posix()
 
 
 def make_pairs(
