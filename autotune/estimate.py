@@ -56,6 +56,8 @@ class EstimateConfig:
     multiple_of: int = 1
     precision: str | None = None
     plan_policy: str = "balanced"
+    # The memory policy (none, every-2, full): None keeps the task's own activation_checkpointing.
+    activation_checkpointing: str | None = None
 
     def validate(self) -> None:
         if self.budget_bytes is None:
@@ -78,6 +80,7 @@ class EstimateConfig:
             precision=self.precision,
             strategy=self.strategy,
             plan_policy=self.plan_policy,
+            activation_checkpointing=self.activation_checkpointing,
         )
 
 
@@ -92,6 +95,8 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
     assert config.budget_bytes is not None  # validate() refused None
     if config.precision is not None and config.precision != task.precision:
         task = dataclasses.replace(task, precision=config.precision)
+    if config.activation_checkpointing is not None:
+        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
     started = time.perf_counter()
     warnings: list[str] = []
     device_type = config.device_kind
@@ -151,6 +156,7 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
         multiple_of=config.multiple_of,
         world_size=config.world_size,
         strategy=config.strategy,  # type: ignore[arg-type]
+        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
         source="estimate",
         plan=the_plan,
         trials=found.trials,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import autotune
+from autotune.checkpointing import check_policy
 from autotune.consistency import check_profile
 from autotune.errors import AutotuneError, BudgetError, DeviceError
 from autotune.fingerprint import task_fingerprint
@@ -25,6 +26,7 @@ from autotune.schemas import PRECISIONS, STRATEGIES, Fit, Plan, Profile, Trial
 from autotune.search import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
 from autotune.strategies import Replicated, Strategy, make_strategy
 from autotune.task import ProbeTask
+from autotune.throughput import timed_updates
 from autotune.trial import TrialRunner, frozen_heap, measure_weights
 
 __all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "ProbeConfig", "plan_for", "probe", "probe_with_meter"]
@@ -54,6 +56,10 @@ class ProbeConfig:
     reuse_model: bool = True
     # How the plan splits the target batch: "balanced" (fewest steps, uneven micro-batches) or "divisor".
     plan_policy: str = "balanced"
+    # The memory policy (none, every-2, full): None keeps the task's own activation_checkpointing.
+    activation_checkpointing: str | None = None
+    # After the search, time updates at m_max and at the plan's sizes (autotune/throughput.py).
+    throughput: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -87,6 +93,8 @@ class ProbeConfig:
             raise AutotuneError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.plan_policy not in PLAN_POLICIES:
             raise AutotuneError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {self.plan_policy!r}")
+        if self.activation_checkpointing is not None:
+            check_policy(self.activation_checkpointing)
 
 
 def _has_batchnorm(task: ProbeTask) -> bool:
@@ -203,6 +211,8 @@ def probe_with_meter(
     config.validate()
     if config.precision is not None and config.precision != task.precision:
         task = dataclasses.replace(task, precision=config.precision)
+    if config.activation_checkpointing is not None:
+        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
     started = time.perf_counter()
     strategy = make_strategy(config.strategy, config.world_size)
     fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size)
@@ -267,6 +277,7 @@ def probe_with_meter(
         multiple_of=config.multiple_of,
         world_size=config.world_size,
         strategy=config.strategy,  # type: ignore[arg-type]
+        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
         non_monotone=decrease is not None,
         plan=the_plan,
         trials=[*fake_trials, *result.trials],
@@ -278,6 +289,10 @@ def probe_with_meter(
         torch_version=torch.__version__,
         autotune_version=autotune.__version__,
     )
+    if config.throughput:  # timed runs, never the search's trials
+        profile.throughput = timed_updates(
+            task, meter, strategy, max_micro_batch=m_max, plan=the_plan, world_size=config.world_size, warnings=profile.warnings
+        )
     # A profile the store would refuse is a bug here, not something to write or upload.
     check_profile(profile)
     return profile

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from autotune.split import UnevenPlanWarning, micro_batches_text, split
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTING",
+    "OBJECTIVES",
     "PRECISIONS",
     "SCHEMA_VERSION",
     "SOURCES",
@@ -31,6 +33,7 @@ __all__ = [
     "Strategy",
     "Suggestion",
     "TagValue",
+    "Throughput",
     "Trial",
 ]
 
@@ -44,6 +47,14 @@ Strategy = Literal["ddp", "fsdp"]
 # Where a profile's figures come from: real trials on the device, or fake-tensor trials only.
 SOURCES = ("measured", "estimate")
 Source = Literal["measured", "estimate"]
+# Activation checkpointing (autotune/checkpointing.py): no block, every other block, every block
+# recomputes its forward in the backward.
+ACTIVATION_CHECKPOINTING = ("none", "every-2", "full")
+ActivationCheckpointing = Literal["none", "every-2", "full"]
+# What a recommendation optimizes: the largest micro-batch that fits (the fewest steps), or samples
+# per second among the policies that hold the target.
+OBJECTIVES = ("memory", "throughput")
+Objective = Literal["memory", "throughput"]
 
 # Bounds keep hostile or corrupt uploads out of the database: no real card has 2**60 bytes.
 MAX_BYTES = 2**60
@@ -150,6 +161,77 @@ class Plan(_Model):
         return len({size for size, _ in self.micro_batches}) > 1
 
 
+class Throughput(_Model):
+    """A timed run on the device (autotune/throughput.py), never the search's trials: warm-up first,
+    then each micro-batch size of one update timed forward+backward, and the optimizer step.
+
+    ``micro_batches`` is one update per replica as (size, count) pairs (a plan's, or one micro-batch
+    of m_max); ``seconds_per_update`` is the sum of count x ``micro_batch_seconds`` of each size plus
+    ``step_seconds``; ``samples_per_second`` is the update's samples on ``world_size`` replicas over it.
+    """
+
+    micro_batch: MicroBatch
+    samples_per_second: Annotated[float, Field(gt=0, le=1e12)]
+    seconds_per_update: Annotated[float, Field(gt=0, le=1e7)]
+    micro_batches: Annotated[list[MicroBatchCount], Field(min_length=1, max_length=64)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    # (size, median seconds of one forward+backward at that size) for each timed size.
+    micro_batch_seconds: Annotated[
+        list[tuple[MicroBatch, Annotated[float, Field(gt=0, le=1e7)]]], Field(min_length=1, max_length=64)
+    ]
+    step_seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+    # Timed repeats of each size (after one warm-up update).
+    repeats: Annotated[int, Field(ge=1, le=100_000)] = 1
+
+
+# A surface keeps the pieces that can be the largest (autotune/surface.py prunes them): a handful.
+MAX_SURFACE_PIECES = 512
+MAX_SEQ_LEN = 2**24
+SeqLen = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN)]
+# A piece's integer coefficients of 1, m, L, m*L, L^2, m*L^2 over the surface's denominator; they can
+# exceed 64 bits, which JSON carries exactly.
+SurfacePiece = Annotated[list[int], Field(min_length=6, max_length=6)]
+
+
+class LongestSeqLen(_Model):
+    """The longest sequence that fits at ``micro_batch`` (multiple_of), read off the surface and
+    confirmed: by real trials at it and one past it for a measurement, fake ones for an estimate.
+    ``limited_by``: "memory" (the next length does not fit), "cap" (--max-seq-len reached) or
+    "model" (the model refused the next length; ``note`` says how)."""
+
+    micro_batch: MicroBatch
+    seq_len: SeqLen
+    peak_bytes: NonNegBytes
+    limited_by: Literal["memory", "cap", "model"]
+    cap: SeqLen
+    note: Annotated[str, Field(max_length=1024)] = ""
+
+
+class Surface(_Model):
+    """The peak-memory surface over (m, L) of a sequence-aware probe (autotune/surface.py): the
+    peak at (m, L) is max over ``pieces`` of (c · (1, m, L, mL, L², mL²)) // ``denominator``, plus
+    ``offset_bytes`` (what the device's real trials showed above the fake surface; 0 on the CPU).
+    ``covered``: the lengths it answers for (the measured ones and the longest that fits), inclusive.
+    """
+
+    denominator: Annotated[int, Field(gt=0)]
+    pieces: Annotated[list[SurfacePiece], Field(min_length=1, max_length=MAX_SURFACE_PIECES)]
+    sizes: tuple[MicroBatch, MicroBatch]
+    lengths: tuple[SeqLen, SeqLen, SeqLen]
+    covered: tuple[SeqLen, SeqLen]
+    measured_lengths: Annotated[list[SeqLen], Field(min_length=1, max_length=256)]
+    offset_bytes: NonNegBytes = 0
+    # The traced point held out of the fit and predicted exactly by it: (m, L).
+    held_out: tuple[MicroBatch, SeqLen] | None = None
+    longest: LongestSeqLen | None = None
+
+    @model_validator(mode="after")
+    def _covered_in_order(self) -> Surface:
+        if self.covered[0] > self.covered[1]:
+            raise ValueError(f"covered lengths run from low to high, got {list(self.covered)}")
+        return self
+
+
 class Profile(_Model):
     """The datasheet of one job setup on one device model (DESIGN.md, "Contracts")."""
 
@@ -170,6 +252,10 @@ class Profile(_Model):
     strategy: Strategy = "ddp"
     # estimate: fake trials only (`autotune estimate`); a measurement always wins over it.
     source: Source = "measured"
+    # The memory policy the trials ran under; every policy has its own profile and m_max.
+    activation_checkpointing: ActivationCheckpointing = "none"
+    # Timed runs after the search (at m_max, and at the plan's sizes): what objective=throughput ranks.
+    throughput: Annotated[list[Throughput], Field(max_length=16)] | None = None
     # The real trials showed a size that fits above one that did not (cuDNN picks kernels per
     # shape): max_micro_batch is then the largest m below the first size that failed.
     non_monotone: bool = False
@@ -257,6 +343,10 @@ class Suggestion(_Model):
     micro_batches: list[MicroBatchCount] = Field(default_factory=list)
     # Every micro-batch size is a multiple of this (the profile's --multiple-of).
     multiple_of: MicroBatch = 1
+    # The memory policy the job must run under for this plan to fit (full: gradient checkpointing).
+    activation_checkpointing: ActivationCheckpointing = "none"
+    # objective=throughput: the timed samples per second of this plan (None: not timed).
+    samples_per_second: Annotated[float, Field(gt=0)] | None = None
 
     @model_validator(mode="after")
     def _default_micro_batches(self) -> Suggestion:
@@ -316,14 +406,17 @@ class Suggestion(_Model):
             )
         return micro, steps, effective
 
-    def as_hf_training_args(self) -> dict[str, int]:
+    def as_hf_training_args(self) -> dict[str, int | bool]:
         """Keyword arguments for transformers.TrainingArguments.
 
         The Trainer runs equal micro-batches only: a balanced plan becomes the best equal one, with
         an UnevenPlanWarning that names the balanced plan.
         """
         micro, steps, _ = self.equal_plan(warn="transformers' Trainer")
-        return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": steps}
+        args: dict[str, int | bool] = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": steps}
+        if self.activation_checkpointing == "full":  # the Trainer checkpoints every layer or none
+            args["gradient_checkpointing"] = True
+        return args
 
     def as_lightning(self) -> dict[str, int]:
         """Trainer(accumulate_grad_batches=...) and the DataLoader batch_size (equal micro-batches:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.checkpointing import apply_policy
 from autotune.errors import TaskError, TrialError
 from autotune.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.oom import is_oom
@@ -134,7 +135,8 @@ def build_on_meta(task: ProbeTask, warnings: list[str] | None = None) -> nn.Modu
 
 
 def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = None) -> nn.Module:
-    """The task's model on the meter's device, in train mode, its weights counted by the meter.
+    """The task's model on the meter's device, in train mode, its weights counted by the meter, its
+    blocks checkpointed as the task's ``activation_checkpointing`` says.
 
     meta_model (from :func:`build_on_meta`) is materialized on the meter's device with ``to_empty``
     and the modules' own ``reset_parameters``, so that a large model is never first built on the
@@ -154,6 +156,8 @@ def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = No
             _initialise(model)
         model.train()
         meter.adopt(model)
+    # The task's memory policy, before any strategy wraps the blocks (FSDP2 shards checkpointed ones).
+    apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
     return model
 
 

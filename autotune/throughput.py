@@ -1,0 +1,157 @@
+"""Timed runs: samples per second at a policy's m_max and at its plan's sizes, on the real device.
+
+Time never comes from the search's trials: a trial's first micro-batches pay warm-up (allocator
+growth, kernel selection, lazily created optimizer state) and it runs under the meter's accounting.
+A timed run builds the model as a trial does (the policy applied, wrapped by the strategy), runs one
+warm-up update touching every size, then repeats updates of one micro-batch of each size followed
+by the optimizer step, each part timed on its own (CUDA synchronized around it), until every size
+has ``repeats`` timings and the run has taken ``min_seconds`` (fast GPU steps need many to time).
+Medians per size and for the step give the seconds of any update of those sizes
+(autotune/recommend.py); batches are made before the clock starts, as a DataLoader would have them
+ready. The meter's accounting is off while timing, so the figures are the model's own speed.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Sequence
+import torch
+
+from autotune.meters import Meter
+from autotune.oom import is_oom
+from autotune.recommend import samples_per_second, update_seconds
+from autotune.schemas import MicroBatchCount, Plan, Throughput
+from autotune.strategies import Strategy
+from autotune.task import ProbeTask
+from autotune.trial import _autocast, build_model, build_on_meta, make_batch
+
+__all__ = ["DEFAULT_MIN_SECONDS", "DEFAULT_REPEATS", "MAX_REPEATS", "time_sizes", "timed_updates"]
+
+DEFAULT_REPEATS = 3
+DEFAULT_MIN_SECONDS = 1.0
+MAX_REPEATS = 200
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_sizes(
+    task: ProbeTask,
+    meter: Meter,
+    strategy: Strategy,
+    sizes: Sequence[int],
+    *,
+    repeats: int = DEFAULT_REPEATS,
+    min_seconds: float = DEFAULT_MIN_SECONDS,
+) -> tuple[dict[int, float], float, int]:
+    """Median seconds of one forward+backward at each size, of the optimizer step, and the repeats.
+
+    Runs inside ``strategy.process_group``; the caller's meter only gives the device and builds the
+    model. Raises what the run raises (an OOM included: the caller decides).
+    """
+    device = meter.device
+    wanted = sorted(set(sizes), reverse=True)
+    per_size: dict[int, list[float]] = {size: [] for size in wanted}
+    steps: list[float] = []
+    with strategy.process_group(device):
+        model = strategy.wrap(build_model(task, meter, build_on_meta(task)), task, device)
+        optimizer = task.make_optimizer(model.parameters())
+        scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
+
+        def forward_backward(size: int, last: bool) -> float:
+            batch = make_batch(task, size, device)
+            _synchronize(device)
+            started = time.perf_counter()
+            with strategy.sync(model, last=last):
+                with _autocast(task, device):
+                    loss = task.compute_loss(model, batch) / len(wanted)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            _synchronize(device)
+            return time.perf_counter() - started
+
+        def step() -> float:
+            _synchronize(device)
+            started = time.perf_counter()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _synchronize(device)
+            return time.perf_counter() - started
+
+        try:
+            for index, size in enumerate(wanted):  # warm-up: every size once, and a step
+                forward_backward(size, last=index == len(wanted) - 1)
+            step()
+            started = time.perf_counter()
+            while len(steps) < MAX_REPEATS and (
+                len(steps) < repeats or time.perf_counter() - started < min_seconds
+            ):
+                for index, size in enumerate(wanted):
+                    per_size[size].append(forward_backward(size, last=index == len(wanted) - 1))
+                steps.append(step())
+        finally:
+            del model, optimizer
+            gc.collect()
+            meter.release()
+    return {size: statistics.median(times) for size, times in per_size.items()}, statistics.median(steps), len(steps)
+
+
+def timed_updates(
+    task: ProbeTask,
+    meter: Meter,
+    strategy: Strategy,
+    *,
+    max_micro_batch: int,
+    plan: Plan | None,
+    world_size: int,
+    repeats: int = DEFAULT_REPEATS,
+    min_seconds: float = DEFAULT_MIN_SECONDS,
+    warnings: list[str] | None = None,
+) -> list[Throughput] | None:
+    """The profile's timed runs: one micro-batch of m_max per update, and the plan's update when it
+    differs. None (with a warning) where the run ran out of memory.
+
+    Example:
+        ``timed_updates(task, meter, strategy, max_micro_batch=26, plan=plan(26, 256), world_size=1)``
+        times sizes 26 and 25 and gives two Throughputs: 1 x 26 per update, and 6 x 26 + 4 x 25.
+    """
+    updates: list[list[MicroBatchCount]] = [[(max_micro_batch, 1)]]
+    if plan is not None and list(plan.micro_batches) != updates[0]:
+        updates.append(list(plan.micro_batches))
+    sizes = sorted({size for update in updates for size, _ in update})
+    try:
+        per_size, step_seconds, done = time_sizes(
+            task, meter, strategy, sizes, repeats=repeats, min_seconds=min_seconds
+        )
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        if warnings is not None:
+            warnings.append(f"the timed run at micro-batch {max(sizes)} ran out of memory: throughput not timed")
+        return None
+    result = []
+    for update in updates:
+        base = Throughput(
+            micro_batch=max(size for size, _ in update),
+            samples_per_second=1.0,
+            seconds_per_update=1.0,
+            micro_batches=update,
+            world_size=world_size,
+            micro_batch_seconds=[(size, round(per_size[size], 7)) for size, _ in update],
+            step_seconds=round(step_seconds, 6),
+            repeats=done,
+        )
+        seconds = update_seconds([base], update)
+        rate = samples_per_second([base], update, world_size)
+        assert seconds is not None and rate is not None  # every size of the update was timed
+        result.append(
+            base.model_copy(update={"seconds_per_update": round(seconds[0], 6), "samples_per_second": round(rate[0], 4)})
+        )
+    return result
