@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response, status
@@ -20,6 +22,7 @@ from autotune_server.consistency import consistent_lookup, require_consistent
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
 from autotune_server.errors import ErrorBody
+from autotune_server.outage import DATABASE_ERRORS, STALE_HEADER, Failure, classify
 from autotune_server.repository import Lookup
 from autotune_server.storable import check_storable
 from autotune_server.suggest import LookupCache
@@ -39,6 +42,10 @@ MAX_TARGET_BATCH = 2**40 - 2**30
 FINGERPRINT_PATTERN = r"^[0-9a-f]{16,128}$"
 
 
+# Every route that reads or writes the store can meet an outage: 503 (with Retry-After) or 507.
+_OUTAGE = (503, 507)
+
+
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {
         401: "No bearer token where one is needed",
@@ -47,8 +54,18 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         413: "Request body over the size cap",
         422: "A field is missing, unknown or out of range, or a profile's trials contradict it "
         "(the error names the field, and the trial)",
+        503: "The database is unavailable (unreachable, timed out, locked or read-only): nothing was "
+        "stored; retry after Retry-After seconds",
+        507: "The database's disk is full: nothing was stored",
     }
-    return {code: {"model": ErrorBody, "description": text[code]} for code in codes}
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in (*codes, *_OUTAGE):
+        out[code] = {"model": ErrorBody, "description": text[code]}
+        if code == 503:
+            out[code]["headers"] = {
+                "Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "string"}}
+            }
+    return out
 
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
@@ -107,7 +124,7 @@ def upload_profile(
     check_storable(profile)
     require_consistent(profile)
     row, created = repository.add_profile(session, profile, uploader=uploader)
-    request.app.state.suggest_cache.clear()
+    _forget_answers(request)
     url = str(request.url_for("get_profile", profile_id=row.id).path)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     response.headers["Location"] = url
@@ -166,7 +183,7 @@ def delete_profile(
 ) -> Response:
     """Delete a profile with its trials and observations."""
     repository.delete_profile(session, profile_id)
-    request.app.state.suggest_cache.clear()
+    _forget_answers(request)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -188,7 +205,7 @@ def add_observation(
     observation = _strict(Observation, raw)
     check_storable(observation)
     row = repository.add_observation(session, profile_id, observation, uploader=uploader)
-    request.app.state.suggest_cache.clear()
+    _forget_answers(request)
     return to_stored_observation(row)
 
 
@@ -203,7 +220,30 @@ def list_observations(profile_id: ProfileId, session: SessionDep, _reader: ReadA
     return ObservationPage(items=[to_stored_observation(r) for r in rows])
 
 
-@router.get("/suggest", response_model=Suggestion, responses=_errors(401, 403, 404, 422))
+_REMEMBERED_HEADERS = {
+    "Age": {
+        "description": "Only on an answer given from memory while the database is unavailable: "
+        "seconds since the store was read for it",
+        "schema": {"type": "string"},
+    },
+    STALE_HEADER: {
+        "description": "Only on an answer given from memory: why (database_unavailable)",
+        "schema": {"type": "string"},
+    },
+}
+
+
+@router.get(
+    "/suggest",
+    response_model=Suggestion,
+    responses={
+        200: {
+            "description": "The plan (from memory during an outage: see the headers)",
+            "headers": _REMEMBERED_HEADERS,
+        },
+        **_errors(401, 403, 404, 422),
+    },
+)
 async def suggest(
     _reader: ReadAccess,
     request: Request,
@@ -236,8 +276,9 @@ async def suggest(
     if body is None:
         key = (fingerprint, device_name)
         found = cache.get(key)
+        remembered: _Remembered | None = None
         if found is None:
-            found = await _single_flight(cache, key, state.engine)
+            found, remembered = await _lookup_or_remembered(cache, key, state)
         body = await run_in_threadpool(
             _answer,
             found,
@@ -251,6 +292,8 @@ async def suggest(
             plan_policy=plan,
             server_url=lambda: str(request.base_url).rstrip("/"),
         )
+        if remembered is not None:
+            return _remembered_answer(body, remembered)
         cache.put_answer(answer_key, body)
     return Response(body, media_type="application/json")
 
@@ -261,20 +304,67 @@ def _answer(found: Lookup, **query: Any) -> bytes:
     return compute_suggestion(found, **query).model_dump_json().encode()
 
 
-async def _single_flight(cache: LookupCache, key: tuple[str, str], engine: Engine) -> Lookup:
+async def _single_flight(cache: LookupCache, key: tuple[str, str], state: Any) -> Lookup:
     # When the cached lookup expires under load, every waiting request would query at once; the
     # first one queries and the others await its result (all on this one event loop).
     pending = cache.inflight.get(key)
     if pending is None:
-        pending = asyncio.ensure_future(run_in_threadpool(_lookup, engine, *key))
+        pending = asyncio.ensure_future(run_in_threadpool(_lookup, state.engine, *key))
         cache.inflight[key] = pending
         try:
             found: Lookup = await pending
         finally:
             cache.inflight.pop(key, None)
         cache.put(key, found)
+        if found.here or found.elsewhere:
+            state.remembered_lookups.remember(key, found)
+        state.outage.succeeded(wrote=False)
         return found
     return await asyncio.shield(pending)
+
+
+@dataclass(frozen=True)
+class _Remembered:
+    age_seconds: float
+    failure: Failure
+
+
+async def _lookup_or_remembered(
+    cache: LookupCache, key: tuple[str, str], state: Any
+) -> tuple[Lookup, _Remembered | None]:
+    """The lookup from the database; while it is unavailable, the one remembered for ``key``.
+
+    Raises the database's exception (a 503 from the error handlers) when it is not an outage or
+    nothing recent is remembered. Lookups that found nothing are not remembered (``_single_flight``):
+    "nothing stored" is not known while the store cannot be read, so that is a 503 too.
+    """
+    try:
+        return await _single_flight(cache, key, state), None
+    except DATABASE_ERRORS as exc:
+        failure = classify(exc)
+        recalled = state.remembered_lookups.recall(key) if failure is not None else None
+        if failure is None or recalled is None:
+            raise
+        state.outage.failed(failure, exc, refused=False)
+        found, age_seconds = recalled
+        return found, _Remembered(age_seconds, failure)
+
+
+def _remembered_answer(body: bytes, remembered: _Remembered) -> Response:
+    # Said in the body (a warning, which every client shows) and in the headers (for proxies and logs).
+    suggestion = json.loads(body)
+    suggestion.setdefault("warnings", []).append(
+        f"the store's database is unavailable ({remembered.failure.kind}): this answer comes from what "
+        f"it read {remembered.age_seconds:.0f} s ago, from memory; profiles stored since are not in it"
+    )
+    headers = {"Age": str(int(remembered.age_seconds)), STALE_HEADER: "database_unavailable"}
+    return Response(json.dumps(suggestion).encode(), media_type="application/json", headers=headers)
+
+
+def _forget_answers(request: Request) -> None:
+    # After a write in this process: cached and remembered answers may no longer be the right ones.
+    request.app.state.suggest_cache.clear()
+    request.app.state.remembered_lookups.clear()
 
 
 def _lookup(engine: Engine, fingerprint: str, device_name: str) -> Lookup:

@@ -4,7 +4,8 @@
     app = create_app(Settings(database_url="sqlite:///./var/dev.db", api_tokens=("secret",)))
 
 Nothing touches the database at import or in ``create_app``: the engine and sessionmaker are made
-in the lifespan and kept on ``app.state`` (``engine``, ``sessionmaker``, ``settings``, ``metrics``).
+in the lifespan and kept on ``app.state`` (``engine``, ``sessionmaker``, ``settings``, ``metrics``,
+and for outages ``outage`` and ``remembered_lookups``: ``autotune_server.outage``).
 The schema is not created here either; ``autotune_server.migrate.upgrade_head`` does that.
 
 Other routers: pass them as ``routers=``, call ``app.include_router`` on the result, or give the
@@ -26,8 +27,9 @@ from autotune_server import api, health
 from autotune_server.db import make_engine, make_sessionmaker
 from autotune_server.errors import install_error_handlers
 from autotune_server.metrics import MetricsMiddleware, Registry
-from autotune_server.middleware import BodyLimitMiddleware
+from autotune_server.middleware import AllowMiddleware, BodyLimitMiddleware
 from autotune_server.migrate import head_revision
+from autotune_server.outage import OutageMonitor, RememberedLookups
 from autotune_server.settings import Settings
 from autotune_server.suggest import LookupCache
 
@@ -87,6 +89,8 @@ def create_app(settings: Settings | None = None, *, routers: Sequence[APIRouter]
     app.state.settings = settings
     app.state.metrics = Registry()
     app.state.suggest_cache = LookupCache(settings.suggest_cache_seconds)
+    app.state.outage = OutageMonitor()
+    app.state.remembered_lookups = RememberedLookups(settings.suggest_stale_seconds)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(api.router)
@@ -94,6 +98,7 @@ def create_app(settings: Settings | None = None, *, routers: Sequence[APIRouter]
         app.include_router(router)
     _include_pages(app)
     # Added last = outermost: the cap applies before anything reads the body; metrics see every answer.
+    app.add_middleware(AllowMiddleware, routes_of=lambda: app.router.routes)
     app.add_middleware(BodyLimitMiddleware, limit_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, registry=app.state.metrics, routes_of=lambda: app.router)
     return app

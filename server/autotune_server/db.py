@@ -9,7 +9,26 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-__all__ = ["ensure_sqlite_parent", "is_sqlite", "make_engine", "make_sessionmaker"]
+__all__ = [
+    "COMMITTED",
+    "CONNECT_TIMEOUT_SECONDS",
+    "POOL_TIMEOUT_SECONDS",
+    "ensure_sqlite_parent",
+    "is_sqlite",
+    "make_engine",
+    "make_sessionmaker",
+]
+
+COMMITTED = "autotune_committed"
+"""Key in ``Session.info`` set once the session has committed."""
+
+CONNECT_TIMEOUT_SECONDS = 5
+"""PostgreSQL: a connect that hangs (a host gone from the network) fails after this, as a 503,
+instead of holding a worker thread for the operating system's TCP timeout."""
+
+POOL_TIMEOUT_SECONDS = 10.0
+"""How long a request waits for a pooled connection before it is answered 503 (the client's whole
+call is bounded by 10 s by default: waiting longer helps no one)."""
 
 
 def is_sqlite(url: str | URL) -> bool:
@@ -31,11 +50,12 @@ def make_engine(
     pool_size: int = 10,
     max_overflow: int = 20,
 ) -> Engine:
-    """An engine configured for several writers.
+    """An engine configured for several writers, and for a database that goes away.
 
     SQLite: WAL journal (readers never block the writer), a busy timeout (a writer waits for another
     process's lock instead of failing), foreign keys on (cascading deletes). PostgreSQL: a pool sized
-    for the worker threads, with pre-ping so a restarted database does not fail the first request.
+    for the worker threads, with pre-ping so a restarted database does not fail the first request,
+    and bounded waits (connect, pool) so that an unreachable database is a prompt 503.
     """
     if is_sqlite(url):
         ensure_sqlite_parent(url)
@@ -60,9 +80,30 @@ def make_engine(
                 cursor.close()
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True)
+    parsed = make_url(url)
+    connect_args: dict[str, Any] = {}
+    if parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
+        connect_args["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
+    return create_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_pre_ping=True,
+        pool_timeout=POOL_TIMEOUT_SECONDS,
+        connect_args=connect_args,
+    )
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
-    """Sessions whose objects stay readable after commit (routes serialize them after writing)."""
-    return sessionmaker(bind=engine, expire_on_commit=False)
+    """Sessions whose objects stay readable after commit (routes serialize them after writing).
+
+    A commit marks ``session.info[COMMITTED]``: the outage monitor counts a committed write as proof
+    that a write-side failure (a lock, a read-only or full database) is over.
+    """
+    made = sessionmaker(bind=engine, expire_on_commit=False)
+
+    @event.listens_for(made, "after_commit")
+    def _mark_committed(session: Session) -> None:
+        session.info[COMMITTED] = True
+
+    return made

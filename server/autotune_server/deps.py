@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from autotune_server.errors import AuthenticationRequired, PermissionDenied
+from autotune_server.db import COMMITTED
+from autotune_server.errors import AuthenticationRequired, DomainError, PermissionDenied
+from autotune_server.outage import OutageMonitor
 from autotune_server.settings import Settings
 
 __all__ = ["ReadAccess", "SessionDep", "SettingsDep", "WriteAccess", "get_session", "get_settings"]
@@ -28,9 +30,26 @@ async def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """One session per request, closed (and rolled back if unfinished) when the request ends."""
-    with request.app.state.sessionmaker() as session:
-        yield session
+    """One session per request, closed (and rolled back if unfinished) when the request ends.
+
+    A request that ends without a database error tells the outage monitor the database answered
+    (``wrote`` when it committed), which is how the log learns that an outage is over.
+    """
+    state = request.app.state
+    with state.sessionmaker() as session:
+        try:
+            yield session
+        except DomainError:
+            # A 404 or 422 found by asking the database is an answer from it all the same.
+            _answered(state, session)
+            raise
+        _answered(state, session)
+
+
+def _answered(state: Any, session: Session) -> None:
+    monitor = getattr(state, "outage", None)
+    if isinstance(monitor, OutageMonitor):
+        monitor.succeeded(wrote=bool(session.info.get(COMMITTED)))
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

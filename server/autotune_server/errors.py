@@ -6,6 +6,11 @@ Routes raise domain exceptions (``ProfileNotFound``, ``NoProfileForSuggestion``,
 handlers installed by :func:`install_error_handlers` turn them, FastAPI's validation errors,
 Starlette's 404/405 and any unexpected exception into that shape. An unexpected exception becomes
 a bare 500 whose message says nothing about the code: no stack trace ever leaves the server.
+
+A database that cannot be reached, times out, is locked past the busy timeout or is read-only is
+not a bug: it answers ``503 database_unavailable`` with a short ``Retry-After`` (a full disk:
+``507 database_full``), and the log gets a few lines from ``outage.OutageMonitor``, not a traceback
+per request.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from autotune_server.outage import DATABASE_ERRORS, RETRY_AFTER_SECONDS, OutageMonitor, classify
 
 __all__ = [
     "AuthenticationRequired",
@@ -34,6 +41,7 @@ __all__ = [
     "PermissionDenied",
     "ProfileNotFound",
     "UnstorableValue",
+    "database_error_response",
     "error_response",
     "install_error_handlers",
 ]
@@ -169,6 +177,8 @@ _HTTP_CODES = {
     405: "method_not_allowed",
     413: "body_too_large",
     415: "unsupported_media_type",
+    503: "database_unavailable",
+    507: "database_full",
     422: "validation_error",
 }
 
@@ -237,6 +247,34 @@ def _data_error_handler(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def database_error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The answer to an exception of the database layer: 503/507 for an outage, else a 500.
+
+    An outage is counted by the app's ``OutageMonitor`` (``app.state.outage``), which writes the log
+    lines; anything else is a real error and is logged with its traceback.
+    """
+    failure = classify(exc)
+    if failure is None:
+        return _unexpected_handler(request, exc)
+    monitor = getattr(request.app.state, "outage", None)
+    if isinstance(monitor, OutageMonitor):
+        monitor.failed(failure, exc)
+    since = monitor.since() if isinstance(monitor, OutageMonitor) else None
+    details: dict[str, Any] = {"kind": failure.kind}
+    if since is not None:
+        details["since"] = since.isoformat(timespec="seconds").replace("+00:00", "Z")
+    if failure.status_code == 507:
+        # A full disk is not over in seconds: no Retry-After, and the client does not retry it.
+        return error_response(507, failure.code, failure.message, details=details)
+    return error_response(
+        failure.status_code,
+        failure.code,
+        f"{failure.message}; try again in {RETRY_AFTER_SECONDS} s",
+        details=details,
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
 def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     # Logged here with its trace for the operator; the client learns only that it was our fault.
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -249,4 +287,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(DomainError, _domain_handler)
     app.add_exception_handler(StarletteHTTPException, _http_handler)
     app.add_exception_handler(DataError, _data_error_handler)
+    for database_error in DATABASE_ERRORS:
+        app.add_exception_handler(database_error, database_error_response)
     app.add_exception_handler(Exception, _unexpected_handler)

@@ -10,6 +10,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from autotune_server import repository
 from autotune_server.api import use_docstring_summaries
 from autotune_server.errors import ErrorBody, error_response
+from autotune_server.outage import RETRY_AFTER_SECONDS, classify
 from autotune_server.wire import Health, Readiness
 
 __all__ = ["router"]
@@ -33,9 +34,20 @@ def _readiness(request: Request) -> Readiness | JSONResponse:
             revision = session.execute(text("SELECT version_num FROM alembic_version")).scalar()
     except SQLAlchemyError as exc:
         # The exception's text can hold the URL (and a password): only its class goes out.
+        failure = classify(exc)
+        monitor = request.app.state.outage
+        if failure is not None:
+            monitor.failed(failure, exc)
+        since = monitor.since()
+        details = {"since": f"{since:%Y-%m-%dT%H:%M:%SZ}"} if since is not None else None
         return error_response(
-            503, "database_unavailable", f"database not reachable or not migrated ({type(exc).__name__})"
+            503,
+            "database_unavailable",
+            f"database not reachable or not migrated ({type(exc).__name__})",
+            details=details,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
+    request.app.state.outage.succeeded(wrote=False)
     if revision != head:
         return error_response(
             503,
@@ -48,7 +60,15 @@ def _readiness(request: Request) -> Readiness | JSONResponse:
 @router.get(
     "/readyz",
     response_model=Readiness,
-    responses={503: {"model": ErrorBody, "description": "Database unreachable or not migrated"}},
+    responses={
+        503: {
+            "model": ErrorBody,
+            "description": "Database unreachable or not migrated",
+            "headers": {
+                "Retry-After": {"description": "Seconds to wait before asking again", "schema": {"type": "string"}}
+            },
+        }
+    },
 )
 def readyz(request: Request) -> Readiness | JSONResponse:
     """The database answers and its schema is at the migration head."""

@@ -50,8 +50,14 @@ from autotune_server.dashboard_queries import (
     profile_table,
 )
 from autotune_server.deps import SessionDep, SettingsDep, require_read
-from autotune_server.errors import AuthenticationRequired, PermissionDenied, ProfileNotFound
+from autotune_server.errors import (
+    AuthenticationRequired,
+    PermissionDenied,
+    ProfileNotFound,
+    database_error_response,
+)
 from autotune_server.models import ObservationRow
+from autotune_server.outage import DATABASE_ERRORS
 from autotune_server.repository import get_profile, list_observations, to_utc
 
 __all__ = [
@@ -623,3 +629,26 @@ def install(app: FastAPI) -> None:
 
     app.add_exception_handler(PageError, page_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    for database_error in DATABASE_ERRORS:
+        app.add_exception_handler(database_error, _outage_page)
+
+
+def _outage_page(request: Request, exc: Exception) -> Response:
+    # The JSON handler classifies and counts the failure (503/507, or a 500 for a real error); a
+    # browser gets the same answer as a page that says the store is unreachable.
+    answer = database_error_response(request, exc)
+    if not _wants_html(request) or answer.status_code not in (503, 507):
+        return answer
+    since = request.app.state.outage.since() if hasattr(request.app.state, "outage") else None
+    when = f" since {since:%H:%M:%S} UTC" if since is not None else ""
+    if answer.status_code == 507:
+        title, message = "Store full", f"The profile store's disk is full{when}: nothing more can be stored."
+    else:
+        title = "Store unreachable"
+        message = (
+            f"The profile store's database is unavailable{when}. The dashboard works again as soon as "
+            f"it is back: reload in a few seconds."
+        )
+    context = {"status_code": answer.status_code, "title": title, "message": message}
+    headers = {"Retry-After": answer.headers["retry-after"]} if "retry-after" in answer.headers else None
+    return _render(request, "error.html", context, status_code=answer.status_code, headers=headers)

@@ -6,6 +6,8 @@ AUTOTUNE_API_TOKENS          comma-separated write tokens; an entry may be ``nam
 AUTOTUNE_READ_TOKENS         comma-separated read-only tokens
 AUTOTUNE_READ_TOKEN_REQUIRED reads need a (read or write) token too; default false
 AUTOTUNE_MAX_BODY_BYTES      request body cap, 413 past it; default 8 MiB
+AUTOTUNE_SUGGEST_STALE_SECONDS  during a database outage, /suggest answers setups it read within
+                             this many seconds from memory (marked so); default 900, 0 turns it off
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class Settings(BaseSettings):
     # /suggest caches its database lookup per (fingerprint, device) this long; a write in this
     # process clears it at once, other workers' writes show within this time. 0 turns it off.
     suggest_cache_seconds: float = Field(default=1.0, ge=0)
+    # While the database is unavailable, /suggest answers a setup it read within this many seconds
+    # from memory (saying so); older or unknown setups get 503. 0 turns it off.
+    suggest_stale_seconds: float = Field(default=900.0, ge=0)
     # uvicorn's per-request log line; off for load tests, on by default for operators.
     access_log: bool = True
 
