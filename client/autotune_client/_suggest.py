@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from autotune.plan import PLAN_POLICIES
 from autotune.schemas import STRATEGIES, Profile, Suggestion, TagValue
 from autotune_client._client import TunerClient
-from autotune_client._constants import ENV_URL
+from autotune_client._constants import DEFAULT_TIMEOUT_SECONDS, ENV_URL
+from autotune_client._distributed import DECISION_SLACK_SECONDS, in_process_group, local_probe_starting, one_decision
 from autotune_client.errors import (
     APIConnectionError,
     AutotuneClientError,
@@ -118,6 +119,7 @@ def suggest(
     client: TunerClient | None = None,
     strategy: str = "ddp",
     plan: str = "balanced",
+    distributed: bool = True,
 ) -> Suggestion:
     """The micro-batch and accumulation steps for this job, measured rather than guessed.
 
@@ -154,6 +156,11 @@ def suggest(
             at most one, e.g. 6 x 26 + 4 x 25 = 256 in 10 steps; feed them with
             ``autotune.accumulate.PlanBatchSampler``) or "divisor" (equal micro-batches, e.g. 16 x 16).
             The adapters (``as_hf_training_args`` ...) give the best equal plan either way.
+        distributed: under an initialized torch.distributed process group of several ranks (call
+            it on every rank), rank 0 asks the store (or probes) and the others receive the same
+            Suggestion: one decision per job. The others wait at most the client's timeout plus
+            ``DECISION_SLACK_SECONDS``, or until rank 0's local probe ends. False: each rank
+            decides on its own.
 
     Returns:
         A Suggestion: ``micro_batch``, ``accumulation_steps``, ``world_size``, ``effective_batch``,
@@ -170,8 +177,12 @@ def suggest(
     text is in ``Suggestion.warnings``. Talking to the server never takes longer than the client's
     timeout, retries included.
     """
+    arguments = dict(locals())  # the call as made, for rank 0 to repeat without the process group
     from autotune.fingerprint import fingerprint_model
 
+    if distributed and in_process_group():
+        wait = (client.timeout if client is not None else DEFAULT_TIMEOUT_SECONDS) + DECISION_SLACK_SECONDS
+        return one_decision(lambda: suggest(**{**arguments, "distributed": False}), wait_seconds=wait)
     if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
         raise AutotuneClientError(f"target_batch must be a positive integer, got {target_batch!r}")
     if strategy not in STRATEGIES:
@@ -444,6 +455,7 @@ def _probe_locally(
 
     if device_spec == "cpu" and budget_bytes is None:
         raise AutotuneClientError("probing on the CPU needs budget= (bytes or a size like '4GiB')")
+    local_probe_starting()  # under a process group: the other ranks now wait for a probe
     template = _cpu_copy(model)
 
     def fresh_model() -> nn.Module:
