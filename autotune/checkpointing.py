@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from autotune.errors import TaskError
 from autotune.schemas import ACTIVATION_CHECKPOINTING
 
-__all__ = ["POLICIES", "apply_policy", "blocks", "check_policy", "wrapped_blocks"]
+__all__ = ["POLICIES", "apply_policy", "blocks", "check_model", "check_policy", "wrapped_blocks"]
 
 POLICIES = ACTIVATION_CHECKPOINTING
 
@@ -99,3 +99,22 @@ def apply_policy(
             unit.forward = _checkpointed(unit.forward)  # type: ignore[method-assign]
             setattr(unit, _MARK, True)
     return len(chosen)
+
+
+def check_model(task: Any, policy: str) -> int:
+    """How many blocks ``policy`` wraps in the task's model, built on the meta device (no memory):
+    the check a command makes before its first probe, so that a policy that cannot apply stores
+    nothing.
+
+    Raises:
+        TaskError: an unknown policy, or no block to wrap (one line naming ``shard_classes``).
+    """
+    import torch
+
+    check_policy(policy)
+    try:
+        with torch.device("meta"):
+            model = task.model()
+    except Exception:  # a factory that cannot run on meta: the trial will say what it says
+        return 0
+    return apply_policy(model, policy, task.shard_classes, task_name=task.name)

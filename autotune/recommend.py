@@ -26,7 +26,9 @@ from autotune.schemas import ACTIVATION_CHECKPOINTING, MicroBatchCount, Plan, Pr
 __all__ = ["Option", "option_for", "options_text", "recommend", "samples_per_second", "update_seconds"]
 
 
-def update_seconds(timings: Sequence[Throughput], micro_batches: Sequence[MicroBatchCount]) -> tuple[float, bool] | None:
+def update_seconds(
+    timings: Sequence[Throughput], micro_batches: Sequence[MicroBatchCount]
+) -> tuple[float, bool] | None:
     """Seconds of one update of ``micro_batches`` (per replica) from timed runs, and whether every
     size of it was timed; None without timings."""
     per_size: dict[int, float] = {}
@@ -101,7 +103,8 @@ def option_for(profile: Profile) -> Option:
 
 
 def _policy_rank(policy: str) -> int:
-    return ACTIVATION_CHECKPOINTING.index(policy) if policy in ACTIVATION_CHECKPOINTING else len(ACTIVATION_CHECKPOINTING)
+    known = ACTIVATION_CHECKPOINTING
+    return known.index(policy) if policy in known else len(known)
 
 
 def recommend(options: Sequence[Option], objective: str = "throughput") -> Option:

@@ -9,6 +9,13 @@ from autotune.units import format_bytes
 __all__ = ["datasheet", "strategy_text", "trial_counts", "trial_line"]
 
 
+_POLICY_TEXT = {
+    "none": "none",
+    "every-2": "every-2 (every other block recomputes its forward)",
+    "full": "full (every block recomputes its forward)",
+}
+
+
 def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
     """One progress line: m, peak, verdict, time."""
     verdict = "OOM" if trial.oom else ("fits" if trial.fits else "over limit")
@@ -47,6 +54,7 @@ def datasheet(profile: Profile) -> str:
         f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
         f"  precision        {profile.precision}",
         f"  strategy         {strategy_text(profile)}",
+        f"  checkpointing    {_POLICY_TEXT.get(profile.activation_checkpointing, profile.activation_checkpointing)}",
         f"  source           {profile.source}"
         + (" (fake-tensor trials only, not a measurement on the device)" if profile.source == "estimate" else ""),
         f"  budget           {format_bytes(profile.budget_bytes)} (headroom {profile.headroom:.0%}, "
@@ -79,5 +87,11 @@ def datasheet(profile: Profile) -> str:
             f"{format_bytes(profile.fit.bytes_per_sample)} per sample (forward/backward)"
         )
     lines.append(f"  trials           {trial_counts(profile)} in {profile.seconds:.2f}s")
+    for timing in profile.throughput or []:
+        sizes = " + ".join(f"{count}x{size}" for size, count in timing.micro_batches)
+        lines.append(
+            f"  throughput       {timing.samples_per_second:.4g} samples/s, update {sizes} in "
+            f"{timing.seconds_per_update:.4g}s (timed, median of {timing.repeats})"
+        )
     lines.extend(f"  warning          {warning}" for warning in profile.warnings)
     return "\n".join(lines)

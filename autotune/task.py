@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from autotune.errors import TaskError
-from autotune.schemas import PRECISIONS, TagValue
+from autotune.schemas import ACTIVATION_CHECKPOINTING, PRECISIONS, TagValue
 
 __all__ = ["LossFn", "LossSumFn", "ModelFactory", "OptimizerFactory", "ProbeTask", "default_loss", "load_task"]
 
@@ -61,6 +61,9 @@ class ProbeTask:
             ``autotune verify`` and the accumulator for exact group normalization (token losses).
         shard_classes: the block classes ``--strategy fsdp`` shards one by one; None shards every
             child of every nn.ModuleList in the model.
+        activation_checkpointing: the memory policy of the trials (autotune/checkpointing.py):
+            "none", "every-2" (every other block recomputes its forward) or "full" (every block);
+            the blocks are the ones ``--strategy fsdp`` shards.
     """
 
     name: str
@@ -72,10 +75,16 @@ class ProbeTask:
     tags: dict[str, TagValue] = field(default_factory=dict)
     loss_sum: LossSumFn | None = None
     shard_classes: tuple[type[nn.Module], ...] | None = None
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise TaskError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise TaskError(
+                f"activation checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+                f"got {self.activation_checkpointing!r}"
+            )
         if not callable(self.model) or not callable(self.batch):
             raise TaskError("ProbeTask needs callables for model and batch")
 

@@ -17,7 +17,10 @@ import gc
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
+
 import torch
+from torch import nn
 
 from autotune.meters import Meter
 from autotune.oom import is_oom
@@ -39,6 +42,55 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _forward_backward(
+    task: ProbeTask, strategy: Strategy, model: nn.Module, scaler: Any, size: int, device: torch.device, last: bool
+) -> float:
+    batch = make_batch(task, size, device)  # ready before the clock starts, as a DataLoader has it
+    _synchronize(device)
+    started = time.perf_counter()
+    with strategy.sync(model, last=last):
+        with _autocast(task, device):
+            loss = task.compute_loss(model, batch)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+def _step(optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device) -> float:
+    _synchronize(device)
+    started = time.perf_counter()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+def _timed(
+    task: ProbeTask, meter: Meter, strategy: Strategy, wanted: list[int], repeats: int, min_seconds: float
+) -> tuple[dict[int, list[float]], list[float]]:
+    """The timings; the model, optimizer and batches die with this frame."""
+    device = meter.device
+    model = strategy.wrap(build_model(task, meter, build_on_meta(task)), task, device)
+    optimizer = task.make_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
+    per_size: dict[int, list[float]] = {size: [] for size in wanted}
+    steps: list[float] = []
+    for index, size in enumerate(wanted):  # warm-up: every size once, and a step
+        _forward_backward(task, strategy, model, scaler, size, device, last=index == len(wanted) - 1)
+    _step(optimizer, scaler, device)
+    started = time.perf_counter()
+    while len(steps) < MAX_REPEATS and (len(steps) < repeats or time.perf_counter() - started < min_seconds):
+        for index, size in enumerate(wanted):
+            last = index == len(wanted) - 1
+            per_size[size].append(_forward_backward(task, strategy, model, scaler, size, device, last=last))
+        steps.append(_step(optimizer, scaler, device))
+    return per_size, steps
+
+
 def time_sizes(
     task: ProbeTask,
     meter: Meter,
@@ -50,54 +102,15 @@ def time_sizes(
 ) -> tuple[dict[int, float], float, int]:
     """Median seconds of one forward+backward at each size, of the optimizer step, and the repeats.
 
-    Runs inside ``strategy.process_group``; the caller's meter only gives the device and builds the
-    model. Raises what the run raises (an OOM included: the caller decides).
+    Enters ``strategy.process_group`` itself; the meter gives the device and builds the model (its
+    accounting is off while the clock runs). Raises what the run raises (an OOM included: the
+    caller decides).
     """
-    device = meter.device
     wanted = sorted(set(sizes), reverse=True)
-    per_size: dict[int, list[float]] = {size: [] for size in wanted}
-    steps: list[float] = []
-    with strategy.process_group(device):
-        model = strategy.wrap(build_model(task, meter, build_on_meta(task)), task, device)
-        optimizer = task.make_optimizer(model.parameters())
-        scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
-
-        def forward_backward(size: int, last: bool) -> float:
-            batch = make_batch(task, size, device)
-            _synchronize(device)
-            started = time.perf_counter()
-            with strategy.sync(model, last=last):
-                with _autocast(task, device):
-                    loss = task.compute_loss(model, batch) / len(wanted)
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            _synchronize(device)
-            return time.perf_counter() - started
-
-        def step() -> float:
-            _synchronize(device)
-            started = time.perf_counter()
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _synchronize(device)
-            return time.perf_counter() - started
-
+    with strategy.process_group(meter.device):
         try:
-            for index, size in enumerate(wanted):  # warm-up: every size once, and a step
-                forward_backward(size, last=index == len(wanted) - 1)
-            step()
-            started = time.perf_counter()
-            while len(steps) < MAX_REPEATS and (
-                len(steps) < repeats or time.perf_counter() - started < min_seconds
-            ):
-                for index, size in enumerate(wanted):
-                    per_size[size].append(forward_backward(size, last=index == len(wanted) - 1))
-                steps.append(step())
+            per_size, steps = _timed(task, meter, strategy, wanted, repeats, min_seconds)
         finally:
-            del model, optimizer
             gc.collect()
             meter.release()
     return {size: statistics.median(times) for size, times in per_size.items()}, statistics.median(steps), len(steps)
@@ -151,7 +164,6 @@ def timed_updates(
         seconds = update_seconds([base], update)
         rate = samples_per_second([base], update, world_size)
         assert seconds is not None and rate is not None  # every size of the update was timed
-        result.append(
-            base.model_copy(update={"seconds_per_update": round(seconds[0], 6), "samples_per_second": round(rate[0], 4)})
-        )
+        figures = {"seconds_per_update": round(seconds[0], 7), "samples_per_second": round(rate[0], 4)}
+        result.append(base.model_copy(update=figures))
     return result

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from autotune.cli.common import task_spec
-from autotune.cli.probe import add_setup_options, emit_profile
+from autotune.cli.policies import for_each_policy, policies_of, recommendation
+from autotune.cli.probe import add_setup_options, emit_profiles
 
 __all__ = ["add_parsers", "run_estimate"]
 
@@ -52,5 +53,13 @@ def run_estimate(args: argparse.Namespace) -> int:
     task = load_task(task_spec(args.task, args))
     limit = int(args.budget * (1 - args.headroom))
     print(f"estimating {task.name} for {args.device_kind} with fake tensors ...", file=sys.stderr)
-    profile = estimate(task, config, on_trial=lambda t: print(trial_line(t, limit), file=sys.stderr, flush=True))
-    return emit_profile(profile, args)
+    profiles = for_each_policy(
+        task,
+        config,
+        policies_of(args),
+        lambda t, c: estimate(t, c, on_trial=lambda r: print(trial_line(r, limit), file=sys.stderr, flush=True)),
+    )
+    code = emit_profiles(profiles, args)
+    if len(profiles) > 1:  # fake trials cannot be timed: the policies compare by memory only
+        print(recommendation(profiles, "memory"), file=sys.stderr if args.json else sys.stdout)
+    return code

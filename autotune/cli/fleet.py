@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.cli.common import EXIT_FAILED, CliError, non_negative_int, size, task_spec
+from autotune.cli.policies import policies_of, with_policies
 from autotune.cli.probe import add_probe_options, config_from_args
 
 __all__ = ["add_parsers", "budget_list", "run_fleet_command"]
@@ -88,14 +89,23 @@ def run_fleet_command(args: argparse.Namespace) -> int:
         config.validate()  # a bad option fails here, before any cluster time is spent
         return config
 
-    pairs = make_pairs(
-        [task_spec(spec, args) for spec in args.tasks],
-        accelerators=parse_accelerators(args.accelerators) if args.accelerators else None,
-        device=args.device,
-        budgets=args.budget or [None],
-        config_for=config_for,
-        working_dir=args.working_dir,
+    pairs = with_policies(
+        make_pairs(
+            [task_spec(spec, args) for spec in args.tasks],
+            accelerators=parse_accelerators(args.accelerators) if args.accelerators else None,
+            device=args.device,
+            budgets=args.budget or [None],
+            config_for=config_for,
+            working_dir=args.working_dir,
+        ),
+        policies_of(args),
     )
+    if args.ac:  # every policy applies to every task, checked before any cluster time is spent
+        from autotune.cli.policies import check_policies
+        from autotune.task import load_task
+
+        for spec in args.tasks:
+            check_policies(load_task(spec), args.ac)
     progress = Progress(pairs, sys.stderr)
     with ProfileSink(server=args.server, token=os.environ.get("AUTOTUNE_TOKEN"), output_dir=args.output) as sink:
         rows = run_fleet(

@@ -10,6 +10,7 @@ from typing import Any
 
 from autotune.cli.common import EXIT_FAILED, CliError, add_strategy_and_plan_options, headroom, positive_int, size
 from autotune.files import write_atomically
+from autotune.cli.policies import add_objective_option, add_policy_option, for_each_policy, policies_of, recommendation
 from autotune.schemas import PRECISIONS
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "add_setup_options",
     "config_from_args",
     "emit_profile",
+    "emit_profiles",
     "run_probe",
     "run_verify",
 ]
@@ -32,6 +34,7 @@ def add_probe_options(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip the fake-tensor pre-search: real trials only",
     )
+    add_objective_option(p)
 
 
 def add_setup_options(p: argparse.ArgumentParser) -> None:
@@ -44,6 +47,7 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multiple-of", type=positive_int, default=1)
     p.add_argument("--precision", choices=PRECISIONS, help="override the task's precision")
     add_strategy_and_plan_options(p)
+    add_policy_option(p)
 
 
 def config_from_args(args: argparse.Namespace, device: str) -> Any:
@@ -62,6 +66,7 @@ def config_from_args(args: argparse.Namespace, device: str) -> Any:
         strategy=args.strategy,
         presearch=args.presearch,
         plan_policy=args.plan,
+        throughput=getattr(args, "throughput", False),
     )
 
 
@@ -100,10 +105,42 @@ def run_probe(args: argparse.Namespace) -> int:
             )
         from autotune.multi import probe_all_devices
 
-        profile = probe_all_devices(args.task, config)
+        profiles = for_each_policy(task, config, policies_of(args), lambda _task, c: probe_all_devices(args.task, c))
     else:
-        profile = probe(task, config, on_trial=lambda t: print(trial_line(t, limit), file=sys.stderr, flush=True))
-    return emit_profile(profile, args)
+        profiles = for_each_policy(
+            task,
+            config,
+            policies_of(args),
+            lambda t, c: probe(t, c, on_trial=lambda r: print(trial_line(r, limit), file=sys.stderr, flush=True)),
+        )
+    code = emit_profiles(profiles, args)
+    # Always: which policy and plan hold the target best, each policy's samples per second beside it.
+    print(recommendation(profiles, args.objective), file=sys.stderr if args.json else sys.stdout)
+    return code
+
+
+def emit_profiles(profiles: list[Any], args: argparse.Namespace) -> int:
+    """One profile as :func:`emit_profile`; several (one run, several policies) as a JSON array on
+    --json and --output, a datasheet each, each uploaded to --server."""
+    if len(profiles) == 1:
+        return emit_profile(profiles[0], args)
+    from autotune.report import datasheet
+
+    text = "[\n" + ",\n".join(profile.model_dump_json(indent=2) for profile in profiles) + "\n]"
+    if args.output:
+        write_atomically(args.output, text)
+    if args.json:
+        print(text)
+    for profile in profiles:
+        print(datasheet(profile), file=sys.stderr if args.json else sys.stdout)
+    if args.server:
+        from autotune_client.cli import upload_profile
+
+        token = os.environ.get("AUTOTUNE_TOKEN")
+        for profile in profiles:
+            profile_id = upload_profile(profile, server=args.server, token=token)
+            print(f"uploaded as profile {profile_id} to {args.server}", file=sys.stderr)
+    return 0
 
 
 def emit_profile(profile: Any, args: argparse.Namespace) -> int:

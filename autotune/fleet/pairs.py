@@ -58,7 +58,8 @@ class Pair:
 
     @property
     def label(self) -> str:
-        return f"{self.spec} on {self.on}, budget {self.budget_label}"
+        policy = getattr(self.config, "activation_checkpointing", None)
+        return f"{self.spec} on {self.on}, budget {self.budget_label}" + (f", ac {policy}" if policy else "")
 
     def ray_options(self, max_retries: int) -> dict[str, Any]:
         """The options of this pair's Ray task.

@@ -1,0 +1,118 @@
+"""`--ac` and `--objective`: the memory policies a command probes, one probe per policy, and the
+``recommended:`` line that names the policy and plan to run.
+
+Each policy is a probe of its own with its own exact m_max (the loop is here, outside the probe);
+every policy is checked before the first probe starts, so a bad one costs no device time and stores
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from autotune.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES
+
+__all__ = [
+    "add_objective_option",
+    "add_policy_option",
+    "check_policies",
+    "for_each_policy",
+    "policies_of",
+    "policy_list",
+    "recommendation",
+    "with_policies",
+]
+
+
+def policy_list(text: str) -> list[str]:
+    """``"none,full"`` -> ``["none", "full"]`` (any subset of none, every-2, full, without repeats)."""
+    names = [part.strip() for part in text.split(",")]
+    bad = [name for name in names if name not in ACTIVATION_CHECKPOINTING]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(map(repr, bad))}: choose from {', '.join(ACTIVATION_CHECKPOINTING)} "
+            "(a comma list: none,every-2,full)"
+        )
+    return list(dict.fromkeys(names))
+
+
+def add_policy_option(p: argparse.ArgumentParser) -> None:
+    """--ac, as probe, estimate and fleet take it."""
+    p.add_argument(
+        "--ac",
+        type=policy_list,
+        default=None,
+        metavar="POLICIES",
+        help="activation checkpointing policies to probe, one profile each: none (default), every-2 "
+        "(every other block), full (every block), or a comma list (none,every-2,full)",
+    )
+
+
+def add_objective_option(p: argparse.ArgumentParser) -> None:
+    """--objective and --no-throughput, as probe takes them."""
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="memory",
+        help="what the recommended: line optimizes: memory (default: the largest micro-batch, the fewest "
+        "steps) or throughput (the most samples per second, timed)",
+    )
+    p.add_argument(
+        "--no-throughput",
+        dest="throughput",
+        action="store_false",
+        help="skip the timed run after the search (no samples per second in the profile)",
+    )
+
+
+def policies_of(args: argparse.Namespace) -> list[str | None]:
+    """The policies to probe: those of --ac, or the task's own (None) when --ac is not given."""
+    return list(args.ac) if getattr(args, "ac", None) else [None]
+
+
+def check_policies(task: Any, policies: Sequence[str | None]) -> None:
+    """Every policy can be applied to the task's model (a block to wrap), before any probe runs.
+
+    Raises:
+        TaskError: a policy other than none on a model with no block (one line naming shard_classes).
+    """
+    from autotune.checkpointing import check_model
+
+    for policy in policies:
+        if policy is not None:
+            check_model(task, policy)
+
+
+def for_each_policy(
+    task: Any, config: Any, policies: Sequence[str | None], run: Callable[[Any, Any], Any]
+) -> list[Any]:
+    """``run(task, config)`` once per policy, the config's ``activation_checkpointing`` set to it."""
+    check_policies(task, policies)
+    return [
+        run(task, config if policy is None else dataclasses.replace(config, activation_checkpointing=policy))
+        for policy in policies
+    ]
+
+
+def with_policies(pairs: Sequence[Any], policies: Sequence[str | None]) -> list[Any]:
+    """Fleet pairs, one per (pair, policy), numbered again in that order."""
+    if policies == [None]:
+        return list(pairs)
+    out = []
+    for pair in pairs:
+        for policy in policies:
+            config = dataclasses.replace(pair.config, activation_checkpointing=policy)
+            out.append(dataclasses.replace(pair, index=len(out), config=config))
+    return out
+
+
+def recommendation(profiles: Sequence[Any], objective: str) -> str:
+    """The ``recommended:`` line: the policy and plan that hold the target best by ``objective``,
+    the others beside it."""
+    from autotune.recommend import option_for, options_text, recommend
+
+    options = [option_for(profile) for profile in profiles]
+    return options_text(recommend(options, objective), options, objective)
