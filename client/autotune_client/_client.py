@@ -31,7 +31,9 @@ from autotune_client._constants import (
     INITIAL_RETRY_DELAY_SECONDS,
     MAX_RETRY_AFTER_SECONDS,
     MAX_RETRY_DELAY_SECONDS,
+    NON_RETRYABLE_STATUS_CODES,
     PAGE_SIZE,
+    RETRY_AFTER_JITTER_FRACTION,
     RETRY_JITTER_FRACTION,
     RETRYABLE_STATUS_CODES,
     USER_AGENT,
@@ -298,11 +300,14 @@ class TunerClient:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
-    def _retry_delay(self, attempt: int, response: httpx.Response | None) -> float:
+    def _retry_delay(self, attempt: int, response: httpx.Response | None, remaining: float = math.inf) -> float:
+        """Seconds to wait before the next attempt: the server's Retry-After when it gave a believable
+        one (lengthened by jitter only while that still fits in ``remaining``), else the back-off."""
         if response is not None:
             retry_after = _parse_retry_after(response.headers.get("Retry-After"))
             if retry_after is not None and retry_after <= MAX_RETRY_AFTER_SECONDS:
-                return retry_after
+                jittered = retry_after * (1.0 + RETRY_AFTER_JITTER_FRACTION * self._random())
+                return jittered if jittered < remaining else retry_after
         delay = min(MAX_RETRY_DELAY_SECONDS, INITIAL_RETRY_DELAY_SECONDS * 2**attempt)
         return delay * (1.0 - RETRY_JITTER_FRACTION * self._random())
 
@@ -345,12 +350,14 @@ class TunerClient:
                     return response
                 error = status_error(response)
                 status = response.status_code
-                retryable = status in RETRYABLE_STATUS_CODES or (status >= 500 and idempotent)
+                retryable = status in RETRYABLE_STATUS_CODES or (
+                    status >= 500 and idempotent and status not in NON_RETRYABLE_STATUS_CODES
+                )
                 # 503 means the server did not process it, whatever the method.
                 retryable = retryable or status == 503
             if not retryable or attempt >= self.max_retries:
                 raise error
-            delay = self._retry_delay(attempt, response)
+            delay = self._retry_delay(attempt, response, deadline - time.monotonic())
             if time.monotonic() + delay >= deadline:
                 # Waiting would overrun the call's timeout: fail now with what the server said.
                 raise error

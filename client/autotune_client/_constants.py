@@ -11,8 +11,10 @@ __all__ = [
     "INITIAL_RETRY_DELAY_SECONDS",
     "MAX_RETRY_AFTER_SECONDS",
     "MAX_RETRY_DELAY_SECONDS",
+    "NON_RETRYABLE_STATUS_CODES",
     "PAGE_SIZE",
     "RETRYABLE_STATUS_CODES",
+    "RETRY_AFTER_JITTER_FRACTION",
     "RETRY_JITTER_FRACTION",
     "USER_AGENT",
 ]
@@ -44,8 +46,18 @@ starts at once do not retry in lock-step."""
 MAX_RETRY_AFTER_SECONDS = 60.0
 """A server's Retry-After beyond this is not believed; the computed back-off is used instead."""
 
+RETRY_AFTER_JITTER_FRACTION = 0.25
+"""A Retry-After wait is lengthened by up to this fraction at random (never shortened: that is what
+the server asked), so that a fleet refused together by a store that is down does not come back in
+one burst the moment it returns."""
+
 RETRYABLE_STATUS_CODES = frozenset({408, 429})
-"""Statuses below 500 worth a retry (request timeout, rate limiting); every 5xx is retried too."""
+"""Statuses below 500 worth a retry (request timeout, rate limiting); every 5xx is retried too,
+but for :data:`NON_RETRYABLE_STATUS_CODES`. 503 (the store's database is unavailable: nothing was
+processed) is retried whatever the method, after its Retry-After."""
+
+NON_RETRYABLE_STATUS_CODES = frozenset({501, 505, 507})
+"""5xx that a retry within seconds cannot change: not implemented, HTTP version, a full disk (507)."""
 
 USER_AGENT = "autotune-client"
 

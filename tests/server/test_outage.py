@@ -331,6 +331,7 @@ def test_a_retried_upload_is_stored_once_whether_or_not_the_503_had_committed(pg
                 stored_at_the_503.append(_count(pg.url, "profiles"))
 
             tuner._sleep = sleep
+            tuner._random = lambda: 0.0  # no jitter on top of Retry-After
             proxy.cut_at_commit(after=(cut == "after_commit"))
             profile_id = tuner.upload(_profile(seed=7))
             assert proxy.cuts == 1
@@ -347,6 +348,7 @@ def test_the_client_gives_up_on_a_down_store_within_its_timeout(pg: ThrowawayPos
         tuner = TunerClient(base_url=BASE, token=WRITE_TOKEN, http_client=_through(server), max_retries=2)
         sleeps: list[float] = []
         tuner._sleep = sleeps.append
+        tuner._random = lambda: 0.0
         pg.stop()
         with pytest.raises(InternalServerError) as info:
             tuner.upload(_profile(seed=8))
