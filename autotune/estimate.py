@@ -25,6 +25,7 @@ import torch
 
 import autotune
 from autotune.consistency import check_profile
+from autotune.diagnose import cannot_fit, diagnose_no_fit
 from autotune.errors import AutotuneError, BudgetError
 from autotune.fingerprint import task_fingerprint
 from autotune.plan import nonnegative_fit
@@ -36,7 +37,7 @@ from autotune.strategies import make_strategy
 from autotune.task import ProbeTask
 from autotune.trial import frozen_heap
 
-__all__ = ["DEVICE_KINDS", "EstimateConfig", "estimate"]
+__all__ = ["DEVICE_KINDS", "EstimateConfig", "estimate", "estimate_device_type"]
 
 DEVICE_KINDS = ("cpu", "cuda")
 
@@ -84,11 +85,33 @@ class EstimateConfig:
         )
 
 
-def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Trial], None] | None = None) -> Profile:
+def estimate_device_type(device_kind: str) -> tuple[str, str | None]:
+    """The device the fake tensors claim, and the warning an estimate carries when it cannot be the
+    card's own kind (a CUDA estimate on a torch without CUDA runs with CPU semantics)."""
+    if device_kind == "cuda" and not torch.cuda.is_available():
+        return "cpu", (
+            "estimated with CPU semantics: this torch has no CUDA, and a CPU build cannot run fake CUDA "
+            "tensors through autograd; autocast's op lists and attention kernels differ on CUDA "
+            "(measured against an H200: +2 % for an fp32 GPT-2, -17 % for a bf16 Llama-style model)"
+        )
+    return device_kind, None
+
+
+def estimate(
+    task: ProbeTask,
+    config: EstimateConfig,
+    *,
+    on_trial: Callable[[Trial], None] | None = None,
+    hint: int | None = None,
+) -> Profile:
     """The largest micro-batch that fits the budget by fake trials, and the plan for the target.
 
+    ``hint``: m_max predicted already (a surface over lengths): the fake trials confirm it (at it and
+    one step past it) instead of tracing a curve first.
+
     Raises:
-        BudgetError: no budget, or micro-batch multiple_of does not fit even fake.
+        BudgetError: no budget. CannotFitError (a BudgetError): micro-batch multiple_of does not fit
+            even fake; its one line says what the job needs and what would fit (autotune/diagnose.py).
         AutotuneError: bad configuration; an op that cannot run fake (the message names it).
     """
     config.validate()
@@ -98,18 +121,12 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
     if config.activation_checkpointing is not None:
         task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
     started = time.perf_counter()
-    warnings: list[str] = []
-    device_type = config.device_kind
-    if device_type == "cuda" and not torch.cuda.is_available():
-        device_type = "cpu"
-        warnings.append(
-            "estimated with CPU semantics: this torch has no CUDA, and a CPU build cannot run fake CUDA "
-            "tensors through autograd; autocast's op lists and attention kernels differ on CUDA "
-            "(measured against an H200: +2 % for an fp32 GPT-2, -17 % for a bf16 Llama-style model)"
-        )
+    device_type, semantics = estimate_device_type(config.device_kind)
+    warnings: list[str] = [semantics] if semantics else []
     limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
     strategy = make_strategy(config.strategy, config.world_size)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
+    no_fit: NoFitError | None = None
     with strategy.process_group(torch.device(device_type)), frozen_heap():
         try:
             found = fake_search(
@@ -123,13 +140,22 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
                 device_name=device_name,
                 on_trial=on_trial,
                 confirm=True,
+                hint=hint,
             )
-        except NoFitError as exc:
-            raise BudgetError(
-                f"micro-batch {config.multiple_of} does not fit in budget {config.budget_bytes} bytes "
-                f"(limit {limit_bytes} with headroom {config.headroom}) by estimate: it peaked at "
-                f"{exc.trial.peak_bytes} bytes"
-            ) from None
+        except NoFitError as exc:  # diagnosed by fake trials, outside this process group
+            no_fit = exc
+    if no_fit is not None:
+        raise cannot_fit(
+            diagnose_no_fit(
+                task,
+                budget_bytes=config.budget_bytes,
+                headroom=config.headroom,
+                micro_batch=config.multiple_of,
+                device_type=device_type,
+                strategy=config.strategy,
+                world_size=config.world_size,
+            )
+        )
     warnings.extend(found.warnings)
     if config.strategy == "ddp" and config.world_size > 1:
         # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors.
@@ -158,6 +184,7 @@ def estimate(task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Tri
         strategy=config.strategy,  # type: ignore[arg-type]
         activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
         source="estimate",
+        seq_len=task.seq_len,
         plan=the_plan,
         trials=found.trials,
         fit=nonnegative_fit(found.fit),

@@ -15,19 +15,28 @@ the small sizes do not fit, it runs the exact search on fake trials instead, reu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from autotune.curve import PeakCurve
 from autotune.errors import AutotuneError
 from autotune.meters.fake import FakeMeter
-from autotune.schemas import Fit, Trial
+from autotune.schemas import MAX_BYTES, Fit, Trial
 from autotune.search import FAKE_FAR_EXTRAPOLATION, find_max_micro_batch, measured_fit
 from autotune.strategies import Replicated, Strategy
+from autotune.surface import PeakSurface
 from autotune.task import ProbeTask
 from autotune.trial import TrialRunner
 
-__all__ = ["TRACED_SIZES", "FakeSearch", "fake_search", "presearch_failed"]
+__all__ = [
+    "TRACED_SIZES",
+    "FakeSearch",
+    "SurfaceSearch",
+    "fake_search",
+    "fake_surface",
+    "presearch_failed",
+    "surface_points",
+]
 
 # The traced sizes, in units of multiple_of: not 1, where a dimension of size one makes some ops
 # views or no-ops that copy at every other size (the transformers models of bench/_hf_tasks.py
@@ -59,6 +68,7 @@ def fake_search(
     device_name: str | None = None,
     on_trial: Callable[[Trial], None] | None = None,
     confirm: bool = False,
+    hint: int | None = None,
 ) -> FakeSearch:
     """m_max by fake trials (inside strategy's process group when it has one): read off the curve of
     two traced trials, or found by the exact search where the curve cannot be had.
@@ -67,6 +77,8 @@ def fake_search(
         confirm: also run fake trials at the curve's m_max and one step past it. An estimate has no
             real trials to confirm it, so it stands on fake trials that show m_max fits and the next
             size does not; the search goes on from them where they disagree with the curve.
+        hint: m_max predicted already (by a surface over lengths): no traced trials, the search
+            starts there (with confirm: fake trials at it and one step past it).
 
     Raises:
         NoFitError: even multiple_of does not fit (the fake trial's verdict).
@@ -93,8 +105,10 @@ def fake_search(
         return done[micro_batch]
 
     try:
-        curve = _traced_curve(trial, traces, max_micro_batch=max_micro_batch, multiple_of=multiple_of)
-        predicted = curve.max_fitting(limit_bytes, cap=max_micro_batch, multiple_of=multiple_of) if curve else None
+        curve = (
+            None if hint else _traced_curve(trial, traces, max_micro_batch=max_micro_batch, multiple_of=multiple_of)
+        )
+        predicted = curve.max_fitting(limit_bytes, cap=max_micro_batch, multiple_of=multiple_of) if curve else hint
         if predicted and not confirm:
             m_max = predicted
         else:
@@ -126,6 +140,105 @@ def _traced_curve(
         if not trial(size).fits:
             return None
     return PeakCurve.from_traces(low, traces.get(low, []), high, traces.get(high, []))
+
+
+@dataclass
+class SurfaceSearch:
+    """What the traced fake trials over (m, L) gave: the surface where it could be had and was
+    confirmed on a held-out trace, else None with the reason in ``failed``; the fake trials per
+    length (traced trials count as trials of their own length)."""
+
+    surface: PeakSurface | None
+    trials: dict[int, list[Trial]]
+    held_out: tuple[int, int] | None = None
+    failed: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    # A length the model refused where a shorter one ran (past its position table, say).
+    refused: int | None = None
+
+
+def surface_points(
+    lengths: Sequence[int], multiple_of: int
+) -> tuple[tuple[int, int], tuple[int, ...], tuple[int, int]]:
+    """The sizes and three lengths to trace, and the held-out (m, L) to check the surface on.
+
+    The lengths are the smallest, a middle and the largest asked for, with halves of the smallest
+    added below where fewer than three were asked; the held-out point is a fourth asked-for length
+    where there is one, else halfway between the two smallest traced, at a size past the traced ones.
+    """
+    sizes = (TRACED_SIZES[0] * multiple_of, TRACED_SIZES[1] * multiple_of)
+    asked = sorted(set(lengths))
+    traced = list(asked)
+    while len(traced) < 3 and traced[0] // 2 >= 1 and traced[0] // 2 not in traced:
+        traced.insert(0, traced[0] // 2)
+    if len(traced) > 3:
+        traced = [traced[0], traced[len(traced) // 2], traced[-1]]
+    spare = [length for length in asked if length not in traced]
+    held_length = spare[0] if spare else (traced[0] + traced[1]) // 2
+    return sizes, tuple(traced), ((TRACED_SIZES[1] + 1) * multiple_of, held_length)
+
+
+def fake_surface(
+    task: ProbeTask,
+    lengths: Sequence[int],
+    *,
+    limit_bytes: int,
+    device_type: str,
+    strategy: Strategy,
+    multiple_of: int,
+    device_name: str | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> SurfaceSearch:
+    """The peak surface over (m, L) of a sequence-aware task from seven traced fake trials: two
+    sizes at three lengths give it (autotune/surface.py), a seventh held out checks it trace for
+    trace. The trials run without a budget (fake tensors take no memory), so that long lengths that
+    do not fit still give whole traces; ``fits`` says what the limit says of them.
+
+    A failed trial (an op that cannot run fake, a length the model refuses) or traces that do not
+    line up give ``surface=None`` and the reason, and the probe falls back length by length.
+    """
+    # No budget worth the name: the largest the wire contract allows (fake tensors take nothing).
+    meter = FakeMeter(MAX_BYTES, device_type, device_name)
+    meter.keep_trace = True
+    if isinstance(strategy, Replicated) and strategy.world_size > 1:
+        strategy = Replicated(1)  # as in fake_search: DDP cannot broadcast fake tensors
+    sizes, traced, held_out = surface_points(lengths, multiple_of)
+    runner = TrialRunner(task.at_length(traced[0]), meter, limit_bytes=limit_bytes, strategy=strategy)
+    trials: dict[int, list[Trial]] = {}
+    traces: dict[tuple[int, int], list[int]] = {}
+    try:
+        for micro_batch, seq_len in [*((m, length) for length in traced for m in sizes), held_out]:
+            runner.task = task.at_length(seq_len)  # the model is the same at every length
+            result = runner(micro_batch).model_copy(update={"fake": True})
+            trials.setdefault(seq_len, []).append(result)
+            if on_trial is not None:
+                on_trial(result)
+            if result.oom or meter.last_trace is None:
+                failed = f"the fake trial at m={micro_batch}, L={seq_len} did not finish"
+                return SurfaceSearch(None, trials, failed=failed)
+            traces[(micro_batch, seq_len)] = meter.last_trace
+    except Exception as exc:  # an op that cannot run fake, a length the model refuses: per length
+        reason = presearch_failed(exc).removeprefix("fake pre-search skipped (").removesuffix(
+            "); the search used real trials only"
+        )
+        # Where a shorter length ran and this one did not, the model refuses the length itself.
+        refused = seq_len if any(length < seq_len for length in trials) else None
+        return SurfaceSearch(None, trials, failed=f"at L={seq_len}: {reason}", refused=refused)
+    finally:
+        runner.close()
+    held_trace = traces.pop(held_out)
+    surface = PeakSurface.from_traces(traces)
+    if surface is None:
+        return SurfaceSearch(None, trials, failed="the traces at different sizes and lengths do not line up")
+    if not surface.predicts(*held_out, held_trace):
+        m, length = held_out
+        return SurfaceSearch(
+            None,
+            trials,
+            failed=f"the surface does not predict the held-out trace at m={m}, L={length} "
+            f"(peak {surface.peak_bytes(m, length)} predicted, {max(held_trace)} traced)",
+        )
+    return SurfaceSearch(surface, trials, held_out=held_out, warnings=runner.warnings)
 
 
 def presearch_failed(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ from torch import nn
 import autotune
 from autotune.checkpointing import check_policy
 from autotune.consistency import check_profile
+from autotune.diagnose import cannot_fit, diagnose_no_fit
 from autotune.errors import AutotuneError, BudgetError, DeviceError
 from autotune.fingerprint import task_fingerprint
 from autotune.meters import Meter, make_meter, resolve_device
@@ -27,7 +28,7 @@ from autotune.search import NoFitError, SearchResult, find_max_micro_batch, peak
 from autotune.strategies import Replicated, Strategy, make_strategy
 from autotune.task import ProbeTask
 from autotune.throughput import timed_updates
-from autotune.trial import TrialRunner, frozen_heap, measure_weights
+from autotune.trial import TrialRunner, frozen_heap
 
 __all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "ProbeConfig", "plan_for", "probe", "probe_with_meter"]
 
@@ -151,10 +152,12 @@ def _search(
     limit_bytes: int,
     warnings: list[str],
     on_trial: Callable[[Trial], None] | None,
+    presearched: FakeSearch | None = None,
 ) -> tuple[SearchResult, FakeSearch | None]:
-    """Pre-search on fake trials (unless turned off or impossible), then real trials from its answer."""
-    fake: FakeSearch | None = None
-    if config.presearch:
+    """Pre-search on fake trials (unless turned off, impossible, or ``presearched`` already), then
+    real trials from its answer."""
+    fake: FakeSearch | None = presearched
+    if fake is None and config.presearch:
         try:
             # What the device holds that fake tensors never show (the CUDA context) is not theirs.
             unseen = meter.unseen_bytes()
@@ -206,8 +209,13 @@ def probe_with_meter(
     config: ProbeConfig,
     *,
     on_trial: Callable[[Trial], None] | None = None,
+    presearched: FakeSearch | None = None,
 ) -> Profile:
-    """Probe on a meter that is already set up (tests use this to share one meter)."""
+    """Probe on a meter that is already set up (tests use this to share one meter).
+
+    ``presearched``: what a pre-search already found (the surface of a probe over lengths, read at
+    this task's length): the real trials start from it instead of from a fake search of their own.
+    """
     config.validate()
     if config.precision is not None and config.precision != task.precision:
         task = dataclasses.replace(task, precision=config.precision)
@@ -219,27 +227,28 @@ def probe_with_meter(
     limit_bytes = int(meter.budget_bytes * (1.0 - config.headroom))
     warnings: list[str] = []
 
+    no_fit: NoFitError | None = None
     with strategy.process_group(meter.device):
         if isinstance(strategy, Replicated) and config.world_size > 1 and not strategy.measures_buckets:
             warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
         try:
             with frozen_heap():
-                result, fake = _search(task, meter, config, strategy, limit_bytes, warnings, on_trial)
-        except NoFitError as exc:
-            static_bytes = measure_weights(task, meter) if isinstance(strategy, Replicated) else None
-            what = (
-                f"weights, gradients and optimizer state alone take {static_bytes} bytes "
-                "(with the optimizer step's temporaries)"
-                if static_bytes is not None
-                else "weights, gradients and optimizer state alone do not fit on the device"
-                if isinstance(strategy, Replicated)
-                else f"at world size {config.world_size}"
+                result, fake = _search(task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched)
+        except NoFitError as exc:  # diagnosed by fake trials, outside this process group
+            no_fit = exc
+    if no_fit is not None:
+        raise cannot_fit(
+            diagnose_no_fit(
+                task,
+                budget_bytes=meter.budget_bytes,
+                headroom=config.headroom,
+                micro_batch=config.multiple_of,
+                device_type=str(meter.device),
+                strategy=config.strategy,
+                world_size=config.world_size,
+                unseen_bytes=meter.unseen_bytes(),
             )
-            raise BudgetError(
-                f"micro-batch {config.multiple_of} does not fit in budget {meter.budget_bytes} bytes "
-                f"(limit {limit_bytes} with headroom {config.headroom}): {what}; "
-                f"micro-batch {config.multiple_of} peaked at {exc.trial.peak_bytes} bytes"
-            ) from None
+        )
 
     m_max = result.max_micro_batch
     decrease = peaks_decrease(result.trials)
@@ -278,6 +287,7 @@ def probe_with_meter(
         world_size=config.world_size,
         strategy=config.strategy,  # type: ignore[arg-type]
         activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
+        seq_len=task.seq_len,
         non_monotone=decrease is not None,
         plan=the_plan,
         trials=[*fake_trials, *result.trials],

@@ -6,7 +6,7 @@ from autotune.plan import micro_batches_text
 from autotune.schemas import Profile, Trial
 from autotune.units import format_bytes
 
-__all__ = ["datasheet", "strategy_text", "trial_counts", "trial_line"]
+__all__ = ["datasheet", "lengths_datasheet", "strategy_text", "trial_counts", "trial_line"]
 
 
 _POLICY_TEXT = {
@@ -95,3 +95,61 @@ def datasheet(profile: Profile) -> str:
         )
     lines.extend(f"  warning          {warning}" for warning in profile.warnings)
     return "\n".join(lines)
+
+
+def _plan_text(profile: Profile) -> str:
+    plan = profile.plan
+    if plan is None:
+        return "-"
+    text = micro_batches_text(plan.micro_batches, plan.world_size)
+    return text + ("" if plan.exact else f" (target {plan.target_batch}, not exact)")
+
+
+def lengths_datasheet(profiles: list[Profile]) -> str:
+    """The profiles of one run over sequence lengths as one table (per memory policy where several
+    ran): L, m_max, tokens per micro-batch, the plan, real and fake trials; then the longest length
+    that fits at m = multiple_of, and the warnings once each."""
+    first = profiles[0]
+    dev = first.device
+    lines = [
+        f"autotune datasheet: {first.task} over sequence lengths",
+        f"  fingerprint      {first.fingerprint[:16]} (every length)",
+        f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
+        f"  precision        {first.precision}",
+        f"  strategy         {strategy_text(first)}",
+        f"  source           {first.source}",
+        f"  budget           {format_bytes(first.budget_bytes)} (headroom {first.headroom:.0%}, "
+        f"limit {format_bytes(first.limit_bytes)})",
+    ]
+    policies = list(dict.fromkeys(p.activation_checkpointing for p in profiles))
+    for policy in policies:
+        group = [p for p in profiles if p.activation_checkpointing == policy]
+        if len(policies) > 1 or policy != "none":
+            lines.append(f"  activation checkpointing: {policy}")
+        lines.append(f"  {'L':>8}  {'m_max':>6}  {'tokens/micro-batch':>18}  {'plan':<28}  trials")
+        for p in group:
+            tokens = p.max_micro_batch * (p.seq_len or 0)
+            lines.append(
+                f"  {p.seq_len or '-':>8}  {p.max_micro_batch:>6}  {tokens:>18}  {_plan_text(p):<28}  {trial_counts(p)}"
+            )
+        surface = group[0].surface
+        if surface is not None and surface.longest is not None:
+            longest = surface.longest
+            why = {"memory": "the next length does not fit", "cap": "the cap", "model": "the model refuses longer"}
+            lines.append(
+                f"  longest L at m={longest.micro_batch}: {longest.seq_len} "
+                f"({format_bytes(longest.peak_bytes)}; limited by {why[longest.limited_by]})"
+                + (f": {longest.note}" if longest.note else "")
+            )
+        if surface is not None:
+            lines.append(
+                f"  surface          {len(surface.pieces)} pieces over L {surface.covered[0]}..{surface.covered[1]}, "
+                f"checked on a held-out trace at m={surface.held_out[0] if surface.held_out else '-'}, "
+                f"L={surface.held_out[1] if surface.held_out else '-'}"
+            )
+    seconds = max(p.seconds for p in profiles)
+    lines.append(f"  time             {seconds:.2f}s")
+    warnings = list(dict.fromkeys(w for p in profiles for w in p.warnings))
+    lines.extend(f"  warning          {warning}" for warning in warnings)
+    return "\n".join(lines)
+

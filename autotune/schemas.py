@@ -24,6 +24,8 @@ __all__ = [
     "STRATEGIES",
     "Device",
     "Fit",
+    "LongestSeqLen",
+    "MAX_SEQ_LEN",
     "MicroBatchCount",
     "Observation",
     "Plan",
@@ -32,6 +34,7 @@ __all__ = [
     "Source",
     "Strategy",
     "Suggestion",
+    "Surface",
     "TagValue",
     "Throughput",
     "Trial",
@@ -256,6 +259,10 @@ class Profile(_Model):
     activation_checkpointing: ActivationCheckpointing = "none"
     # Timed runs after the search (at m_max, and at the plan's sizes): what objective=throughput ranks.
     throughput: Annotated[list[Throughput], Field(max_length=16)] | None = None
+    # A sequence-aware task's length (its fingerprint leaves L out), and the surface its probe
+    # measured: /suggest predicts other lengths within surface.covered from it. None for other tasks.
+    seq_len: SeqLen | None = None
+    surface: Surface | None = None
     # The real trials showed a size that fits above one that did not (cuDNN picks kernels per
     # shape): max_micro_batch is then the largest m below the first size that failed.
     non_monotone: bool = False
@@ -337,6 +344,12 @@ class Suggestion(_Model):
     max_micro_batch: MicroBatch
     peak_bytes: NonNegBytes | None = None
     budget_bytes: PosBytes | None = None
+    # A sequence-aware job: its length, and the plan in tokens (tokens_per_update = effective_batch x
+    # seq_len); target_tokens when the job asked for tokens per update rather than sequences.
+    seq_len: SeqLen | None = None
+    target_tokens: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_micro_batch: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_update: Annotated[int, Field(ge=1)] | None = None
     strategy: Strategy = "ddp"
     warnings: list[str] = Field(default_factory=list)
     # The plan's micro-batches as (size, count) pairs (Plan.micro_batches); micro_batch is the largest.

@@ -14,9 +14,12 @@ every measurement starts from the same state.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +35,8 @@ from autotune.schemas import ACTIVATION_CHECKPOINTING, PRECISIONS, TagValue
 __all__ = ["LossFn", "LossSumFn", "ModelFactory", "OptimizerFactory", "ProbeTask", "default_loss", "load_task"]
 
 ModelFactory = Callable[[], nn.Module]
-BatchFactory = Callable[[int], Any]
+# batch(m) or, for a sequence-aware task, batch(m, seq_len=L).
+BatchFactory = Callable[..., Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # loss_sum(model, batch) -> (summed loss, count of supervised elements): what exact accumulation needs.
@@ -64,6 +68,12 @@ class ProbeTask:
         activation_checkpointing: the memory policy of the trials (autotune/checkpointing.py):
             "none", "every-2" (every other block recomputes its forward) or "full" (every block);
             the blocks are the ones ``--strategy fsdp`` shards.
+        seq_len: the sequence length this task's batches are made at, for a sequence-aware task
+            (one whose ``batch`` takes a ``seq_len`` keyword: ``batch(m, seq_len=L)``) bound to one
+            length by :meth:`at_length`; None otherwise.
+
+    A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
+    the length out, and each profile records it.
     """
 
     name: str
@@ -76,6 +86,7 @@ class ProbeTask:
     loss_sum: LossSumFn | None = None
     shard_classes: tuple[type[nn.Module], ...] | None = None
     activation_checkpointing: str = "none"
+    seq_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -88,6 +99,27 @@ class ProbeTask:
         if not callable(self.model) or not callable(self.batch):
             raise TaskError("ProbeTask needs callables for model and batch")
 
+    @property
+    def sequence_aware(self) -> bool:
+        """Whether ``batch`` takes a ``seq_len`` keyword (``batch(m, seq_len=L)``)."""
+        return _takes_seq_len(self.batch)
+
+    def at_length(self, seq_len: int) -> ProbeTask:
+        """This sequence-aware task with its batches made at seq_len (``batch(m)`` then means
+        ``batch(m, seq_len=seq_len)``), for every part of the probe that knows only m.
+
+        Raises:
+            TaskError: the task is not sequence-aware, or seq_len is not a positive integer.
+        """
+        if not self.sequence_aware:
+            raise TaskError(
+                f"task {self.name!r} is not sequence-aware: its batch has no seq_len keyword "
+                f"(write batch(m, seq_len=L) to probe it at --seq-len {seq_len})"
+            )
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise TaskError(f"sequence length must be a positive integer, got {seq_len!r}")
+        return dataclasses.replace(self, batch=functools.partial(self.batch, seq_len=seq_len), seq_len=seq_len)
+
     def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         factory = self.optimizer or default_optimizer
         return factory(params)
@@ -98,6 +130,15 @@ class ProbeTask:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TaskError(f"loss(model, batch) of task {self.name!r} must return a scalar tensor, got {shape}")
         return loss
+
+
+def _takes_seq_len(batch: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(batch).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    param = parameters.get("seq_len")
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
 def _call_model(model: nn.Module, inputs: Any) -> Any:

@@ -11,20 +11,27 @@ from autotune.units import parse_bytes
 
 __all__ = [
     "EXIT_FAILED",
+    "EXIT_NO_FIT",
     "EXIT_USAGE",
     "CliError",
     "Parser",
+    "add_seq_len_options",
     "add_strategy_and_plan_options",
+    "check_seq_len_options",
     "add_task_options",
     "headroom",
     "non_negative_int",
     "positive_int",
+    "seq_lens",
     "size",
     "task_spec",
 ]
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+# Even the smallest micro-batch does not fit (autotune.errors.CannotFitError): the one line says what
+# the job needs and what would fit. 3 is `autotune suggest`'s "nothing stored" (EXIT_NOT_FOUND).
+EXIT_NO_FIT = 4
 
 
 class CliError(Exception):
@@ -81,6 +88,52 @@ def add_strategy_and_plan_options(p: argparse.ArgumentParser) -> None:
         help="balanced (default: the fewest steps, micro-batches within one of each other, "
         "e.g. 6x26 + 4x25 = 256) or divisor (equal micro-batches, e.g. 16x16)",
     )
+
+
+def seq_lens(text: str) -> list[int]:
+    """``"512,1024"`` -> ``[512, 1024]``: positive integers, each named where one is not."""
+    lengths = []
+    for part in text.split(","):
+        try:
+            lengths.append(_integer(part.strip(), 1, "a positive integer"))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"sequence length {exc}") from None
+    return lengths
+
+
+def add_seq_len_options(p: argparse.ArgumentParser) -> None:
+    """--seq-len, --max-seq-len and --target-tokens: a sequence-aware task's lengths (probe,
+    estimate, fleet)."""
+    p.add_argument(
+        "--seq-len",
+        type=seq_lens,
+        metavar="L1,L2,...",
+        help="sequence-aware tasks (batch(m, seq_len=L)): the lengths to answer in one run, one profile each",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=positive_int,
+        metavar="L",
+        help="the cap of the search for the longest length that fits at m = multiple-of "
+        "(default 4x the longest --seq-len)",
+    )
+    p.add_argument(
+        "--target-tokens",
+        type=positive_int,
+        metavar="N",
+        help="tokens per update (m x L x A x D) instead of --target-batch; needs --seq-len",
+    )
+
+
+def check_seq_len_options(args: argparse.Namespace) -> None:
+    """The one-line refusals of the length options that need no task."""
+    if getattr(args, "target_tokens", None) is not None:
+        if getattr(args, "target_batch", None) is not None:
+            raise CliError("give --target-batch (sequences) or --target-tokens (tokens), not both")
+        if not getattr(args, "seq_len", None):
+            raise CliError("--target-tokens needs --seq-len: tokens are planned in sequences of a length")
+    if getattr(args, "max_seq_len", None) is not None and not getattr(args, "seq_len", None):
+        raise CliError("--max-seq-len needs --seq-len")
 
 
 def add_task_options(p: argparse.ArgumentParser) -> None:

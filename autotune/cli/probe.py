@@ -8,9 +8,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import EXIT_FAILED, CliError, add_strategy_and_plan_options, headroom, positive_int, size
-from autotune.files import write_atomically
+from autotune.cli.common import (
+    EXIT_FAILED,
+    CliError,
+    add_seq_len_options,
+    add_strategy_and_plan_options,
+    add_task_options,
+    check_seq_len_options,
+    headroom,
+    positive_int,
+    size,
+    task_spec,
+)
 from autotune.cli.policies import add_objective_option, add_policy_option, for_each_policy, policies_of, recommendation
+from autotune.files import write_atomically
 from autotune.schemas import PRECISIONS
 
 __all__ = [
@@ -20,6 +31,7 @@ __all__ = [
     "config_from_args",
     "emit_profile",
     "emit_profiles",
+    "lengths_of",
     "run_probe",
     "run_verify",
 ]
@@ -48,6 +60,8 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, help="override the task's precision")
     add_strategy_and_plan_options(p)
     add_policy_option(p)
+    add_task_options(p)
+    add_seq_len_options(p)
 
 
 def config_from_args(args: argparse.Namespace, device: str) -> Any:
@@ -85,6 +99,8 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("--target-batch", type=positive_int)
     v.add_argument("--micro-batch", type=positive_int)
     v.add_argument("--tolerance", type=float)
+    v.add_argument("--seq-len", type=positive_int, help="the sequence length of a sequence-aware task (hf: tasks)")
+    add_task_options(v)
     v.set_defaults(run=run_verify)
 
 
@@ -93,10 +109,32 @@ def run_probe(args: argparse.Namespace) -> int:
     from autotune.report import trial_line
     from autotune.task import load_task
 
-    task = load_task(args.task)
+    check_seq_len_options(args)
+    spec = task_spec(args.task, args)
+    task = load_task(spec)
     config = config_from_args(args, args.device)
     limit = int(args.budget * (1 - args.headroom)) if args.budget else None
+    lengths = lengths_of(task, args)
     print(f"probing {task.name} on {args.device} ...", file=sys.stderr)
+    if lengths:
+        if args.device.strip().lower() == "all":
+            raise CliError("--seq-len with --device all is not supported: probe one device (--device cuda:N)")
+        from autotune.lengths import probe_lengths
+
+        def over_lengths(t: Any, c: Any) -> list[Any]:
+            return probe_lengths(
+                t,
+                c,
+                lengths,
+                max_seq_len=args.max_seq_len,
+                target_tokens=args.target_tokens,
+                on_trial=lambda r: print(trial_line(r, limit), file=sys.stderr, flush=True),
+            ).profiles
+
+        profiles = [p for group in for_each_policy(task, config, policies_of(args), over_lengths) for p in group]
+        code = emit_profiles(profiles, args, as_array=True)
+        print(recommendation(profiles, args.objective), file=sys.stderr if args.json else sys.stdout)
+        return code
     if args.device.strip().lower() == "all":
         if config.strategy == "fsdp":
             raise CliError(
@@ -105,7 +143,7 @@ def run_probe(args: argparse.Namespace) -> int:
             )
         from autotune.multi import probe_all_devices
 
-        profiles = for_each_policy(task, config, policies_of(args), lambda _task, c: probe_all_devices(args.task, c))
+        profiles = for_each_policy(task, config, policies_of(args), lambda _task, c: probe_all_devices(spec, c))
     else:
         profiles = for_each_policy(
             task,
@@ -119,20 +157,38 @@ def run_probe(args: argparse.Namespace) -> int:
     return code
 
 
-def emit_profiles(profiles: list[Any], args: argparse.Namespace) -> int:
-    """One profile as :func:`emit_profile`; several (one run, several policies) as a JSON array on
-    --json and --output, a datasheet each, each uploaded to --server."""
-    if len(profiles) == 1:
+def lengths_of(task: Any, args: argparse.Namespace) -> list[int] | None:
+    """The --seq-len lengths for a sequence-aware task, None for another; a sequence-aware task
+    without them, or lengths for a task that takes none, is one line (exit 2)."""
+    from autotune.lengths import check_lengths
+
+    lengths = getattr(args, "seq_len", None)
+    if task.sequence_aware and not lengths:
+        raise CliError(
+            f"task {task.name!r} is sequence-aware (its batch takes seq_len=): "
+            "give the lengths with --seq-len L1,L2,..."
+        )
+    return check_lengths(task, lengths) if lengths else None
+
+
+def emit_profiles(profiles: list[Any], args: argparse.Namespace, *, as_array: bool = False) -> int:
+    """One profile as :func:`emit_profile`; several (one run, several policies or lengths) as a JSON
+    array on --json and --output (``as_array``: an array even of one, as --seq-len promises), a
+    datasheet each (one table over the lengths), each uploaded to --server."""
+    if len(profiles) == 1 and not as_array:
         return emit_profile(profiles[0], args)
-    from autotune.report import datasheet
+    from autotune.report import datasheet, lengths_datasheet
 
     text = "[\n" + ",\n".join(profile.model_dump_json(indent=2) for profile in profiles) + "\n]"
     if args.output:
         write_atomically(args.output, text)
     if args.json:
         print(text)
-    for profile in profiles:
-        print(datasheet(profile), file=sys.stderr if args.json else sys.stdout)
+    if any(profile.seq_len is not None for profile in profiles):
+        print(lengths_datasheet(profiles), file=sys.stderr if args.json else sys.stdout)
+    else:
+        for profile in profiles:
+            print(datasheet(profile), file=sys.stderr if args.json else sys.stdout)
     if args.server:
         from autotune_client.cli import upload_profile
 
@@ -167,6 +223,15 @@ def run_verify(args: argparse.Namespace) -> int:
     from autotune.task import load_task
     from autotune.verify import verify_cli
 
-    ok, message = verify_cli(load_task(args.task), args.target_batch, args.micro_batch, args.tolerance)
+    task = _at_length(load_task(task_spec(args.task, args)), args.seq_len)
+    ok, message = verify_cli(task, args.target_batch, args.micro_batch, args.tolerance)
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else EXIT_FAILED
+
+
+
+def _at_length(task: Any, seq_len: int | None) -> Any:
+    """A sequence-aware task (its batch takes ``seq_len=``) at the one length verify runs."""
+    if task.sequence_aware and seq_len is None:
+        raise CliError(f"task {task.name!r} is sequence-aware (its batch takes seq_len=): give --seq-len L")
+    return task if seq_len is None else task.at_length(seq_len)

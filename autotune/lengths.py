@@ -1,0 +1,446 @@
+"""One run over several sequence lengths: the surface, each length confirmed, the longest length.
+
+A sequence-aware task (``batch(m, seq_len=L)``) probed at ``--seq-len 512,1024,2048,4096``:
+
+1. seven traced fake trials give the peak surface over (m, L) and check it on a held-out trace
+   (``presearch.fake_surface``; autotune/surface.py);
+2. at each length, m_max is read off the surface and confirmed as a single-length run confirms the
+   curve: real trials at m_max and one step past it for a probe, fake ones for an estimate (the
+   ``measure`` callable: ``probe_with_meter`` or ``estimate`` at that length);
+3. the longest length that fits at m = multiple_of (up to ``max_seq_len``, by default 4x the longest
+   asked for) is read off the surface and confirmed the same way, by trials at it and one past it.
+
+Where the surface cannot be had (traces that do not line up, an op that cannot run fake, a held-out
+trace it does not predict) each length is pre-searched on its own, as a single-length probe would,
+and the longest length is not searched; the profiles say so.
+
+    profiles = probe_lengths(load_task("examples/gpt.py:task_seq"),
+                             ProbeConfig(device="cpu", budget_bytes=64 << 20), [128, 256, 512])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from autotune.errors import AutotuneError, BudgetError, TaskError, TrialError
+from autotune.meters import Meter, make_meter, resolve_device
+from autotune.meters.fake import FakeMeter
+from autotune.presearch import FakeSearch, SurfaceSearch, fake_surface
+from autotune.schemas import MAX_SEQ_LEN, Fit, LongestSeqLen, Profile, Surface, Trial
+from autotune.strategies import Replicated, Strategy, make_strategy
+from autotune.surface import PeakSurface
+from autotune.task import ProbeTask
+from autotune.trial import TrialRunner, frozen_heap
+
+__all__ = [
+    "LONGEST_FACTOR",
+    "LengthsRun",
+    "check_lengths",
+    "estimate_lengths",
+    "probe_lengths",
+    "target_at_length",
+]
+
+# The longest length searched at m = multiple_of, by default: this many times the longest asked for.
+LONGEST_FACTOR = 4
+# Trials guided by the surface in the search for the longest length, before it bisects.
+MAX_LONGEST_PREDICTIONS = 4
+
+# measure(task at L, what the surface says at L, the target batch at L) -> the profile at L.
+Measure = Callable[[ProbeTask, FakeSearch | None, int | None], Profile]
+
+
+@dataclass
+class LengthsRun:
+    """What one run over lengths found: a profile per length that fits, and the lengths where not
+    even multiple_of fits (with the one-line reason)."""
+
+    profiles: list[Profile]
+    no_fit: dict[int, str] = field(default_factory=dict)
+    surface: Surface | None = None
+
+
+def check_lengths(task: ProbeTask, lengths: Sequence[int]) -> list[int]:
+    """The lengths asked for, sorted and distinct, or a TaskError naming what is wrong."""
+    if not task.sequence_aware:
+        shown = ",".join(str(length) for length in lengths)
+        raise TaskError(
+            f"--seq-len {shown}: task {task.name!r} is not sequence-aware (its batch has no seq_len keyword; "
+            "write batch(m, seq_len=L))"
+        )
+    if not lengths:
+        raise TaskError(f"task {task.name!r} is sequence-aware: give the lengths to probe with --seq-len L1,L2,...")
+    for length in lengths:
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_SEQ_LEN:
+            raise TaskError(f"sequence length {length!r} must be an integer from 1 to {MAX_SEQ_LEN}")
+    return sorted(set(lengths))
+
+
+def target_at_length(
+    seq_len: int, *, target_batch: int | None, target_tokens: int | None, world_size: int
+) -> tuple[int | None, str | None]:
+    """The target batch in sequences at seq_len, and what to say when tokens do not divide evenly.
+
+    A token target N is planned in sequences: N / L of them, the nearest (ties down) where L does not
+    divide N, and never fewer than world_size.
+
+    >>> target_at_length(512, target_batch=None, target_tokens=1 << 20, world_size=8)
+    (2048, None)
+    >>> target_at_length(1000, target_batch=None, target_tokens=1 << 20, world_size=8)[0]
+    1049
+    """
+    if target_tokens is None:
+        return target_batch, None
+    sequences = max(world_size, (target_tokens + (seq_len - 1) // 2) // seq_len)
+    if sequences * seq_len == target_tokens:
+        return sequences, None
+    return sequences, (
+        f"target {target_tokens} tokens is not a multiple of seq_len {seq_len}"
+        + (f" x world size {world_size}" if world_size > 1 else "")
+        + f": planned in sequences, {sequences} of them = {sequences * seq_len} tokens per update"
+    )
+
+
+def _presearched(found: SurfaceSearch, seq_len: int, limit_bytes: int, cap: int, multiple_of: int) -> FakeSearch:
+    """What the surface says at seq_len, in the form a single-length pre-search gives it: m_max (the
+    smallest size where nothing fits, so that the real trials say so with their own figures), the
+    fake trials traced at this length, and the line of the peak near m_max."""
+    assert found.surface is not None
+    surface = found.surface
+    trials = found.trials.get(seq_len, [])
+    predicted = surface.max_fitting(limit_bytes, seq_len, cap=cap, multiple_of=multiple_of)
+    if predicted == 0:
+        return FakeSearch(max_micro_batch=multiple_of, trials=trials, fit=None)
+    low = predicted
+    high = predicted + multiple_of
+    slope = max(0.0, (surface.peak_bytes(high, seq_len) - surface.peak_bytes(low, seq_len)) / (high - low))
+    fit = Fit(fixed_bytes=surface.peak_bytes(low, seq_len) - slope * low, bytes_per_sample=slope)
+    return FakeSearch(max_micro_batch=predicted, trials=trials, fit=fit)
+
+
+def _longest(
+    surface: PeakSurface,
+    trial_at: Callable[[int], Trial],
+    *,
+    limit_bytes: int,
+    micro_batch: int,
+    shortest: int,
+    cap: int,
+) -> LongestSeqLen | None:
+    """The longest length that fits at micro_batch: the surface's answer, confirmed by trials at it
+    and one past it, and searched by bisection between what the trials show where they disagree.
+    None where the shortest length does not fit at micro_batch even by the surface."""
+    lo, hi = 0, cap + 1  # lo: the longest known to fit; hi: the shortest known not to (or refused)
+    peaks: dict[int, int] = {}
+    refused: dict[int, str] = {}
+
+    def run(seq_len: int) -> bool:
+        try:
+            trial = trial_at(seq_len)
+        except TrialError as exc:
+            # The trial's advice for m = 1 (BatchNorm) is not about lengths.
+            refused[seq_len] = str(exc).split(" (a model that cannot train on one sample")[0]
+            return False
+        if not trial.oom:  # an OOM's peak is where the budget stopped it, not the length's peak
+            peaks[seq_len] = trial.peak_bytes
+        return trial.fits
+
+    # Predictions from the surface, shifted by what the last trial showed above or below it (at
+    # m = 1 a trace differs a little from those at 2 and 3); a confirmed prediction's next one is
+    # clamped one past it, which is its verification.
+    offset = 0
+    for _ in range(MAX_LONGEST_PREDICTIONS):
+        guess = surface.longest_fitting(limit_bytes - offset, micro_batch, cap=cap, shortest=shortest)
+        if guess == 0 or hi - lo <= 1:
+            break
+        guess = min(max(guess, lo + 1, shortest), hi - 1)
+        if run(guess):
+            lo = guess
+        else:
+            hi = guess
+        if guess in refused:  # the model's own limit, which the surface cannot see: bisect
+            break
+        if guess in peaks:
+            offset = peaks[guess] - surface.peak_bytes(micro_batch, guess)
+    if not lo and shortest < hi:
+        if not run(shortest):
+            return None
+        lo = shortest
+    while lo and hi - lo > 1:  # the predictions missed: bisection on the trials themselves
+        mid = (lo + hi) // 2
+        if run(mid):
+            lo = mid
+        else:
+            hi = mid
+    if not lo:
+        return None
+    limited_by: Literal["memory", "cap", "model"]
+    if lo >= cap:
+        limited_by, note = "cap", f"--max-seq-len {cap} reached: longer may fit"
+    elif hi in refused:
+        limited_by, note = "model", refused[hi]
+    else:
+        limited_by, note = "memory", ""
+    return LongestSeqLen(
+        micro_batch=micro_batch, seq_len=lo, peak_bytes=peaks[lo], limited_by=limited_by, cap=cap, note=note[:1024]
+    )
+
+
+def _surface_record(
+    found: SurfaceSearch,
+    profiles: list[Profile],
+    longest: LongestSeqLen | None,
+    *,
+    cap: int,
+) -> Surface:
+    """The surface as profiles carry it: the pieces that can lead anywhere in the covered lengths,
+    and what the device's real trials showed above it (allocator rounding, workspaces on CUDA)."""
+    assert found.surface is not None
+    measured = sorted(p.seq_len for p in profiles if p.seq_len is not None)
+    low = min([*measured, *found.surface.lengths])
+    high = max([*measured, longest.seq_len if longest else 0])
+    # Every covered length where there are few; else about 512 of them, with the measured ones.
+    step = (high - low) // 512 + 1
+    span = sorted({*measured, *range(low, high + 1, step), high})
+    pruned = found.surface.pruned(cap, span)
+    offset = 0
+    for profile in profiles:
+        for trial in profile.deciding_trials:
+            if not trial.oom and profile.seq_len is not None and not trial.fake:
+                offset = max(offset, trial.peak_bytes - found.surface.peak_bytes(trial.micro_batch, profile.seq_len))
+    return Surface(
+        denominator=pruned.denominator,
+        pieces=[list(p) for p in pruned.pieces],
+        sizes=pruned.sizes,
+        lengths=pruned.lengths,
+        covered=(low, high),
+        measured_lengths=measured or [low],
+        offset_bytes=offset,
+        held_out=found.held_out,
+        longest=longest,
+    )
+
+
+def _over_lengths(
+    task: ProbeTask,
+    lengths: Sequence[int],
+    *,
+    measure: Measure,
+    trial_runner: Callable[[], TrialRunner],
+    strategy: Strategy,
+    device: torch.device,
+    limit_bytes: int,
+    unseen_bytes: int,
+    config: Any,
+    max_seq_len: int | None,
+    target_tokens: int | None,
+    presearch: bool,
+    device_name: str | None,
+    on_trial: Callable[[Trial], None] | None,
+) -> LengthsRun:
+    """The run, given how one length is measured and how a trial at m = multiple_of is run."""
+    started = time.perf_counter()
+    lengths = check_lengths(task, lengths)
+    cap = max_seq_len or LONGEST_FACTOR * lengths[-1]
+    if cap < lengths[-1]:
+        raise AutotuneError(f"--max-seq-len {cap} is shorter than the longest --seq-len {lengths[-1]}")
+    fake_limit = max(1, limit_bytes - unseen_bytes)
+    found: SurfaceSearch | None = None
+    if presearch:
+        with strategy.process_group(device), frozen_heap():
+            found = fake_surface(
+                task,
+                lengths,
+                limit_bytes=fake_limit,
+                device_type=str(device),
+                strategy=strategy,
+                multiple_of=config.multiple_of,
+                device_name=device_name,
+                on_trial=on_trial,
+            )
+    if found is not None and found.refused in lengths:
+        raise TaskError(f"--seq-len {found.refused}: the model cannot take this length ({found.failed})")
+    notes: list[str] = []
+    if found is None:
+        notes.append("no pre-search: each length searched on its own, the longest length not searched")
+    elif found.surface is None:
+        notes.append(f"no surface over lengths ({found.failed}): each length pre-searched on its own")
+    run = LengthsRun(profiles=[])
+    no_fit_errors: dict[int, BudgetError] = {}
+    for seq_len in lengths:
+        target, token_note = target_at_length(
+            seq_len, target_batch=config.target_batch, target_tokens=target_tokens, world_size=config.world_size
+        )
+        presearched = (
+            _presearched(found, seq_len, fake_limit, config.max_micro_batch, config.multiple_of)
+            if found is not None and found.surface is not None
+            else None
+        )
+        try:
+            profile = measure(task.at_length(seq_len), presearched, target)
+        except BudgetError as exc:
+            run.no_fit[seq_len] = str(exc)
+            no_fit_errors[seq_len] = exc
+            continue
+        except AutotuneError as exc:  # the model refused this length (or failed at it): say which
+            raise TaskError(f"--seq-len {seq_len}: {exc}") from None
+        if token_note:
+            profile.warnings.append(token_note)
+        profile.warnings.extend(note for note in notes if note not in profile.warnings)
+        run.profiles.append(profile)
+    if not run.profiles:
+        first = no_fit_errors[lengths[0]]
+        raise type(first)(f"at seq_len {lengths[0]}: {first}")
+    if found is not None and found.surface is not None:
+        runner = trial_runner()
+
+        def trial_at(seq_len: int) -> Trial:
+            runner.task = task.at_length(seq_len)
+            trial = runner(config.multiple_of)
+            if on_trial is not None:
+                on_trial(trial)
+            return trial
+
+        with strategy.process_group(device), frozen_heap():
+            try:
+                longest = _longest(
+                    found.surface,
+                    trial_at,
+                    limit_bytes=fake_limit,
+                    micro_batch=config.multiple_of,
+                    shortest=lengths[0],
+                    cap=cap,
+                )
+            finally:
+                runner.close()
+        run.surface = _surface_record(found, run.profiles, longest, cap=config.max_micro_batch)
+    for seq_len, reason in run.no_fit.items():
+        for profile in run.profiles:
+            profile.warnings.append(f"at seq_len {seq_len} not even micro-batch {config.multiple_of} fits: {reason}")
+    seconds = round(time.perf_counter() - started, 3)
+    for profile in run.profiles:
+        profile.surface = run.surface
+        profile.seconds = seconds  # one measurement: the whole run's time, in each of its profiles
+    return run
+
+
+def probe_lengths(
+    task: ProbeTask,
+    config: Any,
+    lengths: Sequence[int],
+    *,
+    max_seq_len: int | None = None,
+    target_tokens: int | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> LengthsRun:
+    """Probe a sequence-aware task at every length in one run (see the module docstring).
+
+    Args:
+        task: a sequence-aware ProbeTask (its batch takes ``seq_len``).
+        config: the ProbeConfig (target_batch is in sequences; ``target_tokens`` replaces it).
+        lengths: the lengths to answer.
+        max_seq_len: the cap of the longest-length search (default 4x the longest asked for).
+        target_tokens: tokens per update, planned in sequences at each length.
+
+    Raises:
+        TaskError: the task is not sequence-aware, or a length is not a positive integer.
+        BudgetError: not even multiple_of fits at any of the lengths.
+        AutotuneError: as ``probe`` raises.
+    """
+    from autotune.probe import probe_with_meter
+
+    config.validate()
+    check_lengths(task, lengths)
+    if config.precision is not None and config.precision != task.precision:
+        task = dataclasses.replace(task, precision=config.precision)
+    meter = make_meter(resolve_device(config.device), config.budget_bytes)
+    try:
+        limit_bytes = int(meter.budget_bytes * (1.0 - config.headroom))
+        strategy = make_strategy(config.strategy, config.world_size)
+
+        def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
+            at_config = dataclasses.replace(config, target_batch=target)
+            return probe_with_meter(task_at, meter, at_config, on_trial=on_trial, presearched=presearched)
+
+        return _over_lengths(
+            task,
+            lengths,
+            measure=measure,
+            trial_runner=lambda: TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy),
+            strategy=strategy,
+            device=meter.device,
+            limit_bytes=limit_bytes,
+            unseen_bytes=meter.unseen_bytes(),
+            config=config,
+            max_seq_len=max_seq_len,
+            target_tokens=target_tokens,
+            presearch=config.presearch,
+            device_name=None,
+            on_trial=on_trial,
+        )
+    finally:
+        meter.close()
+
+
+def estimate_lengths(
+    task: ProbeTask,
+    config: Any,
+    lengths: Sequence[int],
+    *,
+    max_seq_len: int | None = None,
+    target_tokens: int | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> LengthsRun:
+    """``probe_lengths`` with fake trials only (``autotune estimate --seq-len``): each length's m_max
+    and the longest length are confirmed by fake trials at them and one step past them."""
+    from autotune.estimate import estimate, estimate_device_type
+
+    config.validate()
+    check_lengths(task, lengths)
+    if config.precision is not None and config.precision != task.precision:
+        task = dataclasses.replace(task, precision=config.precision)
+    assert config.budget_bytes is not None  # validate() refused None
+    limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
+    device_type, _ = estimate_device_type(config.device_kind)
+    strategy = make_strategy(config.strategy, config.world_size)
+    fake_strategy: Strategy = Replicated(1) if config.strategy == "ddp" else strategy
+    device_name = config.device_name or f"{config.device_kind} (estimate)"
+
+    def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
+        at_config = dataclasses.replace(config, target_batch=target)
+        hint = presearched.max_micro_batch if presearched is not None else None
+        return estimate(task_at, at_config, on_trial=on_trial, hint=hint)
+
+    def runner() -> TrialRunner:
+        meter: Meter = FakeMeter(config.budget_bytes, device_type, device_name)
+        return _FakeRunner(task, meter, limit_bytes=limit_bytes, strategy=fake_strategy)
+
+    return _over_lengths(
+        task,
+        lengths,
+        measure=measure,
+        trial_runner=runner,
+        strategy=fake_strategy,
+        device=torch.device(device_type),
+        limit_bytes=limit_bytes,
+        unseen_bytes=0,
+        config=config,
+        max_seq_len=max_seq_len,
+        target_tokens=target_tokens,
+        presearch=True,
+        device_name=device_name,
+        on_trial=on_trial,
+    )
+
+
+class _FakeRunner(TrialRunner):
+    """Trials on a fake meter, marked fake (an estimate's longest-length confirmations)."""
+
+    def __call__(self, micro_batch: int) -> Trial:
+        return super().__call__(micro_batch).model_copy(update={"fake": True})
