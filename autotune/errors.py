@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AutotuneError", "BudgetError", "DeviceError", "TaskError", "TrialError"]
+__all__ = ["AutotuneError", "BudgetError", "CannotFitError", "DeviceError", "TaskError", "TrialError"]
 
 
 class AutotuneError(Exception):
@@ -19,6 +19,16 @@ class DeviceError(AutotuneError):
 
 class BudgetError(AutotuneError):
     """The budget is missing, malformed, or too small for even one sample."""
+
+
+class CannotFitError(BudgetError):
+    """Even the smallest micro-batch does not fit. The message is one line with what the job needs
+    and what would fit it; ``diagnosis`` is the :class:`autotune.diagnose.NoFit` behind it. The CLI
+    exits with its own status for it (``autotune.cli.common.EXIT_NO_FIT``)."""
+
+    def __init__(self, message: str, diagnosis: object = None) -> None:
+        super().__init__(message)
+        self.diagnosis = diagnosis
 
 
 class TrialError(AutotuneError):

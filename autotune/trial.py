@@ -358,7 +358,15 @@ class TrialRunner:
         return self._model
 
     def __call__(self, micro_batch: int) -> Trial:
-        model = self._ensure_model()
+        try:
+            model = self._ensure_model()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            # The model alone does not fit: the trial builds it inside its measured span, where
+            # the OOM is a result (an OOM trial with the meter's reading), not a crash.
+            self.close()
+            model = None
         del_model = False
         try:
             trial = run_trial(

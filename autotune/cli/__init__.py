@@ -14,7 +14,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from autotune.cli.common import EXIT_FAILED, EXIT_USAGE, CliError
+from autotune.cli.common import EXIT_FAILED, EXIT_NO_FIT, EXIT_USAGE, CliError
 from autotune.cli.parser import build_parser
 
 __all__ = ["build_parser", "main"]
@@ -33,6 +33,12 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def _cannot_fit(exc: BaseException) -> bool:
+    from autotune.errors import CannotFitError
+
+    return isinstance(exc, CannotFitError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `autotune` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -46,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         if isinstance(exc, _user_error_types()):
             print(f"autotune: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            return EXIT_NO_FIT if _cannot_fit(exc) else EXIT_USAGE
         first_line = (str(exc).strip().splitlines() or [""])[0]
         print(
             f"autotune: error: {type(exc).__name__}: {first_line} (AUTOTUNE_DEBUG=1 shows the traceback)",

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from autotune.cli.common import EXIT_NO_FIT
 from autotune.errors import BudgetError, TrialError
 from autotune.meters import CpuMeter, CpuOutOfMemoryError
 from autotune.oom import is_oom
@@ -144,7 +145,7 @@ def test_budget_below_weights_and_optimizer_says_what_they_take() -> None:
     assert str(TOO_SMALL_BUDGET) in str(caught.value)
 
 
-def test_cli_budget_below_weights_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
+def test_cli_budget_below_weights_is_one_error_line_and_exit_no_fit(tmp_path: Path) -> None:
     task_file = tmp_path / "linear_task.py"
     task_file.write_text(
         textwrap.dedent(
@@ -167,7 +168,7 @@ def test_cli_budget_below_weights_is_one_error_line_and_exit_2(tmp_path: Path) -
         timeout=300,
         check=False,
     )
-    assert done.returncode == 2, done.stderr
+    assert done.returncode == EXIT_NO_FIT, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
     errors = [line for line in done.stderr.splitlines() if line.startswith("autotune: error:")]

@@ -484,3 +484,14 @@ def test_a_plan_policy_reaches_the_server_and_an_unknown_one_is_an_error(
     assert seen[0].url.params["plan"] == "divisor"
     with pytest.raises(AutotuneClientError, match="plan must be one of balanced, divisor"):
         suggest(tiny_model(), 8, example=tiny_batch, budget="8MiB", plan="round")
+
+
+def test_a_job_that_cannot_fit_one_sample_gets_the_one_line_diagnosis() -> None:
+    """The local probe's no-fit answer reaches the job as the probe's own line, not an allocator error."""
+    from autotune.errors import CannotFitError
+
+    with pytest.warns(TunerUnavailableWarning), pytest.raises(CannotFitError) as caught:
+        suggest(tiny_model(), 8, example=tiny_batch, budget="16KiB")
+    line = str(caught.value)
+    assert line.startswith("micro-batch 1 does not fit: budget 16384 bytes") and "\n" not in line
+    assert "weights, gradients and optimizer state alone take" in line and "a budget of" in line
