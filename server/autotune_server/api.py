@@ -124,7 +124,7 @@ def upload_profile(
     check_storable(profile)
     require_consistent(profile)
     row, created = repository.add_profile(session, profile, uploader=uploader)
-    _forget_answers(request)
+    request.app.state.suggest_cache.clear()
     url = str(request.url_for("get_profile", profile_id=row.id).path)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     response.headers["Location"] = url
@@ -205,7 +205,7 @@ def add_observation(
     observation = _strict(Observation, raw)
     check_storable(observation)
     row = repository.add_observation(session, profile_id, observation, uploader=uploader)
-    _forget_answers(request)
+    request.app.state.suggest_cache.clear()
     return to_stored_observation(row)
 
 
@@ -362,7 +362,8 @@ def _remembered_answer(body: bytes, remembered: _Remembered) -> Response:
 
 
 def _forget_answers(request: Request) -> None:
-    # After a write in this process: cached and remembered answers may no longer be the right ones.
+    # After a delete in this process: a deleted profile must answer neither from the cache nor from
+    # memory. (Uploads clear only the cache: an answer from memory says it may miss newer profiles.)
     request.app.state.suggest_cache.clear()
     request.app.state.remembered_lookups.clear()
 

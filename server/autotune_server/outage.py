@@ -277,8 +277,9 @@ class RememberedLookups(Generic[K, V]):
     """The newest value read per key, for ``max_age_seconds``, at most ``max_entries`` keys (LRU).
 
     /suggest keeps each (fingerprint, device) lookup here after reading it; during an outage it asks
-    :meth:`recall` instead of failing. A write in this process clears it (as it clears the cache):
-    a deleted profile must not answer from memory.
+    :meth:`recall` instead of failing. A delete in this process clears it: a deleted profile must not
+    answer from memory. Uploads do not (under a fleet's steady uploads nothing would be remembered
+    when the database goes): an answer from memory says that profiles stored since are not in it.
     """
 
     max_age_seconds: float

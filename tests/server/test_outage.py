@@ -250,6 +250,9 @@ def test_postgres_stopped_and_started(pg: ThrowawayPostgres, caplog: pytest.LogC
         answered = _suggest(client)
         assert answered.status_code == 200
         assert STALE_HEADER not in answered.headers
+        # Other jobs go on uploading: that must not make the store forget what it answered.
+        other = profile_payload(seed=3, fingerprint=fingerprint_for("another job"))
+        assert client.post(PROFILES, json=other, headers=WRITE).status_code == 201
 
         pg.stop()
         _assert_unavailable(client.get(PROFILES), "unreachable")
@@ -287,7 +290,7 @@ def test_postgres_stopped_and_started(pg: ThrowawayPostgres, caplog: pytest.LogC
         assert client.post(PROFILES, json=profile_payload(seed=2), headers=WRITE).status_code == 200
         fresh = _suggest(client)
         assert fresh.status_code == 200 and STALE_HEADER not in fresh.headers
-    assert _count(pg.url, "profiles") == 2
+    assert _count(pg.url, "profiles") == 3
     lines = _outage_lines(caplog)
     assert len(lines) == 2, lines
     assert lines[1].startswith("database back after")
