@@ -16,7 +16,15 @@ from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 
 from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy
-from autotune.schemas import Observation, Profile, Source, Strategy, Suggestion
+from autotune.schemas import (
+    ActivationCheckpointing,
+    Objective,
+    Observation,
+    Profile,
+    Source,
+    Strategy,
+    Suggestion,
+)
 from autotune_server import repository
 from autotune_server.consistency import consistent_lookup, require_consistent
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
@@ -142,6 +150,9 @@ def list_profiles(
     strategy: Annotated[Strategy | None, Query(description="ddp or fsdp")] = None,
     world_size: Annotated[int | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
     source: Annotated[Source | None, Query(description="measured or estimate")] = None,
+    activation_checkpointing: Annotated[
+        ActivationCheckpointing | None, Query(description="none, every-2 or full")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 50,
     cursor: Annotated[
         str | None, Query(max_length=64, description="next_cursor of the previous page")
@@ -157,6 +168,7 @@ def list_profiles(
         strategy=strategy,
         world_size=world_size,
         source=source,
+        activation_checkpointing=activation_checkpointing,
     )
     rows, next_before = repository.list_profiles(session, filters, limit=limit, before_id=before_id)
     return ProfilePage(
@@ -263,6 +275,17 @@ async def suggest(
             "micro_batches) or divisor (equal micro-batches)"
         ),
     ] = DEFAULT_PLAN_POLICY,
+    activation_checkpointing: Annotated[
+        ActivationCheckpointing,
+        Query(description="the job's memory policy: none, every-2 or full (objective memory answers from it)"),
+    ] = "none",
+    objective: Annotated[
+        Objective,
+        Query(
+            description="memory (the job's policy, the fewest steps) or throughput (the stored policy whose "
+            "plan is timed fastest; the answer says which)"
+        ),
+    ] = "memory",
 ) -> Response:
     """The plan for a job: measured on this device model, else predicted, else estimated, else 404."""
     # The hot path of a sweep's start: async, no thread-pool hop at all on a cached answer; on a miss,
@@ -271,7 +294,18 @@ async def suggest(
     # by the response model.
     state = request.app.state
     cache = state.suggest_cache
-    answer_key = (fingerprint, device_name, target_batch, world_size, budget_bytes, headroom, strategy, plan)
+    answer_key = (
+        fingerprint,
+        device_name,
+        target_batch,
+        world_size,
+        budget_bytes,
+        headroom,
+        strategy,
+        plan,
+        activation_checkpointing,
+        objective,
+    )
     body = cache.get_answer(answer_key)
     if body is None:
         key = (fingerprint, device_name)
@@ -290,6 +324,8 @@ async def suggest(
             headroom=headroom,
             strategy=strategy,
             plan_policy=plan,
+            activation_checkpointing=activation_checkpointing,
+            objective=objective,
             server_url=lambda: str(request.base_url).rstrip("/"),
         )
         if remembered is not None:

@@ -39,6 +39,7 @@ def to_summary(row: ProfileRow) -> ProfileSummary:
         world_size=row.world_size,
         strategy=row.strategy,
         source=row.source,
+        activation_checkpointing=row.activation_checkpointing,
         trial_count=row.trial_count,
         created_at=to_utc(row.created_at),
         uploaded_at=to_utc(row.uploaded_at),

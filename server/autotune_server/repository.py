@@ -17,7 +17,7 @@ from sqlalchemy import ColumnElement, Connection, and_, case, delete, func, or_,
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from autotune.schemas import Fit, Observation, Profile
+from autotune.schemas import Fit, Observation, Profile, Throughput
 from autotune_server.errors import InvalidCursor, ProfileNotFound
 from autotune_server.models import ObservationRow, ProfileRow, TrialRow, utcnow
 from autotune_server.wire import content_hash
@@ -77,6 +77,8 @@ def _profile_row(profile: Profile, digest: str, uploader: str | None) -> Profile
         source=profile.source,
         non_monotone=profile.non_monotone,
         plan=profile.plan.model_dump(mode="json") if profile.plan is not None else None,
+        activation_checkpointing=profile.activation_checkpointing,
+        throughput=[t.model_dump(mode="json") for t in profile.throughput] if profile.throughput else None,
         fit_fixed_bytes=profile.fit.fixed_bytes if profile.fit is not None else None,
         fit_bytes_per_sample=profile.fit.bytes_per_sample if profile.fit is not None else None,
         trial_count=profile.trial_count,
@@ -181,6 +183,7 @@ class ProfileFilters:
     strategy: str | None = None
     world_size: int | None = None
     source: str | None = None
+    activation_checkpointing: str | None = None
 
 
 _CURSOR_PREFIX = "p1:"
@@ -233,6 +236,8 @@ def list_profiles(
         query = query.where(ProfileRow.world_size == filters.world_size)
     if filters.source is not None:
         query = query.where(ProfileRow.source == filters.source)
+    if filters.activation_checkpointing is not None:
+        query = query.where(ProfileRow.activation_checkpointing == filters.activation_checkpointing)
     if before_id is not None:
         query = query.where(ProfileRow.id < before_id)
     # One extra row tells whether there is a next page without a count query.
@@ -333,6 +338,9 @@ class Candidate:
     # from before it was recorded, the whole peak of the smallest measured deciding micro-batch, an
     # upper bound of it. ``fit`` is of the forward/backward peaks only and does not see that phase.
     smallest_peak: int | None = None
+    # The memory policy the profile was measured under, and its timed runs (objective=throughput).
+    activation_checkpointing: str = "none"
+    throughput: tuple[Throughput, ...] = ()
 
     @property
     def uses_ddp(self) -> bool:
@@ -351,7 +359,8 @@ class Lookup:
 
     ``here``: the newest profile on this device model of each kind, newest first. A kind is a
     source (measured, estimate) with a strategy and, for ddp, world size 1 or > 1 (with or without
-    DDP's buckets), for fsdp each world size (one rank's memory depends on N). ``elsewhere``: the
+    DDP's buckets), for fsdp each world size (one rank's memory depends on N), under one memory
+    policy (activation checkpointing: autotune_server.policy picks among them). ``elsewhere``: the
     newest profiles of the fingerprint on other device models (their fits, without trials).
     ``suggest.compute`` decides which one answers a job. ``skipped``: the ids of profiles left out
     of it (``without``), for the answer's warnings.
@@ -388,6 +397,8 @@ _COLUMNS = (
     ProfileRow.world_size,
     ProfileRow.strategy,
     ProfileRow.source,
+    ProfileRow.activation_checkpointing,
+    ProfileRow.throughput,
     ProfileRow.created_at,
 )
 # At most this many kinds of profile of one (fingerprint, device) are read per lookup.
@@ -414,8 +425,18 @@ def _candidate(row: Any, **extra: Any) -> Candidate:
         world_size=int(row.world_size),
         strategy=str(row.strategy),
         source=str(row.source),
+        activation_checkpointing=str(row.activation_checkpointing or "none"),
+        throughput=_throughput(row.throughput),
         **extra,
     )
+
+
+def _throughput(value: Any) -> tuple[Throughput, ...]:
+    # Validated on upload; a row written by hand that does not parse is simply not timed.
+    try:
+        return tuple(Throughput.model_validate(t) for t in value or ())
+    except (ValueError, TypeError):
+        return ()
 
 
 def _smallest_peak(trials: tuple[tuple[int, int, bool, bool], ...]) -> int | None:
@@ -460,7 +481,7 @@ def lookup(
             oom_at.label("oom_at"),
             func.row_number()
             .over(
-                partition_by=(ProfileRow.source, ProfileRow.strategy, kind),
+                partition_by=(ProfileRow.source, ProfileRow.strategy, kind, ProfileRow.activation_checkpointing),
                 order_by=(ProfileRow.created_at.desc(), ProfileRow.id.desc()),
             )
             .label("newest"),

@@ -35,6 +35,7 @@ from sqlalchemy import Connection
 
 from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy, micro_batch_for_limit, plan
 from autotune.schemas import Plan, Suggestion
+from autotune_server import policy
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
 from autotune_server.repository import Candidate, Lookup
 
@@ -269,9 +270,7 @@ def _measured(
         limit_text = _limit_text(used_budget, used_headroom)
         if limit < measured_limit:
             within = [
-                m
-                for m, peak, fits, oom in c.trials
-                if fits and not oom and peak <= limit and m <= c.max_micro_batch
+                m for m, peak, fits, oom in c.trials if fits and not oom and peak <= limit and m <= c.max_micro_batch
             ]
             m_max = _round_down(max(within, default=0), c.multiple_of)
             if m_max < 1:
@@ -396,9 +395,7 @@ def _predicted(
 ) -> Suggestion:
     used_headroom = headroom if headroom is not None else c.headroom
     limit = budget_bytes * (1.0 - used_headroom)
-    m_max = _predicted_max(
-        c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes"
-    )
+    m_max = _predicted_max(c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes")
     chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
     what = "estimated" if c.estimate else "measured"
     warnings = [
@@ -427,9 +424,7 @@ def _best(
 ) -> tuple[tuple[int, int], Candidate] | None:
     """The candidate that answers the job best by ``_rank``, the newest among equals (candidates
     come newest first)."""
-    ranked = [
-        (rank, i, c) for i, c in enumerate(candidates) if (rank := _rank(c, strategy, world_size)) is not None
-    ]
+    ranked = [(rank, i, c) for i, c in enumerate(candidates) if (rank := _rank(c, strategy, world_size)) is not None]
     if not ranked:
         return None
     rank, _, best = min(ranked, key=lambda item: (item[0], item[1]))
@@ -448,6 +443,8 @@ def compute(
     strategy: str = "ddp",
     server_url: str | Callable[[], str] = "URL",
     plan_policy: PlanPolicy = DEFAULT_PLAN_POLICY,
+    activation_checkpointing: str = "none",
+    objective: str = "memory",
 ) -> Suggestion:
     """The plan for a job from what ``lookup`` found (pure).
 
@@ -463,6 +460,10 @@ def compute(
             the how-to-probe advice of the 404.
         plan_policy: "balanced" (default: the fewest steps, micro-batches within one of each other)
             or "divisor" (equal micro-batches), see ``autotune.plan.plan``.
+        activation_checkpointing: the job's memory policy (none, every-2, full): only profiles
+            measured under it answer (``objective="memory"``).
+        objective: "memory" (default) or "throughput": the stored policy whose plan is timed
+            fastest answers, and the Suggestion says which policy it needs (autotune_server.policy).
 
     Profiles the lookup passed over (``found.skipped``: they contradict their own trials) never
     answer; the suggestion says they were passed over.
@@ -477,6 +478,47 @@ def compute(
             that would need more accumulation steps than ``autotune.plan`` allows) (422).
         BudgetTooSmall: not even one sample (or multiple_of) fits the given budget (422).
     """
+    query: dict[str, Any] = {
+        "fingerprint": fingerprint,
+        "device_name": device_name,
+        "target_batch": target_batch,
+        "world_size": world_size,
+        "budget_bytes": budget_bytes,
+        "headroom": headroom,
+        "strategy": strategy,
+        "server_url": server_url,
+        "plan_policy": plan_policy,
+    }
+    if objective == "throughput":
+        return policy.fastest(
+            found,
+            lambda one, name: compute(one, **query, activation_checkpointing=name),
+            device_name=device_name,
+            world_size=world_size,
+        )
+    missing = policy.policy_not_found(found, activation_checkpointing, fingerprint, device_name)
+    if missing is not None:
+        raise missing
+    found = policy.for_policy(found, activation_checkpointing)
+    answer = _compute(found, **query)
+    answer.activation_checkpointing = activation_checkpointing  # type: ignore[assignment]
+    return answer
+
+
+def _compute(
+    found: Lookup,
+    *,
+    fingerprint: str,
+    device_name: str,
+    target_batch: int,
+    world_size: int,
+    budget_bytes: int | None,
+    headroom: float | None,
+    strategy: str,
+    server_url: str | Callable[[], str],
+    plan_policy: PlanPolicy,
+) -> Suggestion:
+    """``compute`` for the profiles of one memory policy."""
     for source in ("measured", "estimate"):
         here = _best(tuple(c for c in found.here if c.source == source), strategy, world_size)
         elsewhere = (

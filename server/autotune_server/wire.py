@@ -57,6 +57,7 @@ class ProfileSummary(_Out):
     world_size: int
     strategy: str
     source: str
+    activation_checkpointing: str = "none"
     trial_count: int
     created_at: datetime
     uploaded_at: datetime

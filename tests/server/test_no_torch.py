@@ -67,7 +67,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
     assert result["suggest"] == 200
     assert result["torch_loaded"] is False
     # Of autotune, the server may use the wire schemas, the plan arithmetic and the consistency check
-    # (with the errors it raises) only.
+    # (with the errors it raises), and the throughput arithmetic only.
     allowed = {
         "autotune",
         "autotune.schemas",
@@ -75,5 +75,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
         "autotune.plan",
         "autotune.consistency",
         "autotune.errors",
+        # The pricing of plans from timed runs (objective=throughput), torch-free like the plan.
+        "autotune.recommend",
     }
     assert set(result["autotune_modules"]) <= allowed
