@@ -127,7 +127,15 @@ def upload_profile(
     request: Request,
     response: Response,
 ) -> ProfileRef:
-    """Store a profile (idempotent: the same body twice is one row, 201 then 200)."""
+    """Store a profile (idempotent: the same body twice is one row, 201 then 200).
+
+    A body the JSON schema accepts can still be refused with 422 ``inconsistent_profile``: the
+    profile must say what its own trials measured (``max_micro_batch`` fits and the next size up
+    does not, each trial's ``fits`` agrees with its peak and the limit, the plan adds up, the fit is
+    finite, the budget is within the device). The error names the field and the trial at fault.
+    During a database outage the answer is 503 (nothing stored; retry after ``Retry-After``) or 507
+    (disk full): a retry of the same body never stores it twice.
+    """
     profile = _strict(Profile, raw)
     check_storable(profile)
     require_consistent(profile)
