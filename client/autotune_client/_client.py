@@ -203,6 +203,8 @@ class TunerClient:
         headroom: float | None = None,
         strategy: str = "ddp",
         plan: str = "balanced",
+        activation_checkpointing: str = "none",
+        objective: str = "memory",
     ) -> Suggestion:
         """The plan for a job from what the store knows.
 
@@ -211,6 +213,10 @@ class TunerClient:
                 ``world_size`` ranks: one rank's memory depends on it, so the store matches it).
             plan: "balanced" (the fewest steps; micro-batches within one of each other, listed in
                 ``micro_batches``) or "divisor" (equal micro-batches).
+            activation_checkpointing: the job's memory policy ("none", "every-2", "full"); with
+                ``objective="memory"`` only profiles measured under it answer.
+            objective: "memory" (default) or "throughput": the stored policy whose plan was timed
+                fastest answers, and ``Suggestion.activation_checkpointing`` says which the job needs.
 
         Returns:
             A Suggestion with ``source`` "measured" (a profile of this kind of job on this device
@@ -237,6 +243,10 @@ class TunerClient:
             params["strategy"] = strategy
         if plan != "balanced":  # likewise; a server from before balanced plans answers equal ones anyway
             params["plan"] = plan
+        if activation_checkpointing != "none":  # likewise: a server from before policies knows only none
+            params["activation_checkpointing"] = activation_checkpointing
+        if objective != "memory":
+            params["objective"] = objective
         body = self._request("GET", "/suggest", params=params).json()
         if not isinstance(body, dict):
             raise AutotuneClientError(f"the server answered /suggest with {type(body).__name__}, not an object")

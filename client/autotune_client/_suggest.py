@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from autotune.plan import PLAN_POLICIES
-from autotune.schemas import STRATEGIES, Profile, Suggestion, TagValue
+from autotune.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, STRATEGIES, Profile, Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._constants import DEFAULT_TIMEOUT_SECONDS, ENV_URL
 from autotune_client._distributed import DECISION_SLACK_SECONDS, in_process_group, local_probe_starting, one_decision
@@ -120,6 +120,8 @@ def suggest(
     strategy: str = "ddp",
     plan: str = "balanced",
     distributed: bool = True,
+    objective: str = "memory",
+    activation_checkpointing: str = "none",
 ) -> Suggestion:
     """The micro-batch and accumulation steps for this job, measured rather than guessed.
 
@@ -161,6 +163,13 @@ def suggest(
             Suggestion: one decision per job. The others wait at most the client's timeout plus
             ``DECISION_SLACK_SECONDS``, or until rank 0's local probe ends. False: each rank
             decides on its own.
+        objective: "memory" (default: the answer for ``activation_checkpointing``) or "throughput":
+            among the policies stored for this setup, the one whose plan was timed fastest; the
+            Suggestion's ``activation_checkpointing`` says which (``as_hf_training_args`` turns on
+            ``gradient_checkpointing`` for "full"). A local probe times its plan under
+            ``activation_checkpointing``.
+        activation_checkpointing: the job's memory policy: "none" (default), "every-2" or "full"
+            (every block of the model's ``nn.ModuleList`` recomputes its forward in the backward).
 
     Returns:
         A Suggestion: ``micro_batch``, ``accumulation_steps``, ``world_size``, ``effective_batch``,
@@ -189,6 +198,13 @@ def suggest(
         raise AutotuneClientError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if plan not in PLAN_POLICIES:
         raise AutotuneClientError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {plan!r}")
+    if objective not in OBJECTIVES:
+        raise AutotuneClientError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise AutotuneClientError(
+            f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+            f"got {activation_checkpointing!r}"
+        )
     model = _unwrap(model)
     world = _resolve_world_size(world_size)
     if target_batch < world:
@@ -231,6 +247,8 @@ def suggest(
                     budget_bytes=budget_bytes,
                     strategy=strategy,
                     plan=plan,
+                    activation_checkpointing=activation_checkpointing,
+                    objective=objective,
                 )
             except NotFoundError:
                 if not probe_if_missing:
@@ -256,6 +274,8 @@ def suggest(
             world_size=world,
             strategy=strategy,
             plan_policy=plan,
+            activation_checkpointing=activation_checkpointing,
+            throughput=objective == "throughput",
         )
         if profile.fingerprint != fingerprint:
             # Should not happen (same function, same inputs); if it does, an upload would be
@@ -449,6 +469,8 @@ def _probe_locally(
     world_size: int,
     strategy: str = "ddp",
     plan_policy: str = "balanced",
+    activation_checkpointing: str = "none",
+    throughput: bool = False,
 ) -> Profile:
     from autotune.probe import ProbeConfig, probe
     from autotune.task import ProbeTask
@@ -478,6 +500,8 @@ def _probe_locally(
         world_size=world_size,
         strategy=strategy,
         plan_policy=plan_policy,
+        activation_checkpointing=activation_checkpointing,
+        throughput=throughput,
     )
     with _rng_preserved(device_spec):
         return probe(task, config)
@@ -517,5 +541,15 @@ def _suggestion_from_profile(
         peak_bytes=profile.peak_at(chosen.micro_batch),
         budget_bytes=profile.budget_bytes,
         strategy=profile.strategy,
+        activation_checkpointing=profile.activation_checkpointing,
+        samples_per_second=_timed_rate(profile, chosen),
         warnings=list(dict.fromkeys(found)),
     )
+
+
+def _timed_rate(profile: Profile, chosen: Any) -> float | None:
+    """The samples per second the profile's timed runs give the chosen plan (None: not timed)."""
+    from autotune.recommend import samples_per_second
+
+    rate = samples_per_second(profile.throughput or [], chosen.micro_batches, chosen.world_size)
+    return None if rate is None else round(rate[0], 4)
