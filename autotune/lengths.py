@@ -31,6 +31,7 @@ import torch
 from autotune.errors import AutotuneError, BudgetError, TaskError, TrialError
 from autotune.meters import Meter, make_meter, resolve_device
 from autotune.meters.fake import FakeMeter
+from autotune.plan import sequences_for_tokens
 from autotune.presearch import FakeSearch, SurfaceSearch, fake_surface
 from autotune.schemas import MAX_SEQ_LEN, Fit, LongestSeqLen, Profile, Surface, Trial
 from autotune.strategies import Replicated, Strategy, make_strategy
@@ -85,26 +86,11 @@ def check_lengths(task: ProbeTask, lengths: Sequence[int]) -> list[int]:
 def target_at_length(
     seq_len: int, *, target_batch: int | None, target_tokens: int | None, world_size: int
 ) -> tuple[int | None, str | None]:
-    """The target batch in sequences at seq_len, and what to say when tokens do not divide evenly.
-
-    A token target N is planned in sequences: N / L of them, the nearest (ties down) where L does not
-    divide N, and never fewer than world_size.
-
-    >>> target_at_length(512, target_batch=None, target_tokens=1 << 20, world_size=8)
-    (2048, None)
-    >>> target_at_length(1000, target_batch=None, target_tokens=1 << 20, world_size=8)[0]
-    1049
-    """
+    """The target batch in sequences at seq_len (``autotune.plan.sequences_for_tokens`` where the
+    target is in tokens), and what to say when the tokens do not divide evenly."""
     if target_tokens is None:
         return target_batch, None
-    sequences = max(world_size, (target_tokens + (seq_len - 1) // 2) // seq_len)
-    if sequences * seq_len == target_tokens:
-        return sequences, None
-    return sequences, (
-        f"target {target_tokens} tokens is not a multiple of seq_len {seq_len}"
-        + (f" x world size {world_size}" if world_size > 1 else "")
-        + f": planned in sequences, {sequences} of them = {sequences * seq_len} tokens per update"
-    )
+    return sequences_for_tokens(target_tokens, seq_len, world_size)
 
 
 def _presearched(found: SurfaceSearch, seq_len: int, limit_bytes: int, cap: int, multiple_of: int) -> FakeSearch:

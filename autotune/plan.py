@@ -38,6 +38,7 @@ from autotune.split import (
 )
 
 __all__ = [
+    "sequences_for_tokens",
     "DEFAULT_PLAN_POLICY",
     "EXACT_SEARCH_FACTOR",
     "LINEAR_SCAN",
@@ -158,3 +159,26 @@ def micro_batch_for_limit(fit: Fit, limit_bytes: float, cap: int | None = None) 
     if cap is not None:
         micro = min(micro, cap)
     return micro
+
+
+def sequences_for_tokens(target_tokens: int, seq_len: int, world_size: int = 1) -> tuple[int, str | None]:
+    """A target in tokens per update as a target batch in sequences of seq_len, and what to say when
+    the tokens are not a whole number of sequences: the nearest count (ties down), never fewer than
+    world_size (every replica needs one sequence).
+
+    >>> sequences_for_tokens(1 << 20, 512, 8)
+    (2048, None)
+    >>> sequences_for_tokens(1 << 20, 1000, 8)[0]
+    1049
+    """
+    if target_tokens < 1 or seq_len < 1:
+        raise ValueError(f"target_tokens and seq_len must be positive, got {target_tokens} and {seq_len}")
+    sequences = max(world_size, (target_tokens + (seq_len - 1) // 2) // seq_len)
+    if sequences * seq_len == target_tokens:
+        return sequences, None
+    return sequences, (
+        f"target {target_tokens} tokens is not a multiple of seq_len {seq_len}"
+        + (f" x world size {world_size}" if world_size > 1 else "")
+        + f": planned in sequences, {sequences} of them = {sequences * seq_len} tokens per update"
+    )
+

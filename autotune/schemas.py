@@ -326,6 +326,9 @@ class Observation(_Model):
     oom: bool = False
     world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
     note: Annotated[str, Field(max_length=1024)] = ""
+    # The device model the job ran on (torch.cuda.get_device_name, "cpu"): checked against the
+    # profile's when given (422 when it differs), not stored.
+    device_name: ShortText | None = None
 
 
 class Suggestion(_Model):

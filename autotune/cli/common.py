@@ -12,7 +12,6 @@ from autotune.units import parse_bytes
 __all__ = [
     "EXIT_FAILED",
     "EXIT_NO_FIT",
-    "EXIT_NO_FIT",
     "EXIT_USAGE",
     "CliError",
     "Parser",
@@ -30,9 +29,6 @@ __all__ = [
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
-# Even the smallest micro-batch does not fit (autotune.errors.CannotFitError): the one line says what
-# the job needs and what would fit. 3 is `autotune suggest`'s "nothing stored" (EXIT_NOT_FOUND).
-EXIT_NO_FIT = 4
 # Even the smallest micro-batch does not fit (autotune.errors.CannotFitError): the one line says what
 # the job needs and what would fit. 3 is `autotune suggest`'s "nothing stored" (EXIT_NOT_FOUND).
 EXIT_NO_FIT = 4

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import task_spec
+from autotune.cli.common import check_seq_len_options, task_spec
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
-from autotune.cli.probe import add_setup_options, emit_profiles
+from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of
 
 __all__ = ["add_parsers", "run_estimate"]
 
@@ -50,16 +50,32 @@ def run_estimate(args: argparse.Namespace) -> int:
         plan_policy=args.plan,
     )
     config.validate()  # a missing budget is refused before the task is even loaded
+    check_seq_len_options(args)
     task = load_task(task_spec(args.task, args))
+    lengths = lengths_of(task, args)
     limit = int(args.budget * (1 - args.headroom))
     print(f"estimating {task.name} for {args.device_kind} with fake tensors ...", file=sys.stderr)
-    profiles = for_each_policy(
-        task,
-        config,
-        policies_of(args),
-        lambda t, c: estimate(t, c, on_trial=lambda r: print(trial_line(r, limit), file=sys.stderr, flush=True)),
-    )
-    code = emit_profiles(profiles, args)
-    if len(profiles) > 1:  # fake trials cannot be timed: the policies compare by memory only
-        print(recommendation(profiles, "memory"), file=sys.stderr if args.json else sys.stdout)
+
+    def progress(trial: Any) -> None:
+        print(trial_line(trial, limit), file=sys.stderr, flush=True)
+
+    def run(t: Any, c: Any) -> list[Any]:
+        if lengths:
+            from autotune.lengths import estimate_lengths
+
+            found = estimate_lengths(
+                t, c, lengths, max_seq_len=args.max_seq_len, target_tokens=args.target_tokens, on_trial=progress
+            )
+            return found.profiles
+        return [estimate(t, c, on_trial=progress)]
+
+    profiles = [p for group in for_each_policy(task, config, policies_of(args), run) for p in group]
+    code = emit_profiles(profiles, args, as_array=bool(lengths))
+    # The policies compete at each length, not the lengths with each other.
+    every_length: list[int | None] = list(lengths) if lengths else [None]
+    for seq_len in every_length:
+        at_length = [p for p in profiles if p.seq_len == seq_len]
+        if len(at_length) > 1:  # fake trials cannot be timed: the policies compare by memory only
+            line = recommendation(at_length, "memory")
+            print(line if seq_len is None else f"at L={seq_len}: {line}", file=sys.stderr if args.json else sys.stdout)
     return code

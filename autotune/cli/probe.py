@@ -133,7 +133,11 @@ def run_probe(args: argparse.Namespace) -> int:
 
         profiles = [p for group in for_each_policy(task, config, policies_of(args), over_lengths) for p in group]
         code = emit_profiles(profiles, args, as_array=True)
-        print(recommendation(profiles, args.objective), file=sys.stderr if args.json else sys.stdout)
+        for seq_len in lengths:  # the policies compete at each length, not the lengths with each other
+            at_length = [p for p in profiles if p.seq_len == seq_len]
+            if at_length:
+                line = recommendation(at_length, args.objective)
+                print(f"at L={seq_len}: {line}", file=sys.stderr if args.json else sys.stdout)
         return code
     if args.device.strip().lower() == "all":
         if config.strategy == "fsdp":

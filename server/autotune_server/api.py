@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy
 from autotune.schemas import (
+    MAX_SEQ_LEN,
     ActivationCheckpointing,
     Objective,
     Observation,
@@ -25,7 +26,7 @@ from autotune.schemas import (
     Strategy,
     Suggestion,
 )
-from autotune_server import repository
+from autotune_server import drift, repository
 from autotune_server.consistency import consistent_lookup, require_consistent
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
@@ -161,6 +162,9 @@ def list_profiles(
     activation_checkpointing: Annotated[
         ActivationCheckpointing | None, Query(description="none, every-2 or full")
     ] = None,
+    seq_len: Annotated[
+        int | None, Query(ge=1, le=MAX_SEQ_LEN, description="a sequence-aware setup's sequence length")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 50,
     cursor: Annotated[
         str | None, Query(max_length=64, description="next_cursor of the previous page")
@@ -177,6 +181,7 @@ def list_profiles(
         world_size=world_size,
         source=source,
         activation_checkpointing=activation_checkpointing,
+        seq_len=seq_len,
     )
     rows, next_before = repository.list_profiles(session, filters, limit=limit, before_id=before_id)
     return ProfilePage(
@@ -224,9 +229,12 @@ def add_observation(
     """Record what a training job really saw (its peak, or an OOM) against a profile."""
     observation = _strict(Observation, raw)
     check_storable(observation)
+    said = drift.check_observation(observation, repository.get_profile(session, profile_id))
     row = repository.add_observation(session, profile_id, observation, uploader=uploader)
-    request.app.state.suggest_cache.clear()
-    return to_stored_observation(row)
+    request.app.state.suggest_cache.clear()  # the drift and the OOM cap answer from the next request on
+    stored = to_stored_observation(row)
+    stored.warnings = said
+    return stored
 
 
 @router.get(
@@ -268,8 +276,23 @@ async def suggest(
     _reader: ReadAccess,
     request: Request,
     fingerprint: Annotated[str, Query(pattern=FINGERPRINT_PATTERN)],
-    target_batch: Annotated[int, Query(ge=1, le=MAX_TARGET_BATCH)],
     device_name: Annotated[str, Query(min_length=1, max_length=256)],
+    target_batch: Annotated[
+        int | None, Query(ge=1, le=MAX_TARGET_BATCH, description="sequences (samples) per update; or target_tokens")
+    ] = None,
+    seq_len: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=MAX_SEQ_LEN,
+            description="the job's sequence length (required for a sequence-aware setup; a length nobody "
+            "measured is predicted from the memory surface that covers it)",
+        ),
+    ] = None,
+    target_tokens: Annotated[
+        int | None,
+        Query(ge=1, le=2**50, description="tokens per update instead of target_batch (needs seq_len)"),
+    ] = None,
     world_size: Annotated[int, Query(ge=1, le=MAX_WORLD_SIZE)] = 1,
     budget_bytes: Annotated[int | None, Query(gt=0, le=2**60)] = None,
     headroom: Annotated[float | None, Query(ge=0, lt=1)] = None,
@@ -313,6 +336,8 @@ async def suggest(
         plan,
         activation_checkpointing,
         objective,
+        seq_len,
+        target_tokens,
     )
     body = cache.get_answer(answer_key)
     if body is None:
@@ -334,6 +359,8 @@ async def suggest(
             plan_policy=plan,
             activation_checkpointing=activation_checkpointing,
             objective=objective,
+            seq_len=seq_len,
+            target_tokens=target_tokens,
             server_url=lambda: str(request.base_url).rstrip("/"),
         )
         if remembered is not None:

@@ -79,6 +79,8 @@ def _profile_row(profile: Profile, digest: str, uploader: str | None) -> Profile
         plan=profile.plan.model_dump(mode="json") if profile.plan is not None else None,
         activation_checkpointing=profile.activation_checkpointing,
         throughput=[t.model_dump(mode="json") for t in profile.throughput] if profile.throughput else None,
+        seq_len=profile.seq_len,
+        surface=profile.surface.model_dump(mode="json") if profile.surface is not None else None,
         fit_fixed_bytes=profile.fit.fixed_bytes if profile.fit is not None else None,
         fit_bytes_per_sample=profile.fit.bytes_per_sample if profile.fit is not None else None,
         trial_count=profile.trial_count,
@@ -184,6 +186,7 @@ class ProfileFilters:
     world_size: int | None = None
     source: str | None = None
     activation_checkpointing: str | None = None
+    seq_len: int | None = None
 
 
 _CURSOR_PREFIX = "p1:"
@@ -238,6 +241,8 @@ def list_profiles(
         query = query.where(ProfileRow.source == filters.source)
     if filters.activation_checkpointing is not None:
         query = query.where(ProfileRow.activation_checkpointing == filters.activation_checkpointing)
+    if filters.seq_len is not None:
+        query = query.where(ProfileRow.seq_len == filters.seq_len)
     if before_id is not None:
         query = query.where(ProfileRow.id < before_id)
     # One extra row tells whether there is a next page without a count query.
@@ -341,6 +346,13 @@ class Candidate:
     # The memory policy the profile was measured under, and its timed runs (objective=throughput).
     activation_checkpointing: str = "none"
     throughput: tuple[Throughput, ...] = ()
+    # A sequence-aware setup's length (None otherwise), and the surface its probe measured over lengths
+    # (the wire form of autotune.schemas.Surface), from which other lengths are predicted.
+    seq_len: int | None = None
+    surface: dict[str, Any] | None = None
+    # (micro_batch, peak_bytes) of the jobs' observations that reported a peak and no OOM, newest
+    # first (at most _OBSERVED_LIMIT per lookup): the drift's evidence (autotune_server.drift).
+    observed: tuple[tuple[int, int], ...] = ()
 
     @property
     def uses_ddp(self) -> bool:
@@ -399,6 +411,8 @@ _COLUMNS = (
     ProfileRow.source,
     ProfileRow.activation_checkpointing,
     ProfileRow.throughput,
+    ProfileRow.seq_len,
+    ProfileRow.surface,
     ProfileRow.created_at,
 )
 # At most this many kinds of profile of one (fingerprint, device) are read per lookup.
@@ -427,6 +441,8 @@ def _candidate(row: Any, **extra: Any) -> Candidate:
         source=str(row.source),
         activation_checkpointing=str(row.activation_checkpointing or "none"),
         throughput=_throughput(row.throughput),
+        seq_len=None if row.seq_len is None else int(row.seq_len),
+        surface=row.surface if isinstance(row.surface, dict) else None,
         **extra,
     )
 
@@ -442,6 +458,29 @@ def _throughput(value: Any) -> tuple[Throughput, ...]:
 def _smallest_peak(trials: tuple[tuple[int, int, bool, bool], ...]) -> int | None:
     measured = [(m, -peak) for m, peak, _fits, oom in trials if not oom]
     return -min(measured)[1] if measured else None
+
+
+# The newest observations read per lookup, over all its profiles: enough for the drift's quantile,
+# bounded for a profile that a fleet reports against for months.
+_OBSERVED_LIMIT = 2000
+
+
+def _observed(conn: Connection, profile_ids: list[int]) -> dict[int, list[tuple[int, int]]]:
+    """(micro_batch, peak_bytes) of the peaks jobs reported against these profiles, newest first."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    for pid, m, peak in conn.execute(
+        select(ObservationRow.profile_id, ObservationRow.micro_batch, ObservationRow.peak_bytes)
+        .where(
+            ObservationRow.profile_id.in_(profile_ids),
+            ObservationRow.oom.is_(False),
+            ObservationRow.peak_bytes.is_not(None),
+        )
+        .order_by(ObservationRow.id.desc())
+        .limit(_OBSERVED_LIMIT)
+    ):
+        if peak is not None:  # filtered above; the column is nullable
+            found.setdefault(int(pid), []).append((int(m), int(peak)))
+    return found
 
 
 def deciding_trial() -> ColumnElement[bool]:
@@ -481,7 +520,14 @@ def lookup(
             oom_at.label("oom_at"),
             func.row_number()
             .over(
-                partition_by=(ProfileRow.source, ProfileRow.strategy, kind, ProfileRow.activation_checkpointing),
+                # One of each kind per length too: every measured length of a sequence-aware setup answers.
+                partition_by=(
+                    ProfileRow.source,
+                    ProfileRow.strategy,
+                    kind,
+                    ProfileRow.activation_checkpointing,
+                    ProfileRow.seq_len,
+                ),
                 order_by=(ProfileRow.created_at.desc(), ProfileRow.id.desc()),
             )
             .label("newest"),
@@ -517,12 +563,14 @@ def lookup(
                 trials[int(pid)].append((int(m), int(peak), bool(fits), bool(oom)))
                 if step is not None and not oom:
                     steps[int(pid)].append(int(step))
+        observed = _observed(conn, list(trials))
         for row in newest:
             deciding = tuple(trials[int(row.id)])
             here.append(
                 _candidate(
                     row,
                     trials=deciding,
+                    observed=tuple(observed.get(int(row.id), ())),
                     oom_at=None if row.oom_at is None else int(row.oom_at),
                     smallest_peak=max(steps[int(row.id)]) if steps[int(row.id)] else _smallest_peak(deciding),
                 )

@@ -19,6 +19,10 @@ __all__ = ["INT32_MAX", "INT64_MAX", "check_storable"]
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
+# A surface's coefficients (autotune/surface.py) are integers over a common denominator, wider than
+# 64 bits for long sequences; they live in a JSON column and the document, never in an integer column.
+_EXACT_JSON_PATHS = ("surface.pieces.", "surface.denominator")
+
 # Fields stored in 32-bit integer columns whose wire schema has no upper bound.
 _INT32_FIELDS = frozenset({"trial_count", "oom_count"})
 
@@ -30,6 +34,8 @@ def _walk(value: Any, path: str) -> None:
     elif isinstance(value, bool):
         return
     elif isinstance(value, int):
+        if path.startswith(_EXACT_JSON_PATHS):
+            return  # kept in a JSON column, which carries integers of any width exactly
         leaf = path.rsplit(".", 1)[-1]
         limit = INT32_MAX if leaf in _INT32_FIELDS else INT64_MAX
         if abs(value) > limit:

@@ -35,7 +35,7 @@ from sqlalchemy import Connection
 
 from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy, micro_batch_for_limit, plan
 from autotune.schemas import Plan, Suggestion
-from autotune_server import policy
+from autotune_server import drift, policy, sequence
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
 from autotune_server.repository import Candidate, Lookup
 
@@ -299,6 +299,8 @@ def _measured(
                 f"({limit_text}) may fit a larger micro-batch than the measured {m_max}: probe again "
                 "with it to use it"
             )
+    job_headroom = headroom if headroom is not None else c.headroom
+    m_max = drift.within_drift(c, m_max, used_budget * (1.0 - job_headroom), warnings)
     if c.oom_at is not None and c.oom_at <= m_max:
         capped = _round_down(c.oom_at - 1, c.multiple_of)
         if capped < 1:
@@ -317,6 +319,54 @@ def _measured(
         device_name=c.device_name,
         m_max=m_max,
         peak=peak,
+        budget_bytes=used_budget,
+        warnings=warnings,
+        strategy=strategy,
+    )
+
+
+def _from_surface(
+    c: Candidate,
+    seq_len: int,
+    *,
+    lengths: list[int],
+    target_batch: int,
+    world_size: int,
+    budget_bytes: int | None,
+    headroom: float | None,
+    strategy: str,
+    label: Label,
+    warnings: list[str],
+    policy: PlanPolicy,
+) -> Suggestion:
+    """The answer at a length nobody measured, from the peak surface of c's probe (which covers it)."""
+    warnings = list(warnings)
+    mismatch = _strategy_warning(c, strategy, world_size)
+    if mismatch is not None:
+        warnings.append(mismatch)
+    used_budget = budget_bytes if budget_bytes is not None else c.budget_bytes
+    used_headroom = headroom if headroom is not None else c.headroom
+    limit = used_budget * (1.0 - used_headroom)
+    m_max = sequence.surface_max(c, seq_len, limit)
+    if m_max < 1:
+        raise BudgetTooSmall(
+            f"by the memory surface of profile {c.id}, not even micro-batch {c.multiple_of} at seq_len {seq_len} "
+            f"fits within {int(limit)} bytes ({_limit_text(used_budget, used_headroom)}): it predicts "
+            f"{sequence.surface_peak(c, c.multiple_of, seq_len)} bytes",
+            field="seq_len",
+        )
+    warnings.append(
+        f"predicted from the memory surface of profile {c.id}: seq_len {seq_len} was not measured (measured: "
+        f"{', '.join(map(str, lengths))}); probe with --seq-len {seq_len} for a measured figure"
+    )
+    chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
+    return _suggestion(
+        c,
+        chosen,
+        source=label,
+        device_name=c.device_name,
+        m_max=m_max,
+        peak=sequence.surface_peak(c, chosen.micro_batch, seq_len),
         budget_bytes=used_budget,
         warnings=warnings,
         strategy=strategy,
@@ -436,7 +486,7 @@ def compute(
     *,
     fingerprint: str,
     device_name: str,
-    target_batch: int,
+    target_batch: int | None = None,
     world_size: int = 1,
     budget_bytes: int | None = None,
     headroom: float | None = None,
@@ -445,6 +495,8 @@ def compute(
     plan_policy: PlanPolicy = DEFAULT_PLAN_POLICY,
     activation_checkpointing: str = "none",
     objective: str = "memory",
+    seq_len: int | None = None,
+    target_tokens: int | None = None,
 ) -> Suggestion:
     """The plan for a job from what ``lookup`` found (pure).
 
@@ -464,6 +516,9 @@ def compute(
             measured under it answer (``objective="memory"``).
         objective: "memory" (default) or "throughput": the stored policy whose plan is timed
             fastest answers, and the Suggestion says which policy it needs (autotune_server.policy).
+        seq_len: the job's sequence length: a sequence-aware setup answers from its profile at that
+            length, else from the memory surface that covers it (autotune_server.sequence).
+        target_tokens: tokens per update instead of target_batch (needs seq_len): planned in sequences.
 
     Profiles the lookup passed over (``found.skipped``: they contradict their own trials) never
     answer; the suggestion says they were passed over.
@@ -478,10 +533,12 @@ def compute(
             that would need more accumulation steps than ``autotune.plan`` allows) (422).
         BudgetTooSmall: not even one sample (or multiple_of) fits the given budget (422).
     """
+    target_batch, token_note = sequence.target_batch_for(target_batch, target_tokens, seq_len, world_size)
     query: dict[str, Any] = {
         "fingerprint": fingerprint,
         "device_name": device_name,
         "target_batch": target_batch,
+        "seq_len": seq_len,
         "world_size": world_size,
         "budget_bytes": budget_bytes,
         "headroom": headroom,
@@ -490,19 +547,20 @@ def compute(
         "plan_policy": plan_policy,
     }
     if objective == "throughput":
-        return policy.fastest(
+        answer = policy.fastest(
             found,
             lambda one, name: compute(one, **query, activation_checkpointing=name),
             device_name=device_name,
             world_size=world_size,
         )
+        return sequence.with_tokens(answer, seq_len, target_tokens, token_note)
     missing = policy.policy_not_found(found, activation_checkpointing, fingerprint, device_name)
     if missing is not None:
         raise missing
     found = policy.for_policy(found, activation_checkpointing)
     answer = _compute(found, **query)
     answer.activation_checkpointing = activation_checkpointing  # type: ignore[assignment]
-    return answer
+    return sequence.with_tokens(answer, seq_len, target_tokens, token_note)
 
 
 def _compute(
@@ -517,8 +575,33 @@ def _compute(
     strategy: str,
     server_url: str | Callable[[], str],
     plan_policy: PlanPolicy,
+    seq_len: int | None = None,
 ) -> Suggestion:
     """``compute`` for the profiles of one memory policy."""
+    at = sequence.at_length(found, seq_len, fingerprint=fingerprint)
+    if seq_len is not None and at is not found and not at.here and not at.elsewhere:
+        # Nothing measured at this length: the newest surface of this device model that covers it.
+        for source in ("measured", "estimate"):
+            covering = tuple(c for c in sequence.covering(found, seq_len) if c.source == source)
+            best = _best(covering, strategy, world_size)
+            if best is not None:
+                c = best[1]
+                answer = _from_surface(
+                    c,
+                    seq_len,
+                    lengths=sequence.measured_lengths(found),
+                    target_batch=target_batch,
+                    world_size=world_size,
+                    budget_bytes=budget_bytes,
+                    headroom=headroom,
+                    strategy=strategy,
+                    label="estimated" if c.estimate else "predicted",
+                    warnings=[_estimate_warning(c, device_name)] if c.estimate else [],
+                    policy=plan_policy,
+                )
+                return _with_skipped(found, answer)
+        raise sequence.not_measured(found, seq_len, fingerprint=fingerprint, device_name=device_name)
+    found = at
     for source in ("measured", "estimate"):
         here = _best(tuple(c for c in found.here if c.source == source), strategy, world_size)
         elsewhere = (

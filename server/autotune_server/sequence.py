@@ -1,0 +1,150 @@
+"""Sequence length in /suggest: which profiles answer a job at length L, and the answer from a surface.
+
+A sequence-aware setup (its fingerprint leaves L out) has one profile per measured length, each
+carrying the peak surface over (m, L) its probe measured (autotune/surface.py). A job at length L gets:
+
+- the profiles measured at L, which answer as any profile does (``measured``);
+- where none was measured at L but a surface covers it (between the shortest length measured and
+  the longest that fit at m = multiple_of): m_max read off the surface within the job's limit, as
+  ``predicted``, with a warning naming the measured lengths;
+- otherwise a 404 naming the measured lengths.
+
+A setup that is not sequence-aware has the length in its fingerprint already: a ``seq_len`` only
+converts the answer to tokens. A sequence-aware setup asked without ``seq_len`` is a 422: its answer
+depends on L.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autotune.plan import sequences_for_tokens
+from autotune.schemas import Suggestion
+from autotune.surface import PeakSurface
+from autotune_server.errors import InvalidPlanRequest, NoProfileForSuggestion
+from autotune_server.repository import Candidate, Lookup
+
+__all__ = [
+    "at_length",
+    "covering",
+    "measured_lengths",
+    "not_measured",
+    "surface_max",
+    "surface_peak",
+    "target_batch_for",
+    "with_tokens",
+]
+
+
+def _candidates(found: Lookup) -> tuple[Candidate, ...]:
+    return (*found.here, *found.elsewhere)
+
+
+def measured_lengths(found: Lookup) -> list[int]:
+    """The lengths the setup's stored profiles were measured (or estimated) at."""
+    return sorted({c.seq_len for c in _candidates(found) if c.seq_len is not None})
+
+
+def at_length(found: Lookup, seq_len: int | None, *, fingerprint: str) -> Lookup:
+    """The lookup restricted to the profiles at seq_len (all of them for a setup that is not
+    sequence-aware).
+
+    Raises:
+        InvalidPlanRequest: a sequence-aware setup asked without seq_len (422 naming the field).
+    """
+    lengths = measured_lengths(found)
+    if not lengths:
+        return found
+    if seq_len is None:
+        raise InvalidPlanRequest(
+            f"fingerprint {fingerprint} is sequence-aware (measured at seq_len {', '.join(map(str, lengths))}): "
+            "pass seq_len, the job's sequence length",
+            field="seq_len",
+        )
+    return Lookup(
+        here=tuple(c for c in found.here if c.seq_len == seq_len),
+        elsewhere=tuple(c for c in found.elsewhere if c.seq_len == seq_len),
+        skipped=found.skipped,
+    )
+
+
+def _covers(c: Candidate, seq_len: int) -> bool:
+    surface = c.surface
+    if not surface:
+        return False
+    low, high = surface.get("covered", (0, 0))
+    return int(low) <= seq_len <= int(high)
+
+
+def covering(found: Lookup, seq_len: int) -> tuple[Candidate, ...]:
+    """The profiles on this device model whose surface covers seq_len, newest first (the lookup's
+    order), as candidates at seq_len: what ``compute`` ranks when nothing was measured there."""
+    return tuple(replace(c, seq_len=seq_len, trials=()) for c in found.here if _covers(c, seq_len))
+
+
+def surface_max(c: Candidate, seq_len: int, limit_bytes: float) -> int:
+    """m_max at seq_len within limit_bytes by c's surface, raised by what the device's real trials
+    showed above it; 0 where not even multiple_of fits."""
+    assert c.surface is not None
+    offset = int(c.surface.get("offset_bytes", 0))
+    surface = PeakSurface.from_dict(c.surface)
+    return surface.max_fitting(int(limit_bytes) - offset, seq_len, cap=c.micro_batch_cap, multiple_of=c.multiple_of)
+
+
+def surface_peak(c: Candidate, micro_batch: int, seq_len: int) -> int:
+    """The peak c's surface predicts at (micro_batch, seq_len), with the device's offset."""
+    assert c.surface is not None
+    return PeakSurface.from_dict(c.surface).peak_bytes(micro_batch, seq_len) + int(c.surface.get("offset_bytes", 0))
+
+
+def not_measured(found: Lookup, seq_len: int, *, fingerprint: str, device_name: str) -> NoProfileForSuggestion:
+    """The 404 for a length nobody measured and no surface covers."""
+    lengths = measured_lengths(found)
+    ranges = sorted(
+        {
+            (int(c.surface["covered"][0]), int(c.surface["covered"][1]))
+            for c in _candidates(found)
+            if c.surface and c.device_name == device_name
+        }
+    )
+    covered = "; the surfaces cover " + ", ".join(f"{lo}..{hi}" for lo, hi in ranges) if ranges else ""
+    return NoProfileForSuggestion(
+        f"no profile of fingerprint {fingerprint} at seq_len {seq_len} on {device_name!r}: measured at seq_len "
+        f"{', '.join(map(str, lengths))}{covered}; probe it with --seq-len {seq_len}",
+        field="seq_len",
+        details={"measured_lengths": lengths, "covered": [list(r) for r in ranges]},
+    )
+
+
+def target_batch_for(
+    target_batch: int | None, target_tokens: int | None, seq_len: int | None, world_size: int
+) -> tuple[int, str | None]:
+    """The target in sequences: target_batch, or target_tokens over seq_len (with what to say where
+    they do not divide evenly).
+
+    Raises:
+        InvalidPlanRequest: neither or both given, or tokens without a length (422 naming the field).
+    """
+    if (target_batch is None) == (target_tokens is None):
+        raise InvalidPlanRequest(
+            "give target_batch (sequences per update) or target_tokens (tokens per update), exactly one",
+            field="target_batch" if target_batch is None else "target_tokens",
+        )
+    if target_tokens is None:
+        assert target_batch is not None
+        return target_batch, None
+    if seq_len is None:
+        raise InvalidPlanRequest("target_tokens needs seq_len: tokens are planned in sequences", field="seq_len")
+    return sequences_for_tokens(target_tokens, seq_len, world_size)
+
+
+def with_tokens(answer: Suggestion, seq_len: int | None, target_tokens: int | None, note: str | None) -> Suggestion:
+    """The answer in tokens too, where the job has a length."""
+    if seq_len is not None:
+        answer.seq_len = seq_len
+        answer.tokens_per_micro_batch = answer.micro_batch * seq_len
+        answer.tokens_per_update = answer.effective_batch * seq_len
+    answer.target_tokens = target_tokens
+    if note:
+        answer.warnings.append(note)
+    return answer
