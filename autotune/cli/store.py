@@ -15,7 +15,9 @@ def add_parsers(sub: Any) -> None:
     g = sub.add_parser("suggest", help="ask the server for a plan (for launch scripts)")
     g.add_argument("--server")
     g.add_argument("--fingerprint", required=True)
-    g.add_argument("--target-batch", type=positive_int, required=True)
+    g.add_argument("--target-batch", type=positive_int, help="sequences (samples) per update")
+    g.add_argument("--target-tokens", type=positive_int, help="tokens per update instead (needs --seq-len)")
+    g.add_argument("--seq-len", type=positive_int, help="a sequence-aware setup's sequence length")
     g.add_argument("--world-size", type=positive_int, default=1)
     g.add_argument("--device-name", required=True)
     g.add_argument("--budget", type=size)
@@ -42,10 +44,16 @@ def add_parsers(sub: Any) -> None:
 def run_suggest(args: argparse.Namespace) -> int:
     from autotune_client.cli import suggest_command
 
+    if (args.target_batch is None) == (args.target_tokens is None):
+        raise CliError("give --target-batch (sequences per update) or --target-tokens (tokens per update)")
+    if args.target_tokens is not None and args.seq_len is None:
+        raise CliError("--target-tokens needs --seq-len: tokens are planned in sequences of a length")
     return suggest_command(
         server=args.server,
         fingerprint=args.fingerprint,
         target_batch=args.target_batch,
+        target_tokens=args.target_tokens,
+        seq_len=args.seq_len,
         world_size=args.world_size,
         device_name=args.device_name,
         budget_bytes=args.budget,

@@ -196,7 +196,7 @@ class TunerClient:
         self,
         *,
         fingerprint: str,
-        target_batch: int,
+        target_batch: int | None,
         world_size: int,
         device_name: str,
         budget_bytes: int | None = None,
@@ -205,6 +205,8 @@ class TunerClient:
         plan: str = "balanced",
         activation_checkpointing: str = "none",
         objective: str = "memory",
+        seq_len: int | None = None,
+        target_tokens: int | None = None,
     ) -> Suggestion:
         """The plan for a job from what the store knows.
 
@@ -217,6 +219,9 @@ class TunerClient:
                 ``objective="memory"`` only profiles measured under it answer.
             objective: "memory" (default) or "throughput": the stored policy whose plan was timed
                 fastest answers, and ``Suggestion.activation_checkpointing`` says which the job needs.
+            seq_len: a sequence-aware job's length: the profile at it answers, else the memory
+                surface that covers it (``predicted``); the answer is in tokens too.
+            target_tokens: tokens per update instead of ``target_batch`` (None), with ``seq_len``.
 
         Returns:
             A Suggestion with ``source`` "measured" (a profile of this kind of job on this device
@@ -229,12 +234,11 @@ class TunerClient:
             UnprocessableEntityError: e.g. target_batch < world_size, or an unknown strategy.
             AutotuneClientError: an fsdp job asked a server that does not know strategies.
         """
-        params: dict[str, Any] = {
-            "fingerprint": fingerprint,
-            "target_batch": target_batch,
-            "world_size": world_size,
-            "device_name": device_name,
-        }
+        params: dict[str, Any] = {"fingerprint": fingerprint, "world_size": world_size, "device_name": device_name}
+        if target_batch is not None:
+            params["target_batch"] = target_batch
+        if target_tokens is not None:
+            params["target_tokens"] = target_tokens
         if budget_bytes is not None:
             params["budget_bytes"] = budget_bytes
         if headroom is not None:
@@ -247,6 +251,8 @@ class TunerClient:
             params["activation_checkpointing"] = activation_checkpointing
         if objective != "memory":
             params["objective"] = objective
+        if seq_len is not None:
+            params["seq_len"] = seq_len
         body = self._request("GET", "/suggest", params=params).json()
         if not isinstance(body, dict):
             raise AutotuneClientError(f"the server answered /suggest with {type(body).__name__}, not an object")
@@ -269,7 +275,8 @@ class TunerClient:
         response = self._request(
             "POST",
             f"/profiles/{int(profile_id)}/observations",
-            json=observation.model_dump(mode="json"),
+            # Only what the job set: a world size or device left out is not checked against the profile's.
+            json=observation.model_dump(mode="json", exclude_unset=True),
             idempotent=False,
         )
         try:

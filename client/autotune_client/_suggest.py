@@ -88,24 +88,31 @@ def job_fingerprint(
     optimizer: OptimizerFactory | None = None,
     precision: str | None = None,
     tags: Mapping[str, TagValue] | None = None,
+    seq_len: int | None = None,
 ) -> str:
     """The fingerprint :func:`suggest` asks the server for, without asking it.
 
     For launch scripts that query with ``autotune suggest --fingerprint``; the arguments mean what
     they mean for :func:`suggest`. Equal to ``autotune probe``'s fingerprint of a task with the same
-    model, ``batch``, optimizer, precision and tags.
+    model, ``batch``, optimizer, precision and tags (with ``seq_len``: of the sequence-aware task, whose
+    fingerprint leaves the length out).
     """
     from autotune.fingerprint import fingerprint_model
 
     _, one_sample = _batch_factory(example)
     return fingerprint_model(
-        _unwrap(model), one_sample, optimizer=optimizer, precision=precision or "fp32", tags=dict(tags or {})
+        _unwrap(model),
+        one_sample,
+        optimizer=optimizer,
+        precision=precision or "fp32",
+        tags=dict(tags or {}),
+        seq_len=seq_len,
     )
 
 
 def suggest(
     model: nn.Module,
-    target_batch: int,
+    target_batch: int | None = None,
     *,
     example: Any = None,
     world_size: int | None = None,
@@ -122,6 +129,8 @@ def suggest(
     distributed: bool = True,
     objective: str = "memory",
     activation_checkpointing: str = "none",
+    seq_len: int | None = None,
+    target_tokens: int | None = None,
 ) -> Suggestion:
     """The micro-batch and accumulation steps for this job, measured rather than guessed.
 
@@ -170,6 +179,12 @@ def suggest(
             ``activation_checkpointing``.
         activation_checkpointing: the job's memory policy: "none" (default), "every-2" or "full"
             (every block of the model's ``nn.ModuleList`` recomputes its forward in the backward).
+        seq_len: a sequence-aware job's sequence length (the example's dimensions equal to it are
+            the length): the store answers from its profile at that length, or predicts it from the
+            memory surface of a probe over lengths (``autotune probe --seq-len``). The answer also
+            says tokens per micro-batch and per update.
+        target_tokens: tokens per update instead of ``target_batch`` (needs ``seq_len``): planned in
+            sequences, with the deviation said where the tokens are not a whole number of them.
 
     Returns:
         A Suggestion: ``micro_batch``, ``accumulation_steps``, ``world_size``, ``effective_batch``,
@@ -192,8 +207,7 @@ def suggest(
     if distributed and in_process_group():
         wait = (client.timeout if client is not None else DEFAULT_TIMEOUT_SECONDS) + DECISION_SLACK_SECONDS
         return one_decision(lambda: suggest(**{**arguments, "distributed": False}), wait_seconds=wait)
-    if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
-        raise AutotuneClientError(f"target_batch must be a positive integer, got {target_batch!r}")
+    target_batch, token_note = _target_in_sequences(target_batch, target_tokens, seq_len, world_size)
     if strategy not in STRATEGIES:
         raise AutotuneClientError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if plan not in PLAN_POLICIES:
@@ -219,7 +233,7 @@ def suggest(
     budget_bytes = parse_bytes(budget) if budget is not None else None
 
     fingerprint = fingerprint_model(
-        model, one_sample, optimizer=optimizer, precision=precision, tags=tag_dict
+        model, one_sample, optimizer=optimizer, precision=precision, tags=tag_dict, seq_len=seq_len
     )
     device_name = _device_name(device_spec)
 
@@ -239,7 +253,7 @@ def suggest(
             )
         else:
             try:
-                return client.suggest(
+                answer = client.suggest(
                     fingerprint=fingerprint,
                     target_batch=target_batch,
                     world_size=world,
@@ -249,7 +263,9 @@ def suggest(
                     plan=plan,
                     activation_checkpointing=activation_checkpointing,
                     objective=objective,
+                    seq_len=seq_len,
                 )
+                return _in_tokens(answer, seq_len, target_tokens, token_note)
             except NotFoundError:
                 if not probe_if_missing:
                     raise
@@ -277,6 +293,9 @@ def suggest(
             activation_checkpointing=activation_checkpointing,
             throughput=objective == "throughput",
         )
+        if seq_len is not None:
+            # Measured at the job's one length: stored as the sequence-aware setup's profile at it.
+            profile.fingerprint, profile.seq_len = fingerprint, seq_len
         if profile.fingerprint != fingerprint:
             # Should not happen (same function, same inputs); if it does, an upload would be
             # stored under a key no job asks for, so say so rather than fill the store silently.
@@ -292,10 +311,44 @@ def suggest(
                 profile_id = upload_to.upload(profile)
             except AutotuneClientError as exc:
                 notes.append(_warn(f"the probed profile was not uploaded: {exc}"))
-        return _suggestion_from_profile(profile, target_batch, world, profile_id, notes, plan)
+        answer = _suggestion_from_profile(profile, target_batch, world, profile_id, notes, plan)
+        return _in_tokens(answer, seq_len, target_tokens, token_note)
     finally:
         if own_client is not None:
             own_client.close()
+
+
+def _target_in_sequences(
+    target_batch: int | None, target_tokens: int | None, seq_len: int | None, world_size: int | None
+) -> tuple[int, str | None]:
+    """The target in sequences per update: target_batch, or target_tokens over seq_len."""
+    from autotune.plan import sequences_for_tokens
+
+    for name, value in (("target_tokens", target_tokens), ("seq_len", seq_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise AutotuneClientError(f"{name} must be a positive integer, got {value!r}")
+    if target_tokens is not None:
+        if target_batch is not None:
+            raise AutotuneClientError("give target_batch (sequences) or target_tokens (tokens), not both")
+        if seq_len is None:
+            raise AutotuneClientError("target_tokens needs seq_len: tokens are planned in sequences of a length")
+        return sequences_for_tokens(target_tokens, seq_len, _resolve_world_size(world_size))
+    if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
+        raise AutotuneClientError(f"target_batch must be a positive integer, got {target_batch!r}")
+    return target_batch, None
+
+
+def _in_tokens(answer: Suggestion, seq_len: int | None, target_tokens: int | None, note: str | None) -> Suggestion:
+    """The answer in tokens too, for a job with a length (as the server says it)."""
+    if seq_len is not None:
+        answer.seq_len = seq_len
+        answer.tokens_per_micro_batch = answer.micro_batch * seq_len
+        answer.tokens_per_update = answer.effective_batch * seq_len
+    if target_tokens is not None:
+        answer.target_tokens = target_tokens
+        if note and note not in answer.warnings:
+            answer.warnings.append(note)
+    return answer
 
 
 def _warn(message: str) -> str:

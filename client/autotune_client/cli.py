@@ -60,6 +60,10 @@ def format_suggestion(s: Suggestion) -> str:
         f"micro_batch={s.micro_batch} accumulation_steps={s.accumulation_steps} world_size={s.world_size} "
         f"effective_batch={s.effective_batch} ({exact}; {where}; max micro-batch {s.max_micro_batch})"
     )
+    if s.seq_len is not None and s.tokens_per_update is not None:
+        line += (
+            f"\ntokens: {s.tokens_per_micro_batch} per micro-batch, {s.tokens_per_update} per update (L={s.seq_len})"
+        )
     if s.uneven:  # micro_batch is the largest size: say what the steps really are
         line += f"\nmicro_batches: {micro_batches_text(s.micro_batches, s.world_size)}"
     return "\n".join([line, *(f"warning: {w}" for w in s.warnings)])
@@ -69,7 +73,7 @@ def suggest_command(
     *,
     server: str | None,
     fingerprint: str,
-    target_batch: int,
+    target_batch: int | None,
     world_size: int,
     device_name: str,
     budget_bytes: int | None,
@@ -77,6 +81,8 @@ def suggest_command(
     as_json: bool,
     strategy: str = "ddp",
     plan: str = "balanced",
+    seq_len: int | None = None,
+    target_tokens: int | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -98,6 +104,8 @@ def suggest_command(
                 headroom=headroom,
                 strategy=strategy,
                 plan=plan,
+                seq_len=seq_len,
+                target_tokens=target_tokens,
             )
     except AutotuneClientError as exc:
         return _fail(exc, err)
