@@ -21,6 +21,8 @@ memory and its peak <= limit; m_max = ``max_micro_batch`` and u = ``multiple_of`
 - The plan: sizes <= m_max and multiples of u, the largest is ``micro_batch``, the counts sum to
   ``accumulation_steps``, the sizes' sum x ``world_size`` is ``effective_batch``, ``exact`` only when
   that is the target, ``max_micro_batch`` is m_max.
+- A surface over lengths (``surface``) comes with the profile's ``seq_len``, covers it and lists
+  it among its measured lengths.
 - The fit's numbers are finite and non-negative; the limit is at least one byte; a measured budget
   is at most the device's memory; ``device.kind`` agrees with the kind ``device.name`` names, where
   the name tells it.
@@ -271,6 +273,25 @@ def _fit_problems(profile: Profile) -> list[Problem]:
     ]
 
 
+def _surface_problems(profile: Profile) -> list[Problem]:
+    """A surface belongs to a sequence-aware profile, whose length it covers and was measured at;
+    its coefficients are what autotune/surface.py can read."""
+    surface = profile.surface
+    if surface is None:
+        return []
+    if profile.seq_len is None:
+        return [Problem("surface", "a memory surface over lengths needs the profile's seq_len")]
+    problems = []
+    low, high = surface.covered
+    if not low <= profile.seq_len <= high:
+        problems.append(Problem("seq_len", f"{profile.seq_len} is outside the surface's covered lengths {low}..{high}"))
+    if profile.seq_len not in surface.measured_lengths:
+        problems.append(
+            Problem("surface.measured_lengths", f"does not list the profile's own seq_len {profile.seq_len}")
+        )
+    return problems
+
+
 def profile_problems(profile: Profile) -> list[Problem]:
     """Every contradiction in a profile, the most telling first (an empty list: consistent).
 
@@ -292,6 +313,7 @@ def profile_problems(profile: Profile) -> list[Problem]:
         *_monotone_problems(profile, deciding, limit),
         *_plan_problems(profile),
         *_fit_problems(profile),
+        *_surface_problems(profile),
     ]
 
 
