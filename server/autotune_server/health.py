@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import text
@@ -88,6 +90,11 @@ def metrics(request: Request) -> PlainTextResponse:
         gauges["autotune_database_up"] = ("Whether the last scrape reached the database.", 1)
     except SQLAlchemyError:
         gauges["autotune_database_up"] = ("Whether the last scrape reached the database.", 0)
+    since = request.app.state.outage.since()
+    gauges["autotune_database_outage_seconds"] = (
+        "How long requests have been meeting a database outage (0 while none).",
+        (datetime.now(timezone.utc) - since).total_seconds() if since is not None else 0,
+    )
     body = request.app.state.metrics.render(gauges)
     return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 

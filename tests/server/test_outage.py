@@ -280,6 +280,11 @@ def test_postgres_stopped_and_started(pg: ThrowawayPostgres, caplog: pytest.LogC
         assert page.headers["content-type"].startswith("text/html")
         assert "Store unreachable" in page.text and page.headers["retry-after"] == "2"
 
+        metrics = client.get("/metrics").text
+        assert "autotune_database_up 0" in metrics
+        outage_seconds = [line for line in metrics.splitlines() if line.startswith("autotune_database_outage_seconds")]
+        assert len(outage_seconds) == 1 and float(outage_seconds[0].split()[1]) > 0
+
         lines = _outage_lines(caplog)
         assert len(lines) == 1, lines
         assert lines[0].startswith("database unavailable (unreachable: OperationalError:")
@@ -290,6 +295,7 @@ def test_postgres_stopped_and_started(pg: ThrowawayPostgres, caplog: pytest.LogC
         assert client.post(PROFILES, json=profile_payload(seed=2), headers=WRITE).status_code == 200
         fresh = _suggest(client)
         assert fresh.status_code == 200 and STALE_HEADER not in fresh.headers
+        assert "autotune_database_outage_seconds 0" in client.get("/metrics").text
     assert _count(pg.url, "profiles") == 3
     lines = _outage_lines(caplog)
     assert len(lines) == 2, lines
