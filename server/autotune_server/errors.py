@@ -125,6 +125,13 @@ class InconsistentProfileError(DomainError):
     code = "inconsistent_profile"
 
 
+class ObservationMismatch(DomainError):
+    """An observation from another device model or world size than its profile's (the field is named)."""
+
+    status_code = 422
+    code = "observation_mismatch"
+
+
 class UnstorableValue(DomainError):
     """A value pydantic accepts but the database cannot keep (NUL in text, NaN, a too-wide integer)."""
 

@@ -78,6 +78,8 @@ class StoredObservation(Observation):
     profile_id: int
     created_at: datetime
     uploader: str | None = None
+    # What the store made of it, in the POST's answer (e.g. left out of the drift, and why).
+    warnings: list[str] = []
 
 
 class ObservationPage(_Out):

@@ -187,7 +187,7 @@ def test_an_observed_oom_lowers_the_suggested_micro_batch(client: TestClient) ->
 
 
 def test_observations_are_stored_and_listed(client: TestClient) -> None:
-    profile_id = _upload(client)
+    profile_id = _upload(client, world_size=2)
     url = f"/api/v1/profiles/{profile_id}/observations"
     first = client.post(url, json={"micro_batch": 8, "peak_bytes": 12345, "world_size": 2}, headers=WRITE)
     assert first.status_code == 201
