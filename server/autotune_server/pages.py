@@ -50,6 +50,7 @@ from autotune_server.dashboard_queries import (
     profile_table,
 )
 from autotune_server.deps import SessionDep, SettingsDep, require_read
+from autotune_server.drift import profile_drift
 from autotune_server.errors import (
     AuthenticationRequired,
     PermissionDenied,
@@ -388,6 +389,14 @@ def _memory_figure(profile: Profile, observations: list[ObservationRow]) -> dict
                         {"color": "#15803d", "dash": "dashdot", "width": 2}, f"chosen m = {chosen}"))
     seen = [o for o in observations if not o.oom and o.peak_bytes is not None]
     failed = [o for o in observations if o.oom]
+    observed = profile_drift(profile, observations).drift
+    if observed is not None and observed.applied > 0 and profile.fit is not None:
+        # The fit raised by the jobs' drift: what /suggest holds within the limit (autotune_server.drift).
+        raise_by = 1.0 + observed.applied
+        xs = sorted({1, chosen, x_end, *(o.micro_batch for o in seen)})
+        traces.append(_line("drift", f"fit + observed drift ({observed.applied * 100:+.1f} %)", xs,
+                            [(profile.fit.fixed_bytes + profile.fit.bytes_per_sample * x) * raise_by for x in xs],
+                            unit, {"color": "#7c3aed", "dash": "dot", "width": 2}, "fit raised by the drift"))
     if seen:
         traces.append(_points("observed", "jobs' observations", [o.micro_batch for o in seen],
                               [o.peak_bytes or 0 for o in seen], unit, budget,
@@ -554,6 +563,7 @@ def profile_page(profile_id: str, request: Request, session: SessionDep, _reader
         "row": row,
         "profile": profile,
         "observations": observations,
+        "drift": profile_drift(profile, observations),
         "chosen": chosen,
         "chosen_peak": peak,
         "chosen_peak_source": peak_source,

@@ -443,3 +443,22 @@ def test_a_balanced_plan_is_shown_as_its_micro_batches(client: TestClient) -> No
     page = client.get(f"/profiles/{profile_id}").text
     assert 'id="plan-balanced"' in page and "6×26 + 4×25 = 256 (10 steps)" in text_of(page)
     assert 'id="inconsistent"' not in page
+
+
+def test_datasheet_shows_the_observed_drift_in_the_chart_and_the_table(client: TestClient) -> None:
+    profile_id = client.post("/api/v1/profiles", json=profile_payload(), headers=WRITE).json()["id"]
+    url = f"/api/v1/profiles/{profile_id}/observations"
+    probe_24 = 10 * 2**30 + int(2.5 * 2**30 * 24)
+    for _ in range(3):
+        client.post(url, json={"micro_batch": 24, "peak_bytes": round(probe_24 * 1.04)}, headers=WRITE)
+    client.post(url, json={"micro_batch": 26, "oom": True}, headers=WRITE)
+
+    page = client.get(f"/profiles/{profile_id}").text
+    assert "3 jobs observed up to 4.0 % above the probe at m = 24; drift +4.0 %: /suggest answers m = 23" in page
+    observations = page[page.index('<section id="observations">') :]
+    cells = re.findall(r'<td class="num">([^<]*%|-)</td>', observations)
+    assert cells == ["+4.0 %", "+4.0 %", "+4.0 %", "-", "-"]  # the OOM has no peak, nor a ratio
+    memory = traces(chart_data(page)["chart-memory"])
+    raised = dict(zip(memory["drift"]["x"], memory["drift"]["y"], strict=True))
+    assert raised[24] == pytest.approx(70.0 * 1.04)
+    assert memory["drift"]["name"] == "fit + observed drift (+4.0 %)"
