@@ -24,6 +24,7 @@ __all__ = [
     "make_profile",
     "make_run_payload",
     "profile_payload",
+    "surface_gpt_payloads",
 ]
 
 FINGERPRINT = "0123456789abcdef" * 4
@@ -134,6 +135,17 @@ def make_run_payload() -> dict[str, Any]:
     """The gpt profile `make run` stored before strategy, source and balanced plans (CPU, 24 MiB):
     trials at m = 1, 2, 21, 26 (fit) and 27 (over the limit), m_max 26, plan 16 x 16 = 256."""
     return json.loads(MAKE_RUN_GPT.read_text())
+
+
+SURFACE_GPT = Path(__file__).parent / "data" / "surface_gpt.json"
+
+
+def surface_gpt_payloads() -> list[dict[str, Any]]:
+    """One real surface probe of ``examples/gpt.py:task_seq`` on the CPU (64 MiB, 10 % headroom) at
+    L = 128, 256, 512, as ``autotune probe --seq-len 128,256,512 --json`` printed it: m_max 36, 18, 9,
+    one fingerprint, one surface covering L = 128 ... 2048 (tests/data/make_surface_gpt.py)."""
+    payloads: list[dict[str, Any]] = json.loads(SURFACE_GPT.read_text())
+    return payloads
 
 
 def inconsistent_payloads() -> list[tuple[str, dict[str, Any], str, int | None]]:

@@ -38,7 +38,7 @@ DEFAULT_PER_PAGE = 25
 MAX_PER_PAGE = 100
 DEFAULT_SORT = "age"
 # Column keys the table can sort by; "plan" is left out because it lives in a JSON column.
-SORT_KEYS = ("task", "fingerprint", "device", "precision", "m_max", "peak_share", "age")
+SORT_KEYS = ("task", "fingerprint", "device", "precision", "seq_len", "m_max", "peak_share", "age")
 # The longest filter text that is honoured: longer than any stored task, fingerprint or device name.
 MAX_FILTER_CHARS = 256
 
@@ -58,6 +58,8 @@ class TableQuery:
     precision: str = ""
     strategy: str = ""
     source: str = ""
+    # A sequence-aware profile's length (None: any profile, with a length or without).
+    seq_len: int | None = None
     sort: str = DEFAULT_SORT
     descending: bool = False
     page: int = 1
@@ -66,7 +68,7 @@ class TableQuery:
     @property
     def filtered(self) -> bool:
         """Whether any filter narrows the table."""
-        return bool(self.text or self.device or self.precision or self.strategy or self.source)
+        return bool(self.text or self.device or self.precision or self.strategy or self.source) or self.seq_len is not None
 
     def with_page(self, page: int) -> TableQuery:
         """The same query on another page."""
@@ -94,6 +96,8 @@ class TableRow:
     strategy: str = "ddp"
     world_size: int = 1
     source: str = "measured"
+    # A sequence-aware profile's length (None for other profiles).
+    seq_len: int | None = None
 
     @property
     def estimate(self) -> bool:
@@ -156,6 +160,8 @@ def _filters(query: TableQuery) -> list[ColumnElement[bool]]:
         clauses.append(ProfileRow.strategy == query.strategy)
     if query.source:
         clauses.append(ProfileRow.source == query.source)
+    if query.seq_len is not None:
+        clauses.append(ProfileRow.seq_len == query.seq_len)
     return clauses
 
 
@@ -166,6 +172,7 @@ def _order(query: TableQuery, peak: ColumnElement[Any]) -> list[ColumnElement[An
         "fingerprint": ProfileRow.fingerprint,
         "device": func.lower(ProfileRow.device_name),
         "precision": ProfileRow.precision,
+        "seq_len": ProfileRow.seq_len,
         "m_max": ProfileRow.max_micro_batch,
         "peak_share": share,
         "age": ProfileRow.created_at,
@@ -211,6 +218,7 @@ def profile_table(session: Session, query: TableQuery) -> TablePage:
             ProfileRow.strategy,
             ProfileRow.world_size,
             ProfileRow.source,
+            ProfileRow.seq_len,
         )
         .where(*clauses)
         .order_by(*_order(query, peak))
@@ -234,6 +242,7 @@ def profile_table(session: Session, query: TableQuery) -> TablePage:
             strategy=r.strategy,
             world_size=int(r.world_size),
             source=r.source,
+            seq_len=None if r.seq_len is None else int(r.seq_len),
         )
         for r in session.execute(statement)
     ]

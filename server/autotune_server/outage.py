@@ -33,6 +33,7 @@ __all__ = [
     "DATABASE_ERRORS",
     "LOG_INTERVAL_SECONDS",
     "RETRY_AFTER_SECONDS",
+    "SETTLE_SECONDS",
     "STALE_HEADER",
     "Failure",
     "OutageMonitor",
@@ -47,6 +48,11 @@ RETRY_AFTER_SECONDS = 2
 
 LOG_INTERVAL_SECONDS = 10.0
 """While the database is down, one log line per kind of failure per this many seconds."""
+
+SETTLE_SECONDS = 1.0
+"""An outage is over when the database answers this long after its last failure: a database that is
+shutting down or starting answers some requests and refuses others, and that is one outage, not a
+pair of lines per flap."""
 
 STALE_HEADER = "X-Autotune-Stale"
 """Response header of a /suggest answer given from memory while the database is unavailable."""
@@ -160,6 +166,7 @@ class _Down:
     refused_since_line: int = 0
     remembered: int = 0
     line_at: float = 0.0
+    last_failure: float = 0.0
 
 
 # Kinds that any answer from the database disproves; the others (a lock, read-only, full) are about
@@ -176,13 +183,19 @@ class OutageMonitor:
 
     Args:
         log_interval_seconds: while a kind of failure lasts, one line per this many seconds.
+        settle_seconds: a success ends the outage only this long after its last failure.
         clock: monotonic seconds (a seam for tests).
     """
 
     def __init__(
-        self, *, log_interval_seconds: float = LOG_INTERVAL_SECONDS, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        log_interval_seconds: float = LOG_INTERVAL_SECONDS,
+        settle_seconds: float = SETTLE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.log_interval_seconds = log_interval_seconds
+        self.settle_seconds = settle_seconds
         self._clock = clock
         self._lock = threading.Lock()
         self._down: dict[str, _Down] = {}
@@ -204,6 +217,7 @@ class OutageMonitor:
                 state = _Down(since=now, since_utc=datetime.now(timezone.utc), cause=describe(exc), line_at=now)
                 self._down[failure.kind] = state
                 self.down = True
+            state.last_failure = now
             if refused:
                 state.refused += 1
                 state.refused_since_line += 1
@@ -235,12 +249,17 @@ class OutageMonitor:
             state.refused_since_line = 0
 
     def succeeded(self, *, wrote: bool) -> None:
-        """The database answered a request (``wrote``: it committed a write); log once if it was down."""
+        """The database answered a request (``wrote``: it committed a write); log once if it was down
+        and has not failed for ``settle_seconds``."""
         if not self.down:
             return
         now = self._clock()
         with self._lock:
-            over = [kind for kind in self._down if wrote or kind in _CONNECTION_KINDS]
+            over = [
+                kind
+                for kind, state in self._down.items()
+                if (wrote or kind in _CONNECTION_KINDS) and now - state.last_failure >= self.settle_seconds
+            ]
             if not over:
                 return
             ended = [(kind, self._down.pop(kind)) for kind in over]

@@ -35,7 +35,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from autotune.plan import micro_batches_text
-from autotune.schemas import PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
+from autotune.schemas import MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
 from autotune_server.api import API_PREFIX, MAX_ID
 from autotune_server.consistency import stored_problems
 from autotune_server.convert import to_profile
@@ -60,6 +60,7 @@ from autotune_server.errors import (
 from autotune_server.models import ObservationRow
 from autotune_server.outage import DATABASE_ERRORS
 from autotune_server.repository import get_profile, list_observations, to_utc
+from autotune_server.surface_chart import length_view
 
 __all__ = [
     "CONTENT_SECURITY_POLICY",
@@ -224,6 +225,12 @@ def _int_or(value: str | None, default: int) -> int:
         return default
 
 
+def _seq_len_or_none(value: str | None) -> int | None:
+    # A length the store can hold, or no filter: "abc", "0" or "" from a hand-edited URL is ignored.
+    length = _int_or((value or "").strip() or None, 0)
+    return length if 1 <= length <= MAX_SEQ_LEN else None
+
+
 def _text(value: str | None) -> str:
     # NUL can never match stored text (uploads refuse it) and PostgreSQL refuses it in a query.
     return (value or "").replace("\x00", "").strip()[:MAX_FILTER_CHARS]
@@ -248,6 +255,7 @@ def parse_table_query(params: dict[str, str]) -> TableQuery:
         precision=precision if precision in PRECISIONS else "",
         strategy=strategy if strategy in STRATEGIES else "",
         source=source if source in SOURCES else "",
+        seq_len=_seq_len_or_none(params.get("seq_len")),
         sort=sort if sort in SORT_KEYS else DEFAULT_SORT,
         descending=params.get("order") == "desc",
         page=max(1, _int_or(params.get("page"), 1)),
@@ -269,6 +277,8 @@ def table_url(root: str, query: TableQuery, **changes: Any) -> str:
         params["strategy"] = target.strategy
     if target.source:
         params["source"] = target.source
+    if target.seq_len is not None:
+        params["seq_len"] = target.seq_len
     if target.sort != DEFAULT_SORT:
         params["sort"] = target.sort
     if target.descending:
@@ -559,6 +569,8 @@ def profile_page(profile_id: str, request: Request, session: SessionDep, _reader
     observations = list_observations(session, number)
     chosen = _chosen_micro_batch(profile)
     peak, peak_source = _predicted_peak(profile, chosen)
+    # A sequence-aware profile: its sibling lengths and the m_max / tokens chart (surface_chart.py).
+    lengths = length_view(session, row, profile)
     context = {
         "row": row,
         "profile": profile,
@@ -567,7 +579,11 @@ def profile_page(profile_id: str, request: Request, session: SessionDep, _reader
         "chosen": chosen,
         "chosen_peak": peak,
         "chosen_peak_source": peak_source,
-        "figures": chart_figures(profile, observations),
+        "figures": {
+            **chart_figures(profile, observations),
+            **(lengths.figures if lengths is not None else {}),
+        },
+        "lengths": lengths,
         "trial_micro_batches": TRIAL_MICRO_BATCHES,
         "trial_counts": trial_counts(profile),
         # A stored profile that contradicts its own trials (stored before the checks): shown, never used.

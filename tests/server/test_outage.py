@@ -45,7 +45,9 @@ def _app(url: str, **overrides: Any) -> TestClient:
     settings = Settings(
         database_url=url, api_tokens=(f"ci={WRITE_TOKEN}",), access_log=False, suggest_cache_seconds=0, **overrides
     )
-    return TestClient(create_app(settings))
+    app = create_app(settings)
+    app.state.outage.settle_seconds = 0  # the back-line the moment the database answers (see test_outage_log)
+    return TestClient(app)
 
 
 def _count(url: str, table: str) -> int:

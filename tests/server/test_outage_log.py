@@ -51,6 +51,7 @@ def test_one_line_when_it_starts_one_per_interval_one_when_back(caplog: pytest.L
     clock = Clock()
     monitor = OutageMonitor(log_interval_seconds=10, clock=clock)
     _refused(REFUSED, monitor, 250, clock, 0.1)  # 25 s of 10 requests a second
+    clock.now += 0.9
     monitor.succeeded(wrote=False)
     monitor.succeeded(wrote=False)  # already back: no second line
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
@@ -63,7 +64,7 @@ def test_one_line_when_it_starts_one_per_interval_one_when_back(caplog: pytest.L
     assert "(10 s): 100 requests refused in the last 10 s, 101 in all, 0 answered from memory" in lines[1]
     assert "(20 s): 100 requests refused in the last 10 s, 201 in all" in lines[2]
     assert lines[3] == (
-        "database back after 25.0 s: 250 requests refused while it was down (unreachable: 250), 0 answered from memory"
+        "database back after 25.9 s: 250 requests refused while it was down (unreachable: 250), 0 answered from memory"
     )
     assert not any(r.exc_info for r in caplog.records)
     assert not monitor.down
@@ -77,6 +78,7 @@ def test_each_kind_of_failure_has_its_own_lines(caplog: pytest.LogCaptureFixture
     _refused(locked, monitor, 3, clock, 0.1)
     _refused(_sqlite_error("database or disk is full", "SQLITE_FULL"), monitor, 2, clock, 0.1)
     assert monitor.kinds() == ["full", "locked"]
+    clock.now += 1
     # A read that worked says nothing about a lock or a full disk: only a write ends them.
     monitor.succeeded(wrote=False)
     assert monitor.kinds() == ["full", "locked"]
@@ -86,7 +88,7 @@ def test_each_kind_of_failure_has_its_own_lines(caplog: pytest.LogCaptureFixture
     assert [line.split(" (")[0] for line in lines] == [
         "database unavailable",
         "database unavailable",
-        "database back after 0.5 s: 5 requests refused while it was down",
+        "database back after 1.5 s: 5 requests refused while it was down",
     ]
     assert "(locked: 3, full: 2)" in lines[2]
     assert "answering 507" in lines[1]
@@ -94,13 +96,30 @@ def test_each_kind_of_failure_has_its_own_lines(caplog: pytest.LogCaptureFixture
 
 def test_answers_from_memory_are_counted_apart(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    monitor = OutageMonitor()
+    monitor = OutageMonitor(settle_seconds=0)
     failure = classify(REFUSED)
     assert failure is not None
     monitor.failed(failure, REFUSED, refused=False)
     monitor.failed(failure, REFUSED)
     monitor.succeeded(wrote=False)
     assert caplog.records[-1].getMessage().endswith("(unreachable: 1), 1 answered from memory")
+
+
+def test_a_database_that_flaps_while_it_stops_is_one_outage(caplog: pytest.LogCaptureFixture) -> None:
+    # Shutting down, PostgreSQL refuses new connections while older ones still answer for a moment.
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    clock = Clock()
+    monitor = OutageMonitor(log_interval_seconds=10, settle_seconds=1, clock=clock)
+    for _ in range(5):
+        _refused(REFUSED, monitor, 2, clock, 0.1)
+        monitor.succeeded(wrote=True)  # within a second of the last failure: not over
+        clock.now += 0.1
+    assert monitor.kinds() == ["unreachable"]
+    clock.now += 1
+    monitor.succeeded(wrote=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 2, lines
+    assert lines[1].startswith("database back after 2.5 s: 10 requests refused")
 
 
 @pytest.mark.parametrize(
