@@ -68,7 +68,9 @@ class TableQuery:
     @property
     def filtered(self) -> bool:
         """Whether any filter narrows the table."""
-        return bool(self.text or self.device or self.precision or self.strategy or self.source) or self.seq_len is not None
+        if self.seq_len is not None:
+            return True
+        return bool(self.text or self.device or self.precision or self.strategy or self.source)
 
     def with_page(self, page: int) -> TableQuery:
         """The same query on another page."""
