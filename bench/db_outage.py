@@ -53,6 +53,7 @@ class Record:
     status: int
     stale: bool = False
     body: dict[str, object] | None = None
+    seconds: float = 0.0
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Run:
     log_lines_at_stop: int = 0
     log_lines_after_start: int = 0
     records: list[Record] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
     ready: list[tuple[float, int]] = field(default_factory=list)
 
 
@@ -94,9 +96,10 @@ async def _one(client: httpx.AsyncClient, run: Run, kind: str, n: int) -> None:
         status = response.status_code
         stale = "x-autotune-stale" in response.headers
         body = response.json() if kind == "upload" else None
-    except httpx.HTTPError:
+    except httpx.HTTPError as exc:
         status, stale, body = 0, False, None
-    record = Record(sent, kind, status, stale, body)
+        run.errors[type(exc).__name__] += 1
+    record = Record(sent, kind, status, stale, body, time.monotonic() - sent)
     record.body = body if body is not None else {"n": n}
     if kind == "upload":
         record.body["n"] = n
@@ -190,16 +193,23 @@ def _stored(pg: ThrowawayPostgres) -> tuple[Counter[int], Counter[int]]:
 
 def _report(run: Run, pg: ThrowawayPostgres, base: str, log_path: Path) -> None:
     codes: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    latencies: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in run.records:
         label = f"{r.status}{' from memory' if r.stale else ''}" if r.status else "no answer"
         codes[(_phase(run, r.sent), r.kind)][label] += 1
+        latencies[(_phase(run, r.sent), r.kind)].append(r.seconds)
     print(f"\nload: {len(run.records)} requests; database stopped for {run.started_at - run.stopped_at:.1f} s")
-    print(f"{'phase':<8} {'kind':<14} {'requests':>8}  codes")
+    if run.errors:
+        print(f"no answer (the loader's HTTP errors): {dict(run.errors)}")
+    print("(a request's phase is when it was sent; p50/p99: seconds to its answer)")
+    print(f"{'phase':<8} {'kind':<14} {'requests':>8} {'p50':>6} {'p99':>6}  codes")
     for phase in ("before", "outage", "after"):
         for kind in ("upload", "suggest known", "suggest new"):
             counter = codes.get((phase, kind), Counter())
             text = ", ".join(f"{code}: {count}" for code, count in sorted(counter.items()))
-            print(f"{phase:<8} {kind:<14} {sum(counter.values()):>8}  {text}")
+            times = sorted(latencies.get((phase, kind), [])) or [float("nan")]
+            p50, p99 = times[len(times) // 2], times[min(len(times) - 1, int(0.99 * len(times)))]
+            print(f"{phase:<8} {kind:<14} {sum(counter.values()):>8} {p50:6.2f} {p99:6.2f}  {text}")
 
     uploads = [r for r in run.records if r.kind == "upload"]
     acknowledged = {int(r.body["n"]) for r in uploads if r.status in (200, 201) and r.body}  # type: ignore[call-overload]
