@@ -31,6 +31,7 @@ __all__ = [
     "TableQuery",
     "TableRow",
     "device_names",
+    "policy_siblings",
     "profile_table",
 ]
 
@@ -48,7 +49,8 @@ class TableQuery:
     """What the table shows, as read from the page's query parameters (already normalised).
 
     ``text`` matches task, fingerprint and device name as a case-insensitive substring; ``device``,
-    ``precision``, ``strategy`` (ddp, fsdp) and ``source`` (measured, estimate) are exact; empty
+    ``precision``, ``strategy`` (ddp, fsdp), ``source`` (measured, estimate) and ``policy`` (none,
+    every-2, full) are exact; empty
     means "any". ``sort`` is one of :data:`SORT_KEYS`; ascending
     age means newest first, as a person reads an "age" column.
     """
@@ -58,6 +60,8 @@ class TableQuery:
     precision: str = ""
     strategy: str = ""
     source: str = ""
+    # The memory policy (activation checkpointing: none, every-2, full).
+    policy: str = ""
     # A sequence-aware profile's length (None: any profile, with a length or without).
     seq_len: int | None = None
     sort: str = DEFAULT_SORT
@@ -70,7 +74,7 @@ class TableQuery:
         """Whether any filter narrows the table."""
         if self.seq_len is not None:
             return True
-        return bool(self.text or self.device or self.precision or self.strategy or self.source)
+        return bool(self.text or self.device or self.precision or self.strategy or self.source or self.policy)
 
     def with_page(self, page: int) -> TableQuery:
         """The same query on another page."""
@@ -98,6 +102,7 @@ class TableRow:
     strategy: str = "ddp"
     world_size: int = 1
     source: str = "measured"
+    activation_checkpointing: str = "none"
     # A sequence-aware profile's length (None for other profiles).
     seq_len: int | None = None
 
@@ -162,6 +167,8 @@ def _filters(query: TableQuery) -> list[ColumnElement[bool]]:
         clauses.append(ProfileRow.strategy == query.strategy)
     if query.source:
         clauses.append(ProfileRow.source == query.source)
+    if query.policy:
+        clauses.append(ProfileRow.activation_checkpointing == query.policy)
     if query.seq_len is not None:
         clauses.append(ProfileRow.seq_len == query.seq_len)
     return clauses
@@ -220,6 +227,7 @@ def profile_table(session: Session, query: TableQuery) -> TablePage:
             ProfileRow.strategy,
             ProfileRow.world_size,
             ProfileRow.source,
+            ProfileRow.activation_checkpointing,
             ProfileRow.seq_len,
         )
         .where(*clauses)
@@ -244,11 +252,35 @@ def profile_table(session: Session, query: TableQuery) -> TablePage:
             strategy=r.strategy,
             world_size=int(r.world_size),
             source=r.source,
+            activation_checkpointing=r.activation_checkpointing,
             seq_len=None if r.seq_len is None else int(r.seq_len),
         )
         for r in session.execute(statement)
     ]
     return TablePage(rows=rows, total=total, query=query, pages=pages)
+
+
+def policy_siblings(session: Session, row: ProfileRow) -> list[ProfileRow]:
+    """The newest timed measurement of each other memory policy of the same setup (fingerprint,
+    device model, strategy and world size), for the datasheet's throughput chart."""
+    query = (
+        select(ProfileRow)
+        .where(
+            ProfileRow.fingerprint == row.fingerprint,
+            ProfileRow.device_name == row.device_name,
+            ProfileRow.strategy == row.strategy,
+            ProfileRow.world_size == row.world_size,
+            ProfileRow.source == "measured",
+            ProfileRow.activation_checkpointing != row.activation_checkpointing,
+            ProfileRow.throughput.is_not(None),
+        )
+        .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
+        .limit(64)
+    )
+    newest: dict[str, ProfileRow] = {}
+    for sibling in session.scalars(query):
+        newest.setdefault(sibling.activation_checkpointing, sibling)
+    return [newest[policy] for policy in sorted(newest)]
 
 
 def device_names(session: Session) -> list[str]:

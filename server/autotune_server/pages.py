@@ -35,7 +35,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from autotune.plan import micro_batches_text
-from autotune.schemas import MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
+from autotune.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
 from autotune_server.api import API_PREFIX, MAX_ID
 from autotune_server.consistency import stored_problems
 from autotune_server.convert import to_profile
@@ -47,6 +47,7 @@ from autotune_server.dashboard_queries import (
     SORT_KEYS,
     TableQuery,
     device_names,
+    policy_siblings,
     profile_table,
 )
 from autotune_server.deps import SessionDep, SettingsDep, require_read
@@ -249,12 +250,14 @@ def parse_table_query(params: dict[str, str]) -> TableQuery:
     precision = _text(params.get("precision"))
     strategy = _text(params.get("strategy"))
     source = _text(params.get("source"))
+    policy = _text(params.get("ac"))
     return TableQuery(
         text=_text(params.get("q")),
         device=_text(params.get("device")),
         precision=precision if precision in PRECISIONS else "",
         strategy=strategy if strategy in STRATEGIES else "",
         source=source if source in SOURCES else "",
+        policy=policy if policy in ACTIVATION_CHECKPOINTING else "",
         seq_len=_seq_len_or_none(params.get("seq_len")),
         sort=sort if sort in SORT_KEYS else DEFAULT_SORT,
         descending=params.get("order") == "desc",
@@ -277,6 +280,8 @@ def table_url(root: str, query: TableQuery, **changes: Any) -> str:
         params["strategy"] = target.strategy
     if target.source:
         params["source"] = target.source
+    if target.policy:
+        params["ac"] = target.policy
     if target.seq_len is not None:
         params["seq_len"] = target.seq_len
     if target.sort != DEFAULT_SORT:
@@ -425,72 +430,67 @@ def _memory_figure(profile: Profile, observations: list[ObservationRow]) -> dict
     return {"data": traces, "layout": layout}
 
 
-def _time_figure(profile: Profile) -> dict[str, Any] | None:
-    # OOM trials stopped part-way: their seconds are not the cost of a full cycle; fake trials'
-    # seconds are the host's, not the device's.
-    timed = sorted(
-        (t for t in profile.trials if not t.oom and not t.fake and t.seconds > 0), key=lambda t: t.micro_batch
-    )
-    if not timed:
+_POLICY_STYLE = {
+    "none": {"color": "#1f6fb2", "symbol": "circle"},
+    "every-2": {"color": "#b45309", "symbol": "diamond"},
+    "full": {"color": "#15803d", "symbol": "square"},
+}
+
+
+def _throughput_figure(profiles: Sequence[Profile]) -> dict[str, Any] | None:
+    # Measured by timed runs after the search (autotune/throughput.py), never the trials' seconds:
+    # a trial's first micro-batches pay warm-up, and fake trials' seconds are the host's.
+    traces = []
+    for profile in profiles:
+        timings = sorted(profile.throughput or [], key=lambda t: t.micro_batch)
+        if not timings:
+            continue
+        policy = profile.activation_checkpointing
+        updates = [" + ".join(f"{count}×{size}" for size, count in t.micro_batches) for t in timings]
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "meta": f"throughput-{policy}",
+                "name": f"checkpointing {policy}" + ("" if profile is profiles[0] else " (another profile)"),
+                "x": [t.micro_batch for t in timings],
+                "y": [t.samples_per_second for t in timings],
+                "customdata": [
+                    [f"{t.samples_per_second:,.1f}", update, _seconds(t.seconds_per_update)]
+                    for t, update in zip(timings, updates, strict=True)
+                ],
+                "hovertemplate": f"{policy}: m = %{{x}}<br>%{{customdata[0]}} samples/s<br>update "
+                "%{customdata[1]} in %{customdata[2]}<extra></extra>",
+                "marker": {"size": 10, **_POLICY_STYLE.get(policy, {})},
+            }
+        )
+    if not traces:
         return None
-    xs = [t.micro_batch for t in timed]
-    per_micro_batch = [t.seconds / TRIAL_MICRO_BATCHES for t in timed]
-    rate = [TRIAL_MICRO_BATCHES * t.micro_batch / t.seconds for t in timed]
-    traces = [
-        {
-            "type": "scatter",
-            "mode": "lines+markers",
-            "meta": "time-per-micro-batch",
-            "name": "seconds per micro-batch",
-            "x": xs,
-            "y": per_micro_batch,
-            "customdata": [[_seconds(s)] for s in per_micro_batch],
-            "hovertemplate": "m = %{x}<br>%{customdata[0]} per micro-batch<extra></extra>",
-            "marker": {"color": "#1f6fb2"},
-        },
-        {
-            "type": "scatter",
-            "mode": "lines+markers",
-            "meta": "samples-per-second",
-            "name": "samples per second",
-            "x": xs,
-            "y": rate,
-            "yaxis": "y2",
-            "customdata": [[f"{r:,.1f}"] for r in rate],
-            "hovertemplate": "m = %{x}<br>%{customdata[0]} samples/s<extra></extra>",
-            "marker": {"color": "#15803d", "symbol": "square"},
-            "line": {"dash": "dot"},
-        },
-    ]
     layout = {
-        "margin": {"l": 70, "r": 70, "t": 10, "b": 50},
-        "xaxis": {"title": {"text": "micro-batch m (samples)"}, "rangemode": "tozero"},
-        "yaxis": {"title": {"text": f"s per micro-batch (trial s / {TRIAL_MICRO_BATCHES})"}, "rangemode": "tozero"},
-        "yaxis2": {
-            "title": {"text": f"samples/s ({TRIAL_MICRO_BATCHES} × m / trial s)"},
-            "overlaying": "y",
-            "side": "right",
-            "rangemode": "tozero",
-            "showgrid": False,
-        },
+        "margin": {"l": 70, "r": 20, "t": 10, "b": 50},
+        "xaxis": {"title": {"text": "largest micro-batch of the timed update (samples)"}, "rangemode": "tozero"},
+        "yaxis": {"title": {"text": "samples per second (timed run)"}, "rangemode": "tozero"},
         "legend": {"orientation": "h", "y": -0.2},
         "hovermode": "closest",
     }
     return {"data": traces, "layout": layout}
 
 
-def chart_figures(profile: Profile, observations: list[ObservationRow]) -> dict[str, dict[str, Any]]:
+def chart_figures(
+    profile: Profile, observations: list[ObservationRow], siblings: Sequence[Profile] = ()
+) -> dict[str, dict[str, Any]]:
     """The Plotly figures of a datasheet, keyed by the id of the element each is drawn into.
 
     ``chart-memory``: peak memory against m -- trials that fit, trials over the limit, OOMs and
     fake-tensor trials as separate point traces, the fitted line, the budget and budget x
     (1 - headroom) lines, the chosen m as a vertical line, and the jobs' observations. ``chart-time``
-    (only when real trials were timed): seconds per micro-batch and samples per second against m.
+    (only where a timed run was recorded): measured samples per second at the timed micro-batches,
+    one trace per memory policy (this profile's and ``siblings``', the same setup's other policies).
     Each trace names itself in ``meta``.
     """
     config = {"responsive": True, "displaylogo": False}
     figures = {"chart-memory": {**_memory_figure(profile, observations), "config": config}}
-    timing = _time_figure(profile)
+    timing = _throughput_figure([profile, *siblings])
     if timing is not None:
         figures["chart-time"] = {**timing, "config": config}
     return figures
@@ -545,6 +545,7 @@ def index(request: Request, session: SessionDep, _reader: PageReader) -> HTMLRes
         "precisions": PRECISIONS,
         "strategies": STRATEGIES,
         "sources": SOURCES,
+        "policies": ACTIVATION_CHECKPOINTING,
         "default_sort": DEFAULT_SORT,
         "default_per_page": DEFAULT_PER_PAGE,
         "url": lambda **changes: table_url(root, page.query, **changes),
@@ -580,7 +581,7 @@ def profile_page(profile_id: str, request: Request, session: SessionDep, _reader
         "chosen_peak": peak,
         "chosen_peak_source": peak_source,
         "figures": {
-            **chart_figures(profile, observations),
+            **chart_figures(profile, observations, [to_profile(r) for r in policy_siblings(session, row)]),
             **(lengths.figures if lengths is not None else {}),
         },
         "lengths": lengths,

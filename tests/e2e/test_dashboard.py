@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from autotune.schemas import Device, Fit, Observation, Plan, Profile, Trial
+from autotune.schemas import Device, Fit, Observation, Plan, Profile, Throughput, Trial
 from autotune_client import TunerClient
 from tests.e2e.conftest import REPO, LiveServer
 from tests.factories import fingerprint_for, make_profile
@@ -117,6 +117,27 @@ def gpt_profile() -> Profile:
         oom_count=1,
         seconds=21.4,
         warnings=["m = 24 peaks at 70.00 GiB, within 2.00 GiB of the limit: leave the headroom in place"],
+        # Timed runs after the search: one micro-batch of m_max, and the plan's update.
+        throughput=[
+            Throughput(
+                micro_batch=24,
+                samples_per_second=40.0,
+                seconds_per_update=0.6,
+                micro_batches=[(24, 1)],
+                micro_batch_seconds=[(24, 0.5)],
+                step_seconds=0.1,
+                repeats=3,
+            ),
+            Throughput(
+                micro_batch=24,
+                samples_per_second=45.7,
+                seconds_per_update=2.1,
+                micro_batches=[(24, 4)],
+                micro_batch_seconds=[(24, 0.5)],
+                step_seconds=0.1,
+                repeats=3,
+            ),
+        ],
         torch_version="2.13.0",
         autotune_version="0.1.0",
         created_at=datetime.now(timezone.utc) - timedelta(hours=3),
@@ -239,12 +260,11 @@ def test_the_datasheet_draws_both_charts_with_every_point(page: Any, live_server
     # Plotly drew a marker for each of those points in the SVG, not only kept the data.
     drawn = page.locator("#chart-memory .scatterlayer .trace .points path").count()
     assert drawn == 4 + 1 + 1 + 1
+    # The time chart is the timed runs' throughput (one point per timed update), not the trials' seconds.
     timing = _trace_lengths(page, "chart-time")
-    timed = sum(not t.oom and t.seconds > 0 for t in trials)
-    assert timing == {"time-per-micro-batch": timed, "samples-per-second": timed}
+    assert timing == {"throughput-none": len(stored.gpt.throughput or [])} == {"throughput-none": 2}
     assert page.locator("#chart-time .main-svg").count() >= 1
-    # The axis says what the time is, and hover data is in human units.
-    assert "trial s / 4" in (page.locator("#chart-time").text_content() or "")
+    assert "samples per second (timed run)" in (page.locator("#chart-time").text_content() or "")
     customdata = page.evaluate(
         "() => document.getElementById('chart-memory').data.find(t => t.meta === 'trials-fit').customdata"
     )

@@ -228,11 +228,53 @@ def test_chart_data_has_every_point_the_lines_and_human_hover(client: TestClient
     # Hover text is preformatted in binary units, since Plotly's own formats are SI.
     assert memory["trials-fit"]["customdata"][3][0] == format_bytes(10 * 2**30 + 2.5 * 2**30 * 24 + 1)
     assert "%{customdata[0]}" in memory["trials-fit"]["hovertemplate"]
-    timing = traces(figures["chart-time"])
-    # The OOM is left out of the timings, and the over-limit trial (0 s in the factory) too.
-    assert timing["time-per-micro-batch"]["x"] == [1, 2, 12, 24]
-    assert timing["time-per-micro-batch"]["y"] == [0.125] * 4  # 0.5 s per trial / 4 micro-batches
-    assert timing["samples-per-second"]["y"] == [8.0, 16.0, 96.0, 192.0]
+    # The trials' seconds are never charted: time comes from timed runs only, and this one has none.
+    assert "chart-time" not in figures
+
+
+def timed(micro_batch: int, samples_per_second: float, micro_batches: list[list[int]] | None = None) -> dict:
+    update = micro_batches or [[micro_batch, 1]]
+    samples = sum(size * count for size, count in update)
+    return {
+        "micro_batch": micro_batch,
+        "samples_per_second": samples_per_second,
+        "seconds_per_update": samples / samples_per_second,
+        "micro_batches": update,
+        "micro_batch_seconds": [[size, 0.1] for size, _ in update],
+        "step_seconds": 0.05,
+        "repeats": 3,
+    }
+
+
+def test_the_time_chart_shows_measured_throughput_per_policy_and_the_table_filters_on_it(
+    client: TestClient,
+) -> None:
+    fingerprint = fingerprint_for("policies")
+    plain = profile_payload(task="policies", fingerprint=fingerprint, seed=1)
+    plain["throughput"] = [timed(24, 180.0), timed(24, 190.0, [[24, 4]])]
+    full = profile_payload(task="policies", fingerprint=fingerprint, seed=2, max_micro_batch=26, bytes_per_sample=2**31)
+    full["activation_checkpointing"] = "full"
+    full["throughput"] = [timed(26, 150.0)]
+    plain_id = client.post("/api/v1/profiles", json=plain, headers=WRITE).json()["id"]
+    full_id = client.post("/api/v1/profiles", json=full, headers=WRITE).json()["id"]
+    upload(client, task="untimed", seed=3)
+
+    page = client.get(f"/profiles/{plain_id}").text
+    timing = traces(chart_data(page)["chart-time"])
+    assert set(timing) == {"throughput-none", "throughput-full"}  # this policy's and the sibling's
+    assert timing["throughput-none"]["x"] == [24, 24] and timing["throughput-none"]["y"] == [180.0, 190.0]
+    assert timing["throughput-full"]["x"] == [26] and timing["throughput-full"]["y"] == [150.0]
+    assert "4×24" in timing["throughput-none"]["customdata"][1][1]
+    assert "checkpointing none" in text_of(page) and "190 samples/s" in text_of(page)
+    full_page = client.get(f"/profiles/{full_id}").text
+    assert "checkpointing full (every block recomputes its forward)" in text_of(full_page)
+
+    table = client.get("/", params={"ac": "full"}).text
+    assert tasks(table) == ["policies"] and '<option value="full" selected>' in table
+    assert '<td class="policy">full</td>' in table
+    assert len(tasks(client.get("/").text)) == 3
+    assert table_url("", parse_table_query({"ac": "every-2"})) == "/?ac=every-2"
+    assert parse_table_query({"ac": "half"}).policy == ""  # unknown: ignored, as the other filters'
 
 
 def test_chart_json_holds_no_stored_text_and_no_raw_markup(client: TestClient) -> None:
@@ -347,7 +389,7 @@ def test_a_profile_without_plan_fit_timings_or_fitting_trial_still_renders(clien
     response = client.get(f"/profiles/{bare_id}")
     assert response.status_code == 200
     text = text_of(response.text)
-    assert "No plan" in text and "fit none" in text and "No trial recorded its time" in text
+    assert "No plan" in text and "fit none" in text and "No timed run was recorded" in text
     assert 'id="inconsistent"' in response.text and "contradicts its own trials" in text
     assert "max_micro_batch : 24 is contradicted by trial 0: m=1 ran out of memory" in text
     figures = chart_data(response.text)
@@ -412,7 +454,7 @@ def test_datasheet_shows_strategy_source_and_counts_fake_trials_apart(client: Te
     assert memory["trials-fake"]["x"] == [6, 20, 30]
     assert [point[2] for point in memory["trials-fake"]["customdata"]] == ["fake: fits"] * 3
     assert memory["trials-fit"]["x"] == [1, 2, 12, 24] and memory["trials-oom"]["x"] == [40]
-    assert traces(chart_data(page)["chart-time"])["time-per-micro-batch"]["x"] == [1, 2, 12, 24]
+    assert "chart-time" not in chart_data(page)  # no timed run: the trials' seconds are not a time chart
 
 
 def test_an_estimates_datasheet_says_it_is_one(client: TestClient) -> None:
