@@ -17,6 +17,7 @@ import gc
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,13 +25,20 @@ from torch import nn
 
 from autotune.meters import Meter
 from autotune.oom import is_oom
-from autotune.recommend import samples_per_second, update_seconds
 from autotune.schemas import MicroBatchCount, Plan, Throughput
 from autotune.strategies import Strategy
 from autotune.task import ProbeTask
 from autotune.trial import _autocast, build_model, build_on_meta, make_batch
 
-__all__ = ["DEFAULT_MIN_SECONDS", "DEFAULT_REPEATS", "MAX_REPEATS", "time_sizes", "timed_updates"]
+__all__ = [
+    "DEFAULT_MIN_SECONDS",
+    "DEFAULT_REPEATS",
+    "MAX_REPEATS",
+    "Timings",
+    "throughput_of",
+    "time_sizes",
+    "timed_updates",
+]
 
 DEFAULT_REPEATS = 3
 DEFAULT_MIN_SECONDS = 1.0
@@ -91,6 +99,33 @@ def _timed(
     return per_size, steps
 
 
+@dataclass(frozen=True)
+class Timings:
+    """What a timed run measured: the seconds of each repeat, per size and for the step (repeat r
+    of every size and step r make up update r)."""
+
+    per_size: dict[int, list[float]]
+    steps: list[float]
+
+    @property
+    def repeats(self) -> int:
+        return len(self.steps)
+
+    def median(self, size: int) -> float:
+        return statistics.median(self.per_size[size])
+
+    @property
+    def step_median(self) -> float:
+        return statistics.median(self.steps)
+
+    def update_seconds(self, micro_batches: Sequence[MicroBatchCount]) -> list[float]:
+        """The seconds of an update of ``micro_batches`` in each repeat (its spread over the repeats)."""
+        return [
+            sum(count * self.per_size[size][r] for size, count in micro_batches) + self.steps[r]
+            for r in range(self.repeats)
+        ]
+
+
 def time_sizes(
     task: ProbeTask,
     meter: Meter,
@@ -99,8 +134,8 @@ def time_sizes(
     *,
     repeats: int = DEFAULT_REPEATS,
     min_seconds: float = DEFAULT_MIN_SECONDS,
-) -> tuple[dict[int, float], float, int]:
-    """Median seconds of one forward+backward at each size, of the optimizer step, and the repeats.
+) -> Timings:
+    """The seconds of one forward+backward at each size and of the optimizer step, per repeat.
 
     Enters ``strategy.process_group`` itself; the meter gives the device and builds the model (its
     accounting is off while the clock runs). Raises what the run raises (an OOM included: the
@@ -113,7 +148,7 @@ def time_sizes(
         finally:
             gc.collect()
             meter.release()
-    return {size: statistics.median(times) for size, times in per_size.items()}, statistics.median(steps), len(steps)
+    return Timings(per_size=per_size, steps=steps)
 
 
 def timed_updates(
@@ -140,30 +175,26 @@ def timed_updates(
         updates.append(list(plan.micro_batches))
     sizes = sorted({size for update in updates for size, _ in update})
     try:
-        per_size, step_seconds, done = time_sizes(
-            task, meter, strategy, sizes, repeats=repeats, min_seconds=min_seconds
-        )
+        timings = time_sizes(task, meter, strategy, sizes, repeats=repeats, min_seconds=min_seconds)
     except Exception as exc:
         if not is_oom(exc):
             raise
         if warnings is not None:
             warnings.append(f"the timed run at micro-batch {max(sizes)} ran out of memory: throughput not timed")
         return None
-    result = []
-    for update in updates:
-        base = Throughput(
-            micro_batch=max(size for size, _ in update),
-            samples_per_second=1.0,
-            seconds_per_update=1.0,
-            micro_batches=update,
-            world_size=world_size,
-            micro_batch_seconds=[(size, round(per_size[size], 7)) for size, _ in update],
-            step_seconds=round(step_seconds, 6),
-            repeats=done,
-        )
-        seconds = update_seconds([base], update)
-        rate = samples_per_second([base], update, world_size)
-        assert seconds is not None and rate is not None  # every size of the update was timed
-        figures = {"seconds_per_update": round(seconds[0], 7), "samples_per_second": round(rate[0], 4)}
-        result.append(base.model_copy(update=figures))
-    return result
+    return [throughput_of(timings, update, world_size) for update in updates]
+
+
+def throughput_of(timings: Timings, update: Sequence[MicroBatchCount], world_size: int = 1) -> Throughput:
+    """The Throughput of updates of ``update`` (per replica) from a timed run that timed its sizes."""
+    seconds = sum(count * timings.median(size) for size, count in update) + timings.step_median
+    return Throughput(
+        micro_batch=max(size for size, _ in update),
+        samples_per_second=round(world_size * sum(size * count for size, count in update) / seconds, 4),
+        seconds_per_update=round(seconds, 7),
+        micro_batches=list(update),
+        world_size=world_size,
+        micro_batch_seconds=[(size, round(timings.median(size), 7)) for size, _ in update],
+        step_seconds=round(timings.step_median, 7),
+        repeats=timings.repeats,
+    )

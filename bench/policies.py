@@ -1,0 +1,150 @@
+"""Activation checkpointing on the CPU: each policy's exact m_max, its samples per second at m_max and
+at the plan for T = 256, and the recommendation by throughput and by memory.
+
+    .venv/bin/python bench/policies.py                     # the GPT example and the 100M GPT, ~minutes
+    .venv/bin/python bench/policies.py --cases gpt --output /tmp/policies.json
+
+For each case and each policy (none, every-2, full): ``probe`` with ``activation_checkpointing`` set
+(fake pre-search, then the real trials that confirm m_max on the CPU meter), then one timed run
+(autotune/throughput.py: a warm-up update touching every size, then ``--repeats`` updates of one
+micro-batch of each size and the optimizer step, each part timed on its own) at m_max and at the
+plan's sizes. An update of the plan costs the sum of its micro-batches plus one step; the spread is
+the fastest and slowest of the repeats' updates. The recommendation is autotune/recommend.py's, as
+the probe's ``recommended:`` line prints it. Budgets: 48 MiB for the GPT example (the issue's figure),
+1890 MiB for the 100M GPT (none fits one sample, full a handful), headroom 0.10, one torch thread.
+
+Prints a markdown table and writes JSON (default bench/results/policies.json). Figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotune.checkpointing import POLICIES
+from autotune.meters import CpuMeter
+from autotune.probe import ProbeConfig, probe
+from autotune.recommend import option_for, recommend
+from autotune.strategies import Replicated
+from autotune.task import load_task
+from autotune.throughput import throughput_of, time_sizes
+
+MiB = 1 << 20
+CASES = {
+    "gpt": ("examples/gpt.py:task", 48 * MiB),
+    "gpt-100m": ("examples/gpt.py:task_100m", 1890 * MiB),
+}
+TARGET = 256
+
+
+def run_policy(spec: str, budget: int, policy: str, repeats: int) -> dict[str, Any]:
+    task = load_task(spec)
+    config = ProbeConfig(device="cpu", budget_bytes=budget, target_batch=TARGET, activation_checkpointing=policy)
+    started = time.perf_counter()
+    profile = probe(task, config)
+    probe_seconds = time.perf_counter() - started
+    assert profile.plan is not None
+    task = dataclasses.replace(task, activation_checkpointing=policy)
+    at_max = [(profile.max_micro_batch, 1)]
+    the_plan = list(profile.plan.micro_batches)
+    sizes = sorted({size for size, _ in at_max + the_plan})
+    started = time.perf_counter()
+    timings = time_sizes(task, CpuMeter(budget), Replicated(1), sizes, repeats=repeats, min_seconds=0.0)
+    timing_seconds = time.perf_counter() - started
+    profile.throughput = [throughput_of(timings, at_max)] + (
+        [throughput_of(timings, the_plan)] if the_plan != at_max else []
+    )
+
+    def rates(update: list[tuple[int, int]]) -> dict[str, float]:
+        # The figure the profile records (medians of each part), and the slowest and fastest of the
+        # repeats' whole updates.
+        samples = sum(size * count for size, count in update)
+        per_run = [samples / seconds for seconds in timings.update_seconds(update)]
+        return {"recorded": throughput_of(timings, update).samples_per_second, "min": min(per_run), "max": max(per_run)}
+
+    real = [t for t in profile.trials if not t.fake]
+    return {
+        "policy": policy,
+        "max_micro_batch": profile.max_micro_batch,
+        "real_trials": len(real),
+        "fake_trials": len(profile.trials) - len(real),
+        "fits_at_max": next(t.fits for t in real if t.micro_batch == profile.max_micro_batch),
+        "next_fits": next((t.fits for t in real if t.micro_batch == profile.max_micro_batch + 1), None),
+        "peak_at_max": profile.peak_at(profile.max_micro_batch),
+        "plan": the_plan,
+        "accumulation_steps": profile.plan.accumulation_steps,
+        "samples_per_second_at_max": rates(at_max),
+        "samples_per_second_plan": rates(the_plan),
+        "seconds_forward_backward": {str(size): timings.per_size[size] for size in sizes},
+        "seconds_step": timings.steps,
+        "probe_seconds": round(probe_seconds, 2),
+        "timing_seconds": round(timing_seconds, 2),
+        "profile": profile,
+    }
+
+
+def sizes_text(update: list[tuple[int, int]]) -> str:
+    return " + ".join(f"{count}x{size}" for size, count in update)
+
+
+def spread_text(rate: dict[str, float]) -> str:
+    return f"{rate['recorded']:.3g} ({rate['min']:.3g}-{rate['max']:.3g})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    parser.add_argument("--repeats", type=int, default=3, help="timed updates after the warm-up (default 3)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--output", type=Path, default=Path("bench/results/policies.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    report: dict[str, Any] = {
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "torch_threads": args.threads,
+        "target_batch": TARGET,
+        "headroom": 0.10,
+        "cases": {},
+    }
+    # samples/s: the recorded figure (median of each part), in brackets the slowest and fastest update.
+    print("| case | policy | m_max | real/fake trials | samples/s at m_max | plan for T=256 | samples/s of the plan |")
+    print("|---|---|---|---|---|---|---|")
+    for case in args.cases:
+        spec, budget = CASES[case]
+        rows = []
+        for policy in POLICIES:
+            row = run_policy(spec, budget, policy, args.repeats)
+            rows.append(row)
+            print(
+                f"| {case} ({budget // MiB} MiB) | {policy} | {row['max_micro_batch']} | "
+                f"{row['real_trials']}/{row['fake_trials']} | {spread_text(row['samples_per_second_at_max'])} | "
+                f"{sizes_text(row['plan'])} ({row['accumulation_steps']} steps) | "
+                f"{spread_text(row['samples_per_second_plan'])} |",
+                flush=True,
+            )
+        options = [option_for(row["profile"]) for row in rows]
+        by_throughput = recommend(options, "throughput")
+        by_memory = recommend(options, "memory")
+        print(f"  {case}: recommended by throughput: {by_throughput.text()}")
+        print(f"  {case}: recommended by memory:     {by_memory.text()}")
+        report["cases"][case] = {
+            "task": spec,
+            "budget_bytes": budget,
+            "policies": [{k: v for k, v in row.items() if k != "profile"} for row in rows],
+            "recommended": {"throughput": by_throughput.policy, "memory": by_memory.policy},
+        }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
