@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with one NVIDIA GPU, in under 5 minutes: the GPU tests, the examples probed on the
 # card, 50 real training steps at each chosen m, the CLI's datasheet, and the peer benchmark
-# (autotune beside Lightning's BatchSizeFinder and Accelerate) on the card. Prints everything it measures.
+# (autotune beside Lightning's BatchSizeFinder and Accelerate) on the card; then, in at most 3 more
+# minutes, the memory policies timed on the card. Prints everything it measures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -45,5 +46,12 @@ else
     status=1
   fi
 fi
+echo "== memory policies on cuda: m_max, samples/s at m_max and at the plan for T=256, per policy (bench/policies.py)"
+# The GPT example at 2 GiB and the 100M GPT at 12 GiB under none, every-2 and full: there throughput is
+# what decides, and the recommended policy is printed beside the others. After the peers: at most 120 s.
+timeout -k 5 120 "$PY" bench/policies.py --device cuda || status=1
+echo "== recommended: line of the CLI with three policies on cuda"
+timeout -k 5 60 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 256 \
+  --ac none,every-2,full --objective throughput 2>&1 | grep -E "^(recommended|  (checkpointing|max micro-batch|throughput))" || status=1
 echo "== gpu_check exit status: $status"
 exit $status

@@ -3,6 +3,7 @@ at the plan for T = 256, and the recommendation by throughput and by memory.
 
     .venv/bin/python bench/policies.py                     # the GPT example and the 100M GPT, ~minutes
     .venv/bin/python bench/policies.py --cases gpt --output /tmp/policies.json
+    .venv/bin/python bench/policies.py --device cuda   # bench/gpu_check.sh: 2 GiB and 12 GiB budgets
 
 For each case and each policy (none, every-2, full): ``probe`` with ``activation_checkpointing`` set
 (fake pre-search, then the real trials that confirm m_max on the CPU meter), then one timed run
@@ -10,8 +11,10 @@ For each case and each policy (none, every-2, full): ``probe`` with ``activation
 micro-batch of each size and the optimizer step, each part timed on its own) at m_max and at the
 plan's sizes. An update of the plan costs the sum of its micro-batches plus one step; the spread is
 the fastest and slowest of the repeats' updates. The recommendation is autotune/recommend.py's, as
-the probe's ``recommended:`` line prints it. Budgets: 48 MiB for the GPT example (the issue's figure),
-1890 MiB for the 100M GPT (none fits one sample, full a handful), headroom 0.10, one torch thread.
+the probe's ``recommended:`` line prints it. Budgets on the CPU: 48 MiB for the GPT example (the
+issue's figure), 1890 MiB for the 100M GPT (none fits one sample, full a handful); on CUDA 2 GiB and
+12 GiB, where each timed run goes on for at least a second (fast steps need many repeats). Headroom
+0.10, one torch thread on the CPU.
 
 Prints a markdown table and writes JSON (default bench/results/policies.json). Figures only.
 """
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 from autotune.checkpointing import POLICIES
-from autotune.meters import CpuMeter
+from autotune.meters import make_meter
 from autotune.probe import ProbeConfig, probe
 from autotune.recommend import option_for, recommend
 from autotune.strategies import Replicated
@@ -38,15 +41,19 @@ from autotune.throughput import throughput_of, time_sizes
 
 MiB = 1 << 20
 CASES = {
-    "gpt": ("examples/gpt.py:task", 48 * MiB),
-    "gpt-100m": ("examples/gpt.py:task_100m", 1890 * MiB),
+    "gpt": "examples/gpt.py:task",
+    "gpt-100m": "examples/gpt.py:task_100m",
+}
+BUDGETS = {
+    "cpu": {"gpt": 48 * MiB, "gpt-100m": 1890 * MiB},
+    "cuda": {"gpt": 2048 * MiB, "gpt-100m": 12 * 1024 * MiB},
 }
 TARGET = 256
 
 
-def run_policy(spec: str, budget: int, policy: str, repeats: int) -> dict[str, Any]:
+def run_policy(spec: str, device: str, budget: int, policy: str, repeats: int) -> dict[str, Any]:
     task = load_task(spec)
-    config = ProbeConfig(device="cpu", budget_bytes=budget, target_batch=TARGET, activation_checkpointing=policy)
+    config = ProbeConfig(device=device, budget_bytes=budget, target_batch=TARGET, activation_checkpointing=policy)
     started = time.perf_counter()
     profile = probe(task, config)
     probe_seconds = time.perf_counter() - started
@@ -56,7 +63,12 @@ def run_policy(spec: str, budget: int, policy: str, repeats: int) -> dict[str, A
     the_plan = list(profile.plan.micro_batches)
     sizes = sorted({size for size, _ in at_max + the_plan})
     started = time.perf_counter()
-    timings = time_sizes(task, CpuMeter(budget), Replicated(1), sizes, repeats=repeats, min_seconds=0.0)
+    meter = make_meter(device, budget)
+    try:
+        min_seconds = 0.0 if device == "cpu" else 1.0
+        timings = time_sizes(task, meter, Replicated(1), sizes, repeats=repeats, min_seconds=min_seconds)
+    finally:
+        meter.close()
     timing_seconds = time.perf_counter() - started
     profile.throughput = [throughput_of(timings, at_max)] + (
         [throughput_of(timings, the_plan)] if the_plan != at_max else []
@@ -102,14 +114,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after the warm-up (default 3)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--output", type=Path, default=Path("bench/results/policies.json"))
+    parser.add_argument("--device", choices=sorted(BUDGETS), default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default 1)")
+    parser.add_argument("--output", type=Path, help="default bench/results/policies[_cuda].json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     report: dict[str, Any] = {
         "command": "python " + " ".join(sys.argv),
         "torch": torch.__version__,
-        "torch_threads": args.threads,
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
+        "torch_threads": args.threads if args.device == "cpu" else None,
         "target_batch": TARGET,
         "headroom": 0.10,
         "cases": {},
@@ -118,10 +133,10 @@ def main() -> None:
     print("| case | policy | m_max | real/fake trials | samples/s at m_max | plan for T=256 | samples/s of the plan |")
     print("|---|---|---|---|---|---|---|")
     for case in args.cases:
-        spec, budget = CASES[case]
+        spec, budget = CASES[case], BUDGETS[args.device][case]
         rows = []
         for policy in POLICIES:
-            row = run_policy(spec, budget, policy, args.repeats)
+            row = run_policy(spec, args.device, budget, policy, args.repeats)
             rows.append(row)
             print(
                 f"| {case} ({budget // MiB} MiB) | {policy} | {row['max_micro_batch']} | "
@@ -141,9 +156,10 @@ def main() -> None:
             "policies": [{k: v for k, v in row.items() if k != "profile"} for row in rows],
             "recommended": {"throughput": by_throughput.policy, "memory": by_memory.policy},
         }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    output = args.output or Path("bench/results") / ("policies.json" if args.device == "cpu" else "policies_cuda.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":
