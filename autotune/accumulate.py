@@ -349,6 +349,8 @@ class Accumulator:
             for equal micro-batches, their sum x D for a balanced plan's).
         observe: called with an :class:`~autotune.schemas.Observation` (oom=True) after each
             recovered OOM, e.g. to post it to the autotune server. Its errors are logged, not raised.
+            One with an ``after_update(updates, micro_batch)`` method is also told of every update
+            (``autotune_client.observer(suggestion)`` reports the job's peak that way).
         on_plan_change: called with the new :class:`~autotune.schemas.Plan` after each recovered OOM.
 
     Raises:
@@ -408,6 +410,8 @@ class Accumulator:
         self.target_batch = target_batch
         self.observe = observe
         self.on_plan_change = on_plan_change
+        # The largest micro-batch a finished group ran: the size whose peak an observer reports.
+        self._largest_micro_batch = 0
 
         self.counters = Counters()
         #: What ``partial_last_group="drop"`` skipped: micro_batches, samples and tokens (updates stays 0).
@@ -709,7 +713,20 @@ class Accumulator:
         self.last_grad_norm = grad_norm
         self._backward_done = set()
         self._group = None
+        self._largest_micro_batch = max(self._largest_micro_batch, *group._sizes, 1)
+        self._after_update()
         return grad_norm
+
+    def _after_update(self) -> None:
+        """Tell an observer with an ``after_update(updates, micro_batch)`` (autotune_client.observer)
+        that an update is done: it may report the peak. Its errors are logged, never raised."""
+        hook = getattr(self.observe, "after_update", None)
+        if hook is None:
+            return
+        try:
+            hook(self.counters.updates, self._largest_micro_batch)
+        except Exception:  # telemetry must not stop training
+            log.warning("the observer's after_update() failed", exc_info=True)
 
     # -- OOM fallback ---------------------------------------------------------------------
 
@@ -738,6 +755,7 @@ class Accumulator:
         self._count_given = False
         self.micro_batch_limit = new_micro
         self.plan = new_plan
+        self._largest_micro_batch = 0  # peaks from here on are the smaller micro-batch's
         self.oom_events.append(OomEvent(group.index, old, new_micro, new_plan))
         self._warn_small_batchnorm(new_micro)
         log.warning(

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from autotune.accumulate import Accumulator, PlanBatchSampler
-from autotune_client import suggest
+from autotune_client import observer, suggest
 
 TARGET_BATCH = 256  # samples per optimizer update, as the recipe says
 
@@ -41,7 +41,14 @@ print(f"plan: {plan.micro_batch} x {plan.accumulation_steps} x {plan.world_size}
 # A balanced plan's micro-batches may differ by one sample (6 x 26 + 4 x 25 = 256): the sampler yields them.
 loader = DataLoader(dataset, batch_sampler=PlanBatchSampler(RandomSampler(dataset), plan))
 optimizer = make_optimizer(model.parameters())
-acc = Accumulator(model, optimizer, accumulation_steps=plan.accumulation_steps, max_grad_norm=1.0)
+# What the job really peaks at goes back to the profile that answered (after 3 updates, then at most
+# every 5 minutes and only when it grew; never blocking or failing training), so that later answers
+# take the drift. On a GPU, observer(plan, device="cuda") reads torch.cuda.max_memory_reserved; this
+# CPU job has no allocator peak to read, and reports only an OOM (with oom_fallback=True).
+report = observer(plan)
+acc = Accumulator(
+    model, optimizer, accumulation_steps=plan.accumulation_steps, max_grad_norm=1.0, observe=report
+)
 
 for epoch in range(3):
     total = 0.0

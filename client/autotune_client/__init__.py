@@ -13,6 +13,7 @@ and the probe, only when it runs.
 from autotune.schemas import Observation, Profile, Suggestion
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
+from autotune_client._observer import PeakObserver, observer
 from autotune_client._suggest import job_fingerprint, parse_bytes, suggest
 from autotune_client.errors import (
     APIConnectionError,
@@ -41,6 +42,7 @@ __all__ = [
     "InternalServerError",
     "NotFoundError",
     "Observation",
+    "PeakObserver",
     "PermissionDeniedError",
     "Profile",
     "ProfileSummary",
@@ -51,6 +53,7 @@ __all__ = [
     "TunerUnavailableWarning",
     "UnprocessableEntityError",
     "job_fingerprint",
+    "observer",
     "parse_bytes",
     "suggest",
 ]

@@ -17,6 +17,7 @@ PUBLIC_MODULES = [
     "autotune.plan",
     "autotune.split",
     "autotune.files",
+    "autotune.diagnose",
     "autotune.search",
     "autotune.task",
     "autotune.fingerprint",

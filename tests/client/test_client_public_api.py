@@ -13,6 +13,7 @@ import autotune_client
 import autotune_client._client
 import autotune_client._constants
 import autotune_client._models
+import autotune_client._observer
 import autotune_client._suggest
 import autotune_client.cli
 import autotune_client.errors
@@ -27,6 +28,7 @@ MODULES = [
     autotune_client._suggest,
     autotune_client.cli,
     autotune_client.errors,
+    autotune_client._observer,
 ]
 
 
