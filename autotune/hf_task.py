@@ -180,10 +180,12 @@ def _optimizer_factory(name: str | None, lr: float | None) -> OptimizerFactory |
 def _token_batch(m: int, *, seq_len: int, vocab_size: int, max_positions: int | None) -> dict[str, torch.Tensor]:
     import torch
 
+    # ValueError, not TaskError: a trial reports it as the model refusing the length, which is how the
+    # probe's search for the longest length learns where the model stops.
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise TaskError(f"seq_len must be an integer of at least 2 (one token predicts the next), got {seq_len!r}")
+        raise ValueError(f"seq_len must be an integer of at least 2 (one token predicts the next), got {seq_len!r}")
     if max_positions is not None and seq_len > max_positions:
-        raise TaskError(f"seq_len {seq_len} is longer than the config's max_position_embeddings {max_positions}")
+        raise ValueError(f"seq_len {seq_len} is longer than the config's max_position_embeddings {max_positions}")
     # Seeded by the shape: the same (m, L) gives the same tokens in every process and every trial.
     generator = torch.Generator().manual_seed(m * 1_000_003 + seq_len)
     input_ids = torch.randint(0, vocab_size, (m, seq_len), generator=generator)

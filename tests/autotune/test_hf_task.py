@@ -16,7 +16,7 @@ from autotune.errors import TaskError
 from autotune.estimate import EstimateConfig, estimate
 from autotune.hf_task import parameter_count_text, with_options
 from autotune.probe import ProbeConfig, probe
-from autotune.task import ProbeTask, load_task
+from autotune.task import load_task
 from tests.autotune._hf_configs import CONFIGS, SEQ_LEN, VOCAB, write_config
 
 MiB = 1 << 20
@@ -41,6 +41,9 @@ def test_the_model_is_transformers_own_causal_lm_and_the_batch_is_tokens_at_a_le
     assert torch.equal(batch["labels"], batch["input_ids"])
     assert torch.equal(task.batch(3, seq_len=SEQ_LEN)["input_ids"], batch["input_ids"])  # same shape, same tokens
     assert task.batch(3, seq_len=2 * SEQ_LEN)["input_ids"].shape == (3, 2 * SEQ_LEN)
+    # Past the config's positions the model refuses the length (a trial reports it as the model's limit).
+    with pytest.raises(ValueError, match="longer than the config's max_position_embeddings 64"):
+        task.batch(1, seq_len=65)
     model.eval()  # dropout (GPT-2 has it) off, so that two forwards agree
     loss = task.compute_loss(model, batch)
     assert torch.equal(loss, model(**batch).loss)
@@ -120,30 +123,29 @@ def test_cli_verify_needs_a_length_and_proves_accumulation_at_it(
     assert "apply to hf: tasks" in capsys.readouterr().err
 
 
-def _at_length(task: ProbeTask, seq_len: int) -> ProbeTask:
-    # The Python API way to fix the length: batch(m) made at seq_len (what --seq-len does per length).
-    batch = task.batch
-    return ProbeTask(
-        name=task.name,
-        model=task.model,
-        batch=lambda m: batch(m, seq_len=seq_len),
-        loss=task.loss,
-        optimizer=task.optimizer,
-        tags={**task.tags, "seq_len": seq_len},
-        loss_sum=task.loss_sum,
-        shard_classes=task.shard_classes,
-    )
-
-
-@pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_estimate_equals_probe_on_the_cpu(tmp_path: Path, arch: str) -> None:
-    task = _at_length(load_task(f"hf:{write_config(tmp_path, arch)}"), 32)
+def test_estimate_equals_probe_on_the_cpu(tmp_path: Path) -> None:
+    # GPT-2 (learned positions, Conv1D) by the Python API at one length (task.at_length, what --seq-len
+    # does per length); Llama by the CLI below; all three, at two lengths each: bench/hf_estimate.py.
+    task = load_task(f"hf:{write_config(tmp_path, 'gpt2')}").at_length(32)
     measured = probe(task, ProbeConfig(device="cpu", budget_bytes=4 * MiB, target_batch=64))
     estimated = estimate(task, EstimateConfig(budget_bytes=4 * MiB, device_kind="cpu", target_batch=64))
     assert 2 <= measured.max_micro_batch < 64  # the budget binds: the recipe batch does not fit whole
     assert estimated.max_micro_batch == measured.max_micro_batch
     assert estimated.peak_at(estimated.max_micro_batch) == measured.peak_at(measured.max_micro_batch)
     assert estimated.fingerprint == measured.fingerprint
+
+
+def test_cli_estimate_equals_cli_probe_at_a_length(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = f"hf:{write_config(tmp_path, 'llama')}"
+    common = ["--seq-len", "32", "--max-seq-len", "32", "--budget", "4MiB", "--target-batch", "64", "--json"]
+    assert main(["probe", spec, "--device", "cpu", "--no-throughput", *common]) == 0
+    (measured,) = json.loads(capsys.readouterr().out)
+    assert main(["estimate", spec, "--device-kind", "cpu", *common]) == 0
+    (estimated,) = json.loads(capsys.readouterr().out)
+    assert (measured["source"], estimated["source"]) == ("measured", "estimate")
+    assert measured["task"].startswith("llama-") and measured["seq_len"] == estimated["seq_len"] == 32
+    assert 2 <= measured["max_micro_batch"] == estimated["max_micro_batch"] < 64
+    assert measured["fingerprint"] == estimated["fingerprint"]
 
 
 def test_importing_autotune_and_its_cli_does_not_import_transformers() -> None:
