@@ -18,7 +18,7 @@ import autotune
 from autotune.checkpointing import check_policy
 from autotune.consistency import check_profile
 from autotune.diagnose import cannot_fit, diagnose_no_fit
-from autotune.errors import AutotuneError, BudgetError, DeviceError
+from autotune.errors import AutotuneError, BudgetError, DeviceError, TaskError
 from autotune.fingerprint import task_fingerprint
 from autotune.meters import Meter, make_meter, resolve_device
 from autotune.plan import MAX_TARGET_BATCH, PLAN_POLICIES, nonnegative_fit, plan
@@ -61,6 +61,12 @@ class ProbeConfig:
     activation_checkpointing: str | None = None
     # After the search, time updates at m_max and at the plan's sizes (autotune/throughput.py).
     throughput: bool = False
+    # A sequence-aware task's lengths, one profile each (autotune/lengths.py: probe_lengths); the cap
+    # of the search for the longest length at m = multiple_of; tokens per update instead of
+    # target_batch. The fleet's workers read them here; `autotune probe` passes them itself too.
+    seq_lens: tuple[int, ...] = ()
+    max_seq_len: int | None = None
+    target_tokens: int | None = None
 
     def validate(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -96,6 +102,10 @@ class ProbeConfig:
             raise AutotuneError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {self.plan_policy!r}")
         if self.activation_checkpointing is not None:
             check_policy(self.activation_checkpointing)
+        if self.target_tokens is not None and self.target_batch is not None:
+            raise AutotuneError("give target-batch (sequences) or target-tokens (tokens), not both")
+        if self.target_tokens is not None and not self.seq_lens:
+            raise AutotuneError("target-tokens needs seq-len: tokens are planned in sequences of a length")
 
 
 def _has_batchnorm(task: ProbeTask) -> bool:
@@ -217,6 +227,11 @@ def probe_with_meter(
     this task's length): the real trials start from it instead of from a fake search of their own.
     """
     config.validate()
+    if task.sequence_aware and task.seq_len is None:
+        raise TaskError(
+            f"task {task.name!r} is sequence-aware (its batch takes seq_len=): probe it at its lengths with "
+            "--seq-len L1,L2,... (autotune.lengths.probe_lengths), or bind one with task.at_length(L)"
+        )
     if config.precision is not None and config.precision != task.precision:
         task = dataclasses.replace(task, precision=config.precision)
     if config.activation_checkpointing is not None:
@@ -301,7 +316,13 @@ def probe_with_meter(
     )
     if config.throughput:  # timed runs, never the search's trials
         profile.throughput = timed_updates(
-            task, meter, strategy, max_micro_batch=m_max, plan=the_plan, world_size=config.world_size, warnings=profile.warnings
+            task,
+            meter,
+            strategy,
+            max_micro_batch=m_max,
+            plan=the_plan,
+            world_size=config.world_size,
+            warnings=profile.warnings,
         )
     # A profile the store would refuse is a bug here, not something to write or upload.
     check_profile(profile)

@@ -81,6 +81,9 @@ def config_from_args(args: argparse.Namespace, device: str) -> Any:
         presearch=args.presearch,
         plan_policy=args.plan,
         throughput=getattr(args, "throughput", False),
+        seq_lens=tuple(getattr(args, "seq_len", None) or ()),
+        max_seq_len=getattr(args, "max_seq_len", None),
+        target_tokens=getattr(args, "target_tokens", None),
     )
 
 

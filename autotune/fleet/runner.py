@@ -9,6 +9,7 @@ every other command stay free of it, and the service image has none.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -129,7 +130,8 @@ def _finish(ray: Any, ref: Any, index: int, progress: Progress, sink: ProfileSin
         )
         return
     try:
-        profile = Profile.model_validate_json(outcome.profile_json)
+        parsed = json.loads(outcome.profile_json)
+        profiles = [Profile.model_validate(item) for item in (parsed if isinstance(parsed, list) else [parsed])]
     except ValueError as exc:  # a node with another autotune: its profile is not this driver's Profile
         progress.failed(
             index,
@@ -140,12 +142,16 @@ def _finish(ray: Any, ref: Any, index: int, progress: Progress, sink: ProfileSin
             host=outcome.host,
         )
         return
-    stored = sink.keep(profile)
+    stored = [sink.keep(profile) for profile in profiles][-1]
+    profile = profiles[0]
+    plan = _plan_text(profile)
+    if len(profiles) > 1 or profile.seq_len is not None:  # a run over lengths: each length's plan
+        plan = "; ".join(f"L={p.seq_len}: {_plan_text(p) or p.max_micro_batch}" for p in profiles)
     progress.done(
         index,
         attempt=outcome.attempt,
         max_micro_batch=profile.max_micro_batch,
-        plan=_plan_text(profile),
+        plan=plan,
         stored=stored,
         seconds=outcome.seconds,
         host=outcome.host,

@@ -42,7 +42,8 @@ class Board:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one pair's Ray task returns: a profile (as JSON) or a one-line error, never both."""
+    """What one pair's Ray task returns: a profile (as JSON; a JSON array of them for a run over
+    sequence lengths) or a one-line error, never both."""
 
     index: int
     attempt: int
@@ -75,7 +76,16 @@ def probe_pair(index: int, spec: str, config: Any, board: Any = None) -> Outcome
         from autotune.probe import probe
         from autotune.task import load_task
 
-        profile = probe(load_task(spec), config)
+        task = load_task(spec)
+        if config.seq_lens:  # one run over the lengths: a JSON array of their profiles
+            from autotune.lengths import probe_lengths
+
+            run = probe_lengths(
+                task, config, config.seq_lens, max_seq_len=config.max_seq_len, target_tokens=config.target_tokens
+            )
+            text = "[" + ",".join(profile.model_dump_json() for profile in run.profiles) + "]"
+        else:
+            text = probe(task, config).model_dump_json()
     except Exception as exc:
         return Outcome(index, attempt, None, one_line(exc), time.perf_counter() - started, socket.gethostname())
-    return Outcome(index, attempt, profile.model_dump_json(), None, time.perf_counter() - started, socket.gethostname())
+    return Outcome(index, attempt, text, None, time.perf_counter() - started, socket.gethostname())
