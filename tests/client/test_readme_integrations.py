@@ -1,0 +1,64 @@
+"""The README's "From a Lightning module", "From a Hugging Face Trainer" and "From a model config"
+blocks, run as written (each in a fresh process, in an empty folder, as a user would)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_SECONDS = 600
+
+
+def block(heading: str, language: str) -> str:
+    """The first ``language`` block under the README's ``### heading``."""
+    text = (REPO / "README.md").read_text()
+    marker = f"### {heading}\n"
+    assert marker in text, f"README.md has no section {heading!r}"
+    section = text.split(marker, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    match = re.search(rf"```{language}\n(.*?)```", section, re.DOTALL)
+    assert match, f"no {language} block under {heading!r}"
+    return match.group(1)
+
+
+def run(command: list[str], cwd: Path) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("AUTOTUNE_URL", None)
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def test_from_a_lightning_module(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="the lightning extra is not installed")
+    (tmp_path / "train.py").write_text(block("From a Lightning module", "python"))
+    out = run([sys.executable, "train.py"], tmp_path)
+    found = re.search(r"trained with (\d+) x (\d+) = 16 per update", out)
+    assert found, out[-2000:]
+    micro, steps = int(found.group(1)), int(found.group(2))
+    assert micro * steps == 16 and micro < 16
+    assert f"autotune: micro-batch {micro} x {steps} accumulation steps x 1 replicas = 16 (the recipe's batch)" in out
+
+
+def test_from_a_hugging_face_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    (tmp_path / "train.py").write_text(block("From a Hugging Face Trainer", "python"))
+    out = run([sys.executable, "train.py"], tmp_path)
+    found = re.search(r"training with (\d+) x (\d+) = 16 per update", out)
+    assert found, out[-2000:]
+    micro, steps = int(found.group(1)), int(found.group(2))
+    assert micro * steps == 16 and micro < 16
+    assert "'train_loss'" in out or "train_loss" in out  # it trained
+
+
+def test_from_a_model_config(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    (tmp_path / "run.sh").write_text(block("From a model config", "bash"))
+    out = run(["bash", "-e", "run.sh"], tmp_path)
+    assert "llama-35K" in out
+    assert re.search(r"llama-35K: ok: accumulation reproduces the full-batch gradient", out), out[-2000:]
