@@ -6,6 +6,7 @@ application cannot know). Either way the application sees a dead connection.
 
     with TcpProxy("127.0.0.1", pg_port) as proxy:
         proxy.cut_at_commit(after=True)    # the next COMMIT is committed, its answer lost
+        proxy.silent = True                # new connections are accepted and never answered
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ class TcpProxy:
         self._armed: bool | None = None  # None: pass everything; False: cut before; True: cut after
         self.cuts = 0
         self._pairs: list[_Pair] = []
+        self._held: list[socket.socket] = []
         self._closed = False
+        # A host that accepts connections and never answers (a hung server, a half-dead network path).
+        self.silent = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut_at_commit(self, *, after: bool) -> None:
@@ -63,6 +67,8 @@ class TcpProxy:
         self._listener.close()
         for pair in self._pairs:
             pair.close()
+        for sock in self._held:
+            sock.close()
 
     def __enter__(self) -> TcpProxy:
         return self
@@ -78,6 +84,9 @@ class TcpProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self.silent:
+                self._held.append(client)
+                continue
             server = socket.create_connection(self.target)
             pair = _Pair(client, server)
             self._pairs.append(pair)

@@ -15,6 +15,7 @@ import shutil
 import sqlite3
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -352,6 +353,23 @@ def test_a_retried_upload_is_stored_once_whether_or_not_the_503_had_committed(pg
             assert again.status_code == 200 and again.json()["id"] == profile_id
     assert _count(pg.url, "profiles") == 1
     assert _count(pg.url, "trials") == len(profile_payload(seed=7)["trials"])
+
+
+def test_a_database_that_never_answers_is_a_503_after_the_connect_timeout(
+    pg: ThrowawayPostgres, caplog: pytest.LogCaptureFixture
+) -> None:
+    with TcpProxy("127.0.0.1", pg.port) as proxy:
+        proxy.silent = True
+        url = pg.url.replace(f":{pg.port}/", f":{proxy.port}/") + "?connect_timeout=2"
+        with _app(url) as client:
+            started = time.monotonic()
+            _assert_unavailable(client.get(PROFILES), "timeout")
+            assert 1.5 < time.monotonic() - started < 10
+            proxy.silent = False
+            assert client.get(PROFILES).status_code == 200
+    lines = _outage_lines(caplog)
+    assert len(lines) == 2 and lines[0].startswith("database unavailable (timeout: ConnectionTimeout:")
+    _assert_no_traceback(caplog)
 
 
 def test_the_client_gives_up_on_a_down_store_within_its_timeout(pg: ThrowawayPostgres) -> None:
