@@ -28,6 +28,7 @@ from sqlalchemy.pool import NullPool
 
 from autotune_client import InternalServerError, TunerClient
 from autotune_server import Settings, create_app
+from autotune_server.db import make_engine
 from autotune_server.migrate import upgrade_head
 from autotune_server.outage import STALE_HEADER
 from tests.factories import FINGERPRINT, fingerprint_for, profile_payload
@@ -370,6 +371,18 @@ def test_a_database_that_never_answers_is_a_503_after_the_connect_timeout(
     lines = _outage_lines(caplog)
     assert len(lines) == 2 and lines[0].startswith("database unavailable (timeout: ConnectionTimeout:")
     _assert_no_traceback(caplog)
+
+
+def test_postgres_connections_carry_timeouts_and_keepalives_the_url_can_override(pg: ThrowawayPostgres) -> None:
+    engine = make_engine(pg.url + "?connect_timeout=3&tcp_user_timeout=2000")
+    try:
+        with engine.connect() as conn:
+            dsn = conn.connection.dbapi_connection.info.dsn  # type: ignore[union-attr]
+    finally:
+        engine.dispose()
+    settings = dict(part.split("=", 1) for part in dsn.split())
+    assert settings["connect_timeout"] == "3" and settings["tcp_user_timeout"] == "2000"
+    assert settings["keepalives"] == "1" and settings["keepalives_idle"] == "30"
 
 
 def test_the_client_gives_up_on_a_down_store_within_its_timeout(pg: ThrowawayPostgres) -> None:
