@@ -73,6 +73,18 @@ def test_task_files_are_shipped_relative_to_the_working_directory(tmp_path: Path
         worker_spec("examples/nope.py:task", REPO)
 
 
+def test_an_hf_config_is_shipped_like_a_task_file_with_its_options(tmp_path: Path) -> None:
+    config = tmp_path / "models" / "llama"
+    config.mkdir(parents=True)
+    (config / "config.json").write_text("{}")
+    assert worker_spec(f"hf:{config}", tmp_path) == "hf:models/llama"
+    assert worker_spec(f"hf:{config}?optimizer=SGD&lr=0.1", tmp_path) == "hf:models/llama?optimizer=SGD&lr=0.1"
+    with pytest.raises(TaskError, match="outside the working directory"):
+        worker_spec(f"hf:{config}", REPO)
+    with pytest.raises(TaskError, match="not found"):
+        worker_spec(f"hf:{tmp_path / 'nope'}", tmp_path)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
