@@ -84,9 +84,9 @@ def reference(profile: Profile) -> Reference:
     )
 
 
-def job_drifts(rng: random.Random, systematic: float, jobs: int) -> list[float]:
+def job_drifts(rng: random.Random, systematic: float, jobs: int, stray_share: float = STRAY_SHARE) -> list[float]:
     return [
-        STRAY_DRIFT if rng.random() < STRAY_SHARE else max(-0.05, rng.gauss(systematic, NOISE)) for _ in range(jobs)
+        STRAY_DRIFT if rng.random() < stray_share else max(-0.05, rng.gauss(systematic, NOISE)) for _ in range(jobs)
     ]
 
 
@@ -132,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--headrooms", default="0.10,0.02")
+    parser.add_argument("--stray-share", type=float, default=STRAY_SHARE, help="share of jobs at +40 %%")
     args = parser.parse_args(argv)
 
     task = load_task("examples/gpt.py:task")
     print(
         f"fleet: {args.jobs} jobs per scenario, target {TARGET_BATCH}; drift per job = s + N(0, {NOISE:.1%}), "
-        f"{STRAY_SHARE:.0%} strays at +{STRAY_DRIFT:.0%}; seed {args.seed}",
+        f"{args.stray_share:.0%} strays at +{STRAY_DRIFT:.0%}; seed {args.seed}",
         file=sys.stderr,
     )
     rows = []
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             ref = reference(profile)
             for s in SYSTEMATIC:
-                drifts = job_drifts(random.Random(args.seed * 1000 + round(s * 1e4)), s, args.jobs)
+                drifts = job_drifts(random.Random(args.seed * 1000 + round(s * 1e4)), s, args.jobs, args.stray_share)
                 oracle = fitting_micro_batch(
                     ref, s, max_micro_batch=profile.max_micro_batch, limit=profile.limit_bytes, multiple_of=1
                 )
