@@ -37,6 +37,7 @@ from autotune_server.repository import to_utc
 __all__ = [
     "CHART_ID",
     "LINE_POINTS",
+    "MAX_STEPS",
     "MAX_SIBLINGS",
     "LengthSibling",
     "LengthView",
@@ -47,7 +48,9 @@ __all__ = [
 ]
 
 CHART_ID = "chart-lengths"
-# Lengths the surface line is read at: enough for a smooth staircase, few enough for a small page.
+# The surface line is exact (each step of m_max's staircase) up to this many steps; past it, it is
+# read at LINE_POINTS lengths: enough for a smooth line, few enough for a small page.
+MAX_STEPS = 400
 LINE_POINTS = 80
 # A fingerprint probed at more lengths than this lists its newest; no real sweep comes near it.
 MAX_SIBLINGS = 200
@@ -159,23 +162,42 @@ def _line_lengths(low: int, high: int, extra: list[int], points: int) -> list[in
 def surface_line(profile: Profile, points: int = LINE_POINTS) -> list[tuple[int, int]]:
     """(L, m_max) read off the profile's surface at its own limit, over the lengths it covers.
 
-    The offset (what the device's real trials showed above the fake surface) is taken off the
-    limit, as ``/suggest`` does; the measured lengths and the longest length are among the lengths
-    read, so that the line passes exactly where the points are. Lengths where not even multiple_of
-    fits are left out. Empty for a profile without a surface.
+    m_max is a staircase in L: where it takes at most :data:`MAX_STEPS` values, the line is exact,
+    the first and last length of each step (found by bisection on the surface, so that m x L is an
+    exact sawtooth rather than one sampled); otherwise it is read at ``points`` lengths spaced
+    evenly on a log scale, the measured lengths and the longest length among them. The offset
+    (what the device's real trials showed above the fake surface) is taken off the limit, as
+    ``/suggest`` does (``sequence.surface_max``). Lengths where not even multiple_of fits are left
+    out. Empty for a profile without a surface.
     """
     if profile.surface is None:
         return []
     surface = profile.surface
     peak = PeakSurface.from_dict(surface.model_dump())
     limit = profile.limit_bytes - surface.offset_bytes
-    extra = [*surface.measured_lengths, *([surface.longest.seq_len] if surface.longest else [])]
-    lengths = _line_lengths(surface.covered[0], surface.covered[1], extra, points)
-    line = []
-    for length in lengths:
-        m_max = peak.max_fitting(limit, length, cap=profile.micro_batch_cap, multiple_of=profile.multiple_of)
-        if m_max > 0:
-            line.append((length, m_max))
+    low, high = surface.covered
+    step = profile.multiple_of
+
+    def m_max(length: int) -> int:
+        return peak.max_fitting(limit, length, cap=profile.micro_batch_cap, multiple_of=step)
+
+    top, bottom = m_max(low), max(m_max(high), step)
+    if top == 0:
+        return []
+    if (top - bottom) // step + 1 > MAX_STEPS:
+        extra = [*surface.measured_lengths, *([surface.longest.seq_len] if surface.longest else [])]
+        return [(length, m) for length in _line_lengths(low, high, extra, points) if (m := m_max(length)) > 0]
+    line: list[tuple[int, int]] = []
+    first = low
+    for m in range(top, bottom - 1, -step):
+        # Every length from first to last fits m (peaks grow with L); m + step stopped fitting at first.
+        last = peak.longest_fitting(limit, m, cap=high, shortest=first)
+        if last == 0:
+            continue  # m_max skipped this value
+        line.extend([(first, m), (last, m)] if last > first else [(first, m)])
+        if last == high:
+            break
+        first = last + 1
     return line
 
 
@@ -209,12 +231,14 @@ def lengths_figure(profile: Profile, siblings: list[LengthSibling]) -> dict[str,
     """
     points = [s for s in siblings if s.on_chart]
     line = surface_line(profile)
-    traces: list[dict[str, Any]] = []
+    # The lines go under the points. The staircase has corners only where m_max changes, so a
+    # measured point is nearer than any of the line's corners and Plotly's hover names the point.
+    lines: list[dict[str, Any]] = []
     if line:
         xs = [length for length, _ in line]
         ms = [m for _, m in line]
         tokens = [m * length for length, m in line]
-        traces.append(
+        lines.append(
             {
                 "type": "scatter",
                 "mode": "lines",
@@ -227,7 +251,7 @@ def lengths_figure(profile: Profile, siblings: list[LengthSibling]) -> dict[str,
                 "line": {"color": _M_COLOR, "width": 2},
             }
         )
-        traces.append(
+        lines.append(
             {
                 "type": "scatter",
                 "mode": "lines",
@@ -241,7 +265,8 @@ def lengths_figure(profile: Profile, siblings: list[LengthSibling]) -> dict[str,
                 "line": {"color": _TOKENS_COLOR, "width": 2, "dash": "dot"},
             }
         )
-    sizes = [13 if s.current else 9 for s in points]
+    traces: list[dict[str, Any]] = list(lines)
+    sizes = [14 if s.current else 10 for s in points]
     labels = [
         [f"profile {s.id}" + (" (this one)" if s.current else ""), _tokens(s.tokens_per_micro_batch)] for s in points
     ]
@@ -255,7 +280,12 @@ def lengths_figure(profile: Profile, siblings: list[LengthSibling]) -> dict[str,
             "y": [s.max_micro_batch for s in points],
             "customdata": labels,
             "hovertemplate": "L = %{x}<br>m max %{y}, %{customdata[1]} tokens<br>%{customdata[0]}<extra></extra>",
-            "marker": {"color": _M_COLOR, "size": sizes, "symbol": "circle", "line": {"color": "#fff", "width": 1}},
+            "marker": {
+                "color": _M_COLOR,
+                "size": sizes,
+                "symbol": "circle",
+                "line": {"color": "#12263a", "width": 1.5},
+            },
         }
     )
     traces.append(
@@ -274,7 +304,7 @@ def lengths_figure(profile: Profile, siblings: list[LengthSibling]) -> dict[str,
                 "color": _TOKENS_COLOR,
                 "size": sizes,
                 "symbol": "square",
-                "line": {"color": "#fff", "width": 1},
+                "line": {"color": "#12263a", "width": 1.5},
             },
         }
     )
@@ -300,16 +330,28 @@ def lengths_figure(profile: Profile, siblings: list[LengthSibling]) -> dict[str,
             }
         )
     lengths = [*(x for x, _ in line), *(s.seq_len for s in points), *([longest.seq_len] if longest else [])]
+    top_m = max([1, *(m for _, m in line), *(s.max_micro_batch for s in points)])
+    top_tokens = max([1, *(m * x for x, m in line), *(s.tokens_per_micro_batch for s in points)])
     layout = {
         "margin": {"l": 70, "r": 80, "t": 10, "b": 50},
         "xaxis": _x_axis(lengths),
-        "yaxis": {"title": {"text": "m max (sequences per micro-batch)"}, "rangemode": "tozero", "color": _M_COLOR},
+        # m_max starts where tokens per micro-batch start (both at the shortest length): the tokens
+        # axis reaches higher, so that the two do not start on the same spot.
+        "yaxis": {
+            "title": {"text": "m max (sequences per micro-batch)"},
+            "range": [0, top_m * 1.08],
+            "color": _M_COLOR,
+        },
         "yaxis2": {
             "title": {"text": "tokens per micro-batch (m max × L)"},
             "overlaying": "y",
             "side": "right",
-            "rangemode": "tozero",
+            "range": [0, top_tokens * 1.3],
             "showgrid": False,
+            # Its own round ticks, not ticks synchronized with the left axis' grid.
+            "tickmode": "auto",
+            "zeroline": False,
+            "tickformat": ",d",
             "color": _TOKENS_COLOR,
         },
         "legend": {"orientation": "h", "y": -0.22},

@@ -19,7 +19,7 @@ from autotune.schemas import Profile
 from autotune.surface import PeakSurface
 from autotune_server.dashboard_queries import TableQuery
 from autotune_server.pages import parse_table_query, table_url
-from autotune_server.surface_chart import CHART_ID, LINE_POINTS, surface_line
+from autotune_server.surface_chart import CHART_ID, LINE_POINTS, MAX_STEPS, surface_line
 from tests.factories import fingerprint_for, profile_payload, surface_gpt_payloads
 from tests.server.conftest import WRITE
 from tests.server.test_pages import chart_data, text_of, traces
@@ -38,6 +38,11 @@ def post(client: TestClient, body: dict[str, Any]) -> int:
 def surface_ids(client: TestClient) -> dict[int, int]:
     """The surface probe's three profiles, stored through the API: profile id by length."""
     return {int(body["seq_len"]): post(client, body) for body in surface_gpt_payloads()}
+
+
+def on_line(corners: list[tuple[int, int]], length: int) -> int:
+    """m on a staircase given by its corners (ascending lengths) at length."""
+    return [m for at, m in corners if at <= length][-1]
 
 
 def length_cells(page: str) -> dict[int, str]:
@@ -94,21 +99,21 @@ def test_a_surface_datasheet_charts_m_max_and_tokens_against_length(
     assert lines["measured-m-max"]["x"] == [128, 256, 512]
     assert lines["measured-m-max"]["y"] == [36, 18, 9]
     assert lines["measured-tokens"]["y"] == [4608, 4608, 4608] and lines["measured-tokens"]["yaxis"] == "y2"
-    assert lines["measured-m-max"]["marker"]["size"] == [9, 13, 9]  # this profile's point stands out
+    assert lines["measured-m-max"]["marker"]["size"] == [10, 14, 10]  # this profile's point stands out
 
-    # The surface line: over the covered range, passing through every measured point.
-    line = dict(zip(lines["surface-m-max"]["x"], lines["surface-m-max"]["y"], strict=True))
-    assert min(line) == 128 and max(line) == 2048
-    assert 50 <= len(line) <= LINE_POINTS + 4
-    assert {length: line[length] for length in MEASURED} == MEASURED
-    ms = [line[length] for length in sorted(line)]
-    assert ms == sorted(ms, reverse=True)  # longer sequences never fit more of them
-    tokens = dict(zip(lines["surface-tokens"]["x"], lines["surface-tokens"]["y"], strict=True))
-    assert tokens == {length: m * length for length, m in line.items()}
+    # The surface line: m_max's staircase over the covered range, each step's first and last length.
+    corners = list(zip(lines["surface-m-max"]["x"], lines["surface-m-max"]["y"], strict=True))
+    assert corners[0][0] == 128 and corners[-1][0] == 2048
+    assert {length: on_line(corners, length) for length in MEASURED} == MEASURED  # through every point
+    assert {m for _, m in corners} == set(range(2, 37))  # every step, none skipped
+    for (l1, m1), (l2, m2) in zip(corners, corners[1:], strict=False):
+        assert l2 > l1 and (m2 == m1 or (l2 == l1 + 1 and m2 == m1 - 1)), (l1, l2)
+    tokens = list(zip(lines["surface-tokens"]["x"], lines["surface-tokens"]["y"], strict=True))
+    assert tokens == [(length, m * length) for length, m in corners]
     # Each m_max on the line is the largest m the surface puts within the profile's limit.
     surface = PeakSurface.from_dict(body["surface"])
     limit = int(body["budget_bytes"] * (1 - body["headroom"]))
-    for length, m in line.items():
+    for length, m in corners:
         assert surface.peak_bytes(m, length) <= limit < surface.peak_bytes(m + 1, length), length
 
     # The longest length at m = multiple_of, as the probe confirmed it.
@@ -179,17 +184,16 @@ def test_a_profile_without_a_length_has_no_length_view(client: TestClient) -> No
 
 def test_the_surface_line_takes_the_devices_offset_off_the_limit() -> None:
     body = surface_gpt_payloads()[0]
-    plain = dict(surface_line(Profile.model_validate(body)))
+    plain = surface_line(Profile.model_validate(body))
     offset = 4 << 20
     body["surface"]["offset_bytes"] = offset
-    raised = dict(surface_line(Profile.model_validate(body)))
+    raised = surface_line(Profile.model_validate(body))
     surface = PeakSurface.from_dict(body["surface"])
     limit = int(body["budget_bytes"] * (1 - body["headroom"]))
-    assert raised[128] < plain[128] == 36
-    for length, m in raised.items():
+    assert raised[0][0] == 128 and raised[0][1] < on_line(plain, 128) == 36
+    for length, m in raised:
         assert surface.peak_bytes(m, length) + offset <= limit < surface.peak_bytes(m + 1, length) + offset
-    # Lengths where not even one sequence fits under the raised peak are left off the line.
-    assert set(raised) <= set(plain)
+        assert m <= on_line(plain, length)
 
 
 def test_sibling_text_is_escaped(client: TestClient, surface_ids: dict[int, int]) -> None:
@@ -199,3 +203,19 @@ def test_sibling_text_is_escaped(client: TestClient, surface_ids: dict[int, int]
     page = client.get(f"/profiles/{surface_ids[256]}").text
     assert "<img src=x" not in page
     assert html.escape("<img src=x onerror=alert(1)>", quote=False) in page
+
+
+def test_a_staircase_too_long_to_draw_step_by_step_is_read_at_sampled_lengths() -> None:
+    # A thousand times the budget: m_max runs from the cap (4096) down to hundreds, thousands of steps.
+    body = surface_gpt_payloads()[0]
+    body["budget_bytes"] *= 1000
+    profile = Profile.model_validate(body)
+    line = surface_line(profile)
+    surface = PeakSurface.from_dict(body["surface"])
+    limit = profile.limit_bytes
+    assert line[0] == (128, 4096) and line[0][1] - line[-1][1] > MAX_STEPS
+    assert len(line) <= LINE_POINTS + 4
+    assert {128, 256, 512, 2048} <= {length for length, _ in line}
+    for length, m in line:
+        assert surface.peak_bytes(m, length) <= limit, length
+        assert m == 4096 or limit < surface.peak_bytes(m + 1, length), length
