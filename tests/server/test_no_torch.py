@@ -67,7 +67,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
     assert result["suggest"] == 200
     assert result["torch_loaded"] is False
     # Of autotune, the server may use the wire schemas, the plan arithmetic and the consistency check
-    # (with the errors it raises), and the throughput arithmetic only.
+    # (with the errors it raises), the throughput arithmetic and the memory surface only.
     allowed = {
         "autotune",
         "autotune.schemas",
@@ -77,5 +77,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
         "autotune.errors",
         # The pricing of plans from timed runs (objective=throughput), torch-free like the plan.
         "autotune.recommend",
+        # The peak surface over (m, L): /suggest predicts lengths nobody measured from it.
+        "autotune.surface",
     }
     assert set(result["autotune_modules"]) <= allowed
