@@ -101,7 +101,7 @@ def with_policies(pairs: Sequence[Any], policies: Sequence[str | None]) -> list[
     """Fleet pairs, one per (pair, policy), numbered again in that order."""
     if policies == [None]:
         return list(pairs)
-    out = []
+    out: list[Any] = []
     for pair in pairs:
         for policy in policies:
             config = dataclasses.replace(pair.config, activation_checkpointing=policy)

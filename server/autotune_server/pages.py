@@ -430,7 +430,7 @@ def _memory_figure(profile: Profile, observations: list[ObservationRow]) -> dict
     return {"data": traces, "layout": layout}
 
 
-_POLICY_STYLE = {
+_POLICY_STYLE: dict[str, dict[str, Any]] = {
     "none": {"color": "#1f6fb2", "symbol": "circle"},
     "every-2": {"color": "#b45309", "symbol": "diamond"},
     "full": {"color": "#15803d", "symbol": "square"},
@@ -440,7 +440,7 @@ _POLICY_STYLE = {
 def _throughput_figure(profiles: Sequence[Profile]) -> dict[str, Any] | None:
     # Measured by timed runs after the search (autotune/throughput.py), never the trials' seconds:
     # a trial's first micro-batches pay warm-up, and fake trials' seconds are the host's.
-    traces = []
+    traces: list[dict[str, Any]] = []
     for profile in profiles:
         timings = sorted(profile.throughput or [], key=lambda t: t.micro_batch)
         if not timings:
@@ -461,7 +461,7 @@ def _throughput_figure(profiles: Sequence[Profile]) -> dict[str, Any] | None:
                 ],
                 "hovertemplate": f"{policy}: m = %{{x}}<br>%{{customdata[0]}} samples/s<br>update "
                 "%{customdata[1]} in %{customdata[2]}<extra></extra>",
-                "marker": {"size": 10, **_POLICY_STYLE.get(policy, {})},
+                "marker": {**_POLICY_STYLE.get(policy, {}), "size": 10},
             }
         )
     if not traces:

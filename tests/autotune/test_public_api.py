@@ -46,6 +46,10 @@ PUBLIC_MODULES = [
     "autotune.fleet.progress",
     "autotune.fleet.sink",
     "autotune.fleet.runner",
+    "autotune.checkpointing",
+    "autotune.recommend",
+    "autotune.throughput",
+    "autotune.cli.policies",
 ]
 
 
