@@ -38,6 +38,7 @@ __all__ = [
     "CHART_ID",
     "LINE_POINTS",
     "MAX_STEPS",
+    "MAX_STEP_WORK",
     "MAX_SIBLINGS",
     "LengthSibling",
     "LengthView",
@@ -51,6 +52,9 @@ CHART_ID = "chart-lengths"
 # The surface line is exact (each step of m_max's staircase) up to this many steps; past it, it is
 # read at LINE_POINTS lengths: enough for a smooth line, few enough for a small page.
 MAX_STEPS = 400
+# ...and while steps x pieces stays under this (each step is a bisection over every piece): the line
+# takes at most ~0.1 s (a loaded 2-core machine), even for the most pieces a surface may carry.
+MAX_STEP_WORK = 4_000
 LINE_POINTS = 80
 # A fingerprint probed at more lengths than this lists its newest; no real sweep comes near it.
 MAX_SIBLINGS = 200
@@ -102,35 +106,40 @@ class LengthView:
         return [s for s in self.siblings if s.on_chart]
 
 
-def _same_setup(a: ProfileRow, b: ProfileRow) -> bool:
-    # The line is m_max at a's limit under a's caps: a point belongs on it only if it answers the
-    # same question (and came from the same surface, offset included).
-    return (
-        a.device_name == b.device_name
-        and a.budget_bytes == b.budget_bytes
-        and a.headroom == b.headroom
-        and a.multiple_of == b.multiple_of
-        and a.micro_batch_cap == b.micro_batch_cap
-        and a.source == b.source
-        and a.strategy == b.strategy
-        and a.world_size == b.world_size
-        and a.activation_checkpointing == b.activation_checkpointing
-        and a.surface == b.surface
-    )
+# What a point on the chart must share with the profile: the line is m_max at its limit under its
+# caps, so a sibling belongs on it only if it answers the same question from the same surface.
+_SETUP_COLUMNS = (
+    ProfileRow.device_name,
+    ProfileRow.budget_bytes,
+    ProfileRow.headroom,
+    ProfileRow.multiple_of,
+    ProfileRow.micro_batch_cap,
+    ProfileRow.source,
+    ProfileRow.strategy,
+    ProfileRow.world_size,
+    ProfileRow.activation_checkpointing,
+    ProfileRow.surface,
+)
+
+
+def _setup(row: Any) -> tuple[Any, ...]:
+    return tuple(getattr(row, column.key) for column in _SETUP_COLUMNS)
 
 
 def length_siblings(session: Session, row: ProfileRow) -> list[LengthSibling]:
     """Every profile of row's fingerprint that has a length (row itself included), by length, then
-    newest first; at most :data:`MAX_SIBLINGS` (the newest)."""
+    newest first; at most :data:`MAX_SIBLINGS` (the newest). Reads columns only, never a stored
+    document or trials."""
     query = (
-        select(ProfileRow)
+        select(ProfileRow.id, ProfileRow.seq_len, ProfileRow.max_micro_batch, ProfileRow.created_at, *_SETUP_COLUMNS)
         .where(ProfileRow.fingerprint == row.fingerprint, ProfileRow.seq_len.is_not(None))
         .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
         .limit(MAX_SIBLINGS)
     )
-    found = list(session.scalars(query))
+    found: list[Any] = list(session.execute(query))
     if all(other.id != row.id for other in found):
         found.append(row)
+    setup = _setup(row)
     siblings = [
         LengthSibling(
             id=int(other.id),
@@ -141,7 +150,7 @@ def length_siblings(session: Session, row: ProfileRow) -> list[LengthSibling]:
             headroom=float(other.headroom),
             source=other.source,
             created_at=to_utc(other.created_at),
-            on_chart=other.id == row.id or _same_setup(row, other),
+            on_chart=other.id == row.id or _setup(other) == setup,
             current=other.id == row.id,
         )
         for other in found
@@ -162,7 +171,8 @@ def _line_lengths(low: int, high: int, extra: list[int], points: int) -> list[in
 def surface_line(profile: Profile, points: int = LINE_POINTS) -> list[tuple[int, int]]:
     """(L, m_max) read off the profile's surface at its own limit, over the lengths it covers.
 
-    m_max is a staircase in L: where it takes at most :data:`MAX_STEPS` values, the line is exact,
+    m_max is a staircase in L: where it takes at most :data:`MAX_STEPS` values (and steps x pieces
+    is at most :data:`MAX_STEP_WORK`), the line is exact,
     the first and last length of each step (found by bisection on the surface, so that m x L is an
     exact sawtooth rather than one sampled); otherwise it is read at ``points`` lengths spaced
     evenly on a log scale, the measured lengths and the longest length among them. The offset
@@ -184,7 +194,8 @@ def surface_line(profile: Profile, points: int = LINE_POINTS) -> list[tuple[int,
     top, bottom = m_max(low), max(m_max(high), step)
     if top == 0:
         return []
-    if (top - bottom) // step + 1 > MAX_STEPS:
+    steps = (top - bottom) // step + 1
+    if steps > MAX_STEPS or steps * len(peak.pieces) > MAX_STEP_WORK:
         extra = [*surface.measured_lengths, *([surface.longest.seq_len] if surface.longest else [])]
         return [(length, m) for length in _line_lengths(low, high, extra, points) if (m := m_max(length)) > 0]
     line: list[tuple[int, int]] = []
