@@ -19,7 +19,7 @@ from autotune.schemas import Profile
 from autotune.surface import PeakSurface
 from autotune_server.dashboard_queries import TableQuery
 from autotune_server.pages import parse_table_query, table_url
-from autotune_server.surface_chart import CHART_ID, LINE_POINTS, MAX_STEPS, surface_line
+from autotune_server.surface_chart import CHART_ID, LINE_POINTS, MAX_STEP_WORK, MAX_STEPS, surface_line
 from tests.factories import fingerprint_for, profile_payload, surface_gpt_payloads
 from tests.server.conftest import WRITE
 from tests.server.test_pages import chart_data, text_of, traces
@@ -219,3 +219,17 @@ def test_a_staircase_too_long_to_draw_step_by_step_is_read_at_sampled_lengths() 
     for length, m in line:
         assert surface.peak_bytes(m, length) <= limit, length
         assert m == 4096 or limit < surface.peak_bytes(m + 1, length), length
+
+
+def test_a_surface_of_many_pieces_is_read_at_sampled_lengths_that_agree_with_its_staircase() -> None:
+    body = surface_gpt_payloads()[0]
+    exact = surface_line(Profile.model_validate(body))
+    # Pieces below the leading one change no answer, only the cost of each step's bisection.
+    leading = body["surface"]["pieces"][0]
+    body["surface"]["pieces"] = [leading] + [[leading[0] - k, *leading[1:]] for k in range(1, 200)]
+    sampled = surface_line(Profile.model_validate(body))
+    assert len(exact) == 70 and len(exact) * 200 > MAX_STEP_WORK  # 35 steps of m_max, both ends of each
+    assert len(sampled) <= LINE_POINTS + 4 and sampled != exact
+    assert {128, 256, 512, 2048} <= {length for length, _ in sampled}
+    for length, m in sampled:
+        assert m == on_line(exact, length), length
