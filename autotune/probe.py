@@ -20,6 +20,7 @@ from autotune.consistency import check_profile
 from autotune.diagnose import cannot_fit, diagnose_no_fit
 from autotune.errors import AutotuneError, BudgetError, DeviceError, TaskError
 from autotune.fingerprint import task_fingerprint
+from autotune.fragmentation import reserved_gap_at
 from autotune.meters import Meter, make_meter, resolve_device
 from autotune.plan import MAX_TARGET_BATCH, PLAN_POLICIES, nonnegative_fit, plan
 from autotune.presearch import FakeSearch, fake_search, presearch_failed
@@ -304,6 +305,8 @@ def probe_with_meter(
         activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
         seq_len=task.seq_len,
         non_monotone=decrease is not None,
+        expandable_segments=meter.expandable_segments(),
+        reserved_gap_bytes=reserved_gap_at(result.trials, m_max),
         plan=the_plan,
         trials=[*fake_trials, *result.trials],
         fit=nonnegative_fit(_guide(fake, result) if fake is not None else result.fit),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autotune.fragmentation import gap_advice
 from autotune.plan import micro_batches_text
 from autotune.schemas import Profile, Trial
 from autotune.units import format_bytes
@@ -93,6 +94,9 @@ def datasheet(profile: Profile) -> str:
             f"  throughput       {timing.samples_per_second:.4g} samples/s, update {sizes} in "
             f"{timing.seconds_per_update:.4g}s (timed, median of {timing.repeats})"
         )
+    advice = gap_advice(profile)
+    if advice is not None:
+        lines.append(f"  fragmentation    {advice}")
     lines.extend(f"  warning          {warning}" for warning in profile.warnings)
     return "\n".join(lines)
 

@@ -266,6 +266,10 @@ class Profile(_Model):
     # The real trials showed a size that fits above one that did not (cuDNN picks kernels per
     # shape): max_micro_batch is then the largest m below the first size that failed.
     non_monotone: bool = False
+    # CUDA only (autotune/fragmentation.py): whether PYTORCH_CUDA_ALLOC_CONF had expandable_segments
+    # on, and reserved minus allocated at m_max (the allocator's gap); None elsewhere.
+    expandable_segments: bool | None = None
+    reserved_gap_bytes: NonNegBytes | None = None
     plan: Plan | None = None
     trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
     fit: Fit | None = None

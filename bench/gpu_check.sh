@@ -2,7 +2,8 @@
 # On a machine with one NVIDIA GPU, in under 5 minutes: the GPU tests, the examples probed on the
 # card, 50 real training steps at each chosen m, the CLI's datasheet, and the peer benchmark
 # (autotune beside Lightning's BatchSizeFinder and Accelerate) on the card; then, in at most 3 more
-# minutes, the memory policies timed on the card. Prints everything it measures.
+# minutes, the memory policies timed on the card, and in at most 2.5 more the allocator's gap with and
+# without expandable segments. Prints everything it measures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -53,5 +54,9 @@ timeout -k 5 120 "$PY" bench/policies.py --device cuda || status=1
 echo "== recommended: line of the CLI with three policies on cuda"
 timeout -k 5 60 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 256 \
   --ac none,every-2,full --objective throughput 2>&1 | grep -E "^(recommended|  (checkpointing|max micro-batch|throughput))" || status=1
+echo "== fragmentation: the 100M GPT at 12 GiB with and without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (bench/fragmentation.py)"
+# Two probes, each in a fresh process (the allocator reads the setting once): m_max, the peak, the
+# reserved-minus-allocated gap at m_max and the datasheet's line. At most 150 s.
+timeout -k 5 150 "$PY" bench/fragmentation.py --timeout 70 || status=1
 echo "== gpu_check exit status: $status"
 exit $status

@@ -73,6 +73,11 @@ class Meter(ABC):
         and library workspaces): fake trials never see them."""
         return 0
 
+    def expandable_segments(self) -> bool | None:
+        """Whether the device's caching allocator runs with expandable segments (None: no such
+        allocator here, as on the CPU)."""
+        return None
+
     def checkpoint(self, phase: str) -> None:
         """Close the current phase; its peak counts towards ``phase``."""
         peak, allocated = self._take_peak()

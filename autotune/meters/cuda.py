@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from autotune.errors import BudgetError, DeviceError
+from autotune.fragmentation import expandable_segments_on
 from autotune.meters.base import Meter
 from autotune.schemas import Device
 
@@ -165,6 +166,10 @@ class CudaMeter(Meter):
 
     def unseen_bytes(self) -> int:
         return self._outside_bytes()
+
+    def expandable_segments(self) -> bool | None:
+        # Read from the environment the allocator was configured from at CUDA's first use.
+        return expandable_segments_on()
 
     @contextmanager
     def unbounded(self) -> Iterator[None]:

@@ -117,7 +117,13 @@ class Readiness(_Out):
 
 
 # Profile fields of the second wave, with the value every profile stored before them had.
-_LATER_PROFILE_FIELDS: dict[str, object] = {"strategy": "ddp", "source": "measured", "non_monotone": False}
+_LATER_PROFILE_FIELDS: dict[str, object] = {
+    "strategy": "ddp",
+    "source": "measured",
+    "non_monotone": False,
+    "expandable_segments": None,
+    "reserved_gap_bytes": None,
+}
 
 
 def content_hash(profile: Profile) -> str:
