@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,11 +103,13 @@ def estimate(
     *,
     on_trial: Callable[[Trial], None] | None = None,
     hint: int | None = None,
+    known: Sequence[Trial] = (),
 ) -> Profile:
     """The largest micro-batch that fits the budget by fake trials, and the plan for the target.
 
     ``hint``: m_max predicted already (a surface over lengths): the fake trials confirm it (at it and
-    one step past it) instead of tracing a curve first.
+    one step past it) instead of tracing a curve first; ``known``: fake trials of this setup already
+    run (the surface's at this length), not run again.
 
     Raises:
         BudgetError: no budget. CannotFitError (a BudgetError): micro-batch multiple_of does not fit
@@ -141,6 +143,7 @@ def estimate(
                 on_trial=on_trial,
                 confirm=True,
                 hint=hint,
+                known=known,
             )
         except NoFitError as exc:  # diagnosed by fake trials, outside this process group
             no_fit = exc

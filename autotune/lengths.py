@@ -268,6 +268,25 @@ def _over_lengths(
             if found is not None and found.surface is not None
             else None
         )
+        if presearched is not None and presearched.fit is None:
+            # The surface says not even multiple_of fits here: one trial there confirms it, without
+            # the search and the diagnosis a single-length run spends on it.
+            with strategy.process_group(device), frozen_heap():
+                runner = trial_runner()
+                try:
+                    runner.task = task.at_length(seq_len)
+                    smallest = runner(config.multiple_of)
+                finally:
+                    runner.close()
+            if on_trial is not None:
+                on_trial(smallest)
+            if not smallest.fits:
+                run.no_fit[seq_len] = (
+                    f"micro-batch {config.multiple_of} peaks at {smallest.peak_bytes} bytes"
+                    + (" or more (out of memory)" if smallest.oom else "")
+                    + f", over the limit of {limit_bytes} bytes"
+                )
+                continue
         try:
             profile = measure(task.at_length(seq_len), presearched, target)
         except BudgetError as exc:
@@ -281,8 +300,15 @@ def _over_lengths(
         profile.warnings.extend(note for note in notes if note not in profile.warnings)
         run.profiles.append(profile)
     if not run.profiles:
-        first = no_fit_errors[lengths[0]]
-        raise type(first)(f"at seq_len {lengths[0]}: {first}")
+        # Nothing fits at any length: the shortest one's own run says what the job needs.
+        shortest = lengths[0]
+        if shortest not in no_fit_errors:
+            try:
+                measure(task.at_length(shortest), None, config.target_batch)
+            except BudgetError as exc:
+                no_fit_errors[shortest] = exc
+        first = no_fit_errors.get(shortest) or BudgetError(run.no_fit[shortest])
+        raise type(first)(f"at seq_len {shortest}: {first}")
     if found is not None and found.surface is not None:
         runner = trial_runner()
 
@@ -400,8 +426,12 @@ def estimate_lengths(
 
     def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
         at_config = dataclasses.replace(config, target_batch=target)
-        hint = presearched.max_micro_batch if presearched is not None else None
-        return estimate(task_at, at_config, on_trial=on_trial, hint=hint)
+        if presearched is None:
+            return estimate(task_at, at_config, on_trial=on_trial)
+        # The surface's trials at this length are this estimate's own fake trials: not run twice.
+        return estimate(
+            task_at, at_config, on_trial=on_trial, hint=presearched.max_micro_batch, known=presearched.trials
+        )
 
     def runner() -> TrialRunner:
         meter: Meter = FakeMeter(config.budget_bytes, device_type, device_name)

@@ -69,6 +69,7 @@ def fake_search(
     on_trial: Callable[[Trial], None] | None = None,
     confirm: bool = False,
     hint: int | None = None,
+    known: Sequence[Trial] = (),
 ) -> FakeSearch:
     """m_max by fake trials (inside strategy's process group when it has one): read off the curve of
     two traced trials, or found by the exact search where the curve cannot be had.
@@ -79,6 +80,8 @@ def fake_search(
             size does not; the search goes on from them where they disagree with the curve.
         hint: m_max predicted already (by a surface over lengths): no traced trials, the search
             starts there (with confirm: fake trials at it and one step past it).
+        known: fake trials of this very setup already run (the surface's traced trials at this
+            length): a size among them is not run again.
 
     Raises:
         NoFitError: even multiple_of does not fit (the fake trial's verdict).
@@ -91,7 +94,7 @@ def fake_search(
         # the fake trials leave the gradient buckets out and the real trials put them back.
         strategy = Replicated(1)
     runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy)
-    done: dict[int, Trial] = {}
+    done: dict[int, Trial] = {trial.micro_batch: trial for trial in known if trial.fake and not trial.oom}
     traces: dict[int, list[int]] = {}
 
     def trial(micro_batch: int) -> Trial:

@@ -165,12 +165,13 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 def lengths_of(task: Any, args: argparse.Namespace) -> list[int] | None:
-    """The --seq-len lengths for a sequence-aware task, None for another; a sequence-aware task
-    without them, or lengths for a task that takes none, is one line (exit 2)."""
+    """The --seq-len lengths for a sequence-aware task, None for another (and for one bound to a
+    length already, ``task.at_length(L)``); a sequence-aware task without them, or lengths for a task
+    that takes none, is one line (exit 2)."""
     from autotune.lengths import check_lengths
 
     lengths = getattr(args, "seq_len", None)
-    if task.sequence_aware and not lengths:
+    if task.sequence_aware and task.seq_len is None and not lengths:
         raise CliError(
             f"task {task.name!r} is sequence-aware (its batch takes seq_len=): "
             "give the lengths with --seq-len L1,L2,..."
