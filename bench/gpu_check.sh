@@ -20,6 +20,9 @@ echo "== CLI datasheet on cuda"
 timeout -k 5 25 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --target-batch 512 || status=1
 echo "== fsdp: the GPT example as rank 0 of 8 (fake process group on the cuda device)"
 timeout -k 5 25 "$PY" -m autotune.cli probe examples/gpt.py:task --device cuda --budget 2GiB --strategy fsdp --world-size 8 --target-batch 512 || status=1
+echo "== sequence lengths: one probe of the GPT example over three lengths on cuda (surface, 2 real trials each, longest L at m=1)"
+timeout -k 5 60 "$PY" -m autotune.cli probe examples/gpt.py:task_seq --device cuda --budget 2GiB --seq-len 256,512,1024 \
+  --target-tokens 262144 --no-throughput 2>&1 | grep -vE "^trial m=" || status=1
 echo "== estimate with CUDA semantics (fake trials only), beside the probe above"
 timeout -k 5 20 "$PY" -m autotune.cli estimate examples/gpt.py:task --device-kind cuda --budget 2GiB --target-batch 512 || status=1
 echo "== --device all (one spawned process per GPU)"
