@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,23 +50,35 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+Clock = Callable[[], float]
+
+
 def _forward_backward(
-    task: ProbeTask, strategy: Strategy, model: nn.Module, scaler: Any, size: int, device: torch.device, last: bool
+    task: ProbeTask,
+    strategy: Strategy,
+    model: nn.Module,
+    scaler: Any,
+    size: int,
+    device: torch.device,
+    last: bool,
+    clock: Clock = time.perf_counter,
 ) -> float:
     batch = make_batch(task, size, device)  # ready before the clock starts, as a DataLoader has it
     _synchronize(device)
-    started = time.perf_counter()
+    started = clock()
     with strategy.sync(model, last=last):
         with _autocast(task, device):
             loss = task.compute_loss(model, batch)
         (scaler.scale(loss) if scaler is not None else loss).backward()
     _synchronize(device)
-    return time.perf_counter() - started
+    return clock() - started
 
 
-def _step(optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device) -> float:
+def _step(
+    optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device, clock: Clock = time.perf_counter
+) -> float:
     _synchronize(device)
-    started = time.perf_counter()
+    started = clock()
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -74,11 +86,17 @@ def _step(optimizer: torch.optim.Optimizer, scaler: Any, device: torch.device) -
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     _synchronize(device)
-    return time.perf_counter() - started
+    return clock() - started
 
 
 def _timed(
-    task: ProbeTask, meter: Meter, strategy: Strategy, wanted: list[int], repeats: int, min_seconds: float
+    task: ProbeTask,
+    meter: Meter,
+    strategy: Strategy,
+    wanted: list[int],
+    repeats: int,
+    min_seconds: float,
+    clock: Clock,
 ) -> tuple[dict[int, list[float]], list[float]]:
     """The timings; the model, optimizer and batches die with this frame."""
     device = meter.device
@@ -88,14 +106,14 @@ def _timed(
     per_size: dict[int, list[float]] = {size: [] for size in wanted}
     steps: list[float] = []
     for index, size in enumerate(wanted):  # warm-up: every size once, and a step
-        _forward_backward(task, strategy, model, scaler, size, device, last=index == len(wanted) - 1)
-    _step(optimizer, scaler, device)
+        _forward_backward(task, strategy, model, scaler, size, device, index == len(wanted) - 1, clock)
+    _step(optimizer, scaler, device, clock)
     started = time.perf_counter()
     while len(steps) < MAX_REPEATS and (len(steps) < repeats or time.perf_counter() - started < min_seconds):
         for index, size in enumerate(wanted):
             last = index == len(wanted) - 1
-            per_size[size].append(_forward_backward(task, strategy, model, scaler, size, device, last=last))
-        steps.append(_step(optimizer, scaler, device))
+            per_size[size].append(_forward_backward(task, strategy, model, scaler, size, device, last, clock))
+        steps.append(_step(optimizer, scaler, device, clock))
     return per_size, steps
 
 
@@ -134,17 +152,19 @@ def time_sizes(
     *,
     repeats: int = DEFAULT_REPEATS,
     min_seconds: float = DEFAULT_MIN_SECONDS,
+    clock: Clock = time.perf_counter,
 ) -> Timings:
     """The seconds of one forward+backward at each size and of the optimizer step, per repeat.
 
     Enters ``strategy.process_group`` itself; the meter gives the device and builds the model (its
-    accounting is off while the clock runs). Raises what the run raises (an OOM included: the
-    caller decides).
+    accounting is off while the clock runs). ``clock`` is wall time; a benchmark on a shared CPU may
+    pass ``time.process_time`` (this process's CPU seconds: with one torch thread, the model's own
+    cost whatever else runs). Raises what the run raises (an OOM included: the caller decides).
     """
     wanted = sorted(set(sizes), reverse=True)
     with strategy.process_group(meter.device):
         try:
-            per_size, steps = _timed(task, meter, strategy, wanted, repeats, min_seconds)
+            per_size, steps = _timed(task, meter, strategy, wanted, repeats, min_seconds, clock)
         finally:
             gc.collect()
             meter.release()
