@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from autotune.cli.common import CliError, add_strategy_and_plan_options, headroom, positive_int, size
-from autotune.schemas import SOURCES, STRATEGIES
+from autotune.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, SOURCES, STRATEGIES
 
 __all__ = ["add_parsers", "run_profiles", "run_suggest"]
 
@@ -23,6 +23,18 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--budget", type=size)
     g.add_argument("--headroom", type=headroom)
     add_strategy_and_plan_options(g)
+    g.add_argument(
+        "--ac",
+        choices=ACTIVATION_CHECKPOINTING,
+        default="none",
+        help="the job's activation checkpointing policy (default none): objective memory answers from its profiles",
+    )
+    g.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="memory",
+        help="memory (default) or throughput: the stored policy whose plan was timed fastest, and which it is",
+    )
     g.add_argument("--json", action="store_true")
     g.set_defaults(run=run_suggest)
 
@@ -60,6 +72,8 @@ def run_suggest(args: argparse.Namespace) -> int:
         headroom=args.headroom,
         strategy=args.strategy,
         plan=args.plan,
+        activation_checkpointing=args.ac,
+        objective=args.objective,
         as_json=args.json,
     )
 

@@ -56,6 +56,10 @@ def format_suggestion(s: Suggestion) -> str:
     where = s.source + (f", profile {s.profile_id}" if s.profile_id is not None else "")
     if s.strategy != "ddp":
         where = f"{s.strategy}, {where}"
+    if s.activation_checkpointing != "none":  # the job must run under it for the plan to fit
+        where = f"activation checkpointing {s.activation_checkpointing}, {where}"
+    if s.samples_per_second is not None:
+        where += f", {s.samples_per_second:.4g} samples/s timed"
     line = (
         f"micro_batch={s.micro_batch} accumulation_steps={s.accumulation_steps} world_size={s.world_size} "
         f"effective_batch={s.effective_batch} ({exact}; {where}; max micro-batch {s.max_micro_batch})"
@@ -83,6 +87,8 @@ def suggest_command(
     plan: str = "balanced",
     seq_len: int | None = None,
     target_tokens: int | None = None,
+    activation_checkpointing: str = "none",
+    objective: str = "memory",
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -106,6 +112,8 @@ def suggest_command(
                 plan=plan,
                 seq_len=seq_len,
                 target_tokens=target_tokens,
+                activation_checkpointing=activation_checkpointing,
+                objective=objective,
             )
     except AutotuneClientError as exc:
         return _fail(exc, err)

@@ -3,6 +3,10 @@ in the Suggestion; a local probe runs under the job's policy and times its plan.
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from autotune_client import AutotuneClientError, TunerUnavailableWarning, suggest
@@ -51,3 +55,40 @@ def test_a_local_probe_runs_under_the_jobs_policy_and_times_its_plan() -> None:
 def test_bad_policy_arguments_are_one_line_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(AutotuneClientError, match=match):
         suggest(GPT(TINY), 8, example=tiny_batch, budget="8MiB", **kwargs)
+
+
+def test_the_suggest_command_asks_by_throughput_and_says_the_policy(in_process_server: Callable[..., Any]) -> None:
+    from autotune.schemas import Throughput
+    from autotune_client.cli import EXIT_OK, suggest_command, upload_profile
+    from tests.client._factories import make_profile
+    from tests.client.conftest import IN_PROCESS_URL, WRITE_TOKEN
+
+    def timed(size: int, seconds: float) -> list[Throughput]:
+        return [
+            Throughput(
+                micro_batch=size,
+                samples_per_second=size / seconds,
+                seconds_per_update=seconds,
+                micro_batches=[(size, 1)],
+                micro_batch_seconds=[(size, seconds - 0.1)],
+                step_seconds=0.1,
+            )
+        ]
+
+    plain = make_profile(max_micro_batch=8).model_copy(update={"throughput": timed(8, 1.0)})
+    full = make_profile(max_micro_batch=20).model_copy(
+        update={"activation_checkpointing": "full", "throughput": timed(20, 1.5)}
+    )
+    for profile in (plain, full):
+        upload_profile(profile, server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    out, err = io.StringIO(), io.StringIO()
+    common: dict[str, Any] = {
+        "server": IN_PROCESS_URL, "fingerprint": plain.fingerprint, "target_batch": 40, "world_size": 1,
+        "device_name": plain.device.name, "budget_bytes": None, "headroom": None, "as_json": False,
+    }  # fmt: skip
+    assert suggest_command(**common, objective="throughput", out=out, err=err) == EXIT_OK
+    # full: 2 steps of 20 at 1.4 s + 0.1 = 2.9 s (13.8/s); none: 5 of 8 at 0.9 s + 0.1 = 4.6 s (8.7/s).
+    assert "activation checkpointing full" in out.getvalue() and "13.79 samples/s timed" in out.getvalue()
+    out = io.StringIO()
+    assert suggest_command(**common, activation_checkpointing="none", out=out, err=err) == EXIT_OK
+    assert out.getvalue().startswith("micro_batch=8 accumulation_steps=5") and "checkpointing" not in out.getvalue()
