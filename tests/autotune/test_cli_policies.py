@@ -84,3 +84,29 @@ def test_estimate_takes_ac_and_compares_policies_by_memory(tmp_path: Path) -> No
     assert [p["activation_checkpointing"] for p in profiles] == ["none", "every-2"]
     assert all(p["throughput"] is None for p in profiles)  # fake trials are never timed
     assert any(line.startswith("recommended: every-2") for line in done.stderr.splitlines())
+
+
+def test_fleet_makes_one_pair_per_policy_and_refuses_a_policy_before_any_cluster_time(tmp_path: Path) -> None:
+    from autotune.cli.policies import with_policies
+    from autotune.fleet import make_pairs
+    from autotune.probe import ProbeConfig
+
+    pairs = make_pairs(
+        ["examples/gpt.py:task"],
+        accelerators=None,
+        device="cpu",
+        budgets=[8 << 20, 16 << 20],
+        config_for=lambda device, budget: ProbeConfig(device=device, budget_bytes=budget),
+        working_dir=Path(__file__).resolve().parents[2],
+    )
+    expanded = with_policies(pairs, ["none", "full"])
+    assert [p.index for p in expanded] == [0, 1, 2, 3]
+    assert [p.config.activation_checkpointing for p in expanded] == ["none", "full", "none", "full"]
+    assert expanded[1].label.endswith("budget 8.00 MiB, ac full")
+    assert with_policies(pairs, [None]) == pairs
+    done = autotune(
+        "fleet", "examples/mlp.py:task", "--device", "cpu", "--budget", "2MiB", "--ac", "full",
+        "--output", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 2 and "shard_classes" in done.stderr.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
