@@ -377,7 +377,8 @@ def probe_lengths(
         strategy = make_strategy(config.strategy, config.world_size)
 
         def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
-            at_config = dataclasses.replace(config, target_batch=target)
+            # One length's probe: its target in sequences, and no lengths of its own.
+            at_config = dataclasses.replace(config, target_batch=target, target_tokens=None, seq_lens=())
             return probe_with_meter(task_at, meter, at_config, on_trial=on_trial, presearched=presearched)
 
         return _over_lengths(

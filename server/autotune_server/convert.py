@@ -40,6 +40,7 @@ def to_summary(row: ProfileRow) -> ProfileSummary:
         strategy=row.strategy,
         source=row.source,
         activation_checkpointing=row.activation_checkpointing,
+        seq_len=row.seq_len,
         trial_count=row.trial_count,
         created_at=to_utc(row.created_at),
         uploaded_at=to_utc(row.uploaded_at),

@@ -58,6 +58,8 @@ class ProfileSummary(_Out):
     strategy: str
     source: str
     activation_checkpointing: str = "none"
+    # A sequence-aware setup's length (None for others).
+    seq_len: int | None = None
     trial_count: int
     created_at: datetime
     uploaded_at: datetime

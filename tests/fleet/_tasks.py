@@ -66,3 +66,10 @@ def _slow_batch(micro_batch: int) -> torch.Tensor:
 killed_once = ProbeTask(name="fleet-killed-once", model=Small, batch=_killing_batch)
 broken = ProbeTask(name="fleet-broken", model=Broken, batch=_inputs)
 slow = ProbeTask(name="fleet-slow", model=Small, batch=_slow_batch)
+
+
+def tiny_seq() -> ProbeTask:
+    """A sequence-aware GPT small enough for a fleet test over lengths (``--seq-len``)."""
+    from examples.gpt import GPTConfig, make_seq_task
+
+    return make_seq_task(GPTConfig(seq_len=4096, d_model=32, n_heads=2, n_layers=2), name="tiny-seq")

@@ -194,3 +194,22 @@ def test_an_accelerator_pair_gets_one_gpu_of_its_kind(ray_cluster: RayCluster, f
     assigned = json.loads(assigned_file.read_text())
     assert assigned["resources"]["GPU"] == 1 and f"accelerator_type:{FAKE_ACCELERATOR}" in assigned["resources"]
     assert assigned["cuda_visible_devices"] == "0"
+
+
+def test_a_pair_over_sequence_lengths_stores_a_profile_per_length(
+    ray_cluster: RayCluster, fleet_server: LiveServer
+) -> None:
+    done = run_fleet_cli(
+        [
+            "tests/fleet/_tasks.py:tiny_seq", "--device", "cpu", "--budget", "8MiB", "--seq-len", "64,128",
+            "--target-tokens", "4096", "--server", fleet_server.url,
+            "--ray-address", ray_cluster.address, "--json",
+        ],  # fmt: skip
+        env=fleet_env(ray_cluster, fleet_server),
+    )
+    assert done.returncode == 0, _explain(done)
+    (row,) = _rows(done)
+    assert row["state"] == "done" and "L=64: " in str(row["plan"]) and "L=128: " in str(row["plan"]), _explain(done)
+    stored = [item for item in stored_profiles(fleet_server) if item["task"] == "tiny-seq"]
+    assert sorted(item["seq_len"] for item in stored) == [64, 128], stored
+    assert len({item["fingerprint"] for item in stored}) == 1

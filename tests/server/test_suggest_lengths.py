@@ -116,7 +116,7 @@ def test_token_targets_are_planned_in_sequences(client: TestClient, stored: dict
 def test_profiles_filter_by_length(client: TestClient, stored: dict[int, int]) -> None:
     response = client.get("/api/v1/profiles", params={"seq_len": 256})
     assert response.status_code == 200
-    assert [item["id"] for item in response.json()["items"]] == [stored[256]]
+    assert [(item["id"], item["seq_len"]) for item in response.json()["items"]] == [(stored[256], 256)]
     assert client.get("/api/v1/profiles", params={"seq_len": 0}).status_code == 422
 
 
