@@ -171,7 +171,7 @@ def suggest(
             it on every rank), rank 0 asks the store (or probes) and the others receive the same
             Suggestion: one decision per job. The others wait at most the client's timeout plus
             ``DECISION_SLACK_SECONDS``, or until rank 0's local probe ends. False: each rank
-            decides on its own.
+            decides on its own (and the only way when not every rank calls it).
         objective: "memory" (default: the answer for ``activation_checkpointing``) or "throughput":
             among the policies stored for this setup, the one whose plan was timed fastest; the
             Suggestion's ``activation_checkpointing`` says which (``as_hf_training_args`` turns on
