@@ -213,128 +213,163 @@ def _surface_record(
     )
 
 
+@dataclass
+class _Lengths:
+    """One run over lengths, in named steps: what a probe and an estimate share. ``measure`` runs one
+    length as a single-length run would (from what the surface says there); ``trial_runner`` makes a
+    runner for the trials at m = multiple_of that confirm a no-fit and find the longest length."""
+
+    task: ProbeTask
+    measure: Measure
+    trial_runner: Callable[[], TrialRunner]
+    strategy: Strategy
+    device: torch.device
+    limit_bytes: int
+    fake_limit: int
+    config: Any
+    on_trial: Callable[[Trial], None] | None
+
+    def surface(self, lengths: Sequence[int], device_name: str | None) -> SurfaceSearch:
+        with self.strategy.process_group(self.device), frozen_heap():
+            found = fake_surface(
+                self.task,
+                lengths,
+                limit_bytes=self.fake_limit,
+                device_type=str(self.device),
+                strategy=self.strategy,
+                multiple_of=self.config.multiple_of,
+                device_name=device_name,
+                on_trial=self.on_trial,
+            )
+        if found.refused in lengths:
+            raise TaskError(f"--seq-len {found.refused}: the model cannot take this length ({found.failed})")
+        return found
+
+    def _at_multiple_of(self, seq_len: int) -> Trial:
+        """One trial at (multiple_of, seq_len) with a model of its own."""
+        with self.strategy.process_group(self.device), frozen_heap():
+            runner = self.trial_runner()
+            try:
+                runner.task = self.task.at_length(seq_len)
+                trial = runner(self.config.multiple_of)
+            finally:
+                runner.close()
+        if self.on_trial is not None:
+            self.on_trial(trial)
+        return trial
+
+    def no_fit_confirmed(self, seq_len: int) -> str | None:
+        """Where the surface says not even multiple_of fits: one trial there confirms it (the reason),
+        without the search and the diagnosis a single-length run spends on it; None where it fits."""
+        smallest = self._at_multiple_of(seq_len)
+        if smallest.fits:
+            return None
+        return (
+            f"micro-batch {self.config.multiple_of} peaks at {smallest.peak_bytes} bytes"
+            + (" or more (out of memory)" if smallest.oom else "")
+            + f", over the limit of {self.limit_bytes} bytes"
+        )
+
+    def measure_each(
+        self, lengths: Sequence[int], found: SurfaceSearch | None, target_tokens: int | None, notes: list[str]
+    ) -> LengthsRun:
+        """A profile per length that fits; the others' reasons in ``no_fit``. Raises the shortest
+        length's own no-fit error where none fits."""
+        config = self.config
+        run = LengthsRun(profiles=[])
+        errors: dict[int, BudgetError] = {}
+        for seq_len in lengths:
+            target, token_note = target_at_length(
+                seq_len, target_batch=config.target_batch, target_tokens=target_tokens, world_size=config.world_size
+            )
+            presearched = (
+                _presearched(found, seq_len, self.fake_limit, config.max_micro_batch, config.multiple_of)
+                if found is not None and found.surface is not None
+                else None
+            )
+            if presearched is not None and presearched.fit is None:
+                reason = self.no_fit_confirmed(seq_len)
+                if reason is not None:
+                    run.no_fit[seq_len] = reason
+                    continue
+            try:
+                profile = self.measure(self.task.at_length(seq_len), presearched, target)
+            except BudgetError as exc:
+                run.no_fit[seq_len] = str(exc)
+                errors[seq_len] = exc
+                continue
+            except AutotuneError as exc:  # the model refused this length (or failed at it): say which
+                raise TaskError(f"--seq-len {seq_len}: {exc}") from None
+            if token_note:
+                profile.warnings.append(token_note)
+            profile.warnings.extend(note for note in notes if note not in profile.warnings)
+            run.profiles.append(profile)
+        if not run.profiles:
+            # Nothing fits at any length: the shortest one's own run says what the job needs.
+            shortest = lengths[0]
+            if shortest not in errors:
+                try:
+                    self.measure(self.task.at_length(shortest), None, config.target_batch)
+                except BudgetError as exc:
+                    errors[shortest] = exc
+            first = errors.get(shortest) or BudgetError(run.no_fit[shortest])
+            raise type(first)(f"at seq_len {shortest}: {first}")
+        return run
+
+    def longest(self, surface: PeakSurface, shortest: int, cap: int) -> LongestSeqLen | None:
+        """The longest length at m = multiple_of, on one runner whose model serves every length."""
+        runner = self.trial_runner()
+
+        def trial_at(seq_len: int) -> Trial:
+            runner.task = self.task.at_length(seq_len)
+            trial = runner(self.config.multiple_of)
+            if self.on_trial is not None:
+                self.on_trial(trial)
+            return trial
+
+        with self.strategy.process_group(self.device), frozen_heap():
+            try:
+                return _longest(
+                    surface,
+                    trial_at,
+                    limit_bytes=self.fake_limit,
+                    micro_batch=self.config.multiple_of,
+                    shortest=shortest,
+                    cap=cap,
+                )
+            finally:
+                runner.close()
+
+
 def _over_lengths(
-    task: ProbeTask,
+    steps: _Lengths,
     lengths: Sequence[int],
     *,
-    measure: Measure,
-    trial_runner: Callable[[], TrialRunner],
-    strategy: Strategy,
-    device: torch.device,
-    limit_bytes: int,
-    unseen_bytes: int,
-    config: Any,
     max_seq_len: int | None,
     target_tokens: int | None,
     presearch: bool,
     device_name: str | None,
-    on_trial: Callable[[Trial], None] | None,
 ) -> LengthsRun:
-    """The run, given how one length is measured and how a trial at m = multiple_of is run."""
+    """The run: the surface, each length, the longest length, and what the profiles carry of it."""
     started = time.perf_counter()
-    lengths = check_lengths(task, lengths)
+    lengths = check_lengths(steps.task, lengths)
     cap = max_seq_len or LONGEST_FACTOR * lengths[-1]
     if cap < lengths[-1]:
         raise AutotuneError(f"--max-seq-len {cap} is shorter than the longest --seq-len {lengths[-1]}")
-    fake_limit = max(1, limit_bytes - unseen_bytes)
-    found: SurfaceSearch | None = None
-    if presearch:
-        with strategy.process_group(device), frozen_heap():
-            found = fake_surface(
-                task,
-                lengths,
-                limit_bytes=fake_limit,
-                device_type=str(device),
-                strategy=strategy,
-                multiple_of=config.multiple_of,
-                device_name=device_name,
-                on_trial=on_trial,
-            )
-    if found is not None and found.refused in lengths:
-        raise TaskError(f"--seq-len {found.refused}: the model cannot take this length ({found.failed})")
+    found = steps.surface(lengths, device_name) if presearch else None
     notes: list[str] = []
     if found is None:
         notes.append("no pre-search: each length searched on its own, the longest length not searched")
     elif found.surface is None:
         notes.append(f"no surface over lengths ({found.failed}): each length pre-searched on its own")
-    run = LengthsRun(profiles=[])
-    no_fit_errors: dict[int, BudgetError] = {}
-    for seq_len in lengths:
-        target, token_note = target_at_length(
-            seq_len, target_batch=config.target_batch, target_tokens=target_tokens, world_size=config.world_size
-        )
-        presearched = (
-            _presearched(found, seq_len, fake_limit, config.max_micro_batch, config.multiple_of)
-            if found is not None and found.surface is not None
-            else None
-        )
-        if presearched is not None and presearched.fit is None:
-            # The surface says not even multiple_of fits here: one trial there confirms it, without
-            # the search and the diagnosis a single-length run spends on it.
-            with strategy.process_group(device), frozen_heap():
-                runner = trial_runner()
-                try:
-                    runner.task = task.at_length(seq_len)
-                    smallest = runner(config.multiple_of)
-                finally:
-                    runner.close()
-            if on_trial is not None:
-                on_trial(smallest)
-            if not smallest.fits:
-                run.no_fit[seq_len] = (
-                    f"micro-batch {config.multiple_of} peaks at {smallest.peak_bytes} bytes"
-                    + (" or more (out of memory)" if smallest.oom else "")
-                    + f", over the limit of {limit_bytes} bytes"
-                )
-                continue
-        try:
-            profile = measure(task.at_length(seq_len), presearched, target)
-        except BudgetError as exc:
-            run.no_fit[seq_len] = str(exc)
-            no_fit_errors[seq_len] = exc
-            continue
-        except AutotuneError as exc:  # the model refused this length (or failed at it): say which
-            raise TaskError(f"--seq-len {seq_len}: {exc}") from None
-        if token_note:
-            profile.warnings.append(token_note)
-        profile.warnings.extend(note for note in notes if note not in profile.warnings)
-        run.profiles.append(profile)
-    if not run.profiles:
-        # Nothing fits at any length: the shortest one's own run says what the job needs.
-        shortest = lengths[0]
-        if shortest not in no_fit_errors:
-            try:
-                measure(task.at_length(shortest), None, config.target_batch)
-            except BudgetError as exc:
-                no_fit_errors[shortest] = exc
-        first = no_fit_errors.get(shortest) or BudgetError(run.no_fit[shortest])
-        raise type(first)(f"at seq_len {shortest}: {first}")
+    run = steps.measure_each(lengths, found, target_tokens, notes)
     if found is not None and found.surface is not None:
-        runner = trial_runner()
-
-        def trial_at(seq_len: int) -> Trial:
-            runner.task = task.at_length(seq_len)
-            trial = runner(config.multiple_of)
-            if on_trial is not None:
-                on_trial(trial)
-            return trial
-
-        with strategy.process_group(device), frozen_heap():
-            try:
-                longest = _longest(
-                    found.surface,
-                    trial_at,
-                    limit_bytes=fake_limit,
-                    micro_batch=config.multiple_of,
-                    shortest=lengths[0],
-                    cap=cap,
-                )
-            finally:
-                runner.close()
-        run.surface = _surface_record(found, run.profiles, longest, cap=config.max_micro_batch)
+        longest = steps.longest(found.surface, lengths[0], cap)
+        run.surface = _surface_record(found, run.profiles, longest, cap=steps.config.max_micro_batch)
+    multiple_of = steps.config.multiple_of
     for seq_len, reason in run.no_fit.items():
         for profile in run.profiles:
-            profile.warnings.append(f"at seq_len {seq_len} not even micro-batch {config.multiple_of} fits: {reason}")
+            profile.warnings.append(f"at seq_len {seq_len} not even micro-batch {multiple_of} fits: {reason}")
     seconds = round(time.perf_counter() - started, 3)
     for profile in run.profiles:
         profile.surface = run.surface
@@ -381,21 +416,25 @@ def probe_lengths(
             at_config = dataclasses.replace(config, target_batch=target, target_tokens=None, seq_lens=())
             return probe_with_meter(task_at, meter, at_config, on_trial=on_trial, presearched=presearched)
 
-        return _over_lengths(
-            task,
-            lengths,
+        steps = _Lengths(
+            task=task,
             measure=measure,
             trial_runner=lambda: TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy),
             strategy=strategy,
             device=meter.device,
             limit_bytes=limit_bytes,
-            unseen_bytes=meter.unseen_bytes(),
+            # What the device holds that fake tensors never show (the CUDA context) is not theirs.
+            fake_limit=max(1, limit_bytes - meter.unseen_bytes()),
             config=config,
+            on_trial=on_trial,
+        )
+        return _over_lengths(
+            steps,
+            lengths,
             max_seq_len=max_seq_len,
             target_tokens=target_tokens,
             presearch=config.presearch,
             device_name=None,
-            on_trial=on_trial,
         )
     finally:
         meter.close()
@@ -438,21 +477,19 @@ def estimate_lengths(
         meter: Meter = FakeMeter(config.budget_bytes, device_type, device_name)
         return _FakeRunner(task, meter, limit_bytes=limit_bytes, strategy=fake_strategy)
 
-    return _over_lengths(
-        task,
-        lengths,
+    steps = _Lengths(
+        task=task,
         measure=measure,
         trial_runner=runner,
         strategy=fake_strategy,
         device=torch.device(device_type),
         limit_bytes=limit_bytes,
-        unseen_bytes=0,
+        fake_limit=limit_bytes,
         config=config,
-        max_seq_len=max_seq_len,
-        target_tokens=target_tokens,
-        presearch=True,
-        device_name=device_name,
         on_trial=on_trial,
+    )
+    return _over_lengths(
+        steps, lengths, max_seq_len=max_seq_len, target_tokens=target_tokens, presearch=True, device_name=device_name
     )
 
 
