@@ -202,7 +202,9 @@ def task_fingerprint(task: ProbeTask, *, strategy: str = "ddp", world_size: int 
     """The fingerprint of a ProbeTask: its model, batch(1), optimizer, precision and tags; under
     ``fsdp`` the strategy and the world size too, since each rank's memory depends on them (a ddp
     fingerprint stays what it was, so that profiles stored before strategies still match). A
-    sequence-aware task's leaves the length out (:func:`sequence_signature`), bound to one or not."""
+    sequence-aware task's leaves the length out (:func:`sequence_signature`), bound to one or not.
+    The memory policy (``activation_checkpointing``) is left out too: a setup's policies share one
+    fingerprint, each profile says its policy, and ``/suggest`` finds them side by side."""
     model = _build_for_fingerprint(task)
     tags: dict[str, Any] = dict(task.tags)
     if strategy != "ddp":
