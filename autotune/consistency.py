@@ -292,6 +292,31 @@ def _surface_problems(profile: Profile) -> list[Problem]:
     return problems
 
 
+def _throughput_problems(profile: Profile) -> list[Problem]:
+    """Timed runs are of sizes that fit, on the device (an estimate's fake trials have no time), and
+    their samples per second is the update's samples over its seconds."""
+    problems = []
+    for index, timing in enumerate(profile.throughput or []):
+        where = f"throughput.{index}"
+        if profile.source == "estimate":
+            problems.append(Problem(where, "an estimate (fake-tensor trials only) cannot have been timed"))
+        sizes = [size for size, _ in timing.micro_batches]
+        if max(sizes) > profile.max_micro_batch:
+            above = f"size {max(sizes)} is above max_micro_batch {profile.max_micro_batch}"
+            problems.append(Problem(f"{where}.micro_batches", above))
+        samples = timing.world_size * sum(size * count for size, count in timing.micro_batches)
+        expected = samples / timing.seconds_per_update
+        if not math.isclose(timing.samples_per_second, expected, rel_tol=0.01):
+            problems.append(
+                Problem(
+                    f"{where}.samples_per_second",
+                    f"{timing.samples_per_second} is not the update's {samples} samples over its "
+                    f"{timing.seconds_per_update} s ({expected:.4g})",
+                )
+            )
+    return problems
+
+
 def profile_problems(profile: Profile) -> list[Problem]:
     """Every contradiction in a profile, the most telling first (an empty list: consistent).
 
@@ -314,6 +339,7 @@ def profile_problems(profile: Profile) -> list[Problem]:
         *_plan_problems(profile),
         *_fit_problems(profile),
         *_surface_problems(profile),
+        *_throughput_problems(profile),
     ]
 
 

@@ -86,3 +86,18 @@ def test_a_timed_run_times_each_size_after_a_warm_up_and_the_profile_records_it(
     if list(profile.plan.micro_batches) != [(profile.max_micro_batch, 1)]:
         assert profile.throughput[1].micro_batches == profile.plan.micro_batches
     assert not ProbeConfig().throughput  # the library's probe times only when asked (the CLI asks)
+
+
+def test_a_profile_whose_timings_contradict_it_is_refused() -> None:
+    from autotune.consistency import profile_problems
+
+    good = make_profile(max_micro_batch=10).model_copy(update={"throughput": [timed({10: 0.5}, 0.2)]})
+    assert profile_problems(good) == []
+    too_large = good.model_copy(update={"throughput": [timed({12: 0.5}, 0.2)]})
+    assert [p.field for p in profile_problems(too_large)] == ["throughput.0.micro_batches"]
+    wrong_rate = good.model_copy(
+        update={"throughput": [timed({10: 0.5}, 0.2).model_copy(update={"samples_per_second": 99.0})]}
+    )
+    assert [p.field for p in profile_problems(wrong_rate)] == ["throughput.0.samples_per_second"]
+    estimate = make_profile(max_micro_batch=10, source="estimate").model_copy(update={"throughput": good.throughput})
+    assert [p.field for p in profile_problems(estimate)] == ["throughput.0"]
