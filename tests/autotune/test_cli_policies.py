@@ -4,9 +4,21 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.autotune.test_cli import autotune
+from tests.autotune.test_cli import REPO
+
+
+def autotune(*args: str) -> subprocess.CompletedProcess[str]:
+    # One intra-op thread: two spin against each other on a shared 2-core machine (20x slower trials).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "autotune.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env
+    )
+
 
 TINY_GPT = """
 from examples.gpt import GPTConfig, make_task
