@@ -21,6 +21,21 @@ import pytest
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BACKENDS = ("sqlite", "postgresql")
 
+# One intra-op thread in the suite and in every process it starts (servers, gloo and Lightning
+# workers, Ray, the CLI): on a 2-core machine those run side by side, and two OpenMP threads per
+# process spin against each other (a tiny GPT trial took 4.7 s with two threads under load, 0.22 s
+# with one). Set before torch is imported; no memory figure depends on it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import torch
+    except ImportError:  # the server's own environment: no torch to tune
+        return
+    torch.set_num_threads(1)
+
 
 def postgres_base_url() -> str:
     """The PostgreSQL URL the tests use (without a schema)."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autotune.errors import TaskError
-from autotune.lengths import check_lengths, estimate_lengths, probe_lengths, target_at_length
+from autotune.lengths import LengthsRun, check_lengths, estimate_lengths, probe_lengths, target_at_length
 from autotune.meters import CpuMeter
 from autotune.presearch import fake_surface, surface_points
 from autotune.probe import ProbeConfig, probe
@@ -108,10 +108,16 @@ def test_the_surface_predicts_the_real_cpu_peak_at_held_out_points_byte_for_byte
         assert _real_peak(task.at_length(length), m, strategy, world) == found.surface.peak_bytes(m, length)
 
 
-def test_a_probe_over_lengths_is_exact_at_every_length_and_finds_the_longest() -> None:
-    task = make_seq_task(SMALL)
+@pytest.fixture(scope="module")
+def over_lengths() -> LengthsRun:
+    """One real probe of the small sequence-aware GPT over three lengths at 8 MiB."""
     config = ProbeConfig(device="cpu", budget_bytes=8 * MiB, target_batch=64, throughput=False)
-    run = probe_lengths(task, config, [64, 128, 256])
+    return probe_lengths(make_seq_task(SMALL), config, [64, 128, 256])
+
+
+def test_a_probe_over_lengths_is_exact_at_every_length_and_finds_the_longest(over_lengths: LengthsRun) -> None:
+    task = make_seq_task(SMALL)
+    run = over_lengths
     assert [p.seq_len for p in run.profiles] == [64, 128, 256]
     fingerprints = {p.fingerprint for p in run.profiles}
     assert len(fingerprints) == 1  # one setup, every length
@@ -122,6 +128,7 @@ def test_a_probe_over_lengths_is_exact_at_every_length_and_finds_the_longest() -
         real = [t for t in profile.trials if not t.fake]
         m_max = profile.max_micro_batch
         assert [(t.micro_batch, t.fits) for t in real] == [(m_max, True), (m_max + 1, False)]
+    config = ProbeConfig(device="cpu", budget_bytes=8 * MiB, target_batch=64, throughput=False)
     alone = probe(task.at_length(128), config)
     assert alone.max_micro_batch == run.profiles[1].max_micro_batch and alone.fingerprint in fingerprints
     surface = run.surface
@@ -132,12 +139,12 @@ def test_a_probe_over_lengths_is_exact_at_every_length_and_finds_the_longest() -
     assert _real_peak(task.at_length(longest), 1) <= limit < _real_peak(task.at_length(longest + 1), 1)
 
 
-def test_an_estimate_over_lengths_equals_the_probe_on_the_cpu() -> None:
+def test_an_estimate_over_lengths_equals_the_probe_on_the_cpu(over_lengths: LengthsRun) -> None:
     from autotune.estimate import EstimateConfig
 
     task = make_seq_task(SMALL)
-    measured = probe_lengths(task, ProbeConfig(device="cpu", budget_bytes=8 * MiB, throughput=False), [64, 256])
-    estimated = estimate_lengths(task, EstimateConfig(budget_bytes=8 * MiB, device_kind="cpu"), [64, 256])
+    estimated = estimate_lengths(task, EstimateConfig(budget_bytes=8 * MiB, device_kind="cpu"), [64, 128, 256])
+    measured = over_lengths
     assert [p.max_micro_batch for p in estimated.profiles] == [p.max_micro_batch for p in measured.profiles]
     assert all(p.source == "estimate" and all(t.fake for t in p.trials) for p in estimated.profiles)
     assert estimated.surface is not None and measured.surface is not None
@@ -192,7 +199,9 @@ def test_where_the_surface_cannot_be_had_each_length_falls_back_to_its_own_pre_s
     assert run.surface is None
     for profile in run.profiles:
         assert any("no surface over lengths" in w and why in w for w in profile.warnings), profile.warnings
-        assert profile.max_micro_batch == probe(task.at_length(profile.seq_len or 0), config).max_micro_batch
+    # Each length pre-searched on its own is what a single-length probe finds.
+    longest = run.profiles[-1]
+    assert longest.max_micro_batch == probe(task.at_length(200), config).max_micro_batch
 
 
 def test_lengths_are_checked_in_one_line() -> None:
