@@ -76,6 +76,14 @@ def test_probe_plan_balanced_by_default_and_divisor_on_request() -> None:
     assert (plan["micro_batch"], plan["accumulation_steps"], plan["micro_batches"]) == (16, 16, [[16, 16]])
 
 
+def test_a_budget_too_small_for_one_sample_is_one_line_and_its_own_exit_status() -> None:
+    done = autotune("probe", "examples/gpt.py:task", "--device", "cpu", "--budget", "1MiB")
+    assert done.returncode == 4  # EXIT_NO_FIT: not a usage error
+    error_lines = [line for line in done.stderr.splitlines() if line.startswith("autotune: error:")]
+    assert len(error_lines) == 1 and "alone take" in error_lines[0], done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -105,14 +113,6 @@ def test_probe_plan_balanced_by_default_and_divisor_on_request() -> None:
         (["probe", "examples/mlp.py:task", "--device", "cpu", "--budget", "8MiB", "--headroom", "2"], "headroom"),
     ],
 )
-def test_a_budget_too_small_for_one_sample_is_one_line_and_its_own_exit_status() -> None:
-    done = autotune("probe", "examples/gpt.py:task", "--device", "cpu", "--budget", "1MiB")
-    assert done.returncode == 4  # EXIT_NO_FIT: not a usage error
-    error_lines = [line for line in done.stderr.splitlines() if line.startswith("autotune: error:")]
-    assert len(error_lines) == 1 and "alone take" in error_lines[0], done.stderr
-    assert "Traceback" not in done.stderr and done.stdout == ""
-
-
 def test_bad_input_gives_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(BAD_TASKS)
