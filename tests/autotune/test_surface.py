@@ -201,7 +201,8 @@ def test_where_the_surface_cannot_be_had_each_length_falls_back_to_its_own_pre_s
         assert any("no surface over lengths" in w and why in w for w in profile.warnings), profile.warnings
     # Each length pre-searched on its own is what a single-length probe finds.
     longest = run.profiles[-1]
-    assert longest.max_micro_batch == probe(task.at_length(200), config).max_micro_batch
+    assert longest.seq_len is not None
+    assert longest.max_micro_batch == probe(task.at_length(longest.seq_len), config).max_micro_batch
 
 
 def test_lengths_are_checked_in_one_line() -> None:
