@@ -71,7 +71,7 @@ def _over_lengths_trials(stderr: str) -> tuple[int, int]:
     return len(lines) - fake, fake
 
 
-def part_probe(repeats: int) -> None:
+def part_probe(repeats: int, max_seq_len: int | None) -> None:
     spec = str(REPO / "examples" / "gpt.py") + ":task_seq"
     common = ["--device", "cpu", "--budget", BUDGET, "--no-throughput"]
     with tempfile.TemporaryDirectory() as folder:
@@ -85,8 +85,9 @@ def part_probe(repeats: int) -> None:
             order = ("over", "single") if run % 2 == 0 else ("single", "over")
             for which in order:
                 if which == "over":
+                    cap = ["--max-seq-len", str(max_seq_len)] if max_seq_len else []
                     seconds, profiles, stderr = _cli(
-                        "probe", spec, "--seq-len", ",".join(map(str, LENGTHS)), *common
+                        "probe", spec, "--seq-len", ",".join(map(str, LENGTHS)), *cap, *common
                     )
                     over.append(seconds)
                     over_profiles, over_stderr = profiles, stderr
@@ -105,7 +106,10 @@ def part_probe(repeats: int) -> None:
     real, fake = _over_lengths_trials(over_stderr)
     single_real, single_fake = _trials(single_profiles)
     longest = over_profiles[0]["surface"]["longest"]
-    print(f"part 1: examples/gpt.py:task_seq on the CPU meter, budget {BUDGET}, lengths {', '.join(map(str, LENGTHS))}")
+    print(
+        f"part 1: examples/gpt.py:task_seq on the CPU meter, budget {BUDGET}, lengths {', '.join(map(str, LENGTHS))}, "
+        f"--max-seq-len {max_seq_len or 'default (4x the longest)'}"
+    )
     print(f"  {'':<28} {'median wall s':>13} {'runs':>5} {'real':>5} {'fake':>5}")
     print(f"  {'one probe over 4 lengths':<28} {statistics.median(over):>13.2f} {len(over):>5} {real:>5} {fake:>5}")
     print(
@@ -155,9 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["probe", "7b", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=2048,
+        help="the one run's cap on the longest length (default 2048: the model's position table, as a user "
+        "who knows the context window passes it; 0: the default cap, 4x the longest length, where the search "
+        "finds the model's limit by bisection)",
+    )
     args = parser.parse_args(argv)
     if args.part in ("probe", "all"):
-        part_probe(args.repeats)
+        part_probe(args.repeats, args.max_seq_len or None)
     if args.part in ("7b", "all"):
         part_7b()
     return 0
