@@ -4,7 +4,6 @@ and each policy's exact m_max against real trials."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,17 +24,6 @@ from tests.autotune._tasks import linear_task
 UNBOUNDED = 1 << 40
 # Four small layers, short sequences: a policy's saving shows and a trial is cheap.
 TINY = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=4)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Two intra-op threads on a shared 2-core machine spin against each other: 20x slower trials.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def tiny(policy: str = "none") -> ProbeTask:

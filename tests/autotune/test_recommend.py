@@ -3,10 +3,7 @@ runs, and the timed run itself (never the search's trials)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 from autotune.meters import CpuMeter
 from autotune.plan import plan
@@ -19,17 +16,6 @@ from examples.gpt import GPTConfig, make_task
 from tests.factories import make_profile
 
 TINY = make_task(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2), name="gpt-tiny")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Two intra-op threads on a shared 2-core machine spin against each other: 20x slower trials.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def timed(sizes: dict[int, float], step_seconds: float) -> Throughput:

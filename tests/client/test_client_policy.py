@@ -4,28 +4,16 @@ in the Suggestion; a local probe runs under the job's policy and times its plan.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from autotune_client import AutotuneClientError, TunerUnavailableWarning, suggest
 from examples.gpt import GPT, GPTConfig, make_batch
 from tests.client._factories import json_response, make_suggestion, mock_client, sequence
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Two intra-op threads on a shared 2-core machine spin against each other: 20x slower trials.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def tiny_batch(m: int) -> dict:
