@@ -27,6 +27,14 @@ for name in mlp gpt cnn; do
     --output "$RUN_DIR/$name.json"
 done
 
+# A sequence-aware task at three lengths in one run: one profile per length, the memory surface over
+# (m, L) and the longest length that fits at m = 1 (its datasheet page charts them).
+seq_args=("${device_args[@]}")
+[[ ${device_args[1]} == cpu ]] && seq_args+=(--budget 64MiB)
+echo
+"$AUTOTUNE" probe examples/gpt.py:task_seq "${seq_args[@]}" --seq-len 128,256,512 --max-seq-len 2048 \
+  --target-tokens 65536 --output "$RUN_DIR/gpt_seq.json"
+
 # var/run is this script's own scratch store: each run serves what it has just measured.
 rm -f "$RUN_DIR"/autotune.db "$RUN_DIR"/autotune.db-wal "$RUN_DIR"/autotune.db-shm
 export AUTOTUNE_DATABASE_URL="sqlite:///$PWD/$RUN_DIR/autotune.db"
@@ -42,6 +50,7 @@ for _ in $(seq 1 60); do
   sleep 0.5
 done
 .venv/bin/python - "$URL" "$RUN_DIR" <<'PY'
+import json
 import sys
 from pathlib import Path
 
@@ -50,9 +59,12 @@ from autotune_client import TunerClient
 
 url, run_dir = sys.argv[1], Path(sys.argv[2])
 with TunerClient(base_url=url) as client:
-    for name in ("mlp", "gpt", "cnn"):
-        profile = Profile.model_validate_json((run_dir / f"{name}.json").read_text())
-        print(f"uploaded {profile.task} as profile {client.upload(profile)}")
+    for name in ("mlp", "gpt", "cnn", "gpt_seq"):
+        parsed = json.loads((run_dir / f"{name}.json").read_text())
+        for item in parsed if isinstance(parsed, list) else [parsed]:  # a run over lengths: an array
+            profile = Profile.model_validate(item)
+            where = f" at L={profile.seq_len}" if profile.seq_len else ""
+            print(f"uploaded {profile.task}{where} as profile {client.upload(profile)}")
 PY
 echo
 echo "autotune is serving the examples' profiles at $URL (dashboard); the API schema is $URL/openapi.json."
