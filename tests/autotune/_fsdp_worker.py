@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -26,6 +27,16 @@ UNBOUNDED_BYTES = 1 << 40
 
 
 def run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: int, limit_bytes: int) -> None:
+    # mp.spawn reports the first rank it sees exit; the others' errors would be lost with their
+    # processes, so each rank leaves its own traceback for the test to show.
+    try:
+        _run(rank, world_size, rendezvous, out_dir, micro_batch, limit_bytes)
+    except BaseException:
+        Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: int, limit_bytes: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
@@ -39,15 +50,35 @@ def run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: 
             peak_at = runner(micro_batch).peak_bytes
 
             def agreed(m: int) -> Trial:
+                # Every rank hands the search the same trial: the worst figures over the ranks.
+                # The search predicts its next size from the figures, so a rank that saw its own
+                # (an uneven shard holds a few bytes more) could choose another m, run out of trials
+                # first and leave the others waiting in a collective on a closed connection.
                 trial = runner(m)
-                worst = torch.tensor([trial.peak_bytes], dtype=torch.int64)
+                figures = [trial.peak_bytes, trial.allocated_bytes, trial.forward_backward_bytes, trial.step_bytes]
+                worst = torch.tensor([-1 if f is None else f for f in figures], dtype=torch.int64)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                return trial.model_copy(update={"fits": int(worst.item()) <= limit_bytes})
+                peak, allocated, forward_backward, step = (None if v < 0 else v for v in worst.tolist())
+                return trial.model_copy(
+                    update={
+                        "peak_bytes": peak,
+                        "allocated_bytes": allocated,
+                        "forward_backward_bytes": forward_backward,
+                        "step_bytes": step,
+                        "fits": peak <= limit_bytes,
+                    }
+                )
 
             result = find_max_micro_batch(agreed, limit_bytes=limit_bytes)
             runner.close()
         Path(out_dir, f"rank{rank}.json").write_text(
-            json.dumps({"peak_bytes": peak_at, "max_micro_batch": result.max_micro_batch})
+            json.dumps(
+                {
+                    "peak_bytes": peak_at,
+                    "max_micro_batch": result.max_micro_batch,
+                    "tried": [t.micro_batch for t in result.trials],
+                }
+            )
         )
     finally:
         dist.destroy_process_group()

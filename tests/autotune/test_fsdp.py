@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.multiprocessing.spawn import ProcessException
 
 from autotune.errors import AutotuneError, TaskError
 from autotune.fingerprint import task_fingerprint
@@ -47,15 +48,40 @@ def fake_group_peak(world_size: int, micro_batch: int = MICRO_BATCH, task=gpt.ta
             runner.close()
 
 
+# What gloo's TCP transport says when a peer's socket went away. Seen once in CI on a loaded
+# machine with every rank's own figures equal: the job is run again once when that is all any
+# rank reports, and fails with every rank's traceback when any rank reports anything else.
+TRANSPORT_ERRORS = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _spawn_job(world_size: int, tmp_path: Path, attempts: int = 2) -> Path:
+    for attempt in range(1, attempts + 1):
+        out = tmp_path / f"attempt{attempt}"
+        out.mkdir()
+        try:
+            mp.spawn(
+                worker.run,
+                args=(world_size, str(out / "rendezvous"), str(out), MICRO_BATCH, LIMIT_BYTES),
+                nprocs=world_size,
+                join=True,
+            )
+            return out
+        except ProcessException as exc:
+            errors = {path.name: path.read_text() for path in sorted(out.glob("rank*.error"))}
+            report = f"{exc}\n" + "\n".join(f"--- {name}\n{text}" for name, text in errors.items())
+            transport_only = bool(errors) and all(
+                any(marker in text for marker in TRANSPORT_ERRORS) for text in errors.values()
+            )
+            if not transport_only or attempt == attempts:
+                pytest.fail(f"the {world_size}-process job failed (attempt {attempt}):\n{report}")
+            print(f"attempt {attempt}: gloo transport error on every failed rank, running again:\n{report}")
+    raise AssertionError("unreachable")
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rank0_of_real_processes_equals_the_fake_group(world_size: int, tmp_path: Path) -> None:
-    mp.spawn(
-        worker.run,
-        args=(world_size, str(tmp_path / "rendezvous"), str(tmp_path), MICRO_BATCH, LIMIT_BYTES),
-        nprocs=world_size,
-        join=True,
-    )
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    out = _spawn_job(world_size, tmp_path)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     fake_peak = fake_group_peak(world_size)
     print(f"N={world_size}: real rank 0 {ranks[0]['peak_bytes']} bytes, fake group {fake_peak} bytes")
     assert ranks[0]["peak_bytes"] == fake_peak  # byte for byte
@@ -65,6 +91,7 @@ def test_rank0_of_real_processes_equals_the_fake_group(world_size: int, tmp_path
     profile = probe(gpt.task, config)
     assert profile.limit_bytes == LIMIT_BYTES
     assert all(rank["max_micro_batch"] == profile.max_micro_batch for rank in ranks)
+    assert all(rank["tried"] == ranks[0]["tried"] for rank in ranks)  # one search, run in step
     assert profile.strategy == "fsdp" and profile.world_size == world_size
 
 
