@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from autotune.diagnose import cannot_fit, diagnose_no_fit
 from autotune.errors import AutotuneError, BudgetError
 from autotune.fingerprint import task_fingerprint
 from autotune.plan import nonnegative_fit
-from autotune.presearch import fake_search
+from autotune.presearch import FakeTrials, fake_search
 from autotune.probe import ProbeConfig, plan_for
 from autotune.schemas import Device, Profile, Trial
 from autotune.search import NoFitError
@@ -104,12 +105,14 @@ def estimate(
     on_trial: Callable[[Trial], None] | None = None,
     hint: int | None = None,
     known: Sequence[Trial] = (),
+    fakes: FakeTrials | None = None,
 ) -> Profile:
     """The largest micro-batch that fits the budget by fake trials, and the plan for the target.
 
     ``hint``: m_max predicted already (a surface over lengths): the fake trials confirm it (at it and
     one step past it) instead of tracing a curve first; ``known``: fake trials of this setup already
-    run (the surface's at this length), not run again.
+    run (the surface's at this length), not run again; ``fakes``: the fake model and meter of a run
+    over lengths, whose process group the caller holds (None: this estimate builds its own).
 
     Raises:
         BudgetError: no budget. CannotFitError (a BudgetError): micro-batch multiple_of does not fit
@@ -129,7 +132,9 @@ def estimate(
     strategy = make_strategy(config.strategy, config.world_size)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
     no_fit: NoFitError | None = None
-    with strategy.process_group(torch.device(device_type)), frozen_heap():
+    # A shared fake model lives in its caller's process group; a model of its own needs one.
+    group = nullcontext() if fakes is not None else strategy.process_group(torch.device(device_type))
+    with group, frozen_heap():
         try:
             found = fake_search(
                 task,
@@ -144,8 +149,11 @@ def estimate(
                 confirm=True,
                 hint=hint,
                 known=known,
+                fakes=fakes,
             )
         except NoFitError as exc:  # diagnosed by fake trials, outside this process group
+            if fakes is not None:  # the caller holds the group: it diagnoses after the run
+                raise
             no_fit = exc
     if no_fit is not None:
         raise cannot_fit(

@@ -23,17 +23,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from autotune.errors import AutotuneError, BudgetError, TaskError, TrialError
-from autotune.meters import Meter, make_meter, resolve_device
-from autotune.meters.fake import FakeMeter
+from autotune.meters import make_meter, resolve_device
 from autotune.plan import sequences_for_tokens
-from autotune.presearch import FakeSearch, SurfaceSearch, fake_surface
+from autotune.presearch import FakeSearch, FakeTrials, SurfaceSearch, fake_surface
 from autotune.schemas import MAX_SEQ_LEN, Fit, LongestSeqLen, Profile, Surface, Trial
+from autotune.search import NoFitError
 from autotune.strategies import Replicated, Strategy, make_strategy
 from autotune.surface import PeakSurface
 from autotune.task import ProbeTask
@@ -221,16 +222,23 @@ class _Lengths:
 
     task: ProbeTask
     measure: Measure
-    trial_runner: Callable[[], TrialRunner]
+    # One trial of the task at a length at m = multiple_of (the no-fit confirmations, the longest
+    # length's search), and what drops its model after a batch of them (a real probe's model dies
+    # between steps; an estimate's fake model serves the whole run).
+    trial_at: Callable[[ProbeTask], Trial]
+    release: Callable[[], None]
+    # The process group the trials run in: entered per step by a probe, held by an estimate's caller.
+    group: Callable[[], AbstractContextManager[Any]]
     strategy: Strategy
     device: torch.device
     limit_bytes: int
     fake_limit: int
     config: Any
     on_trial: Callable[[Trial], None] | None
+    fakes: FakeTrials | None = None
 
     def surface(self, lengths: Sequence[int], device_name: str | None) -> SurfaceSearch:
-        with self.strategy.process_group(self.device), frozen_heap():
+        with self.group(), frozen_heap():
             found = fake_surface(
                 self.task,
                 lengths,
@@ -240,20 +248,19 @@ class _Lengths:
                 multiple_of=self.config.multiple_of,
                 device_name=device_name,
                 on_trial=self.on_trial,
+                fakes=self.fakes,
             )
         if found.refused in lengths:
             raise TaskError(f"--seq-len {found.refused}: the model cannot take this length ({found.failed})")
         return found
 
     def _at_multiple_of(self, seq_len: int) -> Trial:
-        """One trial at (multiple_of, seq_len) with a model of its own."""
-        with self.strategy.process_group(self.device), frozen_heap():
-            runner = self.trial_runner()
+        """One trial at (multiple_of, seq_len)."""
+        with self.group(), frozen_heap():
             try:
-                runner.task = self.task.at_length(seq_len)
-                trial = runner(self.config.multiple_of)
+                trial = self.trial_at(self.task.at_length(seq_len))
             finally:
-                runner.close()
+                self.release()
         if self.on_trial is not None:
             self.on_trial(trial)
         return trial
@@ -298,6 +305,9 @@ class _Lengths:
                 run.no_fit[seq_len] = str(exc)
                 errors[seq_len] = exc
                 continue
+            except NoFitError as exc:  # on the shared fake model: the diagnosis comes after the run
+                run.no_fit[seq_len] = str(exc)
+                continue
             except AutotuneError as exc:  # the model refused this length (or failed at it): say which
                 raise TaskError(f"--seq-len {seq_len}: {exc}") from None
             if token_note:
@@ -305,29 +315,22 @@ class _Lengths:
             profile.warnings.extend(note for note in notes if note not in profile.warnings)
             run.profiles.append(profile)
         if not run.profiles:
-            # Nothing fits at any length: the shortest one's own run says what the job needs.
+            # Nothing fits at any length: the shortest one's own run says what the job needs, where
+            # its error does not already (the caller runs it outside any process group held here).
             shortest = lengths[0]
-            if shortest not in errors:
-                try:
-                    self.measure(self.task.at_length(shortest), None, config.target_batch)
-                except BudgetError as exc:
-                    errors[shortest] = exc
-            first = errors.get(shortest) or BudgetError(run.no_fit[shortest])
-            raise type(first)(f"at seq_len {shortest}: {first}")
+            raise _NothingFits(shortest, errors.get(shortest))
         return run
 
     def longest(self, surface: PeakSurface, shortest: int, cap: int) -> LongestSeqLen | None:
-        """The longest length at m = multiple_of, on one runner whose model serves every length."""
-        runner = self.trial_runner()
+        """The longest length at m = multiple_of, on one model that serves every length."""
 
         def trial_at(seq_len: int) -> Trial:
-            runner.task = self.task.at_length(seq_len)
-            trial = runner(self.config.multiple_of)
+            trial = self.trial_at(self.task.at_length(seq_len))
             if self.on_trial is not None:
                 self.on_trial(trial)
             return trial
 
-        with self.strategy.process_group(self.device), frozen_heap():
+        with self.group(), frozen_heap():
             try:
                 return _longest(
                     surface,
@@ -338,7 +341,31 @@ class _Lengths:
                     cap=cap,
                 )
             finally:
-                runner.close()
+                self.release()
+
+
+class _NothingFits(Exception):
+    """Not even multiple_of fits at any length: the shortest length and its error, where its run
+    gave one that says what the job needs (a run on a shared fake model leaves it undiagnosed)."""
+
+    def __init__(self, seq_len: int, error: BudgetError | None) -> None:
+        super().__init__(seq_len)
+        self.seq_len = seq_len
+        self.error = error
+
+
+def _nothing_fits(nothing: _NothingFits, measure_alone: Callable[[int], object]) -> BudgetError:
+    """The error of a run where nothing fits: the shortest length's diagnosis, run on its own where
+    the run did not diagnose it."""
+    error: BudgetError | None = nothing.error
+    if error is None:
+        try:
+            measure_alone(nothing.seq_len)
+        except BudgetError as exc:
+            error = exc
+    if error is None:  # fits when run on its own: the run over lengths said otherwise
+        error = BudgetError(f"micro-batch does not fit at seq_len {nothing.seq_len} in the run over lengths")
+    return type(error)(f"at seq_len {nothing.seq_len}: {error}")
 
 
 def _over_lengths(
@@ -416,10 +443,18 @@ def probe_lengths(
             at_config = dataclasses.replace(config, target_batch=target, target_tokens=None, seq_lens=())
             return probe_with_meter(task_at, meter, at_config, on_trial=on_trial, presearched=presearched)
 
+        runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy)
+
+        def trial_at(task_at: ProbeTask) -> Trial:
+            runner.task = task_at  # the model is the same at every length
+            return runner(config.multiple_of)
+
         steps = _Lengths(
             task=task,
             measure=measure,
-            trial_runner=lambda: TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy),
+            trial_at=trial_at,
+            release=runner.close,
+            group=lambda: strategy.process_group(meter.device),
             strategy=strategy,
             device=meter.device,
             limit_bytes=limit_bytes,
@@ -428,14 +463,19 @@ def probe_lengths(
             config=config,
             on_trial=on_trial,
         )
-        return _over_lengths(
-            steps,
-            lengths,
-            max_seq_len=max_seq_len,
-            target_tokens=target_tokens,
-            presearch=config.presearch,
-            device_name=None,
-        )
+        try:
+            return _over_lengths(
+                steps,
+                lengths,
+                max_seq_len=max_seq_len,
+                target_tokens=target_tokens,
+                presearch=config.presearch,
+                device_name=None,
+            )
+        except _NothingFits as nothing:
+            raise _nothing_fits(
+                nothing, lambda seq_len: measure(task.at_length(seq_len), None, config.target_batch)
+            ) from None
     finally:
         meter.close()
 
@@ -467,34 +507,56 @@ def estimate_lengths(
     def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
         at_config = dataclasses.replace(config, target_batch=target)
         if presearched is None:
-            return estimate(task_at, at_config, on_trial=on_trial)
+            return estimate(task_at, at_config, on_trial=on_trial, fakes=fakes)
         # The surface's trials at this length are this estimate's own fake trials: not run twice.
         return estimate(
-            task_at, at_config, on_trial=on_trial, hint=presearched.max_micro_batch, known=presearched.trials
+            task_at,
+            at_config,
+            on_trial=on_trial,
+            hint=presearched.max_micro_batch,
+            known=presearched.trials,
+            fakes=fakes,
         )
 
-    def runner() -> TrialRunner:
-        meter: Meter = FakeMeter(config.budget_bytes, device_type, device_name)
-        return _FakeRunner(task, meter, limit_bytes=limit_bytes, strategy=fake_strategy)
+    def trial_at(task_at: ProbeTask) -> Trial:
+        trial, _ = fakes.run(task_at, config.multiple_of, budget_bytes=budget_bytes, limit_bytes=limit_bytes)
+        return trial
 
-    steps = _Lengths(
-        task=task,
-        measure=measure,
-        trial_runner=runner,
-        strategy=fake_strategy,
-        device=torch.device(device_type),
-        limit_bytes=limit_bytes,
-        fake_limit=limit_bytes,
-        config=config,
-        on_trial=on_trial,
-    )
-    return _over_lengths(
-        steps, lengths, max_seq_len=max_seq_len, target_tokens=target_tokens, presearch=True, device_name=device_name
-    )
-
-
-class _FakeRunner(TrialRunner):
-    """Trials on a fake meter, marked fake (an estimate's longest-length confirmations)."""
-
-    def __call__(self, micro_batch: int) -> Trial:
-        return super().__call__(micro_batch).model_copy(update={"fake": True})
+    budget_bytes = config.budget_bytes
+    # One fake model and meter for the whole run, in one process group held around it: the surface,
+    # every length's confirmations and the longest length's search run on it (a 7B model takes
+    # seconds to build and its dispatch cache a trial to warm).
+    try:
+        with fake_strategy.process_group(torch.device(device_type)), frozen_heap():
+            fakes = FakeTrials(task, device_type=device_type, strategy=fake_strategy, device_name=device_name)
+            steps = _Lengths(
+                task=task,
+                measure=measure,
+                trial_at=trial_at,
+                release=lambda: None,
+                group=nullcontext,
+                strategy=fake_strategy,
+                device=torch.device(device_type),
+                limit_bytes=limit_bytes,
+                fake_limit=limit_bytes,
+                config=config,
+                on_trial=on_trial,
+                fakes=fakes,
+            )
+            try:
+                return _over_lengths(
+                    steps,
+                    lengths,
+                    max_seq_len=max_seq_len,
+                    target_tokens=target_tokens,
+                    presearch=True,
+                    device_name=device_name,
+                )
+            finally:
+                fakes.close()
+    except _NothingFits as nothing:
+        # Outside the held group: the shortest length's own estimate diagnoses what the job needs.
+        raise _nothing_fits(
+            nothing,
+            lambda seq_len: estimate(task.at_length(seq_len), dataclasses.replace(config, target_batch=None)),
+        ) from None

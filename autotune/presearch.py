@@ -31,6 +31,7 @@ from autotune.trial import TrialRunner
 __all__ = [
     "TRACED_SIZES",
     "FakeSearch",
+    "FakeTrials",
     "SurfaceSearch",
     "fake_search",
     "fake_surface",
@@ -56,6 +57,45 @@ class FakeSearch:
     curve: PeakCurve | None = None
 
 
+class FakeTrials:
+    """One fake meter and one fake model for every fake trial of a run: the trials of a surface over
+    lengths, each length's confirmations, the longest length's search. A fake model of a 7B
+    configuration takes seconds to build and its FakeTensorMode's dispatch cache a trial to warm;
+    built once, every later trial costs its ops alone. The model is the same at every length and
+    the budget is the meter's: both are set per trial. Use inside the strategy's process group,
+    which must outlive it (the model holds the group); ``close()`` drops the model.
+    """
+
+    def __init__(
+        self, task: ProbeTask, *, device_type: str, strategy: Strategy, device_name: str | None = None
+    ) -> None:
+        self.meter = FakeMeter(MAX_BYTES, device_type, device_name)
+        self.meter.keep_trace = True
+        if isinstance(strategy, Replicated) and strategy.world_size > 1:
+            # DDP's constructor broadcasts the weights over gloo/nccl, which cannot carry fake
+            # tensors: the fake trials leave the gradient buckets out and the real trials put them back.
+            strategy = Replicated(1)
+        self.runner = TrialRunner(task, self.meter, limit_bytes=MAX_BYTES, strategy=strategy)
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.runner.warnings
+
+    def run(
+        self, task: ProbeTask, micro_batch: int, *, budget_bytes: int, limit_bytes: int
+    ) -> tuple[Trial, list[int] | None]:
+        """One fake trial of task (this run's task, at a length) at micro_batch under budget_bytes:
+        the trial, marked fake, and its trace (None after an OOM, whose trace stops short)."""
+        self.runner.task = task
+        self.runner.limit_bytes = limit_bytes
+        self.meter.budget_bytes = budget_bytes
+        trial = self.runner(micro_batch).model_copy(update={"fake": True})
+        return trial, (None if trial.oom else self.meter.last_trace)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
 def fake_search(
     task: ProbeTask,
     *,
@@ -70,6 +110,7 @@ def fake_search(
     confirm: bool = False,
     hint: int | None = None,
     known: Sequence[Trial] = (),
+    fakes: FakeTrials | None = None,
 ) -> FakeSearch:
     """m_max by fake trials (inside strategy's process group when it has one): read off the curve of
     two traced trials, or found by the exact search where the curve cannot be had.
@@ -82,35 +123,29 @@ def fake_search(
             starts there (with confirm: fake trials at it and one step past it).
         known: fake trials of this very setup already run (the surface's traced trials at this
             length): a size among them is not run again.
+        fakes: the run's shared fake model and meter (a run over lengths); None makes its own.
 
     Raises:
         NoFitError: even multiple_of does not fit (the fake trial's verdict).
         TrialError / TaskError: an op cannot run fake (the message names it), or the task misbehaves.
     """
-    meter = FakeMeter(budget_bytes, device_type, device_name)
-    meter.keep_trace = True
-    if isinstance(strategy, Replicated) and strategy.world_size > 1:
-        # DDP's constructor broadcasts the weights over gloo/nccl, which cannot carry fake tensors:
-        # the fake trials leave the gradient buckets out and the real trials put them back.
-        strategy = Replicated(1)
-    runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy)
+    own = fakes is None
+    shared = fakes or FakeTrials(task, device_type=device_type, strategy=strategy, device_name=device_name)
     done: dict[int, Trial] = {trial.micro_batch: trial for trial in known if trial.fake and not trial.oom}
     traces: dict[int, list[int]] = {}
 
     def trial(micro_batch: int) -> Trial:
         if micro_batch not in done:  # the exact search may ask again for a traced size
-            result = runner(micro_batch).model_copy(update={"fake": True})
+            result, trace = shared.run(task, micro_batch, budget_bytes=budget_bytes, limit_bytes=limit_bytes)
             done[micro_batch] = result
-            if meter.last_trace is not None and not result.oom:
-                traces[micro_batch] = meter.last_trace
+            if trace is not None:
+                traces[micro_batch] = trace
             if on_trial is not None:
                 on_trial(result)
         return done[micro_batch]
 
     try:
-        curve = (
-            None if hint else _traced_curve(trial, traces, max_micro_batch=max_micro_batch, multiple_of=multiple_of)
-        )
+        curve = None if hint else _traced_curve(trial, traces, max_micro_batch=max_micro_batch, multiple_of=multiple_of)
         predicted = curve.max_fitting(limit_bytes, cap=max_micro_batch, multiple_of=multiple_of) if curve else hint
         if predicted and not confirm:
             m_max = predicted
@@ -124,10 +159,11 @@ def fake_search(
                 far_extrapolation=FAKE_FAR_EXTRAPOLATION,
             ).max_micro_batch
     finally:
-        runner.close()
+        if own:
+            shared.close()
     trials = list(done.values())
     return FakeSearch(
-        max_micro_batch=m_max, trials=trials, fit=measured_fit(trials), warnings=runner.warnings, curve=curve
+        max_micro_batch=m_max, trials=trials, fit=measured_fit(trials), warnings=list(shared.warnings), curve=curve
     )
 
 
@@ -191,6 +227,7 @@ def fake_surface(
     multiple_of: int,
     device_name: str | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    fakes: FakeTrials | None = None,
 ) -> SurfaceSearch:
     """The peak surface over (m, L) of a sequence-aware task from seven traced fake trials: two
     sizes at three lengths give it (autotune/surface.py), a seventh held out checks it trace for
@@ -200,35 +237,36 @@ def fake_surface(
     A failed trial (an op that cannot run fake, a length the model refuses) or traces that do not
     line up give ``surface=None`` and the reason, and the probe falls back length by length.
     """
-    # No budget worth the name: the largest the wire contract allows (fake tensors take nothing).
-    meter = FakeMeter(MAX_BYTES, device_type, device_name)
-    meter.keep_trace = True
-    if isinstance(strategy, Replicated) and strategy.world_size > 1:
-        strategy = Replicated(1)  # as in fake_search: DDP cannot broadcast fake tensors
     sizes, traced, held_out = surface_points(lengths, multiple_of)
-    runner = TrialRunner(task.at_length(traced[0]), meter, limit_bytes=limit_bytes, strategy=strategy)
+    own = fakes is None
+    shared = fakes or FakeTrials(task, device_type=device_type, strategy=strategy, device_name=device_name)
     trials: dict[int, list[Trial]] = {}
     traces: dict[tuple[int, int], list[int]] = {}
     try:
         for micro_batch, seq_len in [*((m, length) for length in traced for m in sizes), held_out]:
-            runner.task = task.at_length(seq_len)  # the model is the same at every length
-            result = runner(micro_batch).model_copy(update={"fake": True})
+            # No budget worth the name: the largest the wire contract allows (fake tensors take nothing).
+            result, trace = shared.run(
+                task.at_length(seq_len), micro_batch, budget_bytes=MAX_BYTES, limit_bytes=limit_bytes
+            )
             trials.setdefault(seq_len, []).append(result)
             if on_trial is not None:
                 on_trial(result)
-            if result.oom or meter.last_trace is None:
+            if trace is None:
                 failed = f"the fake trial at m={micro_batch}, L={seq_len} did not finish"
                 return SurfaceSearch(None, trials, failed=failed)
-            traces[(micro_batch, seq_len)] = meter.last_trace
+            traces[(micro_batch, seq_len)] = trace
     except Exception as exc:  # an op that cannot run fake, a length the model refuses: per length
-        reason = presearch_failed(exc).removeprefix("fake pre-search skipped (").removesuffix(
-            "); the search used real trials only"
+        reason = (
+            presearch_failed(exc)
+            .removeprefix("fake pre-search skipped (")
+            .removesuffix("); the search used real trials only")
         )
         # Where a shorter length ran and this one did not, the model refuses the length itself.
         refused = seq_len if any(length < seq_len for length in trials) else None
         return SurfaceSearch(None, trials, failed=f"at L={seq_len}: {reason}", refused=refused)
     finally:
-        runner.close()
+        if own:
+            shared.close()
     held_trace = traces.pop(held_out)
     surface = PeakSurface.from_traces(traces)
     if surface is None:
@@ -241,7 +279,7 @@ def fake_surface(
             failed=f"the surface does not predict the held-out trace at m={m}, L={length} "
             f"(peak {surface.peak_bytes(m, length)} predicted, {max(held_trace)} traced)",
         )
-    return SurfaceSearch(surface, trials, held_out=held_out, warnings=runner.warnings)
+    return SurfaceSearch(surface, trials, held_out=held_out, warnings=list(shared.warnings))
 
 
 def presearch_failed(exc: BaseException) -> str:

@@ -3,6 +3,7 @@ over lengths built on it, and the fall-back paths where it cannot be had."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -238,3 +239,30 @@ def test_a_sequence_aware_fingerprint_leaves_the_length_out_and_the_client_agree
         example = task.batch(1, seq_len=length)
         job = fingerprint_model(task.model(), example, tags=task.tags, seq_len=length)
         assert job == task_fingerprint(task)
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("ddp", 1), ("fsdp", 2)])
+def test_an_estimate_says_which_length_does_not_fit_and_diagnoses_a_run_where_none_does(
+    strategy: str, world: int
+) -> None:
+    """The estimate runs on one fake model inside one held process group: a length where not even
+    m = 1 fits is said in the others' profiles, and where no length fits the shortest one's
+    diagnosis (fake trials of other setups, in groups of their own) still comes out."""
+    from autotune.errors import CannotFitError
+    from autotune.estimate import EstimateConfig
+
+    task = make_seq_task(SMALL)
+    config = EstimateConfig(budget_bytes=8 * MiB, device_kind="cpu", strategy=strategy, world_size=world)
+    run = estimate_lengths(task, config, [64, 4096])
+    assert [p.seq_len for p in run.profiles] == [64] and list(run.no_fit) == [4096]
+    assert any("at seq_len 4096 not even micro-batch 1 fits" in w for w in run.profiles[0].warnings)
+    with pytest.raises(CannotFitError, match=r"^at seq_len 64: "):
+        estimate_lengths(task, dataclasses.replace(config, budget_bytes=MiB // 8), [64, 128])
+
+
+def test_a_probe_where_no_length_fits_gives_the_shortest_lengths_diagnosis() -> None:
+    from autotune.errors import CannotFitError
+
+    config = ProbeConfig(device="cpu", budget_bytes=MiB // 8, throughput=False)
+    with pytest.raises(CannotFitError, match=r"^at seq_len 64: "):
+        probe_lengths(make_seq_task(SMALL), config, [64, 128])
