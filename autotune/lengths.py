@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from autotune.errors import AutotuneError, BudgetError, TaskError, TrialError
+from autotune.fake_lanes import FakeLanes, Point, spare_cores
 from autotune.meters import make_meter, resolve_device
 from autotune.plan import sequences_for_tokens
 from autotune.presearch import FakeSearch, FakeTrials, SurfaceSearch, fake_surface
@@ -109,6 +110,29 @@ def _presearched(found: SurfaceSearch, seq_len: int, limit_bytes: int, cap: int,
     slope = max(0.0, (surface.peak_bytes(high, seq_len) - surface.peak_bytes(low, seq_len)) / (high - low))
     fit = Fit(fixed_bytes=surface.peak_bytes(low, seq_len) - slope * low, bytes_per_sample=slope)
     return FakeSearch(max_micro_batch=predicted, trials=trials, fit=fit)
+
+
+def _confirmations(
+    found: SurfaceSearch, lengths: Sequence[int], *, config: Any, limit_bytes: int, cap: int
+) -> list[Point]:
+    """The fake trials an estimate will ask for once the surface has spoken, where every one of them
+    agrees with it: each length's m_max and one step past it (or multiple_of where nothing fits),
+    less those the surface traced, and the longest length's guess and one past it."""
+    assert found.surface is not None
+    step, budget = config.multiple_of, config.budget_bytes
+    points: list[Point] = []
+    for seq_len in lengths:
+        known = {t.micro_batch for t in found.trials.get(seq_len, []) if t.fake and not t.oom}
+        said = _presearched(found, seq_len, limit_bytes, config.max_micro_batch, step)
+        sizes = [said.max_micro_batch, said.max_micro_batch + step] if said.fit is not None else [step]
+        points += [
+            Point(seq_len, m, budget, limit_bytes) for m in sizes if m not in known and m <= config.max_micro_batch
+        ]
+    guess = found.surface.longest_fitting(limit_bytes, step, cap=cap, shortest=lengths[0])
+    if guess:
+        guess = max(guess, lengths[0])
+        points += [Point(length, step, budget, limit_bytes) for length in (guess, guess + 1) if length <= cap]
+    return points
 
 
 def _longest(
@@ -389,6 +413,11 @@ def _over_lengths(
         notes.append("no pre-search: each length searched on its own, the longest length not searched")
     elif found.surface is None:
         notes.append(f"no surface over lengths ({found.failed}): each length pre-searched on its own")
+    if steps.fakes is not None and found is not None and found.surface is not None:
+        # Independent trials, all known now: run side by side where there are lanes.
+        steps.fakes.prefetch(
+            steps.task, _confirmations(found, lengths, config=steps.config, limit_bytes=steps.fake_limit, cap=cap)
+        )
     run = steps.measure_each(lengths, found, target_tokens, notes)
     if found is not None and found.surface is not None:
         longest = steps.longest(found.surface, lengths[0], cap)
@@ -433,6 +462,8 @@ def probe_lengths(
     check_lengths(task, lengths)
     if config.precision is not None and config.precision != task.precision:
         task = dataclasses.replace(task, precision=config.precision)
+    if config.activation_checkpointing is not None:  # the surface's trials too, not only each length's
+        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
     meter = make_meter(resolve_device(config.device), config.budget_bytes)
     try:
         limit_bytes = int(meter.budget_bytes * (1.0 - config.headroom))
@@ -488,15 +519,23 @@ def estimate_lengths(
     max_seq_len: int | None = None,
     target_tokens: int | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    workers: int | None = 0,
 ) -> LengthsRun:
     """``probe_lengths`` with fake trials only (``autotune estimate --seq-len``): each length's m_max
-    and the longest length are confirmed by fake trials at them and one step past them."""
+    and the longest length are confirmed by fake trials at them and one step past them.
+
+    ``workers``: processes that run independent fake trials beside this one (autotune/fake_lanes.py),
+    for a task loaded from a spec whose fake trials are slow; None: one per spare core (at most 3).
+    They are spawned: a script that asks for them needs an ``if __name__ == "__main__":`` guard.
+    """
     from autotune.estimate import estimate, estimate_device_type
 
     config.validate()
     check_lengths(task, lengths)
     if config.precision is not None and config.precision != task.precision:
         task = dataclasses.replace(task, precision=config.precision)
+    if config.activation_checkpointing is not None:  # the surface's trials too, not only each length's
+        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
     assert config.budget_bytes is not None  # validate() refused None
     limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
     device_type, _ = estimate_device_type(config.device_kind)
@@ -528,7 +567,17 @@ def estimate_lengths(
     # seconds to build and its dispatch cache a trial to warm).
     try:
         with fake_strategy.process_group(torch.device(device_type)), frozen_heap():
-            fakes = FakeTrials(task, device_type=device_type, strategy=fake_strategy, device_name=device_name)
+            lanes = FakeLanes.for_task(
+                task,
+                spare_cores() if workers is None else workers,
+                device_type=device_type,
+                strategy=config.strategy,
+                world_size=config.world_size,
+                device_name=device_name,
+            )
+            fakes = FakeTrials(
+                task, device_type=device_type, strategy=fake_strategy, device_name=device_name, lanes=lanes
+            )
             steps = _Lengths(
                 task=task,
                 measure=measure,

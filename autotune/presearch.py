@@ -16,10 +16,13 @@ the small sizes do not fit, it runs the exact search on fake trials instead, reu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from autotune.curve import PeakCurve
 from autotune.errors import AutotuneError
+from autotune.fake_lanes import SLOW_BUILD_SECONDS, SLOW_TRIAL_SECONDS, FakeLanes, Point
 from autotune.meters.fake import FakeMeter
 from autotune.schemas import MAX_BYTES, Fit, Trial
 from autotune.search import FAKE_FAR_EXTRAPOLATION, find_max_micro_batch, measured_fit
@@ -64,10 +67,19 @@ class FakeTrials:
     built once, every later trial costs its ops alone. The model is the same at every length and
     the budget is the meter's: both are set per trial. Use inside the strategy's process group,
     which must outlive it (the model holds the group); ``close()`` drops the model.
+
+    With ``lanes`` (autotune/fake_lanes.py), ``prefetch`` runs trials that will be asked for on
+    worker processes beside this one; ``run`` then hands out what they found.
     """
 
     def __init__(
-        self, task: ProbeTask, *, device_type: str, strategy: Strategy, device_name: str | None = None
+        self,
+        task: ProbeTask,
+        *,
+        device_type: str,
+        strategy: Strategy,
+        device_name: str | None = None,
+        lanes: FakeLanes | None = None,
     ) -> None:
         self.meter = FakeMeter(MAX_BYTES, device_type, device_name)
         self.meter.keep_trace = True
@@ -76,6 +88,10 @@ class FakeTrials:
             # tensors: the fake trials leave the gradient buckets out and the real trials put them back.
             strategy = Replicated(1)
         self.runner = TrialRunner(task, self.meter, limit_bytes=MAX_BYTES, strategy=strategy)
+        self.lanes = lanes
+        self.last_seconds = 0.0  # the last trial run here: whether lanes would pay
+        self.ran_elsewhere = 0  # trials the lanes ran (that this process did not)
+        self._ready: dict[Point, tuple[Trial, list[int] | None]] = {}
 
     @property
     def warnings(self) -> list[str]:
@@ -86,14 +102,68 @@ class FakeTrials:
     ) -> tuple[Trial, list[int] | None]:
         """One fake trial of task (this run's task, at a length) at micro_batch under budget_bytes:
         the trial, marked fake, and its trace (None after an OOM, whose trace stops short)."""
+        point = Point(task.seq_len or 0, micro_batch, budget_bytes, limit_bytes)
+        ready = self._ready.pop(point, None)
+        if ready is not None:
+            return ready
+        return self._run_here(task, point)
+
+    def _run_here(self, task: ProbeTask, point: Point) -> tuple[Trial, list[int] | None]:
         self.runner.task = task
-        self.runner.limit_bytes = limit_bytes
-        self.meter.budget_bytes = budget_bytes
-        trial = self.runner(micro_batch).model_copy(update={"fake": True})
+        self.runner.limit_bytes = point.limit_bytes
+        self.meter.budget_bytes = point.budget_bytes
+        trial = self.runner(point.micro_batch).model_copy(update={"fake": True})
+        self.last_seconds = trial.seconds
         return trial, (None if trial.oom else self.meter.last_trace)
+
+    def prefetch(self, task: ProbeTask, points: Sequence[Point]) -> None:
+        """Run the trials at points (of task, sequence-aware, at each point's length) ahead of being
+        asked for them, shared between this process and the lanes' workers. Nothing happens without
+        lanes, or where a fake trial is too quick to pay for a worker (the first point runs here
+        to find out). A trial that fails here or on a worker is left to run again where it is
+        asked for, and to fail there in its place."""
+        todo = [point for point in dict.fromkeys(points) if point not in self._ready]
+        if self.lanes is None or len(todo) < 2:
+            return
+        if self.last_seconds == 0.0:
+            # A model that is slow to build makes slow trials (both are its ops' dispatch): the
+            # workers start now, their imports and builds beside this process's first trial.
+            # Otherwise the first trial, run here, says whether they would pay.
+            self.runner.task = task.at_length(todo[0].seq_len)
+            try:
+                slow_build = self.runner.build() >= SLOW_BUILD_SECONDS
+            except Exception:  # the first trial will meet it again, where it is asked for
+                return
+            if not slow_build:
+                self._prefetch_here(task, todo.pop(0))
+                if self.last_seconds < SLOW_TRIAL_SECONDS:
+                    return
+        running: dict[Future[Any], Point] = {}
+        while todo or running:
+            while todo and len(running) < self.lanes.workers and not self.lanes.broken:
+                point = todo.pop()  # the workers from the end, this process from the front
+                future = self.lanes.submit(point)
+                if future is None:  # the pool could not start or broke: this process runs the rest
+                    todo.append(point)
+                    break
+                running[future] = point
+            if todo:
+                self._prefetch_here(task, todo.pop(0))
+            for point, result in self.lanes.finished(running, block=not todo):
+                if result is not None:
+                    self._ready[point] = (Trial.model_validate(result[0]), result[1])
+                    self.ran_elsewhere += 1
+
+    def _prefetch_here(self, task: ProbeTask, point: Point) -> None:
+        try:
+            self._ready[point] = self._run_here(task.at_length(point.seq_len), point)
+        except Exception:  # asked for again, it fails where it is asked for
+            return
 
     def close(self) -> None:
         self.runner.close()
+        if self.lanes is not None:
+            self.lanes.close()
 
 
 def fake_search(
@@ -242,8 +312,10 @@ def fake_surface(
     shared = fakes or FakeTrials(task, device_type=device_type, strategy=strategy, device_name=device_name)
     trials: dict[int, list[Trial]] = {}
     traces: dict[tuple[int, int], list[int]] = {}
+    points = [*((m, length) for length in traced for m in sizes), held_out]
+    shared.prefetch(task, [Point(length, m, MAX_BYTES, limit_bytes) for m, length in points])
     try:
-        for micro_batch, seq_len in [*((m, length) for length in traced for m in sizes), held_out]:
+        for micro_batch, seq_len in points:
             # No budget worth the name: the largest the wire contract allows (fake tensors take nothing).
             result, trace = shared.run(
                 task.at_length(seq_len), micro_batch, budget_bytes=MAX_BYTES, limit_bytes=limit_bytes

@@ -71,6 +71,8 @@ class ProbeTask:
         seq_len: the sequence length this task's batches are made at, for a sequence-aware task
             (one whose ``batch`` takes a ``seq_len`` keyword: ``batch(m, seq_len=L)``) bound to one
             length by :meth:`at_length`; None otherwise.
+        source: the spec :func:`load_task` loaded it from (another process can load it again:
+            autotune/fake_lanes.py); None for a task built in Python.
 
     A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
     the length out, and each profile records it.
@@ -87,6 +89,7 @@ class ProbeTask:
     shard_classes: tuple[type[nn.Module], ...] | None = None
     activation_checkpointing: str = "none"
     seq_len: int | None = None
+    source: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -197,7 +200,7 @@ def load_task(spec: str) -> ProbeTask:
     from autotune.hf_task import is_hf_spec, load_hf_spec
 
     if is_hf_spec(spec):
-        return load_hf_spec(spec)
+        return dataclasses.replace(load_hf_spec(spec), source=spec)
     module_part, _, attr = spec.rpartition(":") if ":" in spec else (spec, "", "task")
     attr = attr or "task"
     if not module_part:
@@ -235,4 +238,4 @@ def load_task(spec: str) -> ProbeTask:
             raise TaskError(f"{spec!r}() failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, ProbeTask):
         raise TaskError(f"{spec!r} is a {type(obj).__name__}, not a ProbeTask or a callable returning one")
-    return obj
+    return dataclasses.replace(obj, source=spec)

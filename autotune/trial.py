@@ -357,6 +357,12 @@ class TrialRunner:
                 self._model = self.strategy.wrap(model, self.task, self.meter.device)
         return self._model
 
+    def build(self) -> float:
+        """Build the reused model now (the first trial would); the seconds it took."""
+        started = time.perf_counter()
+        self._ensure_model()
+        return time.perf_counter() - started
+
     def __call__(self, micro_batch: int) -> Trial:
         try:
             model = self._ensure_model()

@@ -3,7 +3,7 @@ four lengths. Figures only (these machines are noisy: ratios are of runs made he
 
     .venv/bin/python bench/surface.py               # both parts
     .venv/bin/python bench/surface.py --part probe  # the probe comparison (a few minutes)
-    .venv/bin/python bench/surface.py --part 7b     # the 7B estimate (about two minutes)
+    .venv/bin/python bench/surface.py --part 7b     # the 7B estimate (under two minutes)
 
 Part 1, as a user runs them, each in a process of its own (the CLI, ``--no-throughput``: the timed
 runs after the search are the same either way): ``autotune probe examples/gpt.py:task_seq --seq-len

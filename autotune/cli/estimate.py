@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import check_seq_len_options, task_spec
+from autotune.cli.common import check_seq_len_options, non_negative_int, task_spec
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
 from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of
 
@@ -28,6 +28,13 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--output", type=Path, help="also write the profile JSON to this file")
     e.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     e.add_argument("--server", help="upload the estimate to this autotune server (token: AUTOTUNE_TOKEN)")
+    e.add_argument(
+        "--workers",
+        type=non_negative_int,
+        metavar="N",
+        help="with --seq-len: processes that run independent fake trials beside this one when they are slow "
+        "(default: one per spare core, at most 3; 0 runs them all here)",
+    )
     e.set_defaults(run=run_estimate)
 
 
@@ -64,7 +71,13 @@ def run_estimate(args: argparse.Namespace) -> int:
             from autotune.lengths import estimate_lengths
 
             found = estimate_lengths(
-                t, c, lengths, max_seq_len=args.max_seq_len, target_tokens=args.target_tokens, on_trial=progress
+                t,
+                c,
+                lengths,
+                max_seq_len=args.max_seq_len,
+                target_tokens=args.target_tokens,
+                on_trial=progress,
+                workers=args.workers,
             )
             return found.profiles
         return [estimate(t, c, on_trial=progress)]

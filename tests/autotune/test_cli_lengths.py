@@ -65,3 +65,9 @@ def test_bad_lengths_give_one_line_and_nothing_else(seq_task: str, args: list[st
     assert "Traceback" not in done.stderr and done.stdout == ""
     error_lines = [line for line in done.stderr.splitlines() if line.startswith("autotune: error:")]
     assert len(error_lines) == 1 and message in error_lines[0], done.stderr
+
+
+def test_estimate_workers_must_be_a_count() -> None:
+    done = autotune("estimate", "examples/gpt.py:task_seq", "--seq-len", "64", "--budget", "8MiB", "--workers", "-1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr and done.stdout == ""
+    assert "--workers" in done.stderr.strip().splitlines()[-1], done.stderr
