@@ -15,7 +15,6 @@ import shutil
 import sqlite3
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -363,9 +362,9 @@ def test_a_database_that_never_answers_is_a_503_after_the_connect_timeout(
         proxy.silent = True
         url = pg.url.replace(f":{pg.port}/", f":{proxy.port}/") + "?connect_timeout=2"
         with _app(url) as client:
-            started = time.monotonic()
+            # The kind "timeout" (and the log's ConnectionTimeout below) says the connect timeout
+            # ended the wait; a request that hung instead would never come back to be asserted on.
             _assert_unavailable(client.get(PROFILES), "timeout")
-            assert 1.5 < time.monotonic() - started < 10
             proxy.silent = False
             assert client.get(PROFILES).status_code == 200
     lines = _outage_lines(caplog)
