@@ -32,7 +32,7 @@ import torch
 from autotune.errors import AutotuneError, BudgetError, TaskError, TrialError
 from autotune.fake_lanes import FakeLanes, Point, spare_cores
 from autotune.meters import make_meter, resolve_device
-from autotune.plan import sequences_for_tokens
+from autotune.plan import TargetError, target_in_sequences
 from autotune.presearch import FakeSearch, FakeTrials, SurfaceSearch, fake_surface
 from autotune.schemas import MAX_SEQ_LEN, Fit, LongestSeqLen, Profile, Surface, Trial
 from autotune.search import NoFitError
@@ -88,11 +88,12 @@ def check_lengths(task: ProbeTask, lengths: Sequence[int]) -> list[int]:
 def target_at_length(
     seq_len: int, *, target_batch: int | None, target_tokens: int | None, world_size: int
 ) -> tuple[int | None, str | None]:
-    """The target batch in sequences at seq_len (``autotune.plan.sequences_for_tokens`` where the
-    target is in tokens), and what to say when the tokens do not divide evenly."""
-    if target_tokens is None:
-        return target_batch, None
-    return sequences_for_tokens(target_tokens, seq_len, world_size)
+    """The target batch in sequences at seq_len (``autotune.plan.target_in_sequences``; no target is
+    none), and what to say when the tokens do not divide evenly."""
+    try:
+        return target_in_sequences(target_batch, target_tokens, seq_len, world_size, required=False)
+    except TargetError as exc:
+        raise AutotuneError(str(exc)) from None
 
 
 def _presearched(found: SurfaceSearch, seq_len: int, limit_bytes: int, cap: int, multiple_of: int) -> FakeSearch:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autotune.schemas import Fit, Plan
+from autotune.schemas import Fit, Plan, Suggestion
 from autotune.split import (
     DEFAULT_PLAN_POLICY,
     EXACT_SEARCH_FACTOR,
@@ -38,7 +38,10 @@ from autotune.split import (
 )
 
 __all__ = [
+    "TargetError",
+    "in_tokens",
     "sequences_for_tokens",
+    "target_in_sequences",
     "DEFAULT_PLAN_POLICY",
     "EXACT_SEARCH_FACTOR",
     "LINEAR_SCAN",
@@ -159,6 +162,65 @@ def micro_batch_for_limit(fit: Fit, limit_bytes: float, cap: int | None = None) 
     if cap is not None:
         micro = min(micro, cap)
     return micro
+
+
+class TargetError(ValueError):
+    """A target that cannot be planned; ``field`` names the parameter at fault (the API's 422 says it)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def target_in_sequences(
+    target_batch: int | None,
+    target_tokens: int | None,
+    seq_len: int | None,
+    world_size: int,
+    *,
+    required: bool = True,
+) -> tuple[int | None, str | None]:
+    """The target of an update in sequences: target_batch, or target_tokens over seq_len (see
+    :func:`sequences_for_tokens`), and what to say where the tokens are not a whole number of
+    sequences. The one decision the CLI, the client and the server make alike.
+
+    Raises:
+        TargetError: a value that is not a positive integer, both targets, neither where one is
+            required, or tokens without a length.
+
+    >>> target_in_sequences(None, 65536, 512, 4)
+    (128, None)
+    >>> target_in_sequences(None, None, None, 1, required=False)
+    (None, None)
+    """
+    for name, value in (("target_batch", target_batch), ("target_tokens", target_tokens), ("seq_len", seq_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TargetError(f"{name} must be a positive integer, got {value!r}", name)
+    if target_tokens is None:
+        if target_batch is None and required:
+            raise TargetError(
+                "give target_batch (sequences per update) or target_tokens (tokens per update)", "target_batch"
+            )
+        return target_batch, None
+    if target_batch is not None:
+        raise TargetError(
+            "give target_batch (sequences per update) or target_tokens (tokens per update), not both", "target_tokens"
+        )
+    if seq_len is None:
+        raise TargetError("target_tokens needs seq_len: tokens are planned in sequences of a length", "seq_len")
+    return sequences_for_tokens(target_tokens, seq_len, world_size)
+
+
+def in_tokens(answer: Suggestion, seq_len: int | None, target_tokens: int | None, note: str | None) -> Suggestion:
+    """A suggestion in tokens too, for a job with a length, with the note of an uneven token target."""
+    if seq_len is not None:
+        answer.seq_len = seq_len
+        answer.tokens_per_micro_batch = answer.micro_batch * seq_len
+        answer.tokens_per_update = answer.effective_batch * seq_len
+    answer.target_tokens = target_tokens  # None where the job asked in sequences, whatever came before
+    if note and note not in answer.warnings:
+        answer.warnings.append(note)
+    return answer
 
 
 def sequences_for_tokens(target_tokens: int, seq_len: int, world_size: int = 1) -> tuple[int, str | None]:

@@ -321,34 +321,23 @@ def suggest(
 def _target_in_sequences(
     target_batch: int | None, target_tokens: int | None, seq_len: int | None, world_size: int | None
 ) -> tuple[int, str | None]:
-    """The target in sequences per update: target_batch, or target_tokens over seq_len."""
-    from autotune.plan import sequences_for_tokens
+    """The target in sequences per update (``autotune.plan.target_in_sequences``)."""
+    from autotune.plan import TargetError, target_in_sequences
 
-    for name, value in (("target_tokens", target_tokens), ("seq_len", seq_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise AutotuneClientError(f"{name} must be a positive integer, got {value!r}")
-    if target_tokens is not None:
-        if target_batch is not None:
-            raise AutotuneClientError("give target_batch (sequences) or target_tokens (tokens), not both")
-        if seq_len is None:
-            raise AutotuneClientError("target_tokens needs seq_len: tokens are planned in sequences of a length")
-        return sequences_for_tokens(target_tokens, seq_len, _resolve_world_size(world_size))
-    if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
-        raise AutotuneClientError(f"target_batch must be a positive integer, got {target_batch!r}")
-    return target_batch, None
+    replicas = _resolve_world_size(world_size) if target_tokens is not None else 1
+    try:
+        batch, note = target_in_sequences(target_batch, target_tokens, seq_len, replicas)
+    except TargetError as exc:
+        raise AutotuneClientError(str(exc)) from None
+    assert batch is not None  # required
+    return batch, note
 
 
 def _in_tokens(answer: Suggestion, seq_len: int | None, target_tokens: int | None, note: str | None) -> Suggestion:
     """The answer in tokens too, for a job with a length (as the server says it)."""
-    if seq_len is not None:
-        answer.seq_len = seq_len
-        answer.tokens_per_micro_batch = answer.micro_batch * seq_len
-        answer.tokens_per_update = answer.effective_batch * seq_len
-    if target_tokens is not None:
-        answer.target_tokens = target_tokens
-        if note and note not in answer.warnings:
-            answer.warnings.append(note)
-    return answer
+    from autotune.plan import in_tokens
+
+    return in_tokens(answer, seq_len, target_tokens, note)
 
 
 def _warn(message: str) -> str:

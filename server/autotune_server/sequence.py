@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autotune.plan import sequences_for_tokens
+from autotune.plan import TargetError, in_tokens, target_in_sequences
 from autotune.schemas import Suggestion
 from autotune.surface import PeakSurface
 from autotune_server.errors import InvalidPlanRequest, NoProfileForSuggestion
@@ -120,31 +120,19 @@ def target_batch_for(
     target_batch: int | None, target_tokens: int | None, seq_len: int | None, world_size: int
 ) -> tuple[int, str | None]:
     """The target in sequences: target_batch, or target_tokens over seq_len (with what to say where
-    they do not divide evenly).
+    they do not divide evenly), as ``autotune.plan.target_in_sequences`` decides it.
 
     Raises:
         InvalidPlanRequest: neither or both given, or tokens without a length (422 naming the field).
     """
-    if (target_batch is None) == (target_tokens is None):
-        raise InvalidPlanRequest(
-            "give target_batch (sequences per update) or target_tokens (tokens per update), exactly one",
-            field="target_batch" if target_batch is None else "target_tokens",
-        )
-    if target_tokens is None:
-        assert target_batch is not None
-        return target_batch, None
-    if seq_len is None:
-        raise InvalidPlanRequest("target_tokens needs seq_len: tokens are planned in sequences", field="seq_len")
-    return sequences_for_tokens(target_tokens, seq_len, world_size)
+    try:
+        batch, note = target_in_sequences(target_batch, target_tokens, seq_len, world_size)
+    except TargetError as exc:
+        raise InvalidPlanRequest(str(exc), field=exc.field) from None
+    assert batch is not None  # required
+    return batch, note
 
 
 def with_tokens(answer: Suggestion, seq_len: int | None, target_tokens: int | None, note: str | None) -> Suggestion:
-    """The answer in tokens too, where the job has a length."""
-    if seq_len is not None:
-        answer.seq_len = seq_len
-        answer.tokens_per_micro_batch = answer.micro_batch * seq_len
-        answer.tokens_per_update = answer.effective_batch * seq_len
-    answer.target_tokens = target_tokens
-    if note:
-        answer.warnings.append(note)
-    return answer
+    """The answer in tokens too, where the job has a length (``autotune.plan.in_tokens``)."""
+    return in_tokens(answer, seq_len, target_tokens, note)
