@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ from autotune.task import ProbeTask
 from autotune.trial import run_trial
 from autotune.units import format_bytes
 
-__all__ = ["MAX_FSDP_TRIALS", "MAX_FSDP_WORLD_SIZE", "NoFit", "cannot_fit", "diagnose_no_fit"]
+__all__ = ["MAX_FSDP_TRIALS", "MAX_FSDP_WORLD_SIZE", "NoFit", "cannot_fit", "diagnose_no_fit", "no_fit_error"]
 
 MAX_FSDP_WORLD_SIZE = 1024
 MAX_FSDP_TRIALS = 3
@@ -236,3 +237,22 @@ def _ac_full_peak(
 def cannot_fit(no_fit: NoFit) -> CannotFitError:
     """The error the probe, estimate and the client's local probe raise (its text is ``no_fit.line()``)."""
     return CannotFitError(no_fit.line(), no_fit)
+
+
+def no_fit_error(
+    task: ProbeTask, config: Any, *, budget_bytes: int, device_type: str, unseen_bytes: int = 0
+) -> CannotFitError:
+    """The error of a probe or an estimate (``config``: its ProbeConfig or EstimateConfig) where not
+    even multiple_of fits, diagnosed by fake trials; call it outside the run's process group."""
+    return cannot_fit(
+        diagnose_no_fit(
+            task,
+            budget_bytes=budget_bytes,
+            headroom=config.headroom,
+            micro_batch=config.multiple_of,
+            device_type=device_type,
+            strategy=config.strategy,
+            world_size=config.world_size,
+            unseen_bytes=unseen_bytes,
+        )
+    )

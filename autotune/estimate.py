@@ -26,7 +26,7 @@ import torch
 
 import autotune
 from autotune.consistency import check_profile
-from autotune.diagnose import cannot_fit, diagnose_no_fit
+from autotune.diagnose import no_fit_error
 from autotune.errors import AutotuneError, BudgetError
 from autotune.fingerprint import task_fingerprint
 from autotune.plan import nonnegative_fit
@@ -156,17 +156,7 @@ def estimate(
                 raise
             no_fit = exc
     if no_fit is not None:
-        raise cannot_fit(
-            diagnose_no_fit(
-                task,
-                budget_bytes=config.budget_bytes,
-                headroom=config.headroom,
-                micro_batch=config.multiple_of,
-                device_type=device_type,
-                strategy=config.strategy,
-                world_size=config.world_size,
-            )
-        )
+        raise no_fit_error(task, config, budget_bytes=config.budget_bytes, device_type=device_type)
     warnings.extend(found.warnings)
     if config.strategy == "ddp" and config.world_size > 1:
         # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors.

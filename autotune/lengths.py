@@ -434,6 +434,18 @@ def _over_lengths(
     return run
 
 
+def _checked(task: ProbeTask, config: Any, lengths: Sequence[int]) -> ProbeTask:
+    """The run's configuration and lengths checked, and the task as the config sets it up (the
+    surface's trials too, not only each length's, run at its precision and memory policy)."""
+    config.validate()
+    check_lengths(task, lengths)
+    if config.precision is not None and config.precision != task.precision:
+        task = dataclasses.replace(task, precision=config.precision)
+    if config.activation_checkpointing is not None:
+        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    return task
+
+
 def probe_lengths(
     task: ProbeTask,
     config: Any,
@@ -459,12 +471,7 @@ def probe_lengths(
     """
     from autotune.probe import probe_with_meter
 
-    config.validate()
-    check_lengths(task, lengths)
-    if config.precision is not None and config.precision != task.precision:
-        task = dataclasses.replace(task, precision=config.precision)
-    if config.activation_checkpointing is not None:  # the surface's trials too, not only each length's
-        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    task = _checked(task, config, lengths)
     meter = make_meter(resolve_device(config.device), config.budget_bytes)
     try:
         limit_bytes = int(meter.budget_bytes * (1.0 - config.headroom))
@@ -531,12 +538,7 @@ def estimate_lengths(
     """
     from autotune.estimate import estimate, estimate_device_type
 
-    config.validate()
-    check_lengths(task, lengths)
-    if config.precision is not None and config.precision != task.precision:
-        task = dataclasses.replace(task, precision=config.precision)
-    if config.activation_checkpointing is not None:  # the surface's trials too, not only each length's
-        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    task = _checked(task, config, lengths)
     assert config.budget_bytes is not None  # validate() refused None
     limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
     device_type, _ = estimate_device_type(config.device_kind)

@@ -17,7 +17,7 @@ from torch import nn
 import autotune
 from autotune.checkpointing import check_policy
 from autotune.consistency import check_profile
-from autotune.diagnose import cannot_fit, diagnose_no_fit
+from autotune.diagnose import no_fit_error
 from autotune.errors import AutotuneError, BudgetError, DeviceError, TaskError
 from autotune.fingerprint import task_fingerprint
 from autotune.fragmentation import reserved_gap_at
@@ -253,17 +253,12 @@ def probe_with_meter(
         except NoFitError as exc:  # diagnosed by fake trials, outside this process group
             no_fit = exc
     if no_fit is not None:
-        raise cannot_fit(
-            diagnose_no_fit(
-                task,
-                budget_bytes=meter.budget_bytes,
-                headroom=config.headroom,
-                micro_batch=config.multiple_of,
-                device_type=str(meter.device),
-                strategy=config.strategy,
-                world_size=config.world_size,
-                unseen_bytes=meter.unseen_bytes(),
-            )
+        raise no_fit_error(
+            task,
+            config,
+            budget_bytes=meter.budget_bytes,
+            device_type=str(meter.device),
+            unseen_bytes=meter.unseen_bytes(),
         )
 
     m_max = result.max_micro_batch
