@@ -256,8 +256,9 @@ def test_an_estimate_says_which_length_does_not_fit_and_diagnoses_a_run_where_no
     run = estimate_lengths(task, config, [64, 4096])
     assert [p.seq_len for p in run.profiles] == [64] and list(run.no_fit) == [4096]
     assert any("at seq_len 4096 not even micro-batch 1 fits" in w for w in run.profiles[0].warnings)
-    with pytest.raises(CannotFitError, match=r"^at seq_len 64: "):
-        estimate_lengths(task, dataclasses.replace(config, budget_bytes=MiB // 8), [64, 128])
+    if strategy == "fsdp":  # the diagnosis after a held fake process group (ddp holds none; 10 s)
+        with pytest.raises(CannotFitError, match=r"^at seq_len 64: "):
+            estimate_lengths(task, dataclasses.replace(config, budget_bytes=MiB // 8), [64, 128])
 
 
 def test_a_probe_where_no_length_fits_gives_the_shortest_lengths_diagnosis() -> None:
