@@ -89,12 +89,12 @@ def _start_worker(setup: LaneSetup) -> None:
     try:
         _hold_model(setup)
     except Exception as exc:
-        _WORKER["failed"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        _WORKER["failed"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def _hold_model(setup: LaneSetup) -> None:
-    from autotune.presearch import FakeTrials
-    from autotune.strategies import Replicated, make_strategy
+    from autotune.presearch import FakeTrials, fake_strategy
+    from autotune.strategies import make_strategy
     from autotune.task import load_task
     from autotune.trial import frozen_heap
 
@@ -102,9 +102,7 @@ def _hold_model(setup: LaneSetup) -> None:
     task = dataclasses.replace(
         load_task(setup.spec), precision=setup.precision, activation_checkpointing=setup.activation_checkpointing
     )
-    strategy = make_strategy(setup.strategy, setup.world_size)
-    if isinstance(strategy, Replicated):
-        strategy = Replicated(1)  # as in the main process: DDP cannot broadcast fake tensors
+    strategy = fake_strategy(make_strategy(setup.strategy, setup.world_size))  # held before the model
     stack = ExitStack()  # held for the worker's life: its model lives in this group
     stack.enter_context(strategy.process_group(torch.device(setup.device_type)))
     stack.enter_context(frozen_heap())

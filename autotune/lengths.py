@@ -33,10 +33,10 @@ from autotune.errors import AutotuneError, BudgetError, TaskError, TrialError
 from autotune.fake_lanes import FakeLanes, Point, spare_cores
 from autotune.meters import make_meter, resolve_device
 from autotune.plan import TargetError, target_in_sequences
-from autotune.presearch import FakeSearch, FakeTrials, SurfaceSearch, fake_surface
+from autotune.presearch import FakeSearch, FakeTrials, SurfaceSearch, fake_strategy, fake_surface
 from autotune.schemas import MAX_SEQ_LEN, Fit, LongestSeqLen, Profile, Surface, Trial
 from autotune.search import NoFitError
-from autotune.strategies import Replicated, Strategy, make_strategy
+from autotune.strategies import Strategy, make_strategy
 from autotune.surface import PeakSurface
 from autotune.task import ProbeTask
 from autotune.trial import TrialRunner, frozen_heap
@@ -543,7 +543,7 @@ def estimate_lengths(
     limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
     device_type, _ = estimate_device_type(config.device_kind)
     strategy = make_strategy(config.strategy, config.world_size)
-    fake_strategy: Strategy = Replicated(1) if config.strategy == "ddp" else strategy
+    held = fake_strategy(strategy)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
 
     def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
@@ -569,7 +569,7 @@ def estimate_lengths(
     # every length's confirmations and the longest length's search run on it (a 7B model takes
     # seconds to build and its dispatch cache a trial to warm).
     try:
-        with fake_strategy.process_group(torch.device(device_type)), frozen_heap():
+        with held.process_group(torch.device(device_type)), frozen_heap():
             lanes = FakeLanes.for_task(
                 task,
                 spare_cores() if workers is None else workers,
@@ -578,16 +578,14 @@ def estimate_lengths(
                 world_size=config.world_size,
                 device_name=device_name,
             )
-            fakes = FakeTrials(
-                task, device_type=device_type, strategy=fake_strategy, device_name=device_name, lanes=lanes
-            )
+            fakes = FakeTrials(task, device_type=device_type, strategy=held, device_name=device_name, lanes=lanes)
             steps = _Lengths(
                 task=task,
                 measure=measure,
                 trial_at=trial_at,
                 release=lambda: None,
                 group=nullcontext,
-                strategy=fake_strategy,
+                strategy=held,
                 device=torch.device(device_type),
                 limit_bytes=limit_bytes,
                 fake_limit=limit_bytes,

@@ -243,4 +243,3 @@ def sequences_for_tokens(target_tokens: int, seq_len: int, world_size: int = 1) 
         + (f" x world size {world_size}" if world_size > 1 else "")
         + f": planned in sequences, {sequences} of them = {sequences * seq_len} tokens per update"
     )
-

@@ -37,6 +37,7 @@ __all__ = [
     "FakeTrials",
     "SurfaceSearch",
     "fake_search",
+    "fake_strategy",
     "fake_surface",
     "presearch_failed",
     "surface_points",
@@ -58,6 +59,15 @@ class FakeSearch:
     fit: Fit | None
     warnings: list[str] = field(default_factory=list)
     curve: PeakCurve | None = None
+
+
+def fake_strategy(strategy: Strategy) -> Strategy:
+    """The strategy fake trials run under. DDP's constructor broadcasts the weights over gloo/nccl,
+    which cannot carry fake tensors: the fake trials leave the gradient buckets out (one replica)
+    and the real trials put them back."""
+    if isinstance(strategy, Replicated) and strategy.world_size > 1:
+        return Replicated(1)
+    return strategy
 
 
 class FakeTrials:
@@ -83,11 +93,7 @@ class FakeTrials:
     ) -> None:
         self.meter = FakeMeter(MAX_BYTES, device_type, device_name)
         self.meter.keep_trace = True
-        if isinstance(strategy, Replicated) and strategy.world_size > 1:
-            # DDP's constructor broadcasts the weights over gloo/nccl, which cannot carry fake
-            # tensors: the fake trials leave the gradient buckets out and the real trials put them back.
-            strategy = Replicated(1)
-        self.runner = TrialRunner(task, self.meter, limit_bytes=MAX_BYTES, strategy=strategy)
+        self.runner = TrialRunner(task, self.meter, limit_bytes=MAX_BYTES, strategy=fake_strategy(strategy))
         self.lanes = lanes
         self.last_seconds = 0.0  # the last trial run here: whether lanes would pay
         self.ran_elsewhere = 0  # trials the lanes ran (that this process did not)

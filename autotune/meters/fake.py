@@ -40,7 +40,6 @@ from autotune.schemas import Device
 __all__ = ["FakeMeter", "FakeTrialError", "SCALAR_PLACEHOLDERS"]
 
 SCALAR_PLACEHOLDERS = {"bool": False, "int": 1, "float": 1.0}
-_DEVICE = torch.ops.prim.device.default
 
 
 class FakeTrialError(AutotuneError):
@@ -59,11 +58,6 @@ class _FakeCountingMode(_LiveStorageMode):
     """The CPU meter's counting mode over FakeTensorMode, answering scalar reads of fake tensors."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:
-            # ``tensor.device`` of a fake tensor: more than half of a fake trial's dispatches (FSDP2,
-            # the optimizer and autograd ask it of every parameter and gradient). It allocates
-            # nothing: answered as FakeTensorMode answers it, without the count or its dispatch.
-            return args[0].fake_device
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return _placeholder(args[0])
         try:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autotune.plan import TargetError, in_tokens, target_in_sequences
-from autotune.schemas import Suggestion
+from autotune.plan import TargetError, target_in_sequences
 from autotune.surface import PeakSurface
 from autotune_server.errors import InvalidPlanRequest, NoProfileForSuggestion
 from autotune_server.repository import Candidate, Lookup
@@ -32,7 +31,6 @@ __all__ = [
     "surface_max",
     "surface_peak",
     "target_batch_for",
-    "with_tokens",
 ]
 
 
@@ -131,8 +129,3 @@ def target_batch_for(
         raise InvalidPlanRequest(str(exc), field=exc.field) from None
     assert batch is not None  # required
     return batch, note
-
-
-def with_tokens(answer: Suggestion, seq_len: int | None, target_tokens: int | None, note: str | None) -> Suggestion:
-    """The answer in tokens too, where the job has a length (``autotune.plan.in_tokens``)."""
-    return in_tokens(answer, seq_len, target_tokens, note)

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection
 
-from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy, micro_batch_for_limit, plan
+from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy, in_tokens, micro_batch_for_limit, plan
 from autotune.schemas import Plan, Suggestion
 from autotune_server import drift, policy, sequence
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
@@ -553,14 +553,14 @@ def compute(
             device_name=device_name,
             world_size=world_size,
         )
-        return sequence.with_tokens(answer, seq_len, target_tokens, token_note)
+        return in_tokens(answer, seq_len, target_tokens, token_note)
     missing = policy.policy_not_found(found, activation_checkpointing, fingerprint, device_name)
     if missing is not None:
         raise missing
     found = policy.for_policy(found, activation_checkpointing)
     answer = _compute(found, **query)
     answer.activation_checkpointing = activation_checkpointing  # type: ignore[assignment]
-    return sequence.with_tokens(answer, seq_len, target_tokens, token_note)
+    return in_tokens(answer, seq_len, target_tokens, token_note)
 
 
 def _compute(
