@@ -36,6 +36,7 @@ __all__ = [
     "build_model",
     "build_on_meta",
     "frozen_heap",
+    "materialize",
     "measure_weights",
     "move_to_device",
     "run_trial",
@@ -113,6 +114,34 @@ def _initialise(model: nn.Module) -> None:
                     continue
 
 
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Give every parameter and buffer of a meta model uninitialised storage on ``device``, in place.
+
+    What was one tensor on ``meta`` stays one tensor on the device: a tied embedding and LM head
+    (GPT-2, Qwen2, Gemma, Llama 3.2) keep sharing one Parameter. ``nn.Module.to_empty`` makes a new
+    Parameter per module that holds it, which unties them and counts their weights, gradients and
+    optimizer state twice.
+    """
+    made: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(
+                        torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                    )
+                module._parameters[name] = made[id(param)]  # type: ignore[assignment]
+            for name, buffer in module._buffers.items():
+                if buffer is None:
+                    continue
+                if id(buffer) not in made:
+                    made[id(buffer)] = torch.empty_like(buffer, device=device)
+                module._buffers[name] = made[id(buffer)]
+    return model
+
+
 def build_on_meta(task: ProbeTask, warnings: list[str] | None = None) -> nn.Module | None:
     """The task's model on the ``meta`` device (shapes, no memory), or None with a warning naming the
     module that failed when the factory cannot run there. Call it outside any meter's span: under
@@ -138,8 +167,8 @@ def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = No
     """The task's model on the meter's device, in train mode, its weights counted by the meter, its
     blocks checkpointed as the task's ``activation_checkpointing`` says.
 
-    meta_model (from :func:`build_on_meta`) is materialized on the meter's device with ``to_empty``
-    and the modules' own ``reset_parameters``, so that a large model is never first built on the
+    meta_model (from :func:`build_on_meta`) is materialized on the meter's device by
+    :func:`materialize` and the modules' own ``reset_parameters``, so that a large model is never first built on the
     CPU; without one the factory is called on the device.
     """
     with meter.hold():
@@ -152,7 +181,7 @@ def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = No
             if any(t.device != meter.device for t in (*model.parameters(), *model.buffers())):
                 model = model.to(meter.device)
         else:
-            model = meta_model.to_empty(device=meter.device)
+            model = materialize(meta_model, meter.device)
             _initialise(model)
         model.train()
         meter.adopt(model)

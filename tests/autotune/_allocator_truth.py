@@ -1,0 +1,83 @@
+"""A truth that shares no code with the probe: the model built the ordinary way (its factory on the CPU),
+a training step written out by hand, and the peak counted by the CPU allocator itself
+(``torch.profiler``'s memory events: every allocation and free the allocator makes, summed in order).
+
+Nothing here imports the probe's meters, trials or strategies: an exactness test that compares the probe
+with this is a comparison with the allocator, not with another path of the project.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["allocator_peak_bytes"]
+
+
+@contextmanager
+def _fake_group(world_size: int) -> Iterator[Any]:
+    """A process group of world_size whose collectives do nothing (rank 0's memory is what is real)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _no_group() -> Iterator[None]:
+    yield None
+
+
+def _sharded(model: nn.Module, block_classes: tuple[type[nn.Module], ...], mesh: Any) -> nn.Module:
+    """The FSDP2 recipe as its docs give it: every block, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        if isinstance(module, block_classes) and module is not model:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _steps(task: Any, micro_batch: int, mesh: Any) -> None:
+    """2 micro-batches forward and backward, an AdamW step, zero_grad; twice (DESIGN.md "The trial")."""
+    model = task.model()
+    if mesh is not None:
+        model = _sharded(model, task.shard_classes, mesh)
+    model.train()
+    optimizer = task.make_optimizer(model.parameters())
+    for _ in range(2):
+        for _ in range(2):
+            batch = task.batch(micro_batch)
+            loss = task.compute_loss(model, batch) / 2
+            loss.backward()
+            del batch, loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del model, optimizer
+
+
+def allocator_peak_bytes(task: Any, micro_batch: int, *, world_size: int = 1) -> int:
+    """The CPU allocator's peak of live bytes over an ordinary build and two accumulated steps at micro_batch.
+
+    world_size > 1: rank 0 of FSDP2 over a fake process group of that size (the task's block classes
+    sharded one by one, then the root).
+    """
+    with _fake_group(world_size) if world_size > 1 else _no_group() as mesh:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            _steps(task, micro_batch, mesh)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
