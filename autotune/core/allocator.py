@@ -5,8 +5,8 @@ A trial's allocation trace (every request and free, in order) goes through the r
 ``max_memory_allocated()`` would read after it. Each rule below names the function of that file (or of
 ``c10/core/AllocatorConfig.{h,cpp}``, where recent torch keeps the options) that it follows. A hand-derived
 case: 1000 bytes round to a 1024-byte block cut from a new 2 MiB small-pool segment; 3 MiB take a 20 MiB
-large-pool segment (requests under 10 MiB do) and leave 17 MiB free beside them; once the small block is
-freed, 12 MiB fit in those 17 MiB, so the card never reserves more than 22 MiB while 15 MiB are allocated:
+large-pool segment (requests under 10 MiB do) and leave 17 MiB free beside them; the small block is freed
+(its segment stays cached), and 12 MiB fit in the 17 MiB: 22 MiB reserved at most, 3 + 12 MiB allocated:
 
     >>> peaks = replay([(0, 1000), (1, 3 << 20), (0, FREE), (2, 12 << 20)])
     >>> peaks.peak_reserved_bytes == 22 << 20, peaks.peak_allocated_bytes == 15 << 20, peaks.segments
@@ -25,8 +25,8 @@ Not modelled: one device and one stream only (the trial runs on one), so ``recor
 cross-stream events and CUDA-graph private pools are left out; ``backend:cudaMallocAsync`` is another
 allocator altogether. Where the real allocator's addresses would break a tie between equal sizes, the model
 puts older segments first (cudaMalloc's addresses are not knowable in advance). Memory outside the
-allocator (the CUDA context, cuBLAS workspaces) is the caller's to add. Torch-free: the server and the
-estimate's parent process use it.
+allocator (the CUDA context, cuBLAS workspaces) is the caller's to add. Torch-free, on the floor that the
+server and the client may import.
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ class AllocatorOutOfMemory(Exception):
 class AllocatorPeaks:
     """What a replayed trace leaves: the peaks (``max_memory_reserved``, ``max_memory_allocated``, and the
     requested bytes before rounding), the figures at the end, the segments held at the end (cudaMalloc'd ones
-    plus live expandable ones), how many segments were made and freed (``num_device_alloc``,
+    plus expandable ones with pages mapped), how many segments were made and freed (``num_device_alloc``,
     ``num_device_free``: cudaMalloc/cudaFree, or page maps/unmaps), and, where the trace ran out of memory,
     the index of the event that failed and its request (the replay stops there)."""
 
@@ -475,8 +475,12 @@ class CachingAllocator:
 
     @property
     def segments(self) -> int:
-        """Segments held: cudaMalloc'd ones and live expandable ones."""
-        return self._segments + len(self._expandable_segments)
+        """Segments held: cudaMalloc'd ones, and expandable ones with pages mapped (one whose map failed
+        keeps its address space, as in the source, but holds no memory)."""
+        held = self._segments
+        for base, space in self._expandable_segments.items():
+            held += self._state[base] != _UNMAPPED or self._size[base] != space
+        return held
 
     @property
     def cached_free_bytes(self) -> int:
