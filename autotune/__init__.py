@@ -1,9 +1,63 @@
 """autotune: measure the largest micro-batch that fits, and keep the effective batch.
 
-Importing this package does not import torch (the service image has none); the probe modules
-import it when they are used.
+The map (each package's ``__init__`` says what lives there and what it may import; arrows point down):
+
+    cli/  fleet/         commands and Ray tasks; the only packages that import the server and the client
+      |
+    orchestrate/         probe, estimate, lengths, multi: device(s) -> search -> plan -> Profile
+      |
+    search/              the search policy, the fake pre-search, fake lanes, the no-fit diagnosis
+      |
+    measure/   loop/     one trial on one device (meters, trial, strategies, policies, throughput);
+      |          |       the training loop (accumulate, verify, the length-aware sampler)
+    tasks/ -------'      ProbeTask, hf: specs, the fingerprint
+      |
+    core/                torch-free: schemas, units, plan, consistency, curve, surface, recommend,
+                         errors, the allocator model, the card catalog: all the server may import
+    emulation/           the emulated CUDA runtime for fake trials on a host without a card (a child
+                         process of its own; uses core and measure)
+
+Importing this package does not import torch (the service image has none): the public names below are
+loaded on first use (``from autotune import probe, ProbeTask, Accumulator``).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+# Public name -> the module that defines it (loaded on first access, PEP 562).
+_PUBLIC = {
+    "AutotuneError": "autotune.core.errors",
+    "Profile": "autotune.core.schemas",
+    "Plan": "autotune.core.schemas",
+    "plan": "autotune.core.plan",
+    "ProbeTask": "autotune.tasks.task",
+    "load_task": "autotune.tasks.task",
+    "probe": "autotune.orchestrate.probe",
+    "ProbeConfig": "autotune.orchestrate.probe",
+    "estimate": "autotune.orchestrate.estimate",
+    "EstimateConfig": "autotune.orchestrate.estimate",
+    "probe_lengths": "autotune.orchestrate.lengths",
+    "estimate_lengths": "autotune.orchestrate.lengths",
+    "Accumulator": "autotune.loop.accumulate",
+    "PlanBatchSampler": "autotune.loop.accumulate",
+    "verify_gradients": "autotune.loop.verify",
+}
+
+__all__ = ["__version__", *sorted(_PUBLIC)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autotune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

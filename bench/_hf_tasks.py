@@ -31,7 +31,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from autotune.task import ProbeTask  # noqa: E402
+from autotune.tasks.task import ProbeTask  # noqa: E402
 
 hf_logging.set_verbosity_error()  # config advice ("loss_type=None ... unrecognized"), not figures
 

@@ -18,8 +18,8 @@ from _peers_meter import CudaPeerMeter, PeerMeter
 from accelerate.utils import find_executable_batch_size
 from accelerate.utils.memory import should_reduce_batch_size
 
-from autotune.task import ProbeTask
-from autotune.trial import MICRO_BATCHES_PER_STEP, OPTIMIZER_STEPS, move_to_device
+from autotune.measure.trial import MICRO_BATCHES_PER_STEP, OPTIMIZER_STEPS, move_to_device
+from autotune.tasks.task import ProbeTask
 
 
 def training_step(task: ProbeTask, micro_batch: int, device: torch.device) -> None:

@@ -35,8 +35,8 @@ from pytorch_lightning.tuner import batch_size_scaling as scaling
 from pytorch_lightning.utilities.memory import is_oom_error
 from torch.utils.data import DataLoader
 
-from autotune.task import ProbeTask
-from autotune.trial import move_to_device
+from autotune.measure.trial import move_to_device
+from autotune.tasks.task import ProbeTask
 
 # Samples the DataLoader pretends to have: Lightning stops scaling at the dataset's length.
 DATASET_LENGTH = 1 << 24

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from autotune.meters import CpuMeter, CpuOutOfMemoryError, CudaMeter
+from autotune.measure.meters import CpuMeter, CpuOutOfMemoryError, CudaMeter
 
 # What PyTorch's DefaultCPUAllocator says when malloc fails; both peers match it as a substring.
 PEER_OOM_TEXT = "DefaultCPUAllocator: can't allocate memory"
@@ -80,7 +80,7 @@ def recognition(predicate: Callable[[BaseException], bool]) -> dict[str, bool]:
     """Whether a peer's OOM predicate accepts autotune's own CPU-meter OOM and the peer meter's.
 
     The first is made by a real CpuMeter crossing a real budget, so the report follows whatever message
-    autotune/meters.py raises today.
+    autotune/measure/meters.py raises today.
     """
     meter = CpuMeter(1024)
     own: BaseException | None = None

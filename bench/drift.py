@@ -37,9 +37,9 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from autotune.probe import ProbeConfig, probe
-from autotune.schemas import Profile
-from autotune.task import load_task
+from autotune.core.schemas import Profile
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import load_task
 from autotune_server import Settings, create_app
 from autotune_server.drift import Reference, fitting_micro_batch
 from autotune_server.migrate import upgrade_head

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per probe")
     args = parser.parse_args(argv)
 
-    from autotune.fragmentation import gap_advice
-    from autotune.schemas import Profile
+    from autotune.core.schemas import Profile
+    from autotune.measure.fragmentation import gap_advice
 
     print(f"{args.task} at {args.budget} on cuda")
     print(

@@ -17,7 +17,7 @@ against the recipe's, the trials each spent (autotune's real and fake apart), th
 seconds from the call (``fit``, or ``tune_trainer`` + ``train``) to the first real training step,
 and whether the real steps ran within the budget.
 
-The budget is the CPU meter's (autotune/meters/cpu.py: live tensor-storage bytes), as the peers see it
+The budget is the CPU meter's (autotune/measure/meters/cpu.py: live tensor-storage bytes), as the peers see it
 (bench/_peers_meter.py): a PeerMeter that raises at B x (1 - headroom) with the text of PyTorch's
 CPU allocator, which both Lightning and Accelerate recognise as an OOM. It binds inside the Lightning
 finder's trials (as bench/_peers_lightning.py does), over the whole of HF ``train()`` (where
@@ -48,9 +48,9 @@ from _peers_meter import PeerMeter  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-import autotune.probe  # noqa: E402
-from autotune.schemas import Profile  # noqa: E402
-from autotune.units import parse_bytes  # noqa: E402
+import autotune.orchestrate.probe  # noqa: E402
+from autotune.core.schemas import Profile  # noqa: E402
+from autotune.core.units import parse_bytes  # noqa: E402
 
 HEADROOM = 0.10
 RECIPE_BATCH = 64
@@ -86,18 +86,18 @@ class Row:
 def probes_recorded() -> Iterator[list[Profile]]:
     """The profiles autotune's local probe returns inside the block (to count its trials)."""
     seen: list[Profile] = []
-    real = autotune.probe.probe
+    real = autotune.orchestrate.probe.probe
 
     def recording(*args: Any, **kwargs: Any) -> Profile:
         profile = real(*args, **kwargs)
         seen.append(profile)
         return profile
 
-    autotune.probe.probe = recording  # type: ignore[assignment]
+    autotune.orchestrate.probe.probe = recording  # type: ignore[assignment]
     try:
         yield seen
     finally:
-        autotune.probe.probe = real  # type: ignore[assignment]
+        autotune.orchestrate.probe.probe = real  # type: ignore[assignment]
 
 
 def count_probe(row: Row, profiles: list[Profile]) -> None:

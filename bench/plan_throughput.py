@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from autotune.accumulate import Accumulator, PlanBatchSampler
-from autotune.plan import micro_batches_text, plan
-from autotune.probe import ProbeConfig, probe
-from autotune.units import parse_bytes
+from autotune.core.plan import micro_batches_text, plan
+from autotune.core.units import parse_bytes
+from autotune.loop.accumulate import Accumulator, PlanBatchSampler
+from autotune.orchestrate.probe import ProbeConfig, probe
 
 # Run as a script, bench/ is on sys.path but the repo root (examples/) is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -8,14 +8,14 @@ at the plan for T = 256, and the recommendation by throughput and by memory.
 For each case and each policy (none, every-2, full): ``probe`` with ``activation_checkpointing`` set
 (fake pre-search, then the real trials that confirm m_max on the CPU meter). Then ``--repeats`` timed
 runs per policy, going round the policies (none, every-2, full, none, ...) so that a change in a
-shared machine's load falls on all of them alike. A run (autotune/throughput.py ``time_sizes``) builds
+shared machine's load falls on all of them alike. A run (autotune/measure/throughput.py ``time_sizes``) builds
 the model under the policy, runs a warm-up update touching every size, then one update of one
 micro-batch of each size (m_max and the plan's) and the optimizer step, each part timed on its own.
 An update of the plan costs the sum of its micro-batches plus one step. The recorded figure is the
 one the probe would store (the median of each part over the runs); the spread is the slowest and
 fastest whole update among the runs. On the CPU the clock is this process's CPU time (one torch
 thread: other engineers' processes on the same cores do not count); on CUDA wall time, each run at
-least a second. The recommendation is autotune/recommend.py's, as the probe's ``recommended:`` line
+least a second. The recommendation is autotune/core/recommend.py's, as the probe's ``recommended:`` line
 prints it. Budgets on the CPU: 48 MiB for the GPT example (the issue's figure), 1890 MiB for the
 100M GPT (none fits one sample, full a handful); on CUDA 2 GiB and 12 GiB. Headroom 0.10.
 
@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from autotune.checkpointing import POLICIES
-from autotune.meters import make_meter
-from autotune.probe import ProbeConfig, probe
-from autotune.recommend import option_for, recommend
-from autotune.strategies import Replicated
-from autotune.task import load_task
-from autotune.throughput import Timings, throughput_of, time_sizes
+from autotune.core.recommend import option_for, recommend
+from autotune.measure.meters import make_meter
+from autotune.measure.policies import POLICIES
+from autotune.measure.strategies import Replicated
+from autotune.measure.throughput import Timings, throughput_of, time_sizes
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import load_task
 
 MiB = 1 << 20
 CASES = {

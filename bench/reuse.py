@@ -52,10 +52,10 @@ else:
     MISSING_BENCH_EXTRA = None
 from _peers_meter import PeerMeter
 
-from autotune.meters import CpuMeter
-from autotune.probe import ProbeConfig, probe
-from autotune.task import load_task
-from autotune.trial import run_trial
+from autotune.measure.meters import CpuMeter
+from autotune.measure.trial import run_trial
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import load_task
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20

@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from autotune.probe import ProbeConfig, probe
-from autotune.task import load_task
-from autotune.units import format_bytes
+from autotune.core.units import format_bytes
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import load_task
 
 # Run as a script, bench/ is on sys.path but the repo root (examples/) is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

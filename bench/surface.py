@@ -15,7 +15,7 @@ m of every length agrees (the single-length probe is exact on the CPU).
 
 Part 2: ``autotune estimate examples/gpt.py:task_7b_seq --seq-len 2048,4096,8192,16384 --strategy
 fsdp --world-size 8 --budget 80GiB``: wall seconds and the peak RSS of its processes together, sampled
-from /proc (the main one and its fake-trial workers, autotune/fake_lanes.py; targets < 120 s, < 2 GiB).
+from /proc (the main one and its fake-trial workers, autotune/search/lanes.py; targets < 120 s, < 2 GiB).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SEVEN_B_LENGTHS = (2048, 4096, 8192, 16384)
 
 # The same task bound to each length: what a user probes without --seq-len (one probe per length).
 BOUND_TASKS = """
-from autotune.task import load_task
+from autotune.tasks.task import load_task
 
 task = load_task({spec!r})
 {bound}

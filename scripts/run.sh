@@ -54,7 +54,7 @@ import json
 import sys
 from pathlib import Path
 
-from autotune.schemas import Profile
+from autotune.core.schemas import Profile
 from autotune_client import TunerClient
 
 url, run_dir = sys.argv[1], Path(sys.argv[2])

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from autotune.schemas import Device, Fit, Plan, Profile, Trial
+from autotune.core.schemas import Device, Fit, Plan, Profile, Trial
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -61,7 +61,7 @@ def make_profile(
 ) -> Profile:
     """A profile as the probe would produce it: trials that follow the affine fit.
 
-    Consistent by construction (``autotune.consistency``): trials at multiples of ``multiple_of``
+    Consistent by construction (``autotune.core.consistency``): trials at multiples of ``multiple_of``
     up to ``max_micro_batch`` fit, and the one at ``max_micro_batch + multiple_of`` is over the limit
     (its peak is raised to just over the limit where the fit would put it within: the boundary a real
     search found). A ``max_micro_batch`` whose fitted peak is over the limit is a ValueError: such a

@@ -21,7 +21,7 @@ __all__ = ["build_parser", "main"]
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    from autotune.errors import AutotuneError
+    from autotune.core.errors import AutotuneError
 
     types: list[type[BaseException]] = [AutotuneError, CliError]
     try:
@@ -34,7 +34,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 
 def _cannot_fit(exc: BaseException) -> bool:
-    from autotune.errors import CannotFitError
+    from autotune.core.errors import CannotFitError
 
     return isinstance(exc, CannotFitError)
 

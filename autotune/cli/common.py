@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from autotune.plan import PLAN_POLICIES
-from autotune.schemas import STRATEGIES
-from autotune.units import parse_bytes
+from autotune.core.plan import PLAN_POLICIES
+from autotune.core.schemas import STRATEGIES
+from autotune.core.units import parse_bytes
 
 __all__ = [
     "EXIT_FAILED",
@@ -29,7 +29,7 @@ __all__ = [
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
-# Even the smallest micro-batch does not fit (autotune.errors.CannotFitError): the one line says what
+# Even the smallest micro-batch does not fit (autotune.core.errors.CannotFitError): the one line says what
 # the job needs and what would fit. 3 is `autotune suggest`'s "nothing stored" (EXIT_NOT_FOUND).
 EXIT_NO_FIT = 4
 
@@ -149,7 +149,7 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
 def task_spec(spec: str, args: argparse.Namespace) -> str:
     """The spec with --optimizer/--lr written into it, so that it alone rebuilds the task elsewhere
     (``--device all`` children, fleet workers). Raises TaskError for a spec that is not hf:."""
-    from autotune.hf_task import with_options
+    from autotune.tasks.hf import with_options
 
     return with_options(spec, optimizer=getattr(args, "optimizer", None), lr=getattr(args, "lr", None))
 

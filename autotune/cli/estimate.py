@@ -39,9 +39,9 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from autotune.estimate import EstimateConfig, estimate
-    from autotune.report import trial_line
-    from autotune.task import load_task
+    from autotune.cli.report import trial_line
+    from autotune.orchestrate.estimate import EstimateConfig, estimate
+    from autotune.tasks.task import load_task
 
     config = EstimateConfig(
         budget_bytes=args.budget,
@@ -68,7 +68,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     def run(t: Any, c: Any) -> list[Any]:
         if lengths:
-            from autotune.lengths import estimate_lengths
+            from autotune.orchestrate.lengths import estimate_lengths
 
             found = estimate_lengths(
                 t,

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from autotune.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES
+from autotune.core.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES
 
 __all__ = [
     "add_objective_option",
@@ -79,7 +79,7 @@ def check_policies(task: Any, policies: Sequence[str | None]) -> None:
     Raises:
         TaskError: a policy other than none on a model with no block (one line naming shard_classes).
     """
-    from autotune.checkpointing import check_model
+    from autotune.measure.policies import check_model
 
     for policy in policies:
         if policy is not None:
@@ -112,7 +112,7 @@ def with_policies(pairs: Sequence[Any], policies: Sequence[str | None]) -> list[
 def recommendation(profiles: Sequence[Any], objective: str) -> str:
     """The ``recommended:`` line: the policy and plan that hold the target best by ``objective``,
     the others beside it."""
-    from autotune.recommend import option_for, options_text, recommend
+    from autotune.core.recommend import option_for, options_text, recommend
 
     options = [option_for(profile) for profile in profiles]
     return options_text(recommend(options, objective), options, objective)

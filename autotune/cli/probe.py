@@ -21,8 +21,8 @@ from autotune.cli.common import (
     task_spec,
 )
 from autotune.cli.policies import add_objective_option, add_policy_option, for_each_policy, policies_of, recommendation
-from autotune.files import write_atomically
-from autotune.schemas import PRECISIONS
+from autotune.core.files import write_atomically
+from autotune.core.schemas import PRECISIONS
 
 __all__ = [
     "add_parsers",
@@ -66,7 +66,7 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, device: str) -> Any:
     """The ProbeConfig the probe options describe, on device."""
-    from autotune.probe import ProbeConfig
+    from autotune.orchestrate.probe import ProbeConfig
 
     return ProbeConfig(
         device=device,
@@ -108,9 +108,9 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from autotune.probe import probe
-    from autotune.report import trial_line
-    from autotune.task import load_task
+    from autotune.cli.report import trial_line
+    from autotune.orchestrate.probe import probe
+    from autotune.tasks.task import load_task
 
     check_seq_len_options(args)
     spec = task_spec(args.task, args)
@@ -122,7 +122,7 @@ def run_probe(args: argparse.Namespace) -> int:
     if lengths:
         if args.device.strip().lower() == "all":
             raise CliError("--seq-len with --device all is not supported: probe one device (--device cuda:N)")
-        from autotune.lengths import probe_lengths
+        from autotune.orchestrate.lengths import probe_lengths
 
         def over_lengths(t: Any, c: Any) -> list[Any]:
             return probe_lengths(
@@ -148,7 +148,7 @@ def run_probe(args: argparse.Namespace) -> int:
                 "--strategy fsdp with --device all is refused: the fsdp probe answers for rank 0 of "
                 "--world-size on one device; probe one device (--device cuda:N)"
             )
-        from autotune.multi import probe_all_devices
+        from autotune.orchestrate.multi import probe_all_devices
 
         profiles = for_each_policy(task, config, policies_of(args), lambda _task, c: probe_all_devices(spec, c))
     else:
@@ -168,7 +168,7 @@ def lengths_of(task: Any, args: argparse.Namespace) -> list[int] | None:
     """The --seq-len lengths for a sequence-aware task, None for another (and for one bound to a
     length already, ``task.at_length(L)``); a sequence-aware task without them, or lengths for a task
     that takes none, is one line (exit 2)."""
-    from autotune.lengths import check_lengths
+    from autotune.orchestrate.lengths import check_lengths
 
     lengths = getattr(args, "seq_len", None)
     if task.sequence_aware and task.seq_len is None and not lengths:
@@ -185,7 +185,7 @@ def emit_profiles(profiles: list[Any], args: argparse.Namespace, *, as_array: bo
     datasheet each (one table over the lengths), each uploaded to --server."""
     if len(profiles) == 1 and not as_array:
         return emit_profile(profiles[0], args)
-    from autotune.report import datasheet, lengths_datasheet
+    from autotune.cli.report import datasheet, lengths_datasheet
 
     text = "[\n" + ",\n".join(profile.model_dump_json(indent=2) for profile in profiles) + "\n]"
     if args.output:
@@ -209,7 +209,7 @@ def emit_profiles(profiles: list[Any], args: argparse.Namespace, *, as_array: bo
 
 def emit_profile(profile: Any, args: argparse.Namespace) -> int:
     """The profile as --output, --json and --server ask, the datasheet on the terminal."""
-    from autotune.report import datasheet
+    from autotune.cli.report import datasheet
 
     text = profile.model_dump_json(indent=2)
     if args.output:
@@ -228,8 +228,8 @@ def emit_profile(profile: Any, args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from autotune.task import load_task
-    from autotune.verify import verify_cli
+    from autotune.loop.verify import verify_cli
+    from autotune.tasks.task import load_task
 
     task = _at_length(load_task(task_spec(args.task, args)), args.seq_len)
     ok, message = verify_cli(task, args.target_batch, args.micro_batch, args.tolerance)

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from autotune.cli.common import CliError, add_strategy_and_plan_options, headroom, positive_int, size
-from autotune.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, SOURCES, STRATEGIES
+from autotune.core.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, SOURCES, STRATEGIES
 
 __all__ = ["add_parsers", "run_profiles", "run_suggest"]
 

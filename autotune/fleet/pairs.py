@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import AutotuneError, TaskError
-from autotune.units import format_bytes
+from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.units import format_bytes
 
 __all__ = ["FLEET_DEVICES", "Pair", "make_pairs", "parse_accelerators", "worker_spec"]
 
@@ -102,7 +102,7 @@ def worker_spec(spec: str, working_dir: Path) -> str:
         TaskError: the file does not exist, or lies outside the working directory (it would not
             reach the workers).
     """
-    from autotune.hf_task import HF_PREFIX, is_hf_spec
+    from autotune.tasks.hf import HF_PREFIX, is_hf_spec
 
     if is_hf_spec(spec):  # hf:PATH[?options]: the config, like a task file, must reach the workers
         path_part, query_sep, query = spec[len(HF_PREFIX) :].partition("?")

@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from autotune.errors import AutotuneError
+from autotune.core.errors import AutotuneError
+from autotune.core.plan import micro_batches_text
+from autotune.core.schemas import Profile
 from autotune.fleet.pairs import Pair
 from autotune.fleet.progress import PairState, Progress
 from autotune.fleet.sink import ProfileSink
 from autotune.fleet.worker import Board, Outcome, one_line, probe_pair
-from autotune.plan import micro_batches_text
-from autotune.schemas import Profile
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",

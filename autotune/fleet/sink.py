@@ -15,8 +15,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from autotune.files import write_atomically
-from autotune.schemas import Profile
+from autotune.core.files import write_atomically
+from autotune.core.schemas import Profile
 
 __all__ = ["DEFAULT_UNSENT_DIR", "ProfileSink", "Stored", "profile_file_name"]
 

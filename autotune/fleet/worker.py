@@ -73,12 +73,12 @@ def probe_pair(index: int, spec: str, config: Any, board: Any = None) -> Outcome
     started = time.perf_counter()
     attempt = _report_start(board, index)
     try:
-        from autotune.probe import probe
-        from autotune.task import load_task
+        from autotune.orchestrate.probe import probe
+        from autotune.tasks.task import load_task
 
         task = load_task(spec)
         if config.seq_lens:  # one run over the lengths: a JSON array of their profiles
-            from autotune.lengths import probe_lengths
+            from autotune.orchestrate.lengths import probe_lengths
 
             run = probe_lengths(
                 task, config, config.seq_lens, max_seq_len=config.max_seq_len, target_tokens=config.target_tokens

@@ -10,7 +10,7 @@
 and the probe, only when it runs.
 """
 
-from autotune.schemas import Observation, Profile, Suggestion
+from autotune.core.schemas import Observation, Profile, Suggestion
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
 from autotune_client._observer import PeakObserver, observer

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx2 as httpx
 
-from autotune.schemas import Observation, Profile, Suggestion
+from autotune.core.schemas import Observation, Profile, Suggestion
 from autotune_client._constants import (
     API_PREFIX,
     DEFAULT_MAX_RETRIES,

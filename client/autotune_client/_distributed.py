@@ -21,7 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from autotune.schemas import Suggestion
+from autotune.core.schemas import Suggestion
 from autotune_client.errors import AutotuneClientError
 
 __all__ = ["DECISION_SLACK_SECONDS", "in_process_group", "local_probe_starting", "one_decision"]

@@ -1,4 +1,4 @@
-"""What the server answers beyond ``autotune.schemas``: stored records with their ids.
+"""What the server answers beyond ``autotune.core.schemas``: stored records with their ids.
 
 These mirror ``autotune_server.wire`` (which a training environment does not install) but ignore
 fields they do not know, so that a newer server does not break an older client.
@@ -10,7 +10,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
-from autotune.schemas import Profile
+from autotune.core.schemas import Profile
 
 __all__ = ["ProfileSummary", "StoredProfile"]
 

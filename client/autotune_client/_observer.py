@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from autotune.schemas import Observation, Suggestion
+from autotune.core.schemas import Observation, Suggestion
 from autotune_client._client import TunerClient
 
 __all__ = [

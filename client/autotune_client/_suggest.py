@@ -5,7 +5,7 @@
     s = suggest(model, target_batch=512, example=lambda m: make_batch(m))
     loader = DataLoader(dataset, batch_sampler=PlanBatchSampler(RandomSampler(dataset), s))
     # ... accumulate s.accumulation_steps micro-batches (s.micro_batches: sizes within one of each
-    # other, autotune.accumulate.PlanBatchSampler yields them) per optimizer step
+    # other, autotune.loop.accumulate.PlanBatchSampler yields them) per optimizer step
 
 The model's fingerprint is asked of the server; on a miss the setup is probed here, on this job's own
 device, the profile is uploaded, and the next job with the same setup gets it from the store.
@@ -24,8 +24,8 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from autotune.plan import PLAN_POLICIES
-from autotune.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, STRATEGIES, Profile, Suggestion, TagValue
+from autotune.core.plan import PLAN_POLICIES
+from autotune.core.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, STRATEGIES, Profile, Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._constants import DEFAULT_TIMEOUT_SECONDS, ENV_URL
 from autotune_client._distributed import DECISION_SLACK_SECONDS, in_process_group, local_probe_starting, one_decision
@@ -41,7 +41,7 @@ from autotune_client.errors import (
 if TYPE_CHECKING:
     from torch import nn
 
-    from autotune.task import LossFn, OptimizerFactory
+    from autotune.tasks.task import LossFn, OptimizerFactory
 
 __all__ = ["job_fingerprint", "parse_bytes", "suggest"]
 
@@ -97,7 +97,7 @@ def job_fingerprint(
     model, ``batch``, optimizer, precision and tags (with ``seq_len``: of the sequence-aware task, whose
     fingerprint leaves the length out).
     """
-    from autotune.fingerprint import fingerprint_model
+    from autotune.tasks.fingerprint import fingerprint_model
 
     _, one_sample = _batch_factory(example)
     return fingerprint_model(
@@ -165,7 +165,7 @@ def suggest(
             probe runs with the same strategy and world size.
         plan: "balanced" (default: the fewest accumulation steps, with micro-batches that differ by
             at most one, e.g. 6 x 26 + 4 x 25 = 256 in 10 steps; feed them with
-            ``autotune.accumulate.PlanBatchSampler``) or "divisor" (equal micro-batches, e.g. 16 x 16).
+            ``autotune.loop.accumulate.PlanBatchSampler``) or "divisor" (equal micro-batches, e.g. 16 x 16).
             The adapters (``as_hf_training_args`` ...) give the best equal plan either way.
         distributed: under an initialized torch.distributed process group of several ranks (call
             it on every rank), rank 0 asks the store (or probes) and the others receive the same
@@ -195,14 +195,14 @@ def suggest(
         NotFoundError: nothing stored and ``probe_if_missing`` is False.
         APIConnectionError: server unreachable and ``probe_if_missing`` is False.
         APIStatusError: the server refused the request (bad token, invalid field).
-        autotune.errors.AutotuneError: the local probe failed (its message says why).
+        autotune.core.errors.AutotuneError: the local probe failed (its message says why).
 
     A warning (:class:`TunerUnavailableWarning`) says when the server could not be used; the same
     text is in ``Suggestion.warnings``. Talking to the server never takes longer than the client's
     timeout, retries included.
     """
     arguments = dict(locals())  # the call as made, for rank 0 to repeat without the process group
-    from autotune.fingerprint import fingerprint_model
+    from autotune.tasks.fingerprint import fingerprint_model
 
     if distributed and in_process_group():
         wait = (client.timeout if client is not None else DEFAULT_TIMEOUT_SECONDS) + DECISION_SLACK_SECONDS
@@ -321,8 +321,8 @@ def suggest(
 def _target_in_sequences(
     target_batch: int | None, target_tokens: int | None, seq_len: int | None, world_size: int | None
 ) -> tuple[int, str | None]:
-    """The target in sequences per update (``autotune.plan.target_in_sequences``)."""
-    from autotune.plan import TargetError, target_in_sequences
+    """The target in sequences per update (``autotune.core.plan.target_in_sequences``)."""
+    from autotune.core.plan import TargetError, target_in_sequences
 
     replicas = _resolve_world_size(world_size) if target_tokens is not None else 1
     try:
@@ -335,7 +335,7 @@ def _target_in_sequences(
 
 def _in_tokens(answer: Suggestion, seq_len: int | None, target_tokens: int | None, note: str | None) -> Suggestion:
     """The answer in tokens too, for a job with a length (as the server says it)."""
-    from autotune.plan import in_tokens
+    from autotune.core.plan import in_tokens
 
     return in_tokens(answer, seq_len, target_tokens, note)
 
@@ -455,7 +455,7 @@ def _job_device(model: nn.Module, device: Any) -> str:
 
 
 def _device_name(device_spec: str) -> str:
-    from autotune.meters import describe_device
+    from autotune.measure.meters import describe_device
 
     return describe_device(device_spec).name
 
@@ -514,8 +514,8 @@ def _probe_locally(
     activation_checkpointing: str = "none",
     throughput: bool = False,
 ) -> Profile:
-    from autotune.probe import ProbeConfig, probe
-    from autotune.task import ProbeTask
+    from autotune.orchestrate.probe import ProbeConfig, probe
+    from autotune.tasks.task import ProbeTask
 
     if device_spec == "cpu" and budget_bytes is None:
         raise AutotuneClientError("probing on the CPU needs budget= (bytes or a size like '4GiB')")
@@ -557,7 +557,7 @@ def _suggestion_from_profile(
     notes: list[str],
     policy: str = "balanced",
 ) -> Suggestion:
-    from autotune.plan import plan
+    from autotune.core.plan import plan
 
     # The probe planned with the same policy; any other target or world size is planned here.
     stored = profile.plan
@@ -591,7 +591,7 @@ def _suggestion_from_profile(
 
 def _timed_rate(profile: Profile, chosen: Any) -> float | None:
     """The samples per second the profile's timed runs give the chosen plan (None: not timed)."""
-    from autotune.recommend import samples_per_second
+    from autotune.core.recommend import samples_per_second
 
     rate = samples_per_second(profile.throughput or [], chosen.micro_batches, chosen.world_size)
     return None if rate is None else round(rate[0], 4)

@@ -22,9 +22,9 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from autotune.plan import micro_batches_text
-from autotune.report import datasheet, trial_line
-from autotune.schemas import Profile, Suggestion
+from autotune.cli.report import datasheet, trial_line
+from autotune.core.plan import micro_batches_text
+from autotune.core.schemas import Profile, Suggestion
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
 from autotune_client.errors import APIConnectionError, AutotuneClientError, NotFoundError

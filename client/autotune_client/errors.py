@@ -2,7 +2,7 @@
 
 ::
 
-    autotune.errors.AutotuneError             (the probe's base: one CLI handler catches both)
+    autotune.core.errors.AutotuneError             (the probe's base: one CLI handler catches both)
      └── AutotuneClientError                  no server configured, bad arguments, ...
           ├── APIConnectionError              the server could not be reached
           │    └── APITimeoutError            no answer within the client's timeout
@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx2 as httpx
 
-from autotune.errors import AutotuneError
+from autotune.core.errors import AutotuneError
 
 __all__ = [
     "APIConnectionError",

@@ -1,6 +1,6 @@
 """autotune_server: the profile store and REST API (FastAPI, SQLAlchemy 2, Alembic).
 
-Imports ``autotune.schemas`` and ``autotune.plan`` (with ``autotune.split`` below them) and nothing
+Imports ``autotune.core.schemas`` and ``autotune.core.plan`` (with ``autotune.core.split`` below them) and nothing
 else of autotune: the service image has no torch.
 """
 

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 
-from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy
-from autotune.schemas import (
+from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy
+from autotune.core.schemas import (
     MAX_SEQ_LEN,
     ActivationCheckpointing,
     Objective,
@@ -44,7 +44,7 @@ API_PREFIX = "/api/v1"
 MAX_PAGE_SIZE = 500
 # Ids are 32-bit on every database; a larger one cannot exist, and must not reach PostgreSQL as an overflow.
 MAX_ID = 2**31 - 1
-MAX_WORLD_SIZE = 2**20  # as autotune.schemas bounds Plan.world_size
+MAX_WORLD_SIZE = 2**20  # as autotune.core.schemas bounds Plan.world_size
 # Effective batches beyond this cannot be represented in a Plan once rounded to the nearest plan.
 MAX_TARGET_BATCH = 2**40 - 2**30
 

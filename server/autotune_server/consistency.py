@@ -16,8 +16,8 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import Connection, select
 
-from autotune.consistency import Problem, profile_problems
-from autotune.schemas import Profile
+from autotune.core.consistency import Problem, profile_problems
+from autotune.core.schemas import Profile
 from autotune_server.errors import InconsistentProfileError
 from autotune_server.models import ProfileRow
 from autotune_server.repository import Lookup, lookup

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.schemas import Fit, Profile
+from autotune.core.schemas import Fit, Profile
 from autotune_server.consistency import stored_warnings
 from autotune_server.models import ObservationRow, ProfileRow
 from autotune_server.repository import to_utc

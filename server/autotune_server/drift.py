@@ -30,8 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotune.plan import micro_batch_for_limit
-from autotune.schemas import Fit, Observation, Profile
+from autotune.core.plan import micro_batch_for_limit
+from autotune.core.schemas import Fit, Observation, Profile
 from autotune_server.convert import fit_of
 from autotune_server.errors import BudgetTooSmall, ObservationMismatch
 from autotune_server.models import ObservationRow, ProfileRow

@@ -118,7 +118,7 @@ class BudgetTooSmall(DomainError):
 
 
 class InconsistentProfileError(DomainError):
-    """A profile whose claims its own trials contradict (``autotune.consistency``); the field and the
+    """A profile whose claims its own trials contradict (``autotune.core.consistency``); the field and the
     trial are named, every problem is in the details."""
 
     status_code = 422

@@ -34,8 +34,8 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from autotune.plan import micro_batches_text
-from autotune.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
+from autotune.core.plan import micro_batches_text
+from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
 from autotune_server.api import API_PREFIX, MAX_ID
 from autotune_server.consistency import stored_problems
 from autotune_server.convert import to_profile
@@ -116,11 +116,11 @@ class PageError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Formatting (the server may not import autotune.units: DESIGN.md allows it schemas and plan only)
+# Formatting (the server may not import autotune.core.units: DESIGN.md allows it schemas and plan only)
 
 
 def human_bytes(value: float | None) -> str:
-    """Bytes in binary units, as ``autotune.units.format_bytes`` writes them: 1536 -> '1.50 KiB'."""
+    """Bytes in binary units, as ``autotune.core.units.format_bytes`` writes them: 1536 -> '1.50 KiB'."""
     if value is None:
         return "-"
     size = float(value)
@@ -438,7 +438,7 @@ _POLICY_STYLE: dict[str, dict[str, Any]] = {
 
 
 def _throughput_figure(profiles: Sequence[Profile]) -> dict[str, Any] | None:
-    # Measured by timed runs after the search (autotune/throughput.py), never the trials' seconds:
+    # Measured by timed runs after the search (autotune/measure/throughput.py), never the trials' seconds:
     # a trial's first micro-batches pay warm-up, and fake trials' seconds are the host's.
     traces: list[dict[str, Any]] = []
     for profile in profiles:

@@ -6,7 +6,7 @@ part of it) and differ in ``profiles.activation_checkpointing``; the lookup keep
 kind per policy. ``objective=memory`` (the default) answers from the profiles of the job's own
 policy only: a profile measured with checkpointing would overstate what fits a job without it.
 ``objective=throughput`` asks the memory answer of every stored policy and returns the one whose
-plan is timed fastest (``autotune.recommend`` prices it from the profile's timed runs), saying the
+plan is timed fastest (``autotune.core.recommend`` prices it from the profile's timed runs), saying the
 policy it needs; timed answers before untimed ones, the least recomputation among equals.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autotune.recommend import Option, recommend, samples_per_second
-from autotune.schemas import Suggestion
+from autotune.core.recommend import Option, recommend, samples_per_second
+from autotune.core.schemas import Suggestion
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
 from autotune_server.repository import Candidate, Lookup
 

@@ -17,7 +17,7 @@ from sqlalchemy import ColumnElement, Connection, and_, case, delete, func, or_,
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from autotune.schemas import Fit, Observation, Profile, Throughput
+from autotune.core.schemas import Fit, Observation, Profile, Throughput
 from autotune_server.errors import InvalidCursor, ProfileNotFound
 from autotune_server.models import ObservationRow, ProfileRow, TrialRow, utcnow
 from autotune_server.wire import content_hash
@@ -347,7 +347,7 @@ class Candidate:
     activation_checkpointing: str = "none"
     throughput: tuple[Throughput, ...] = ()
     # A sequence-aware setup's length (None otherwise), and the surface its probe measured over lengths
-    # (the wire form of autotune.schemas.Surface), from which other lengths are predicted.
+    # (the wire form of autotune.core.schemas.Surface), from which other lengths are predicted.
     seq_len: int | None = None
     surface: dict[str, Any] | None = None
     # (micro_batch, peak_bytes) of the jobs' observations that reported a peak and no OOM, newest

@@ -1,7 +1,7 @@
 """Sequence length in /suggest: which profiles answer a job at length L, and the answer from a surface.
 
 A sequence-aware setup (its fingerprint leaves L out) has one profile per measured length, each
-carrying the peak surface over (m, L) its probe measured (autotune/surface.py). A job at length L gets:
+carrying the peak surface over (m, L) its probe measured (autotune/core/surface.py). A job at length L gets:
 
 - the profiles measured at L, which answer as any profile does (``measured``);
 - where none was measured at L but a surface covers it (between the shortest length measured and
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autotune.plan import TargetError, target_in_sequences
-from autotune.surface import PeakSurface
+from autotune.core.plan import TargetError, target_in_sequences
+from autotune.core.surface import PeakSurface
 from autotune_server.errors import InvalidPlanRequest, NoProfileForSuggestion
 from autotune_server.repository import Candidate, Lookup
 
@@ -118,7 +118,7 @@ def target_batch_for(
     target_batch: int | None, target_tokens: int | None, seq_len: int | None, world_size: int
 ) -> tuple[int, str | None]:
     """The target in sequences: target_batch, or target_tokens over seq_len (with what to say where
-    they do not divide evenly), as ``autotune.plan.target_in_sequences`` decides it.
+    they do not divide evenly), as ``autotune.core.plan.target_in_sequences`` decides it.
 
     Raises:
         InvalidPlanRequest: neither or both given, or tokens without a length (422 naming the field).

@@ -19,7 +19,7 @@ __all__ = ["INT32_MAX", "INT64_MAX", "check_storable"]
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
-# A surface's coefficients (autotune/surface.py) are integers over a common denominator, wider than
+# A surface's coefficients (autotune/core/surface.py) are integers over a common denominator, wider than
 # 64 bits for long sequences; they live in a JSON column and the document, never in an integer column.
 _EXACT_JSON_PATHS = ("surface.pieces.", "surface.denominator")
 

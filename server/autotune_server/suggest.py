@@ -33,8 +33,8 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection
 
-from autotune.plan import DEFAULT_PLAN_POLICY, PlanPolicy, in_tokens, micro_batch_for_limit, plan
-from autotune.schemas import Plan, Suggestion
+from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy, in_tokens, micro_batch_for_limit, plan
+from autotune.core.schemas import Plan, Suggestion
 from autotune_server import drift, policy, sequence
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
 from autotune_server.repository import Candidate, Lookup
@@ -511,7 +511,7 @@ def compute(
         server_url: this server's URL (or a function giving it, only called for the 404), quoted in
             the how-to-probe advice of the 404.
         plan_policy: "balanced" (default: the fewest steps, micro-batches within one of each other)
-            or "divisor" (equal micro-batches), see ``autotune.plan.plan``.
+            or "divisor" (equal micro-batches), see ``autotune.core.plan.plan``.
         activation_checkpointing: the job's memory policy (none, every-2, full): only profiles
             measured under it answer (``objective="memory"``).
         objective: "memory" (default) or "throughput": the stored policy whose plan is timed
@@ -530,7 +530,7 @@ def compute(
     Raises:
         NoProfileForSuggestion: nothing to measure or predict from (404).
         InvalidPlanRequest: the plan arithmetic refused (target_batch < world_size, or a target
-            that would need more accumulation steps than ``autotune.plan`` allows) (422).
+            that would need more accumulation steps than ``autotune.core.plan`` allows) (422).
         BudgetTooSmall: not even one sample (or multiple_of) fits the given budget (422).
     """
     target_batch, token_note = sequence.target_batch_for(target_batch, target_tokens, seq_len, world_size)

@@ -1,7 +1,7 @@
 """The sequence-length view of a datasheet: a sequence-aware profile among its sibling lengths.
 
 A probe over lengths (``autotune probe --seq-len 128,256,512``) stores one profile per length under
-one fingerprint, each carrying the same peak surface over (m, L) (autotune/surface.py). A datasheet
+one fingerprint, each carrying the same peak surface over (m, L) (autotune/core/surface.py). A datasheet
 of such a profile shows:
 
 - the lengths of its fingerprint (every stored profile with a ``seq_len``, linked by id);
@@ -29,8 +29,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from autotune.schemas import Profile, Surface
-from autotune.surface import PeakSurface
+from autotune.core.schemas import Profile, Surface
+from autotune.core.surface import PeakSurface
 from autotune_server.models import ProfileRow
 from autotune_server.repository import to_utc
 

@@ -1,7 +1,7 @@
-"""Response bodies of the REST API that are not in ``autotune.schemas`` (which holds what clients send).
+"""Response bodies of the REST API that are not in ``autotune.core.schemas`` (which holds what clients send).
 
 A stored profile is returned nested, ``{"id": ..., "profile": {...}}``, so that a client can parse
-``profile`` with ``autotune.schemas.Profile`` as it is (that model forbids unknown fields).
+``profile`` with ``autotune.core.schemas.Profile`` as it is (that model forbids unknown fields).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from autotune.schemas import Observation, Profile
+from autotune.core.schemas import Observation, Profile
 
 __all__ = [
     "Health",

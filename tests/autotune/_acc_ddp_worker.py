@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from autotune.accumulate import Accumulator
+from autotune.loop.accumulate import Accumulator
 from examples import gpt
 
 MICRO_BATCH = 2

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autotune.accumulate import Accumulator
+from autotune.loop.accumulate import Accumulator
 from examples import gpt
 
 LossSum = Callable[[nn.Module, Any], tuple[torch.Tensor, int]]

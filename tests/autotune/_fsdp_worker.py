@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autotune.meters import CpuMeter
-from autotune.schemas import Trial
-from autotune.search import find_max_micro_batch
-from autotune.strategies import Sharded
-from autotune.trial import TrialRunner
+from autotune.core.schemas import Trial
+from autotune.measure.meters import CpuMeter
+from autotune.measure.strategies import Sharded
+from autotune.measure.trial import TrialRunner
+from autotune.search.boundary import find_max_micro_batch
 from examples import gpt
 
 UNBOUNDED_BYTES = 1 << 40

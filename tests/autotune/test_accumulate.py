@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-import autotune.accumulate as accumulate_module
-from autotune.accumulate import (
+import autotune.loop.accumulate as accumulate_module
+from autotune.core.plan import plan
+from autotune.core.schemas import Observation, Plan
+from autotune.loop.accumulate import (
     AccumulationError,
     Accumulator,
     PlanBatchSampler,
@@ -19,8 +21,6 @@ from autotune.accumulate import (
     batch_size,
     split_batch,
 )
-from autotune.plan import plan
-from autotune.schemas import Observation, Plan
 from examples import cnn, gpt, mlp
 from tests.autotune._acc_helpers import (
     accumulated_grads,

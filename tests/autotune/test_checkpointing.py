@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.checkpointing import POLICIES, apply_policy, wrapped_blocks
-from autotune.errors import TaskError
-from autotune.fingerprint import task_fingerprint
-from autotune.meters import CpuMeter
-from autotune.meters.fake import FakeMeter
-from autotune.probe import ProbeConfig, probe
-from autotune.strategies import make_strategy
-from autotune.task import ProbeTask
-from autotune.trial import TrialRunner
+from autotune.core.errors import TaskError
+from autotune.measure.meters import CpuMeter
+from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.policies import POLICIES, apply_policy, wrapped_blocks
+from autotune.measure.strategies import make_strategy
+from autotune.measure.trial import TrialRunner
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.task import ProbeTask
 from examples.gpt import GPT, GPTConfig, make_task
 from tests.autotune._tasks import linear_task
 

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 BAD_TASKS = """
 import torch
-from autotune.task import ProbeTask
+from autotune.tasks.task import ProbeTask
 
 no_tensors = ProbeTask(name="no-tensors", model=lambda: torch.nn.Linear(4, 2), batch=lambda m: {"x": [1, 2]})
 vector_loss = ProbeTask(

@@ -101,7 +101,7 @@ def test_estimate_takes_ac_and_compares_policies_by_memory(tmp_path: Path) -> No
 def test_fleet_makes_one_pair_per_policy_and_refuses_a_policy_before_any_cluster_time(tmp_path: Path) -> None:
     from autotune.cli.policies import with_policies
     from autotune.fleet import make_pairs
-    from autotune.probe import ProbeConfig
+    from autotune.orchestrate.probe import ProbeConfig
 
     pairs = make_pairs(
         ["examples/gpt.py:task"],

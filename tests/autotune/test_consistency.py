@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-import autotune.consistency as consistency_module
-from autotune.consistency import InconsistentProfile, check_profile, device_kind_of_name, profile_problems
-from autotune.plan import plan
-from autotune.schemas import Profile, Trial
+import autotune.core.consistency as consistency_module
+from autotune.core.consistency import InconsistentProfile, check_profile, device_kind_of_name, profile_problems
+from autotune.core.plan import plan
+from autotune.core.schemas import Profile, Trial
 from tests.factories import inconsistent_payloads, make_profile, make_run_payload
 
 CASES = inconsistent_payloads()

@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.curve import PeakCurve
-from autotune.meters import CpuMeter
-from autotune.meters.fake import FakeMeter
-from autotune.presearch import TRACED_SIZES, fake_search
-from autotune.search import find_max_micro_batch
-from autotune.strategies import Replicated, Strategy, make_strategy
-from autotune.task import ProbeTask, load_task
-from autotune.trial import TrialRunner, frozen_heap
+from autotune.core.curve import PeakCurve
+from autotune.measure.meters import CpuMeter
+from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.strategies import Replicated, Strategy, make_strategy
+from autotune.measure.trial import TrialRunner, frozen_heap
+from autotune.search.boundary import find_max_micro_batch
+from autotune.search.presearch import TRACED_SIZES, fake_search
+from autotune.tasks.task import ProbeTask, load_task
 from examples.cases import task_spec
 from tests.autotune._tasks import linear_task
 

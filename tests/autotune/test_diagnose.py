@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from autotune.cli.common import EXIT_NO_FIT
-from autotune.diagnose import NoFit, diagnose_no_fit
-from autotune.errors import CannotFitError
-from autotune.estimate import EstimateConfig, estimate
-from autotune.probe import ProbeConfig, probe
-from autotune.task import load_task
+from autotune.core.errors import CannotFitError
+from autotune.orchestrate.estimate import EstimateConfig, estimate
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.search.diagnose import NoFit, diagnose_no_fit
+from autotune.tasks.task import load_task
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20

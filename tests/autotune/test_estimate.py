@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.errors import AutotuneError, BudgetError
-from autotune.estimate import EstimateConfig, estimate
-from autotune.probe import ProbeConfig, probe
-from autotune.schemas import Profile
+from autotune.core.errors import AutotuneError, BudgetError
+from autotune.core.schemas import Profile
+from autotune.orchestrate.estimate import EstimateConfig, estimate
+from autotune.orchestrate.probe import ProbeConfig, probe
 from examples import gpt
 from tests.autotune._tasks import linear_task
 

@@ -1,4 +1,4 @@
-"""Fake trials on worker processes beside the main one (autotune/fake_lanes.py): where a trial runs
+"""Fake trials on worker processes beside the main one (autotune/search/lanes.py): where a trial runs
 changes nothing but the wall time, and a worker that cannot start costs nothing but its share."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-import autotune.fake_lanes as fake_lanes
-import autotune.presearch as presearch
-from autotune.estimate import EstimateConfig
-from autotune.lengths import LengthsRun, estimate_lengths
-from autotune.task import load_task
+import autotune.search.lanes as fake_lanes
+import autotune.search.presearch as presearch
+from autotune.orchestrate.estimate import EstimateConfig
+from autotune.orchestrate.lengths import LengthsRun, estimate_lengths
+from autotune.tasks.task import load_task
 
 MiB = 1 << 20
 SPEC = "examples/gpt.py:task_seq"

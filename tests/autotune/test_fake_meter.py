@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.meters import CpuMeter, CpuOutOfMemoryError
-from autotune.meters.fake import FakeMeter, FakeTrialError
-from autotune.probe import ProbeConfig, probe
-from autotune.strategies import Replicated, make_strategy
-from autotune.task import ProbeTask, load_task
-from autotune.trial import TrialRunner, _cycle
+from autotune.measure.meters import CpuMeter, CpuOutOfMemoryError
+from autotune.measure.meters.fake import FakeMeter, FakeTrialError
+from autotune.measure.strategies import Replicated, make_strategy
+from autotune.measure.trial import TrialRunner, _cycle
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import ProbeTask, load_task
 from examples.cases import CPU_BUDGET_CASES, HEADROOM, task_spec
 from tests.autotune._tasks import linear_task
 

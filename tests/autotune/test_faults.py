@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from autotune.cli.common import EXIT_NO_FIT
-from autotune.errors import BudgetError, TrialError
-from autotune.meters import CpuMeter, CpuOutOfMemoryError
-from autotune.oom import is_oom
-from autotune.probe import ProbeConfig, probe
-from autotune.task import ProbeTask
-from autotune.trial import run_trial
+from autotune.core.errors import BudgetError, TrialError
+from autotune.measure.meters import CpuMeter, CpuOutOfMemoryError
+from autotune.measure.oom import is_oom
+from autotune.measure.trial import run_trial
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import ProbeTask
 
 REPO = Path(__file__).resolve().parents[2]
 KiB = 1 << 10
@@ -152,7 +152,7 @@ def test_cli_budget_below_weights_is_one_error_line_and_exit_no_fit(tmp_path: Pa
             """
             import torch
             from torch import nn
-            from autotune.task import ProbeTask
+            from autotune.tasks.task import ProbeTask
 
             task = ProbeTask(
                 name="linear", model=lambda: nn.Linear(64, 8), batch=lambda m: (torch.randn(m, 64), torch.randn(m, 8))

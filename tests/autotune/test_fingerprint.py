@@ -8,14 +8,14 @@ import sys
 
 import torch
 
-from autotune.fingerprint import fingerprint_model, task_fingerprint
-from autotune.task import load_task
+from autotune.tasks.fingerprint import fingerprint_model, task_fingerprint
+from autotune.tasks.task import load_task
 from examples import gpt
 
 
 def test_same_setup_in_two_processes() -> None:
     code = (
-        "from autotune.task import load_task; from autotune.fingerprint import task_fingerprint; "
+        "from autotune.tasks.task import load_task; from autotune.tasks.fingerprint import task_fingerprint; "
         "print(task_fingerprint(load_task('examples/gpt.py:task')))"
     )
     outs = {

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from autotune.fragmentation import LARGE_GAP_MIN_BYTES, expandable_segments_on, gap_advice, reserved_gap_at
-from autotune.probe import ProbeConfig, probe
-from autotune.report import datasheet
-from autotune.schemas import Profile
-from autotune.task import load_task
+from autotune.cli.report import datasheet
+from autotune.core.schemas import Profile
+from autotune.measure.fragmentation import LARGE_GAP_MIN_BYTES, expandable_segments_on, gap_advice, reserved_gap_at
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import load_task
 from tests.factories import make_profile
 
 GiB = 1 << 30

@@ -18,12 +18,12 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
-from autotune.errors import AutotuneError, TaskError
-from autotune.fingerprint import task_fingerprint
-from autotune.meters import CpuMeter
-from autotune.probe import ProbeConfig, probe
-from autotune.strategies import Sharded, make_strategy, shard_units
-from autotune.trial import TrialRunner
+from autotune.core.errors import AutotuneError, TaskError
+from autotune.measure.meters import CpuMeter
+from autotune.measure.strategies import Sharded, make_strategy, shard_units
+from autotune.measure.trial import TrialRunner
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.fingerprint import task_fingerprint
 from examples import gpt
 from tests.autotune import _fsdp_worker as worker
 from tests.autotune._tasks import linear_task

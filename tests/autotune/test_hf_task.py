@@ -12,11 +12,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from autotune.cli import main
-from autotune.errors import TaskError
-from autotune.estimate import EstimateConfig, estimate
-from autotune.hf_task import parameter_count_text, with_options
-from autotune.probe import ProbeConfig, probe
-from autotune.task import load_task
+from autotune.core.errors import TaskError
+from autotune.orchestrate.estimate import EstimateConfig, estimate
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.hf import parameter_count_text, with_options
+from autotune.tasks.task import load_task
 from tests.autotune._hf_configs import CONFIGS, SEQ_LEN, VOCAB, write_config
 
 MiB = 1 << 20
@@ -150,7 +150,7 @@ def test_cli_estimate_equals_cli_probe_at_a_length(tmp_path: Path, capsys: pytes
 
 def test_importing_autotune_and_its_cli_does_not_import_transformers() -> None:
     code = (
-        "import sys, autotune, autotune.cli, autotune.hf_task, autotune_client\n"
+        "import sys, autotune, autotune.cli, autotune.tasks.hf, autotune_client\n"
         "print(json.dumps(sorted(m for m in ('transformers', 'lightning', 'torch') if m in sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True, check=True)

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from autotune.errors import BudgetError, DeviceError
-from autotune.meters import CpuMeter, CpuOutOfMemoryError, describe_device, make_meter
-from autotune.task import load_task
-from autotune.trial import run_trial
+from autotune.core.errors import BudgetError, DeviceError
+from autotune.measure.meters import CpuMeter, CpuOutOfMemoryError, describe_device, make_meter
+from autotune.measure.trial import run_trial
+from autotune.tasks.task import load_task
 
 MiB = 1 << 20
 
@@ -74,9 +74,9 @@ def test_device_errors() -> None:
 
 _FRESH = """
 import json
-from autotune.meters import CpuMeter
-from autotune.task import load_task
-from autotune.trial import run_trial
+from autotune.measure.meters import CpuMeter
+from autotune.tasks.task import load_task
+from autotune.measure.trial import run_trial
 task = load_task("examples/gpt.py:task")
 meter = CpuMeter(16 << 20)
 t = run_trial(task, meter, 5, limit_bytes=15 << 20)

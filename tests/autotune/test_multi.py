@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
-from autotune import multi
+from autotune.orchestrate import multi
 
 
 def _reports(index: int, queue: mp.Queue) -> None:

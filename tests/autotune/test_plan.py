@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.plan import EXACT_SEARCH_FACTOR, fit_affine, micro_batch_for_limit, micro_batches_text, plan
-from autotune.schemas import Fit
+from autotune.core.plan import EXACT_SEARCH_FACTOR, fit_affine, micro_batch_for_limit, micro_batches_text, plan
+from autotune.core.schemas import Fit
 
 sizes = st.integers(min_value=1, max_value=4096)
 

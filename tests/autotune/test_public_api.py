@@ -13,26 +13,26 @@ import pytest
 import autotune
 
 PUBLIC_MODULES = [
-    "autotune.schemas",
-    "autotune.plan",
-    "autotune.split",
-    "autotune.files",
-    "autotune.diagnose",
-    "autotune.search",
-    "autotune.task",
-    "autotune.fingerprint",
-    "autotune.meters",
-    "autotune.meters.base",
-    "autotune.meters.cpu",
-    "autotune.meters.cuda",
-    "autotune.trial",
-    "autotune.probe",
-    "autotune.accumulate",
-    "autotune.verify",
-    "autotune.errors",
-    "autotune.oom",
-    "autotune.units",
-    "autotune.report",
+    "autotune.core.schemas",
+    "autotune.core.plan",
+    "autotune.core.split",
+    "autotune.core.files",
+    "autotune.search.diagnose",
+    "autotune.search.boundary",
+    "autotune.tasks.task",
+    "autotune.tasks.fingerprint",
+    "autotune.measure.meters",
+    "autotune.measure.meters.base",
+    "autotune.measure.meters.cpu",
+    "autotune.measure.meters.cuda",
+    "autotune.measure.trial",
+    "autotune.orchestrate.probe",
+    "autotune.loop.accumulate",
+    "autotune.loop.verify",
+    "autotune.core.errors",
+    "autotune.measure.oom",
+    "autotune.core.units",
+    "autotune.cli.report",
     "autotune.cli",
     "autotune.cli.common",
     "autotune.cli.parser",
@@ -46,9 +46,9 @@ PUBLIC_MODULES = [
     "autotune.fleet.progress",
     "autotune.fleet.sink",
     "autotune.fleet.runner",
-    "autotune.checkpointing",
-    "autotune.recommend",
-    "autotune.throughput",
+    "autotune.measure.policies",
+    "autotune.core.recommend",
+    "autotune.measure.throughput",
     "autotune.cli.policies",
 ]
 
@@ -63,7 +63,10 @@ def test_all_is_declared_and_resolves(name: str) -> None:
 
 
 def test_importing_the_package_does_not_import_torch() -> None:
-    code = "import sys, autotune, autotune.schemas, autotune.plan, autotune.units; print('torch' in sys.modules)"
+    code = (
+        "import sys, autotune, autotune.core.schemas, autotune.core.plan, autotune.core.units; "
+        "print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 
@@ -80,10 +83,19 @@ def test_nothing_but_the_fleet_command_imports_ray() -> None:
 
 
 def _autotune_imports(path: Path, *, lazy: bool) -> set[str]:
-    """The autotune modules a file imports at module level, and inside functions too when ``lazy``."""
+    """The autotune modules a file imports at module level, and inside functions too when ``lazy``
+    (imports under ``if TYPE_CHECKING:`` are for the type checker alone and left out)."""
     tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
     found: set[str] = set()
     for node in ast.walk(tree) if lazy else tree.body:
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "autotune":
             found.add(node.module)
         elif isinstance(node, ast.Import):
@@ -91,24 +103,103 @@ def _autotune_imports(path: Path, *, lazy: bool) -> set[str]:
     return found
 
 
-def test_the_lower_floor_imports_nothing_above_it() -> None:
-    """Each name has one home on the lower floor: the wire schemas import only the split arithmetic,
-    which imports nothing of autotune (plan.py and schemas.py once imported each other), and the
-    fleet writes files through autotune.files, not through a command module."""
-    root = Path(autotune.__file__).parent
-    assert _autotune_imports(root / "schemas.py", lazy=True) <= {"autotune.split"}
-    assert _autotune_imports(root / "split.py", lazy=True) == set()
-    assert _autotune_imports(root / "files.py", lazy=True) == set()
-    assert not any(m.startswith("autotune.cli") for m in _autotune_imports(root / "fleet" / "sink.py", lazy=True))
-
-
-def test_no_two_modules_import_each_other_at_module_level() -> None:
+def _module_graph(*, lazy: bool) -> dict[str, set[str]]:
     root = Path(autotune.__file__).parent
     graph: dict[str, set[str]] = {}
     for path in root.rglob("*.py"):
         parts = path.relative_to(root.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        graph[name] = _autotune_imports(path, lazy=False)
+        graph[name] = _autotune_imports(path, lazy=lazy)
+    return graph
+
+
+# The floors of autotune (autotune/__init__.py draws them): a package imports its own floor and those below.
+FLOORS = {"core": 0, "tasks": 1, "measure": 2, "loop": 2, "search": 3, "emulation": 3, "orchestrate": 4, "cli": 5}
+FLOORS["fleet"] = 5
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    return FLOORS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_arrows_point_down_only() -> None:
+    """No module imports a package on a floor above its own, lazily or not (the top package's lazy
+    public names excepted: they are what the floors offer, not what they use)."""
+    upward = sorted(
+        (module, imported)
+        for module, imports in _module_graph(lazy=True).items()
+        for imported in imports
+        if module != "autotune"
+        and imported != "autotune"
+        and (mine := _floor(module)) is not None
+        and (theirs := _floor(imported)) is not None
+        and theirs > mine
+    )
+    assert upward == []
+    assert set(FLOORS) | {"__init__"} == {p.stem for p in Path(autotune.__file__).parent.iterdir() if p.name != "__pycache__"}
+    assert len(FLOORS) + 1 <= 12  # at most 12 entries at the top of autotune/
+
+
+def test_the_torch_free_floor_imports_only_itself() -> None:
+    core = {m: imports for m, imports in _module_graph(lazy=True).items() if m.startswith("autotune.core")}
+    assert core, "no autotune.core modules found"
+    assert {m: sorted(i) for m, i in core.items() if any(not x.startswith("autotune.core") for x in i)} == {}
+
+
+def test_no_circle_of_imports_at_run_time() -> None:
+    """Lazy imports included: two modules that import each other inside functions are a circle too."""
+    graph = _module_graph(lazy=True)
+    # Imports of a package resolve to its __init__; strongly connected components by Tarjan's algorithm.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in graph:
+                continue
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    # The package's own lazy public names (autotune/__init__.py) point at every floor by design.
+    assert [c for c in circles if "autotune" not in c] == []
+
+
+def test_the_lower_floor_imports_nothing_above_it() -> None:
+    """Each name has one home on the lower floor: the wire schemas import only the split arithmetic,
+    which imports nothing of autotune (plan.py and schemas.py once imported each other), and the
+    fleet writes files through autotune.core.files, not through a command module."""
+    root = Path(autotune.__file__).parent
+    assert _autotune_imports(root / "core" / "schemas.py", lazy=True) <= {"autotune.core.split"}
+    assert _autotune_imports(root / "core" / "split.py", lazy=True) == set()
+    assert _autotune_imports(root / "core" / "files.py", lazy=True) == set()
+    assert not any(m.startswith("autotune.cli") for m in _autotune_imports(root / "fleet" / "sink.py", lazy=True))
+
+
+def test_no_two_modules_import_each_other_at_module_level() -> None:
+    graph = _module_graph(lazy=False)
     pairs = sorted(
         (a, b)
         for a, imports in graph.items()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.meters import CpuMeter
-from autotune.plan import plan
-from autotune.probe import ProbeConfig, probe
-from autotune.recommend import Option, option_for, recommend, samples_per_second, update_seconds
-from autotune.schemas import Throughput
-from autotune.strategies import Replicated
-from autotune.throughput import throughput_of, time_sizes
+from autotune.core.plan import plan
+from autotune.core.recommend import Option, option_for, recommend, samples_per_second, update_seconds
+from autotune.core.schemas import Throughput
+from autotune.measure.meters import CpuMeter
+from autotune.measure.strategies import Replicated
+from autotune.measure.throughput import throughput_of, time_sizes
+from autotune.orchestrate.probe import ProbeConfig, probe
 from examples.gpt import GPTConfig, make_task
 from tests.factories import make_profile
 
@@ -91,7 +91,7 @@ def test_a_timed_run_times_each_size_after_a_warm_up_and_the_profile_records_it(
 
 
 def test_a_profile_whose_timings_contradict_it_is_refused() -> None:
-    from autotune.consistency import profile_problems
+    from autotune.core.consistency import profile_problems
 
     good = make_profile(max_micro_batch=10).model_copy(update={"throughput": [timed({10: 0.5}, 0.2)]})
     assert profile_problems(good) == []

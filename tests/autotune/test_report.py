@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from autotune.cli.parser import build_parser
-from autotune.report import datasheet, trial_counts
+from autotune.cli.report import datasheet, trial_counts
 from tests.factories import make_profile
 
 
@@ -73,7 +73,7 @@ def test_suggest_passes_the_strategy_and_refuses_an_unknown_one(monkeypatch: pyt
 
 
 def test_the_step_phase_recorded_by_a_real_trial_is_the_floor_of_predictions() -> None:
-    from autotune.schemas import Fit, Profile
+    from autotune.core.schemas import Fit, Profile
 
     gib = 2**30
     profile = Profile.model_validate(

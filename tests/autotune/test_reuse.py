@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.meters import CpuMeter
-from autotune.probe import ProbeConfig, probe
-from autotune.strategies import make_strategy
-from autotune.task import load_task
-from autotune.trial import TrialRunner, run_trial
+from autotune.measure.meters import CpuMeter
+from autotune.measure.strategies import make_strategy
+from autotune.measure.trial import TrialRunner, run_trial
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import load_task
 from examples.cases import task_spec
 from tests.autotune._tasks import linear_task
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.schemas import Trial
-from autotune.search import NoFitError, find_max_micro_batch
+from autotune.core.schemas import Trial
+from autotune.search.boundary import NoFitError, find_max_micro_batch
 
 
 def memory_model(

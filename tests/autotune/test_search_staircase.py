@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from autotune.schemas import Fit, Trial
-from autotune.search import find_max_micro_batch, peaks_decrease
+from autotune.core.schemas import Fit, Trial
+from autotune.search.boundary import find_max_micro_batch, peaks_decrease
 
 MiB = 1 << 20
 BUDGET = 2048 * MiB

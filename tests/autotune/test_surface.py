@@ -10,15 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.errors import TaskError
-from autotune.lengths import LengthsRun, check_lengths, estimate_lengths, probe_lengths, target_at_length
-from autotune.meters import CpuMeter
-from autotune.presearch import fake_surface, surface_points
-from autotune.probe import ProbeConfig, probe
-from autotune.strategies import make_strategy
-from autotune.surface import PeakSurface
-from autotune.task import ProbeTask
-from autotune.trial import TrialRunner, frozen_heap
+from autotune.core.errors import TaskError
+from autotune.core.surface import PeakSurface
+from autotune.measure.meters import CpuMeter
+from autotune.measure.strategies import make_strategy
+from autotune.measure.trial import TrialRunner, frozen_heap
+from autotune.orchestrate.lengths import LengthsRun, check_lengths, estimate_lengths, probe_lengths, target_at_length
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.search.presearch import fake_surface, surface_points
+from autotune.tasks.task import ProbeTask
 from examples.gpt import GPTConfig, make_seq_task
 
 MiB = 1 << 20
@@ -141,7 +141,7 @@ def test_a_probe_over_lengths_is_exact_at_every_length_and_finds_the_longest(ove
 
 
 def test_an_estimate_over_lengths_equals_the_probe_on_the_cpu(over_lengths: LengthsRun) -> None:
-    from autotune.estimate import EstimateConfig
+    from autotune.orchestrate.estimate import EstimateConfig
 
     task = make_seq_task(SMALL)
     estimated = estimate_lengths(task, EstimateConfig(budget_bytes=8 * MiB, device_kind="cpu"), [64, 128, 256])
@@ -228,7 +228,7 @@ def test_a_token_target_is_planned_in_sequences_with_the_deviation_said() -> Non
 
 
 def test_a_sequence_aware_fingerprint_leaves_the_length_out_and_the_client_agrees() -> None:
-    from autotune.fingerprint import fingerprint_model, task_fingerprint
+    from autotune.tasks.fingerprint import fingerprint_model, task_fingerprint
 
     task = make_seq_task(SMALL)
     assert task_fingerprint(task) == task_fingerprint(task.at_length(64)) == task_fingerprint(task.at_length(300))
@@ -248,8 +248,8 @@ def test_an_estimate_says_which_length_does_not_fit_and_diagnoses_a_run_where_no
     """The estimate runs on one fake model inside one held process group: a length where not even
     m = 1 fits is said in the others' profiles, and where no length fits the shortest one's
     diagnosis (fake trials of other setups, in groups of their own) still comes out."""
-    from autotune.errors import CannotFitError
-    from autotune.estimate import EstimateConfig
+    from autotune.core.errors import CannotFitError
+    from autotune.orchestrate.estimate import EstimateConfig
 
     task = make_seq_task(SMALL)
     config = EstimateConfig(budget_bytes=8 * MiB, device_kind="cpu", strategy=strategy, world_size=world)
@@ -262,7 +262,7 @@ def test_an_estimate_says_which_length_does_not_fit_and_diagnoses_a_run_where_no
 
 
 def test_a_probe_where_no_length_fits_gives_the_shortest_lengths_diagnosis() -> None:
-    from autotune.errors import CannotFitError
+    from autotune.core.errors import CannotFitError
 
     config = ProbeConfig(device="cpu", budget_bytes=MiB // 8, throughput=False)
     with pytest.raises(CannotFitError, match=r"^at seq_len 64: "):

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.errors import TaskError
-from autotune.task import ProbeTask, default_loss, load_task
+from autotune.core.errors import TaskError
+from autotune.tasks.task import ProbeTask, default_loss, load_task
 
 TASK_FILE = """
 import torch
-from autotune.task import ProbeTask
+from autotune.tasks.task import ProbeTask
 
 def make():
     return ProbeTask(name="from-callable", model=lambda: torch.nn.Linear(4, 2), batch=lambda m: torch.zeros(m, 4))

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from autotune.estimate import EstimateConfig, estimate
-from autotune.meters.cpu import CpuMeter
-from autotune.probe import ProbeConfig, probe
-from autotune.task import ProbeTask, load_task
-from autotune.trial import build_model, build_on_meta
+from autotune.measure.meters.cpu import CpuMeter
+from autotune.measure.trial import build_model, build_on_meta
+from autotune.orchestrate.estimate import EstimateConfig, estimate
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import ProbeTask, load_task
 from tests.autotune._allocator_truth import allocator_peak_bytes
 from tests.autotune._hf_configs import write_config
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.errors import TaskError, TrialError
-from autotune.meters import CpuMeter
-from autotune.strategies import Replicated
-from autotune.trial import run_trial
+from autotune.core.errors import TaskError, TrialError
+from autotune.measure.meters import CpuMeter
+from autotune.measure.strategies import Replicated
+from autotune.measure.trial import run_trial
 
 from ._tasks import linear_task
 

@@ -7,10 +7,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import autotune.verify as verify_module
-from autotune.errors import TaskError
-from autotune.task import ProbeTask
-from autotune.verify import (
+import autotune.loop.verify as verify_module
+from autotune.core.errors import TaskError
+from autotune.loop.verify import (
     CAUSE_BATCHNORM,
     CAUSE_MEAN_OF_MEANS,
     CAUSE_RANDOMNESS,
@@ -19,6 +18,7 @@ from autotune.verify import (
     verify_cli,
     verify_gradients,
 )
+from autotune.tasks.task import ProbeTask
 from examples import cnn, gpt, mlp
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import autotune.probe
+import autotune.orchestrate.probe
 from autotune_client import AutotuneClientError, suggest
 from autotune_client._distributed import one_decision
 from tests.client._factories import json_response, make_suggestion, mock_client
@@ -31,7 +31,7 @@ def _example(m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _counted_probe(calls: list[int]) -> Any:
-    real = autotune.probe.probe
+    real = autotune.orchestrate.probe.probe
 
     def probe(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
@@ -45,7 +45,7 @@ def run(rank: int, world_size: int, rendezvous_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank, world_size=world_size)
     result: dict[str, Any] = {}
     calls: list[int] = []
-    autotune.probe.probe = _counted_probe(calls)  # suggest imports it from the module when it probes
+    autotune.orchestrate.probe.probe = _counted_probe(calls)  # suggest imports it from the module when it probes
     warnings.simplefilter("ignore")  # the local probe's "no tuner server" warning, on rank 0
     try:
         # 1. No server: rank 0 probes, the other rank receives its answer.

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx2 as httpx
 
-from autotune.schemas import Profile, Suggestion
+from autotune.core.schemas import Profile, Suggestion
 from autotune_client import TunerClient
 from tests.factories import make_profile as shared_make_profile
 

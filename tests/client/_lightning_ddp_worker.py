@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-import autotune.probe
+import autotune.orchestrate.probe
 from autotune_client.integrations.lightning import AutotuneBatchSize, IntegrationError
 from tests.client import _lightning_job as job
 
@@ -17,13 +17,13 @@ def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two processes on a shared CPU: no oversubscription
     job.ddp_env(rank, world_size, port)
     probes: list[int] = []
-    real_probe = autotune.probe.probe
+    real_probe = autotune.orchestrate.probe.probe
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         probes.append(1)
         return real_probe(*args, **kwargs)
 
-    autotune.probe.probe = counted
+    autotune.orchestrate.probe.probe = counted
     result: dict[str, Any] = {}
     try:
         callback = AutotuneBatchSize(budget=job.BUDGET)

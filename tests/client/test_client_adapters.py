@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
-from autotune.plan import UnevenPlanWarning
-from autotune.schemas import Suggestion
+from autotune.core.plan import UnevenPlanWarning
+from autotune.core.schemas import Suggestion
 from tests.client._factories import make_suggestion
 
 

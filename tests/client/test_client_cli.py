@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from autotune.schemas import Suggestion
+from autotune.core.schemas import Suggestion
 from autotune_client import AuthenticationError, PermissionDeniedError
 from autotune_client.cli import (
     EXIT_ERROR,
@@ -183,7 +183,7 @@ def test_format_suggestion_says_when_the_target_is_missed() -> None:
 def test_observer_posts_what_the_accumulator_reports(in_process_server: Callable[..., Any]) -> None:
     import warnings
 
-    from autotune.schemas import Observation
+    from autotune.core.schemas import Observation
 
     client = in_process_server(token=WRITE_TOKEN)
     profile_id = client.upload(make_profile())

@@ -7,8 +7,8 @@ import json
 import httpx2 as httpx
 import pytest
 
-from autotune.errors import AutotuneError
-from autotune.schemas import Observation
+from autotune.core.errors import AutotuneError
+from autotune.core.schemas import Observation
 from autotune_client import (
     APIConnectionError,
     APIStatusError,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from autotune.schemas import Observation
+from autotune.core.schemas import Observation
 from autotune_client import InternalServerError, TunerUnavailableWarning, suggest
 from tests.client._factories import (
     error_body,

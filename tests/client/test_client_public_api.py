@@ -17,7 +17,7 @@ import autotune_client._observer
 import autotune_client._suggest
 import autotune_client.cli
 import autotune_client.errors
-from autotune.errors import AutotuneError
+from autotune.core.errors import AutotuneError
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = [

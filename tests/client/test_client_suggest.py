@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-import autotune.probe
-import autotune.trial
-from autotune.fingerprint import task_fingerprint
-from autotune.probe import ProbeConfig
-from autotune.schemas import Profile
-from autotune.task import ProbeTask
+import autotune.measure.trial
+import autotune.orchestrate.probe
+from autotune.core.schemas import Profile
+from autotune.orchestrate.probe import ProbeConfig
+from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.task import ProbeTask
 from autotune_client import (
     APIConnectionError,
     APITimeoutError,
@@ -65,7 +65,7 @@ def _no_ambient_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class FakeProbe:
-    """Stands in for autotune.probe.probe: records what it was asked, answers like the real one."""
+    """Stands in for autotune.orchestrate.probe.probe: records what it was asked, answers like the real one."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[ProbeTask, ProbeConfig]] = []
@@ -80,7 +80,7 @@ class FakeProbe:
 @pytest.fixture
 def fake_probe(monkeypatch: pytest.MonkeyPatch) -> FakeProbe:
     fake = FakeProbe()
-    monkeypatch.setattr(autotune.probe, "probe", fake)
+    monkeypatch.setattr(autotune.orchestrate.probe, "probe", fake)
     return fake
 
 
@@ -89,8 +89,8 @@ def no_trials(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("a trial ran although the server had the answer")
 
-    monkeypatch.setattr(autotune.probe, "probe", forbidden)
-    monkeypatch.setattr(autotune.trial, "run_trial", forbidden)
+    monkeypatch.setattr(autotune.orchestrate.probe, "probe", forbidden)
+    monkeypatch.setattr(autotune.measure.trial, "run_trial", forbidden)
 
 
 # -- fingerprint ---------------------------------------------------------------------------------
@@ -445,7 +445,7 @@ def test_a_local_probe_of_an_fsdp_job_runs_fsdp_at_its_world_size(monkeypatch: p
             fingerprint=task_fingerprint(task), strategy=config.strategy, world_size=config.world_size
         )
 
-    monkeypatch.setattr(autotune.probe, "probe", fsdp_probe)
+    monkeypatch.setattr(autotune.orchestrate.probe, "probe", fsdp_probe)
     with pytest.warns(TunerUnavailableWarning):
         got = suggest(tiny_model(), 96, example=tiny_batch, world_size=4, strategy="fsdp", budget="8MiB")
     ((config,),) = [configs]
@@ -488,7 +488,7 @@ def test_a_plan_policy_reaches_the_server_and_an_unknown_one_is_an_error(
 
 def test_a_job_that_cannot_fit_one_sample_gets_the_one_line_diagnosis() -> None:
     """The local probe's no-fit answer reaches the job as the probe's own line, not an allocator error."""
-    from autotune.errors import CannotFitError
+    from autotune.core.errors import CannotFitError
 
     with pytest.warns(TunerUnavailableWarning), pytest.raises(CannotFitError) as caught:
         suggest(tiny_model(), 8, example=tiny_batch, budget="16KiB")

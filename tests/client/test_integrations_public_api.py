@@ -15,13 +15,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _modules() -> list[ModuleType]:
-    import autotune.hf_task
+    import autotune.tasks.hf
     import autotune_client._distributed
     import autotune_client.integrations
     import autotune_client.integrations._common
 
     modules: list[ModuleType] = [
-        autotune.hf_task,
+        autotune.tasks.hf,
         autotune_client._distributed,
         autotune_client.integrations,
         autotune_client.integrations._common,
@@ -53,7 +53,7 @@ def test_all_names_exist_are_sorted_and_documented(module: ModuleType) -> None:
 
 def test_the_client_and_the_integrations_package_import_no_framework() -> None:
     code = (
-        "import sys, json, autotune_client, autotune_client.integrations, autotune.hf_task\n"
+        "import sys, json, autotune_client, autotune_client.integrations, autotune.tasks.hf\n"
         "names = ('lightning', 'pytorch_lightning', 'transformers', 'torch')\n"
         "print(json.dumps([m for m in names if m in sys.modules]))"
     )

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from autotune.accumulate import Accumulator
-from autotune.schemas import Observation
+from autotune.core.schemas import Observation
+from autotune.loop.accumulate import Accumulator
 from autotune_client import PeakObserver, observer
 from tests.client._factories import FINGERPRINT, make_profile, make_suggestion
 from tests.client.conftest import WRITE_TOKEN

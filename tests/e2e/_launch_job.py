@@ -22,8 +22,8 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-import autotune.probe
-import autotune.trial
+import autotune.measure.trial
+import autotune.orchestrate.probe
 from autotune_client import TunerUnavailableWarning, suggest
 from examples import mlp
 
@@ -59,10 +59,10 @@ def main() -> int:
     warnings.simplefilter("error", TunerUnavailableWarning)
     if args.forbid_trials:
         for module, name in (
-            (autotune.probe, "probe"),
-            (autotune.probe, "probe_with_meter"),
-            (autotune.probe, "run_trial"),
-            (autotune.trial, "run_trial"),
+            (autotune.orchestrate.probe, "probe"),
+            (autotune.orchestrate.probe, "probe_with_meter"),
+            (autotune.orchestrate.probe, "run_trial"),
+            (autotune.measure.trial, "run_trial"),
         ):
             if hasattr(module, name):
                 setattr(module, name, _forbidden)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from autotune.schemas import Device, Fit, Observation, Plan, Profile, Throughput, Trial
+from autotune.core.schemas import Device, Fit, Observation, Plan, Profile, Throughput, Trial
 from autotune_client import TunerClient
 from tests.e2e.conftest import REPO, LiveServer
 from tests.factories import fingerprint_for, make_profile

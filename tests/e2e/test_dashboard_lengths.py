@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from autotune.schemas import Profile
+from autotune.core.schemas import Profile
 from autotune_client import TunerClient
 from tests.e2e.conftest import REPO, LiveServer
 from tests.e2e.test_dashboard import browser, page  # noqa: F401 -- the fixtures, shared

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from autotune.schemas import Profile, Suggestion
+from autotune.core.schemas import Profile, Suggestion
 from autotune_client import TunerClient
 from tests.e2e.conftest import REPO, LiveServer, autotune_command
 

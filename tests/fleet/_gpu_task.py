@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from autotune.task import ProbeTask
+from autotune.tasks.task import ProbeTask
 from tests.fleet._tasks import Small, _inputs
 
 

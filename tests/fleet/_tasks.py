@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from autotune.task import ProbeTask
+from autotune.tasks.task import ProbeTask
 
 SLOW_SECONDS = 120.0
 

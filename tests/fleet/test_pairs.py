@@ -11,13 +11,13 @@ import pytest
 
 from autotune.cli import build_parser, main
 from autotune.cli.common import EXIT_USAGE
-from autotune.errors import AutotuneError, TaskError
+from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.schemas import Profile
 from autotune.fleet import Pair, ProfileSink, Progress, Stored, make_pairs, parse_accelerators
 from autotune.fleet.pairs import worker_spec
 from autotune.fleet.runner import _warn_unplaceable
 from autotune.fleet.sink import profile_file_name
-from autotune.probe import ProbeConfig
-from autotune.schemas import Profile
+from autotune.orchestrate.probe import ProbeConfig
 from tests.e2e.conftest import REPO, free_port
 from tests.factories import make_profile
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.meters import CudaMeter
-from autotune.meters.fake import FakeMeter
-from autotune.probe import ProbeConfig, probe
-from autotune.strategies import make_strategy
-from autotune.task import load_task
-from autotune.trial import TrialRunner
+from autotune.measure.meters import CudaMeter
+from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.strategies import make_strategy
+from autotune.measure.trial import TrialRunner
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import load_task
 
 GiB = 1 << 30
 

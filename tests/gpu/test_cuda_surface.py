@@ -4,11 +4,11 @@ see), and the longest length at m = 1."""
 
 from __future__ import annotations
 
-from autotune.lengths import probe_lengths
-from autotune.presearch import fake_surface
-from autotune.probe import ProbeConfig
-from autotune.strategies import make_strategy
-from autotune.task import load_task
+from autotune.measure.strategies import make_strategy
+from autotune.orchestrate.lengths import probe_lengths
+from autotune.orchestrate.probe import ProbeConfig
+from autotune.search.presearch import fake_surface
+from autotune.tasks.task import load_task
 
 GiB = 1 << 30
 LENGTHS = [256, 512, 1024]

@@ -9,7 +9,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from autotune.schemas import Profile
+from autotune.core.schemas import Profile
 from autotune_server import Settings, create_app
 from autotune_server.repository import add_profile
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from autotune.schemas import Suggestion
+from autotune.core.schemas import Suggestion
 from tests.factories import inconsistent_payloads, make_run_payload, profile_payload
 from tests.server.conftest import WRITE, store_unchecked
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from autotune.schemas import Suggestion
+from autotune.core.schemas import Suggestion
 from autotune_server.drift import QUANTILE, Reference, drift_of
 from tests.factories import DEFAULT_DEVICE, FINGERPRINT, profile_payload
 from tests.server.conftest import WRITE

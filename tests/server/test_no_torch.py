@@ -70,14 +70,14 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
     # (with the errors it raises), the throughput arithmetic and the memory surface only.
     allowed = {
         "autotune",
-        "autotune.schemas",
-        "autotune.split",
-        "autotune.plan",
-        "autotune.consistency",
-        "autotune.errors",
+        "autotune.core.schemas",
+        "autotune.core.split",
+        "autotune.core.plan",
+        "autotune.core.consistency",
+        "autotune.core.errors",
         # The pricing of plans from timed runs (objective=throughput), torch-free like the plan.
-        "autotune.recommend",
+        "autotune.core.recommend",
         # The peak surface over (m, L): /suggest predicts lengths nobody measured from it.
-        "autotune.surface",
+        "autotune.core.surface",
     }
     assert set(result["autotune_modules"]) <= allowed

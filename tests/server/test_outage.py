@@ -414,6 +414,6 @@ def _through(server: TestClient) -> httpx.Client:
 
 
 def _profile(seed: int) -> Any:
-    from autotune.schemas import Profile
+    from autotune.core.schemas import Profile
 
     return Profile.model_validate(profile_payload(seed=seed))

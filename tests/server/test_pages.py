@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from autotune.plan import plan
-from autotune.units import format_bytes
+from autotune.core.plan import plan
+from autotune.core.units import format_bytes
 from autotune_server.dashboard_queries import TableQuery
 from autotune_server.pages import (
     CONTENT_SECURITY_POLICY,

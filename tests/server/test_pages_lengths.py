@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from autotune.schemas import Profile
-from autotune.surface import PeakSurface
+from autotune.core.schemas import Profile
+from autotune.core.surface import PeakSurface
 from autotune_server.dashboard_queries import TableQuery
 from autotune_server.pages import parse_table_query, table_url
 from autotune_server.surface_chart import CHART_ID, LINE_POINTS, MAX_STEP_WORK, MAX_STEPS, surface_line

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from fastapi.testclient import TestClient
 
-from autotune.schemas import Profile
+from autotune.core.schemas import Profile
 from tests.factories import FINGERPRINT, fingerprint_for, make_profile, profile_payload
 from tests.server.conftest import OTHER_WRITE_TOKEN, READ, WRITE
 

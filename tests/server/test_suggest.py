@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 from fastapi.testclient import TestClient
 
-from autotune.plan import micro_batch_for_limit, plan
-from autotune.schemas import Fit, Suggestion
+from autotune.core.plan import micro_batch_for_limit, plan
+from autotune.core.schemas import Fit, Suggestion
 from tests.factories import DEFAULT_DEVICE, FINGERPRINT, fingerprint_for, profile_payload
 from tests.server.conftest import WRITE
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from autotune.schemas import Profile, Suggestion
-from autotune.surface import PeakSurface
+from autotune.core.schemas import Profile, Suggestion
+from autotune.core.surface import PeakSurface
 from tests.server.conftest import WRITE
 
 SUGGEST = "/api/v1/suggest"

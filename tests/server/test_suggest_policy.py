@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from autotune.schemas import Suggestion
+from autotune.core.schemas import Suggestion
 from tests.factories import DEFAULT_DEVICE, FINGERPRINT, profile_payload
 from tests.server.conftest import WRITE
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.schemas import Suggestion
+from autotune.core.schemas import Suggestion
 from autotune_client.errors import AutotuneClientError
 
 __all__ = ["IntegrationError", "check_recipe", "describe", "equal_plan"]

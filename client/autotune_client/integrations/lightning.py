@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
-from autotune.schemas import Suggestion, TagValue
+from autotune.core.schemas import Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._suggest import suggest
 from autotune_client.integrations._common import IntegrationError, check_recipe, describe, equal_plan

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from autotune.schemas import Suggestion, TagValue
+from autotune.core.schemas import Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._suggest import suggest
 from autotune_client.integrations._common import IntegrationError, check_recipe, describe, equal_plan

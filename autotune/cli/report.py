@@ -1,0 +1,159 @@
+"""Human text for trials and profiles (the CLI's progress lines and the datasheet). Torch-free."""
+
+from __future__ import annotations
+
+from autotune.core.plan import micro_batches_text
+from autotune.core.schemas import Profile, Trial
+from autotune.core.units import format_bytes
+from autotune.measure.fragmentation import gap_advice
+
+__all__ = ["datasheet", "lengths_datasheet", "strategy_text", "trial_counts", "trial_line"]
+
+
+_POLICY_TEXT = {
+    "none": "none",
+    "every-2": "every-2 (every other block recomputes its forward)",
+    "full": "full (every block recomputes its forward)",
+}
+
+
+def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
+    """One progress line: m, peak, verdict, time."""
+    verdict = "OOM" if trial.oom else ("fits" if trial.fits else "over limit")
+    if trial.fake:
+        verdict = f"fake {verdict}"
+    share = f" ({100 * trial.peak_bytes / limit_bytes:5.1f}% of limit)" if limit_bytes and not trial.oom else ""
+    return (
+        f"trial m={trial.micro_batch:<6d} peak {format_bytes(trial.peak_bytes):>11}{share}  "
+        f"{verdict:<15} {trial.seconds:6.2f}s"
+    )
+
+
+def strategy_text(profile: Profile) -> str:
+    """How the probe held the model: 'ddp, world size 1', 'ddp over 4 replicas', 'fsdp over 8 ranks (...)'."""
+    if profile.strategy == "fsdp":
+        return f"fsdp over {profile.world_size} ranks (the figures are one rank's, for this world size only)"
+    if profile.world_size > 1:
+        return f"ddp over {profile.world_size} replicas (DDP's gradient buckets counted)"
+    return "ddp, world size 1"
+
+
+def trial_counts(profile: Profile) -> str:
+    """Real trials apart from fake ones: '3 real (1 OOM), 12 fake' ('0 real, 9 fake' for an estimate)."""
+    real = [t for t in profile.trials if not t.fake]
+    fake = len(profile.trials) - len(real)
+    text = f"{len(real)} real" + (f" ({sum(t.oom for t in real)} OOM)" if real else "")
+    return text + (f", {fake} fake" if fake else "")
+
+
+def datasheet(profile: Profile) -> str:
+    """The profile as a page of text: plan, memory, fit, trials, warnings."""
+    dev = profile.device
+    lines = [
+        f"autotune datasheet: {profile.task}",
+        f"  fingerprint      {profile.fingerprint[:16]}",
+        f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
+        f"  precision        {profile.precision}",
+        f"  strategy         {strategy_text(profile)}",
+        f"  checkpointing    {_POLICY_TEXT.get(profile.activation_checkpointing, profile.activation_checkpointing)}",
+        f"  source           {profile.source}"
+        + (" (fake-tensor trials only, not a measurement on the device)" if profile.source == "estimate" else ""),
+        f"  budget           {format_bytes(profile.budget_bytes)} (headroom {profile.headroom:.0%}, "
+        f"limit {format_bytes(profile.limit_bytes)})",
+        f"  max micro-batch  {profile.max_micro_batch}"
+        + (f" (multiple of {profile.multiple_of})" if profile.multiple_of > 1 else ""),
+    ]
+    plan = profile.plan
+    chosen = plan.micro_batch if plan else profile.max_micro_batch
+    if plan is not None:
+        verdict = f"(target {plan.target_batch}, {'exact' if plan.exact else 'NOT exact'})"
+        if plan.uneven:  # balanced: the sizes of one update's micro-batches, count×size
+            lines.append(f"  plan             {micro_batches_text(plan.micro_batches, plan.world_size)} {verdict}")
+        else:
+            lines.append(
+                f"  plan             m={plan.micro_batch} x A={plan.accumulation_steps} x D={plan.world_size} "
+                f"= {plan.effective_batch} {verdict}"
+            )
+    peak = profile.peak_at(chosen)
+    if peak is not None:
+        lines.append(
+            f"  peak at m={chosen:<6d} {format_bytes(peak)} ({100 * peak / profile.budget_bytes:.1f}% of budget"
+            + (", estimated)" if profile.source == "estimate" else ")")
+        )
+    elif (predicted := profile.predicted_peak(chosen)) is not None:
+        lines.append(f"  peak at m={chosen:<6d} ~{format_bytes(predicted)} (from the fit)")
+    if profile.fit is not None:
+        lines.append(
+            f"  fit              {format_bytes(profile.fit.fixed_bytes)} + "
+            f"{format_bytes(profile.fit.bytes_per_sample)} per sample (forward/backward)"
+        )
+    lines.append(f"  trials           {trial_counts(profile)} in {profile.seconds:.2f}s")
+    for timing in profile.throughput or []:
+        sizes = " + ".join(f"{count}x{size}" for size, count in timing.micro_batches)
+        lines.append(
+            f"  throughput       {timing.samples_per_second:.4g} samples/s, update {sizes} in "
+            f"{timing.seconds_per_update:.4g}s (timed, median of {timing.repeats})"
+        )
+    advice = gap_advice(profile)
+    if advice is not None:
+        lines.append(f"  fragmentation    {advice}")
+    lines.extend(f"  warning          {warning}" for warning in profile.warnings)
+    return "\n".join(lines)
+
+
+def _plan_text(profile: Profile) -> str:
+    plan = profile.plan
+    if plan is None:
+        return "-"
+    text = micro_batches_text(plan.micro_batches, plan.world_size)
+    return text + ("" if plan.exact else f" (target {plan.target_batch}, not exact)")
+
+
+def lengths_datasheet(profiles: list[Profile]) -> str:
+    """The profiles of one run over sequence lengths as one table (per memory policy where several
+    ran): L, m_max, tokens per micro-batch, the plan, real and fake trials; then the longest length
+    that fits at m = multiple_of, and the warnings once each."""
+    first = profiles[0]
+    dev = first.device
+    lines = [
+        f"autotune datasheet: {first.task} over sequence lengths",
+        f"  fingerprint      {first.fingerprint[:16]} (every length)",
+        f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
+        f"  precision        {first.precision}",
+        f"  strategy         {strategy_text(first)}",
+        f"  source           {first.source}",
+        f"  budget           {format_bytes(first.budget_bytes)} (headroom {first.headroom:.0%}, "
+        f"limit {format_bytes(first.limit_bytes)})",
+    ]
+    policies = list(dict.fromkeys(p.activation_checkpointing for p in profiles))
+    for policy in policies:
+        group = [p for p in profiles if p.activation_checkpointing == policy]
+        if len(policies) > 1 or policy != "none":
+            lines.append(f"  activation checkpointing: {policy}")
+        lines.append(f"  {'L':>8}  {'m_max':>6}  {'tokens/micro-batch':>18}  {'plan':<28}  trials")
+        for p in group:
+            tokens = p.max_micro_batch * (p.seq_len or 0)
+            lines.append(
+                f"  {p.seq_len or '-':>8}  {p.max_micro_batch:>6}  {tokens:>18}  {_plan_text(p):<28}  {trial_counts(p)}"
+            )
+        surface = group[0].surface
+        if surface is not None and surface.longest is not None:
+            longest = surface.longest
+            why = {"memory": "the next length does not fit", "cap": "the cap", "model": "the model refuses longer"}
+            lines.append(
+                f"  longest L at m={longest.micro_batch}: {longest.seq_len} "
+                f"({format_bytes(longest.peak_bytes)}; limited by {why[longest.limited_by]})"
+                + (f": {longest.note}" if longest.note else "")
+            )
+        if surface is not None:
+            lines.append(
+                f"  surface          {len(surface.pieces)} pieces over L {surface.covered[0]}..{surface.covered[1]}, "
+                f"checked on a held-out trace at m={surface.held_out[0] if surface.held_out else '-'}, "
+                f"L={surface.held_out[1] if surface.held_out else '-'}"
+            )
+    seconds = max(p.seconds for p in profiles)
+    lines.append(f"  time             {seconds:.2f}s")
+    warnings = list(dict.fromkeys(w for p in profiles for w in p.warnings))
+    lines.extend(f"  warning          {warning}" for warning in warnings)
+    return "\n".join(lines)
+

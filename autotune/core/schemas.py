@@ -1,0 +1,455 @@
+"""The wire contract: what a probe produces, the store keeps and the API serves.
+
+Torch-free on purpose: the service image imports this module without torch installed.
+Every model forbids unknown fields so that a client's typo is a 422 naming the field,
+not a silently dropped value.
+"""
+
+from __future__ import annotations
+
+import warnings
+from datetime import datetime, timezone
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from autotune.core.split import UnevenPlanWarning, micro_batches_text, split
+
+__all__ = [
+    "ACTIVATION_CHECKPOINTING",
+    "OBJECTIVES",
+    "PRECISIONS",
+    "SCHEMA_VERSION",
+    "SOURCES",
+    "STRATEGIES",
+    "Device",
+    "Fit",
+    "LongestSeqLen",
+    "MAX_SEQ_LEN",
+    "MicroBatchCount",
+    "Observation",
+    "Plan",
+    "Precision",
+    "Profile",
+    "Source",
+    "Strategy",
+    "Suggestion",
+    "Surface",
+    "TagValue",
+    "Throughput",
+    "Trial",
+]
+
+SCHEMA_VERSION = 1
+PRECISIONS = ("fp32", "bf16", "fp16")
+Precision = Literal["fp32", "bf16", "fp16"]
+TagValue = str | int | float | bool
+# What one device holds: ddp (every replica the whole model) or fsdp (FSDP2, 1/N of it per rank).
+STRATEGIES = ("ddp", "fsdp")
+Strategy = Literal["ddp", "fsdp"]
+# Where a profile's figures come from: real trials on the device, or fake-tensor trials only.
+SOURCES = ("measured", "estimate")
+Source = Literal["measured", "estimate"]
+# Activation checkpointing (autotune/measure/policies.py): no block, every other block, every block
+# recomputes its forward in the backward.
+ACTIVATION_CHECKPOINTING = ("none", "every-2", "full")
+ActivationCheckpointing = Literal["none", "every-2", "full"]
+# What a recommendation optimizes: the largest micro-batch that fits (the fewest steps), or samples
+# per second among the policies that hold the target.
+OBJECTIVES = ("memory", "throughput")
+Objective = Literal["memory", "throughput"]
+
+# Bounds keep hostile or corrupt uploads out of the database: no real card has 2**60 bytes.
+MAX_BYTES = 2**60
+MAX_MICRO_BATCH = 2**24
+MAX_WORLD_SIZE = 2**20
+
+NonNegBytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+PosBytes = Annotated[int, Field(gt=0, le=MAX_BYTES)]
+MicroBatch = Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]
+ShortText = Annotated[str, Field(max_length=256)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Device(_Model):
+    """The device a profile was measured on (one entry per probed device)."""
+
+    kind: Literal["cpu", "cuda"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    index: Annotated[int, Field(ge=0, le=1024)] | None = None
+    total_bytes: NonNegBytes | None = None
+    free_bytes: NonNegBytes | None = None
+    uuid: ShortText | None = None
+    driver_version: ShortText | None = None
+    cuda_version: ShortText | None = None
+    torch_version: ShortText | None = None
+    compute_capability: ShortText | None = None
+
+
+class Trial(_Model):
+    """One measurement: the peak of a full accumulate-and-step cycle at one micro-batch size."""
+
+    micro_batch: MicroBatch
+    peak_bytes: NonNegBytes
+    fits: bool
+    oom: bool = False
+    seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+    # The peak of the forward/backward phases alone: affine in m from m=1, where the whole-trial
+    # peak is flat while the optimizer step dominates. The search and the fit use it.
+    forward_backward_bytes: NonNegBytes | None = None
+    # CUDA only: max_memory_allocated beside the reserved figure, and memory outside the allocator.
+    allocated_bytes: NonNegBytes | None = None
+    outside_allocator_bytes: NonNegBytes | None = None
+    # The optimizer step's peak (weights, gradients, optimizer state and the step's temporaries, no
+    # activations): flat in m, so one trial anywhere gives the floor of every smaller m's peak.
+    step_bytes: NonNegBytes | None = None
+    # A fake-tensor trial (shapes and dtypes, no storage): a pre-search point or an estimate, never
+    # a measurement on the device.
+    fake: bool = False
+
+
+class Fit(_Model):
+    """forward_backward_bytes(m) ~= fixed_bytes + bytes_per_sample * m, least squares over the
+    measured (non-OOM) trials. It is the affine part of memory: the whole-trial peak is
+    max(this line, the optimizer step's peak), and the step's peak is at most the peak measured at
+    the smallest micro-batch."""
+
+    fixed_bytes: Annotated[float, Field(ge=-MAX_BYTES, le=MAX_BYTES)]
+    bytes_per_sample: Annotated[float, Field(ge=0, le=MAX_BYTES)]
+
+
+# (size, count): `count` micro-batches of `size` samples each, per replica and per update.
+MicroBatchCount = tuple[MicroBatch, Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]]
+
+
+def _equal_micro_batches(micro_batch: int, accumulation_steps: int) -> list[MicroBatchCount]:
+    return [(micro_batch, accumulation_steps)]
+
+
+class Plan(_Model):
+    """How to reach a target effective batch: the micro-batches of one update, on world_size replicas.
+
+    ``micro_batches`` lists them as (size, count) pairs, largest first: one pair when all are equal
+    (``micro_batch`` x ``accumulation_steps``), two for a balanced plan whose sizes differ by one
+    (6 x 26 + 4 x 25 = 256 in 10 steps). ``micro_batch`` is the largest size, for the tools that know
+    only one number. Left out (profiles from before balanced plans), it is the one equal pair.
+    """
+
+    micro_batch: MicroBatch
+    accumulation_steps: Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+    effective_batch: Annotated[int, Field(ge=1, le=2**40)]
+    target_batch: Annotated[int, Field(ge=1, le=2**40)]
+    exact: bool
+    max_micro_batch: MicroBatch
+    note: Annotated[str, Field(max_length=1024)] = ""
+    micro_batches: Annotated[list[MicroBatchCount], Field(max_length=64)] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _default_micro_batches(self) -> Plan:
+        if not self.micro_batches:
+            self.micro_batches = _equal_micro_batches(self.micro_batch, self.accumulation_steps)
+        return self
+
+    @property
+    def deviation(self) -> int:
+        return self.effective_batch - self.target_batch
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the micro-batches of an update differ in size (a balanced plan)."""
+        return len({size for size, _ in self.micro_batches}) > 1
+
+
+class Throughput(_Model):
+    """A timed run on the device (autotune/measure/throughput.py), never the search's trials: warm-up first,
+    then each micro-batch size of one update timed forward+backward, and the optimizer step.
+
+    ``micro_batches`` is one update per replica as (size, count) pairs (a plan's, or one micro-batch
+    of m_max); ``seconds_per_update`` is the sum of count x ``micro_batch_seconds`` of each size plus
+    ``step_seconds``; ``samples_per_second`` is the update's samples on ``world_size`` replicas over it.
+    """
+
+    micro_batch: MicroBatch
+    samples_per_second: Annotated[float, Field(gt=0, le=1e12)]
+    seconds_per_update: Annotated[float, Field(gt=0, le=1e7)]
+    micro_batches: Annotated[list[MicroBatchCount], Field(min_length=1, max_length=64)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    # (size, median seconds of one forward+backward at that size) for each timed size.
+    micro_batch_seconds: Annotated[
+        list[tuple[MicroBatch, Annotated[float, Field(gt=0, le=1e7)]]], Field(min_length=1, max_length=64)
+    ]
+    step_seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+    # Timed repeats of each size (after one warm-up update).
+    repeats: Annotated[int, Field(ge=1, le=100_000)] = 1
+
+
+# A surface keeps the pieces that can be the largest (autotune/core/surface.py prunes them): a handful.
+MAX_SURFACE_PIECES = 512
+MAX_SEQ_LEN = 2**24
+SeqLen = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN)]
+# A piece's integer coefficients of 1, m, L, m*L, L^2, m*L^2 over the surface's denominator; they can
+# exceed 64 bits, which JSON carries exactly.
+SurfacePiece = Annotated[list[int], Field(min_length=6, max_length=6)]
+
+
+class LongestSeqLen(_Model):
+    """The longest sequence that fits at ``micro_batch`` (multiple_of), read off the surface and
+    confirmed: by real trials at it and one past it for a measurement, fake ones for an estimate.
+    ``limited_by``: "memory" (the next length does not fit), "cap" (--max-seq-len reached) or
+    "model" (the model refused the next length; ``note`` says how)."""
+
+    micro_batch: MicroBatch
+    seq_len: SeqLen
+    peak_bytes: NonNegBytes
+    limited_by: Literal["memory", "cap", "model"]
+    cap: SeqLen
+    note: Annotated[str, Field(max_length=1024)] = ""
+
+
+class Surface(_Model):
+    """The peak-memory surface over (m, L) of a sequence-aware probe (autotune/core/surface.py): the
+    peak at (m, L) is max over ``pieces`` of (c · (1, m, L, mL, L², mL²)) // ``denominator``, plus
+    ``offset_bytes`` (what the device's real trials showed above the fake surface; 0 on the CPU).
+    ``covered``: the lengths it answers for (the measured ones and the longest that fits), inclusive.
+    """
+
+    denominator: Annotated[int, Field(gt=0)]
+    pieces: Annotated[list[SurfacePiece], Field(min_length=1, max_length=MAX_SURFACE_PIECES)]
+    sizes: tuple[MicroBatch, MicroBatch]
+    lengths: tuple[SeqLen, SeqLen, SeqLen]
+    covered: tuple[SeqLen, SeqLen]
+    measured_lengths: Annotated[list[SeqLen], Field(min_length=1, max_length=256)]
+    offset_bytes: NonNegBytes = 0
+    # The traced point held out of the fit and predicted exactly by it: (m, L).
+    held_out: tuple[MicroBatch, SeqLen] | None = None
+    longest: LongestSeqLen | None = None
+
+    @model_validator(mode="after")
+    def _covered_in_order(self) -> Surface:
+        if self.covered[0] > self.covered[1]:
+            raise ValueError(f"covered lengths run from low to high, got {list(self.covered)}")
+        return self
+
+
+class Profile(_Model):
+    """The datasheet of one job setup on one device model (DESIGN.md, "Contracts")."""
+
+    schema_version: Annotated[int, Field(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
+    fingerprint: Annotated[str, Field(pattern=r"^[0-9a-f]{16,128}$")]
+    task: Annotated[str, Field(min_length=1, max_length=256)]
+    device: Device
+    devices: Annotated[list[Device], Field(max_length=1024)] = Field(default_factory=list)
+    precision: Precision = "fp32"
+    tags: Annotated[dict[ShortText, TagValue], Field(max_length=64)] = Field(default_factory=dict)
+    budget_bytes: PosBytes
+    headroom: Annotated[float, Field(ge=0, lt=1)] = 0.10
+    max_micro_batch: MicroBatch
+    micro_batch_cap: MicroBatch = 4096
+    multiple_of: MicroBatch = 1
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    # fsdp: the figures are rank 0's of world_size ranks, and answer only for that world size.
+    strategy: Strategy = "ddp"
+    # estimate: fake trials only (`autotune estimate`); a measurement always wins over it.
+    source: Source = "measured"
+    # The memory policy the trials ran under; every policy has its own profile and m_max.
+    activation_checkpointing: ActivationCheckpointing = "none"
+    # Timed runs after the search (at m_max, and at the plan's sizes): what objective=throughput ranks.
+    throughput: Annotated[list[Throughput], Field(max_length=16)] | None = None
+    # A sequence-aware task's length (its fingerprint leaves L out), and the surface its probe
+    # measured: /suggest predicts other lengths within surface.covered from it. None for other tasks.
+    seq_len: SeqLen | None = None
+    surface: Surface | None = None
+    # The real trials showed a size that fits above one that did not (cuDNN picks kernels per
+    # shape): max_micro_batch is then the largest m below the first size that failed.
+    non_monotone: bool = False
+    # CUDA only (autotune/measure/fragmentation.py): whether PYTORCH_CUDA_ALLOC_CONF had expandable_segments
+    # on, and reserved minus allocated at m_max (the allocator's gap); None elsewhere.
+    expandable_segments: bool | None = None
+    reserved_gap_bytes: NonNegBytes | None = None
+    plan: Plan | None = None
+    trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
+    fit: Fit | None = None
+    trial_count: Annotated[int, Field(ge=0, le=10_000)] = 0
+    oom_count: Annotated[int, Field(ge=0, le=10_000)] = 0
+    seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+    warnings: Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=64)] = Field(
+        default_factory=list
+    )
+    torch_version: ShortText | None = None
+    autotune_version: ShortText | None = None
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @property
+    def limit_bytes(self) -> int:
+        """The largest peak that counts as fitting: budget x (1 - headroom)."""
+        return int(self.budget_bytes * (1.0 - self.headroom))
+
+    @property
+    def deciding_trials(self) -> list[Trial]:
+        """The trials the profile's answer rests on: the real ones of a measurement (fake
+        pre-search points only guided it), the fake ones of an estimate."""
+        fake = self.source == "estimate"
+        return [t for t in self.trials if t.fake == fake]
+
+    @property
+    def step_floor_bytes(self) -> int | None:
+        """The optimizer step's share of the peak, flat in m: the step phase a deciding trial
+        measured where one did; for profiles from before the step was recorded, the whole peak of
+        the smallest measured trial (an upper bound of it)."""
+        measured = [t for t in self.deciding_trials if not t.oom]
+        steps = [t.step_bytes for t in measured if t.step_bytes is not None]
+        if steps:
+            return max(steps)
+        return min(measured, key=lambda t: t.micro_batch).peak_bytes if measured else None
+
+    def predicted_peak(self, micro_batch: int) -> float | None:
+        """The whole-trial peak the fit predicts at micro_batch: the line, but never below the
+        optimizer step's share (flat in m)."""
+        if self.fit is None:
+            return None
+        line = self.fit.fixed_bytes + self.fit.bytes_per_sample * micro_batch
+        return max(line, float(self.step_floor_bytes or 0))
+
+    def peak_at(self, micro_batch: int) -> int | None:
+        """The measured peak at micro_batch, if a fitting trial measured it."""
+        for trial in self.deciding_trials:
+            if trial.micro_batch == micro_batch and trial.fits:
+                return trial.peak_bytes
+        return None
+
+
+class Observation(_Model):
+    """A training job's report of what it really saw at some micro-batch."""
+
+    micro_batch: MicroBatch
+    peak_bytes: NonNegBytes | None = None
+    oom: bool = False
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    note: Annotated[str, Field(max_length=1024)] = ""
+    # The device model the job ran on (torch.cuda.get_device_name, "cpu"): checked against the
+    # profile's when given (422 when it differs), not stored.
+    device_name: ShortText | None = None
+
+
+class Suggestion(_Model):
+    """What a job gets before launch: the plan and where it came from."""
+
+    micro_batch: MicroBatch
+    accumulation_steps: Annotated[int, Field(ge=1)]
+    world_size: Annotated[int, Field(ge=1)]
+    effective_batch: Annotated[int, Field(ge=1)]
+    target_batch: Annotated[int, Field(ge=1)]
+    exact: bool
+    source: Literal["measured", "predicted", "probed", "estimated"]
+    profile_id: int | None = None
+    fingerprint: str | None = None
+    device_name: str | None = None
+    max_micro_batch: MicroBatch
+    peak_bytes: NonNegBytes | None = None
+    budget_bytes: PosBytes | None = None
+    # A sequence-aware job: its length, and the plan in tokens (tokens_per_update = effective_batch x
+    # seq_len); target_tokens when the job asked for tokens per update rather than sequences.
+    seq_len: SeqLen | None = None
+    target_tokens: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_micro_batch: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_update: Annotated[int, Field(ge=1)] | None = None
+    strategy: Strategy = "ddp"
+    warnings: list[str] = Field(default_factory=list)
+    # The plan's micro-batches as (size, count) pairs (Plan.micro_batches); micro_batch is the largest.
+    micro_batches: list[MicroBatchCount] = Field(default_factory=list)
+    # Every micro-batch size is a multiple of this (the profile's --multiple-of).
+    multiple_of: MicroBatch = 1
+    # The memory policy the job must run under for this plan to fit (full: gradient checkpointing).
+    activation_checkpointing: ActivationCheckpointing = "none"
+    # objective=throughput: the timed samples per second of this plan (None: not timed).
+    samples_per_second: Annotated[float, Field(gt=0)] | None = None
+
+    @model_validator(mode="after")
+    def _default_micro_batches(self) -> Suggestion:
+        if not self.micro_batches:
+            self.micro_batches = _equal_micro_batches(self.micro_batch, self.accumulation_steps)
+        return self
+
+    @classmethod
+    def from_plan(cls, plan: Plan, **where: object) -> Suggestion:
+        """The plan's numbers plus where they came from (source, profile_id, device_name, ...)."""
+        return cls.model_validate(
+            {
+                "micro_batch": plan.micro_batch,
+                "accumulation_steps": plan.accumulation_steps,
+                "world_size": plan.world_size,
+                "effective_batch": plan.effective_batch,
+                "target_batch": plan.target_batch,
+                "exact": plan.exact,
+                "micro_batches": list(plan.micro_batches),
+                **where,
+            }
+        )
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the micro-batches of an update differ in size (a balanced plan)."""
+        return len({size for size, _ in self.micro_batches}) > 1
+
+    def equal_plan(self, *, warn: str | None = None) -> tuple[int, int, int]:
+        """(micro_batch, accumulation_steps, effective_batch) with equal micro-batches.
+
+        The suggestion itself when its micro-batches are equal; for a balanced plan, the best equal
+        one (``autotune.core.split.split(..., policy="divisor")`` on the same m_max, T, D and multiple_of),
+        with an :class:`autotune.core.split.UnevenPlanWarning` naming the balanced plan when ``warn`` names
+        the tool that cannot run it.
+        """
+        if not self.uneven:
+            return self.micro_batch, self.accumulation_steps, self.effective_batch
+        [(micro, steps)], _ = split(
+            self.max_micro_batch,
+            self.target_batch,
+            self.world_size,
+            multiple_of=self.multiple_of,
+            policy="divisor",
+        )
+        effective = micro * steps * self.world_size
+        if warn is not None:
+            balanced = micro_batches_text(self.micro_batches, self.world_size)
+            exact = "" if effective == self.target_batch else f", target {self.target_batch}"
+            warnings.warn(
+                f"{warn} runs equal micro-batches only: using {micro} x {steps}"
+                f" x {self.world_size} = {effective} ({steps} steps{exact}) "
+                f"instead of the balanced plan {balanced}; autotune.loop.accumulate.PlanBatchSampler with "
+                "Accumulator runs the balanced one",
+                UnevenPlanWarning,
+                stacklevel=3,
+            )
+        return micro, steps, effective
+
+    def as_hf_training_args(self) -> dict[str, int | bool]:
+        """Keyword arguments for transformers.TrainingArguments.
+
+        The Trainer runs equal micro-batches only: a balanced plan becomes the best equal one, with
+        an UnevenPlanWarning that names the balanced plan.
+        """
+        micro, steps, _ = self.equal_plan(warn="transformers' Trainer")
+        args: dict[str, int | bool] = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": steps}
+        if self.activation_checkpointing == "full":  # the Trainer checkpoints every layer or none
+            args["gradient_checkpointing"] = True
+        return args
+
+    def as_lightning(self) -> dict[str, int]:
+        """Trainer(accumulate_grad_batches=...) and the DataLoader batch_size (equal micro-batches:
+        a balanced plan becomes the best equal one, with an UnevenPlanWarning)."""
+        micro, steps, _ = self.equal_plan(warn="Lightning's Trainer")
+        return {"accumulate_grad_batches": steps, "batch_size": micro}
+
+    def as_deepspeed(self) -> dict[str, int]:
+        """The three batch keys of a DeepSpeed config (DeepSpeed checks they multiply out; equal
+        micro-batches only: a balanced plan becomes the best equal one, with an UnevenPlanWarning)."""
+        micro, steps, effective = self.equal_plan(warn="DeepSpeed")
+        return {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": steps,
+            "train_batch_size": effective,
+        }

@@ -1,0 +1,209 @@
+"""Strategies: what one device holds of the model, and the process group it runs in.
+
+A strategy is a small object with one job: set up the process group a trial runs in, wrap the
+model the way the job does, and say which micro-batches synchronise gradients.
+
+- ``ddp`` (default): every replica holds the whole model. With world size D > 1 the model is
+  wrapped in DistributedDataParallel inside a one-process group, so that its gradient buckets are
+  counted; only the last micro-batch of a group all-reduces (``no_sync`` on the others).
+- ``fsdp``: FSDP2 (``fully_shard``) over N ranks. One process answers for rank 0 of N through a
+  fake process group of size N: ``fully_shard`` really shards (each rank holds 1/N of parameters,
+  gradients and optimizer state), the collectives do nothing, and the buffers FSDP allocates for
+  them are real. Each repeated block (a child of an ``nn.ModuleList``, or the task's
+  ``shard_classes``) is a unit, then the root. Under bf16/fp16 the units get FSDP2's
+  ``MixedPrecisionPolicy`` (parameters in the low precision, gradients reduced in fp32). Gradients
+  are reduce-scattered after every micro-batch, as torchtitan does by default: accumulating
+  unsharded gradients (``set_requires_gradient_sync(False)``) would hold a whole unsharded copy per
+  unit and defeat the point of sharding.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.schemas import STRATEGIES
+from autotune.tasks.task import ProbeTask
+
+__all__ = ["FSDP_MIN_TORCH", "Replicated", "Sharded", "Strategy", "make_strategy", "shard_units"]
+
+FSDP_MIN_TORCH = "2.6"
+_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Strategy(ABC):
+    """How a job holds its model on one device of world_size."""
+
+    name: str
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    @abstractmethod
+    def process_group(self, device: torch.device) -> AbstractContextManager[Any]:
+        """The process group the trials run in (entered once per probe)."""
+
+    @abstractmethod
+    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        """The model as the job wraps it (inside ``process_group``)."""
+
+    def sync(self, model: nn.Module, last: bool) -> AbstractContextManager[Any]:
+        """Entered around each micro-batch; ``last`` is the group's last micro-batch."""
+        return nullcontext()
+
+    @property
+    def describes_replicas(self) -> bool:
+        """Whether world_size counts whole-model replicas (ddp) rather than shards."""
+        return True
+
+
+class Replicated(Strategy):
+    """DDP: the whole model on every replica; buckets counted when world_size > 1."""
+
+    name = "ddp"
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self._group: Any = None
+        self.measures_buckets = False
+
+    @contextmanager
+    def process_group(self, device: torch.device) -> Iterator[Any]:
+        if self.world_size <= 1:
+            yield None
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # Inside a running job: its default group is the real one; DDP over it would talk to the
+            # other ranks. Measure the buckets only when that group is this process alone.
+            self._group = dist.group.WORLD if dist.get_world_size() == 1 else None
+            self.measures_buckets = self._group is not None
+            try:
+                yield self._group
+            finally:
+                self._group = None
+            return
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._group, self.measures_buckets = dist.group.WORLD, True
+        try:
+            yield self._group
+        finally:
+            self._group = None
+            dist.destroy_process_group()
+
+    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        if self._group is None:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, process_group=self._group)
+
+    def sync(self, model: nn.Module, last: bool) -> AbstractContextManager[Any]:
+        # Under DDP only the last micro-batch of a group all-reduces, as a correct job does.
+        if self._group is None or last:
+            return nullcontext()
+        return model.no_sync()  # type: ignore[operator,no-any-return]
+
+
+def _fsdp_api() -> tuple[Any, Any, Any]:
+    """fully_shard, MixedPrecisionPolicy and the fake process group's store, or a one-line error."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:
+        raise AutotuneError(
+            f"--strategy fsdp needs torch >= {FSDP_MIN_TORCH} with torch.distributed "
+            f"(fully_shard and the fake process group); this torch is {torch.__version__}: {exc}"
+        ) from None
+    return fully_shard, MixedPrecisionPolicy, FakeStore
+
+
+def shard_units(model: nn.Module, shard_classes: tuple[type[nn.Module], ...] | None) -> list[nn.Module]:
+    """The modules FSDP2 wraps one by one: instances of shard_classes when given, else every child of
+    every nn.ModuleList (the repeated blocks of most models)."""
+    if shard_classes:
+        units = [m for m in model.modules() if isinstance(m, shard_classes) and m is not model]
+    else:
+        units = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m.children()]
+    return units
+
+
+class Sharded(Strategy):
+    """FSDP2 over a fake process group of world_size: the figures are rank 0's."""
+
+    name = "fsdp"
+
+    def __init__(self, world_size: int, *, mesh: Any = None) -> None:
+        if world_size < 2:
+            raise AutotuneError(
+                f"--strategy fsdp needs --world-size of at least 2 (got {world_size}): "
+                "one rank holds the whole model, which is --strategy ddp"
+            )
+        super().__init__(world_size)
+        # A mesh of a real process group (one process per rank, as the multi-process check runs
+        # it): the probe then measures this rank as it is, with no fake group of its own.
+        self._given_mesh = mesh
+        self._mesh: Any = mesh
+
+    @property
+    def describes_replicas(self) -> bool:
+        return False
+
+    @contextmanager
+    def process_group(self, device: torch.device) -> Iterator[Any]:
+        _, _, fake_store = _fsdp_api()
+        import torch.distributed as dist
+
+        if self._given_mesh is not None:
+            yield self._given_mesh.get_group()
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if dist.is_initialized():
+            raise AutotuneError(
+                "--strategy fsdp probes rank 0 of N through a fake process group, and a process group "
+                "is already initialized in this process: probe before init_process_group, or from "
+                "`autotune probe` in a process of its own"
+            )
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
+        try:
+            self._mesh = init_device_mesh(device.type, (self.world_size,))
+            yield dist.group.WORLD
+        finally:
+            self._mesh = None
+            dist.destroy_process_group()
+
+    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        fully_shard, mixed_precision_policy, _ = _fsdp_api()
+        units = shard_units(model, task.shard_classes)
+        if not units:
+            raise TaskError(
+                f"--strategy fsdp found no block to shard in {type(model).__name__} of task {task.name!r}: "
+                "it has no nn.ModuleList; name the block classes in the task (ProbeTask(shard_classes=(Block,)))"
+            )
+        low = _LOW_PRECISION.get(task.precision)
+        kwargs: dict[str, Any] = {"mesh": self._mesh}
+        if low is not None:
+            kwargs["mp_policy"] = mixed_precision_policy(param_dtype=low, reduce_dtype=torch.float32)
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+
+def make_strategy(name: str, world_size: int) -> Strategy:
+    """The strategy called name ("ddp" or "fsdp") at world_size."""
+    if name == "ddp":
+        return Replicated(world_size)
+    if name == "fsdp":
+        return Sharded(world_size)
+    raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")

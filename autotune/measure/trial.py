@@ -1,0 +1,454 @@
+"""One trial: the steady state of an accumulating job at micro-batch m, measured on one device.
+
+The model (built once per probe, see TrialRunner) and a fresh optimizer, 2 micro-batches
+forward+backward accumulating, optimizer step, zero_grad(set_to_none=True), 2 more micro-batches,
+a second step. Each micro-batch is made just before its forward and dropped after its backward.
+The peak over all of it is the figure.
+
+An OOM is a result: everything the trial held is released before this function returns, and
+the next measurement is as clean as a fresh process's. Any other error stops the probe.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.errors import TaskError, TrialError
+from autotune.core.schemas import Trial
+from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
+from autotune.measure.oom import is_oom
+from autotune.measure.policies import apply_policy
+from autotune.measure.strategies import Replicated, Strategy
+from autotune.tasks.task import ProbeTask
+
+__all__ = [
+    "MICRO_BATCHES_PER_STEP",
+    "OPTIMIZER_STEPS",
+    "TrialRunner",
+    "build_model",
+    "build_on_meta",
+    "frozen_heap",
+    "materialize",
+    "measure_weights",
+    "move_to_device",
+    "run_trial",
+]
+
+MICRO_BATCHES_PER_STEP = 2
+OPTIMIZER_STEPS = 2
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor of a nested dict/tuple/list to device, keeping the structure."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(value, device) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_to_device(value, device) for value in batch)
+    return batch
+
+
+def _has_tensor(batch: Any) -> bool:
+    if isinstance(batch, torch.Tensor):
+        return True
+    if isinstance(batch, Mapping):
+        return any(_has_tensor(value) for value in batch.values())
+    if isinstance(batch, (tuple, list)):
+        return any(_has_tensor(value) for value in batch)
+    return False
+
+
+def make_batch(task: ProbeTask, micro_batch: int, device: torch.device) -> Any:
+    batch = task.batch(micro_batch)
+    if not _has_tensor(batch):
+        raise TaskError(
+            f"batch({micro_batch}) of task {task.name!r} returned {type(batch).__name__} with no tensors: "
+            "return a tensor or a dict/tuple/list of tensors"
+        )
+    return move_to_device(batch, device)
+
+
+def _failing_module(exc: BaseException) -> str | None:
+    """The class of the innermost nn.Module whose code raised exc (for a one-line message)."""
+    name = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            name = type(owner).__name__
+        tb = tb.tb_next
+    return name
+
+
+def _initialise(model: nn.Module) -> None:
+    """Values for storage that to_empty left uninitialised: a small normal for parameters, zeros for
+    buffers, then each module's own reset_parameters. Garbage could hold NaN or inf, and a GradScaler
+    that sees them skips the optimizer step, whose state then never exists: the peak would be low."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.normal_(0.0, 0.02)
+            else:
+                param.zero_()
+        for buffer in model.buffers():
+            buffer.zero_()
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                try:
+                    reset()
+                except TypeError:  # a reset_parameters of the model's own that wants arguments
+                    continue
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Give every parameter and buffer of a meta model uninitialised storage on ``device``, in place.
+
+    What was one tensor on ``meta`` stays one tensor on the device: a tied embedding and LM head
+    (GPT-2, Qwen2, Gemma, Llama 3.2) keep sharing one Parameter. ``nn.Module.to_empty`` makes a new
+    Parameter per module that holds it, which unties them and counts their weights, gradients and
+    optimizer state twice.
+    """
+    made: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(
+                        torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                    )
+                module._parameters[name] = made[id(param)]  # type: ignore[assignment]
+            for name, buffer in module._buffers.items():
+                if buffer is None:
+                    continue
+                if id(buffer) not in made:
+                    made[id(buffer)] = torch.empty_like(buffer, device=device)
+                module._buffers[name] = made[id(buffer)]
+    return model
+
+
+def build_on_meta(task: ProbeTask, warnings: list[str] | None = None) -> nn.Module | None:
+    """The task's model on the ``meta`` device (shapes, no memory), or None with a warning naming the
+    module that failed when the factory cannot run there. Call it outside any meter's span: under
+    the fake meter's mode, meta tensors would come out fake."""
+    try:
+        with torch.device("meta"):
+            model = task.model()
+    except Exception as exc:
+        if warnings is not None:
+            where = _failing_module(exc)
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            warnings.append(
+                f"model() of task {task.name!r} could not be built on the meta device"
+                + (f" (in {where})" if where else "")
+                + f": {type(exc).__name__}: {first_line}; built on the probe's device instead"
+            )
+        return None
+    _require_module(task, model)
+    return model
+
+
+def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = None) -> nn.Module:
+    """The task's model on the meter's device, in train mode, its weights counted by the meter, its
+    blocks checkpointed as the task's ``activation_checkpointing`` says.
+
+    meta_model (from :func:`build_on_meta`) is materialized on the meter's device by
+    :func:`materialize` and the modules' own ``reset_parameters``, so that a large model is never first built on the
+    CPU; without one the factory is called on the device.
+    """
+    with meter.hold():
+        if meta_model is None:
+            with torch.device(meter.device):
+                model = task.model()
+            _require_module(task, model)
+            # Only what the factory put elsewhere moves (a fake model is on the device already, and
+            # _apply cannot swap fake parameters for themselves).
+            if any(t.device != meter.device for t in (*model.parameters(), *model.buffers())):
+                model = model.to(meter.device)
+        else:
+            model = materialize(meta_model, meter.device)
+            _initialise(model)
+        model.train()
+        meter.adopt(model)
+    # The task's memory policy, before any strategy wraps the blocks (FSDP2 shards checkpointed ones).
+    apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
+    return model
+
+
+def _require_module(task: ProbeTask, model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TaskError(f"model() of task {task.name!r} returned {type(model).__name__}, not an nn.Module")
+
+
+def _autocast(task: ProbeTask, device: torch.device) -> AbstractContextManager[Any]:
+    dtype = _AUTOCAST_DTYPES.get(task.precision)
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, model: nn.Module) -> None:
+    """The measured work. Everything it creates (optimizer and its state, batches, activations)
+    lives in this frame and dies with it; the model's gradients are dropped by the caller."""
+    device = meter.device
+    optimizer = task.make_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
+    for _ in range(OPTIMIZER_STEPS):
+        for index in range(MICRO_BATCHES_PER_STEP):
+            with strategy.sync(model, last=index == MICRO_BATCHES_PER_STEP - 1):
+                batch = make_batch(task, micro_batch, device)
+                with _autocast(task, device):
+                    loss = task.compute_loss(model, batch) / MICRO_BATCHES_PER_STEP
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+                del batch, loss
+        meter.checkpoint(FORWARD_BACKWARD)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        meter.checkpoint(STEP)
+
+
+def _fresh_cycle(
+    task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, meta_model: nn.Module | None
+) -> None:
+    model = strategy.wrap(build_model(task, meter, meta_model), task, meter.device)
+    _cycle(task, meter, micro_batch, strategy, model)
+
+
+def run_trial(
+    task: ProbeTask,
+    meter: Meter,
+    micro_batch: int,
+    *,
+    limit_bytes: int,
+    strategy: Strategy | None = None,
+    model: nn.Module | None = None,
+) -> Trial:
+    """Measure one trial at micro_batch.
+
+    Args:
+        task: the job setup.
+        meter: the device and its budget; crossing the budget is an OOM.
+        micro_batch: m.
+        limit_bytes: the peak that still fits (budget x (1 - headroom)).
+        strategy: how the job holds the model (ddp by default, at world size 1); its process group
+            must be entered.
+        model: a model built by ``build_model`` and wrapped by the strategy, reused across trials
+            (see :class:`TrialRunner`); None builds a fresh one inside the measured span.
+
+    Returns:
+        A Trial; ``oom`` when the budget was crossed, ``fits`` when the peak is within limit_bytes.
+
+    Raises:
+        TaskError: the task misbehaves (no tensors in the batch, non-scalar loss).
+        TrialError: any other non-OOM failure, with the original error in one line.
+    """
+    strategy = strategy or Replicated(1)
+    oom = False
+    failure: str | None = None
+    meta_model = build_on_meta(task) if model is None else None
+    started = time.perf_counter()
+    try:
+        with meter.measure():
+            if model is None:
+                _fresh_cycle(task, meter, micro_batch, strategy, meta_model)
+            else:
+                _cycle(task, meter, micro_batch, strategy, model)
+    except TaskError:
+        meter.release()
+        raise
+    except Exception as exc:  # classified below; only its text survives the except block
+        if is_oom(exc):
+            oom = True
+        else:
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            failure = f"trial at micro-batch {micro_batch} failed: {type(exc).__name__}: {first_line}"
+            if micro_batch == 1:
+                failure += " (a model that cannot train on one sample, BatchNorm1d say, needs --multiple-of 2)"
+    # Out of the except block the traceback, and with it every frame of _cycle, is gone.
+    del meta_model
+    seconds = time.perf_counter() - started
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    reading = meter.reading()
+    meter.release()
+    if failure is not None:
+        raise TrialError(failure)
+    return Trial(
+        micro_batch=micro_batch,
+        peak_bytes=reading.peak_bytes,
+        fits=(not oom) and reading.peak_bytes <= limit_bytes,
+        oom=oom,
+        seconds=round(seconds, 6),
+        forward_backward_bytes=None if oom else reading.forward_backward_bytes,
+        step_bytes=None if oom else reading.step_bytes,
+        allocated_bytes=reading.allocated_bytes,
+        outside_allocator_bytes=reading.outside_allocator_bytes,
+    )
+
+
+# What a trial imports on first use: the optimizers' compile guards pull in torch._dynamo (and
+# sympy with it), the strategies torch.distributed's DDP, FSDP2 and DTensor. Imported before the
+# heap is frozen, their ~120,000 objects are frozen with it; imported inside the first trial, every
+# later gc.collect() walks them (0.05-0.15 s a collection, two per trial: more than a small model's
+# trial itself).
+_TRIAL_IMPORTS = (
+    "torch._dynamo",
+    "torch._subclasses.fake_tensor",
+    "torch.nn.parallel",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+)
+
+
+def _import_trial_modules() -> None:
+    for name in _TRIAL_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a torch built without distributed: the trial will not import it either
+            continue
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Objects alive now (modules, the task, torch's own) are never garbage of a trial: freezing them
+    makes the collection after every trial walk only what the trial made. The modules a trial imports
+    on first use are imported first, so that they are frozen too. A process that froze its own heap
+    (some servers do) is left as it was."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        _import_trial_modules()
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+
+
+class TrialRunner:
+    """Trials of one task on one meter, with the model built once and reused.
+
+    Between trials the gradients are set to None and the optimizer, its state, the batches and the
+    activations die with the trial, so every trial starts from the state a fresh model would: the
+    weights (and, under a wrapper, what the wrapper keeps: DDP's buckets, FSDP2's sharded
+    parameters) and nothing else. A test shows the peaks equal a fresh model's byte for byte on the
+    CPU meter. What a trial changes in place and that takes no memory (BatchNorm running statistics,
+    the weights' values after two optimizer steps) is not restored: it cannot change a peak. After an
+    OOM the wrapper may be stopped mid-step (FSDP2's units unsharded, DDP waiting for a reduction),
+    so the next trial gets a newly built model.
+
+    Use inside ``strategy.process_group(meter.device)``; ``close()`` drops the model.
+    """
+
+    def __init__(
+        self,
+        task: ProbeTask,
+        meter: Meter,
+        *,
+        limit_bytes: int,
+        strategy: Strategy | None = None,
+        reuse_model: bool = True,
+    ) -> None:
+        self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
+        self.strategy = strategy or Replicated(1)
+        self.reuse_model = reuse_model
+        self.warnings: list[str] = []
+        self._model: nn.Module | None = None
+
+    def _ensure_model(self) -> nn.Module | None:
+        if not self.reuse_model:
+            return None
+        if self._model is None:
+            model = build_model(self.task, self.meter, build_on_meta(self.task, self.warnings))
+            with self.meter.hold():
+                self._model = self.strategy.wrap(model, self.task, self.meter.device)
+        return self._model
+
+    def build(self) -> float:
+        """Build the reused model now (the first trial would); the seconds it took."""
+        started = time.perf_counter()
+        self._ensure_model()
+        return time.perf_counter() - started
+
+    def __call__(self, micro_batch: int) -> Trial:
+        try:
+            model = self._ensure_model()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            # The model alone does not fit: the trial builds it inside its measured span, where
+            # the OOM is a result (an OOM trial with the meter's reading), not a crash.
+            self.close()
+            model = None
+        del_model = False
+        try:
+            trial = run_trial(
+                self.task,
+                self.meter,
+                micro_batch,
+                limit_bytes=self.limit_bytes,
+                strategy=self.strategy,
+                model=model,
+            )
+            del_model = trial.oom
+            return trial
+        except BaseException:
+            del_model = True
+            raise
+        finally:
+            del model
+            if del_model:
+                self.close()
+
+    def close(self) -> None:
+        """Drop the reused model (the next trial builds a new one)."""
+        self._model = None
+        self.meter.release()
+
+
+def measure_weights(task: ProbeTask, meter: Meter) -> int | None:
+    """Bytes of weights + gradients + optimizer state alone (no activations), or None if even that
+    cannot be measured on this device. Used to explain a budget where m=1 does not fit."""
+
+    def static() -> None:
+        model = build_model(task, meter)
+        optimizer = task.make_optimizer(model.parameters())
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        optimizer.step()  # creates the lazily allocated optimizer state
+        optimizer.zero_grad(set_to_none=True)
+
+    measured = True
+    try:
+        with meter.unbounded(), meter.measure():
+            static()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        measured = False
+    reading = meter.reading()
+    meter.release()
+    return reading.peak_bytes if measured else None

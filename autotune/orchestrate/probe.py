@@ -1,0 +1,363 @@
+"""Orchestration: device -> search -> plan -> Profile (the datasheet of one job setup).
+
+profile = probe(load_task("examples/gpt.py:task"), ProbeConfig(device="cpu", budget_bytes=32 << 20))
+profile.max_micro_batch, profile.plan
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import autotune
+from autotune.core.consistency import check_profile
+from autotune.core.errors import AutotuneError, BudgetError, DeviceError, TaskError
+from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, nonnegative_fit, plan
+from autotune.core.schemas import PRECISIONS, STRATEGIES, Fit, Plan, Profile, Trial
+from autotune.measure.fragmentation import reserved_gap_at
+from autotune.measure.meters import Meter, make_meter, resolve_device
+from autotune.measure.policies import check_policy
+from autotune.measure.strategies import Replicated, Strategy, make_strategy
+from autotune.measure.throughput import timed_updates
+from autotune.measure.trial import TrialRunner, frozen_heap
+from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
+from autotune.search.diagnose import no_fit_error
+from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
+from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.task import ProbeTask
+
+__all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "ProbeConfig", "plan_for", "probe", "probe_with_meter"]
+
+# Below this many samples per micro-batch, BatchNorm's batch statistics get noisy enough to change
+# training; accumulation does not help them because BatchNorm never sees the whole group.
+BATCHNORM_SMALL_MICRO_BATCH = 16
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """What to probe and under which budget (the CLI flags of `autotune probe`)."""
+
+    device: str = "auto"
+    budget_bytes: int | None = None
+    headroom: float = 0.10
+    target_batch: int | None = None
+    world_size: int = 1
+    max_micro_batch: int = 4096
+    multiple_of: int = 1
+    precision: str | None = None
+    strategy: str = "ddp"
+    # Find the boundary with fake-tensor trials first, then confirm it with real ones.
+    presearch: bool = True
+    # One model per probe, reused across trials (False: a fresh model per trial, as before; the
+    # benchmarks compare the two).
+    reuse_model: bool = True
+    # How the plan splits the target batch: "balanced" (fewest steps, uneven micro-batches) or "divisor".
+    plan_policy: str = "balanced"
+    # The memory policy (none, every-2, full): None keeps the task's own activation_checkpointing.
+    activation_checkpointing: str | None = None
+    # After the search, time updates at m_max and at the plan's sizes (autotune/measure/throughput.py).
+    throughput: bool = False
+    # A sequence-aware task's lengths, one profile each (autotune/orchestrate/lengths.py: probe_lengths); the cap
+    # of the search for the longest length at m = multiple_of; tokens per update instead of
+    # target_batch. The fleet's workers read them here; `autotune probe` passes them itself too.
+    seq_lens: tuple[int, ...] = ()
+    max_seq_len: int | None = None
+    target_tokens: int | None = None
+
+    def validate(self) -> None:
+        if not 0 <= self.headroom < 1:
+            raise BudgetError(f"headroom must be in [0, 1), got {self.headroom}")
+        if self.budget_bytes is not None and self.budget_bytes <= 0:
+            raise BudgetError(f"budget must be positive, got {self.budget_bytes} bytes")
+        for name in ("world_size", "max_micro_batch", "multiple_of"):
+            value = getattr(self, name)
+            if value < 1:
+                raise AutotuneError(f"{name.replace('_', '-')} must be a positive integer, got {value}")
+        if self.multiple_of > self.max_micro_batch:
+            raise AutotuneError(f"multiple-of {self.multiple_of} is larger than max-micro-batch {self.max_micro_batch}")
+        if self.target_batch is not None:
+            if self.target_batch < 1:
+                raise AutotuneError(f"target-batch must be a positive integer, got {self.target_batch}")
+            if self.target_batch > MAX_TARGET_BATCH:
+                raise AutotuneError(f"target-batch {self.target_batch} is larger than {MAX_TARGET_BATCH}")
+            if self.target_batch < self.world_size:
+                raise AutotuneError(
+                    f"target-batch {self.target_batch} is smaller than world-size {self.world_size}: "
+                    "every replica needs at least one sample per update"
+                )
+        if self.strategy not in STRATEGIES:
+            raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy == "fsdp" and self.world_size < 2:
+            raise AutotuneError(
+                f"--strategy fsdp needs --world-size of at least 2 (got {self.world_size}): "
+                "one rank holding the whole model is --strategy ddp"
+            )
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise AutotuneError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.plan_policy not in PLAN_POLICIES:
+            raise AutotuneError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {self.plan_policy!r}")
+        if self.activation_checkpointing is not None:
+            check_policy(self.activation_checkpointing)
+        if self.target_tokens is not None and self.target_batch is not None:
+            raise AutotuneError("give target-batch (sequences) or target-tokens (tokens), not both")
+        if self.target_tokens is not None and not self.seq_lens:
+            raise AutotuneError("target-tokens needs seq-len: tokens are planned in sequences of a length")
+
+
+def _has_batchnorm(task: ProbeTask) -> bool:
+    try:
+        with torch.device("meta"):
+            model = task.model()
+    except Exception:
+        model = task.model()
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def plan_for(m_max: int, config: ProbeConfig, warnings: list[str]) -> Plan | None:
+    """The plan of config's target batch at m_max (None without a target), appending to warnings
+    what a datasheet must say: no plan reaches the target, the plan is not exact, m_max is the cap."""
+    the_plan = None
+    if config.target_batch:
+        try:
+            the_plan = plan(
+                m_max,
+                config.target_batch,
+                config.world_size,
+                multiple_of=config.multiple_of,
+                policy=config.plan_policy,  # type: ignore[arg-type]
+            )
+        except ValueError as exc:  # the measurement stands even where no plan reaches the target
+            warnings.append(f"no plan: {exc}")
+    if the_plan is not None and not the_plan.exact:
+        warnings.append(the_plan.note)
+    if m_max >= config.max_micro_batch:
+        warnings.append(f"micro-batch reached the cap {config.max_micro_batch}: more may fit")
+    return the_plan
+
+
+def _guide(fake: FakeSearch, real: SearchResult) -> Fit | None:
+    """The fit a profile keeps: where the pre-search ran, the fake line (exact on the CPU, smooth on
+    CUDA) moved to pass through the real forward/backward point at m_max; else the real trials' own."""
+    if fake.fit is None:
+        return real.fit
+    at_max = next(
+        (t for t in real.trials if t.micro_batch == real.max_micro_batch and t.forward_backward_bytes is not None),
+        None,
+    )
+    if at_max is None or at_max.forward_backward_bytes is None:
+        return real.fit
+    slope = fake.fit.bytes_per_sample
+    return Fit(fixed_bytes=at_max.forward_backward_bytes - slope * at_max.micro_batch, bytes_per_sample=slope)
+
+
+def _search(
+    task: ProbeTask,
+    meter: Meter,
+    config: ProbeConfig,
+    strategy: Strategy,
+    limit_bytes: int,
+    warnings: list[str],
+    on_trial: Callable[[Trial], None] | None,
+    presearched: FakeSearch | None = None,
+) -> tuple[SearchResult, FakeSearch | None]:
+    """Pre-search on fake trials (unless turned off, impossible, or ``presearched`` already), then
+    real trials from its answer."""
+    fake: FakeSearch | None = presearched
+    if fake is None and config.presearch:
+        try:
+            # What the device holds that fake tensors never show (the CUDA context) is not theirs.
+            unseen = meter.unseen_bytes()
+            fake = fake_search(
+                task,
+                budget_bytes=max(1, meter.budget_bytes - unseen),
+                limit_bytes=max(1, limit_bytes - unseen),
+                device_type=str(meter.device),
+                strategy=strategy,
+                max_micro_batch=config.max_micro_batch,
+                multiple_of=config.multiple_of,
+                on_trial=on_trial,
+            )
+            warnings.extend(fake.warnings)
+        except NoFitError as exc:  # the real trials will say so, with the real figures
+            fake = FakeSearch(max_micro_batch=config.multiple_of, trials=[], fit=None)
+            del exc
+        except Exception as exc:  # an op that cannot run fake: real trials only
+            warnings.append(presearch_failed(exc))
+            fake = None
+    runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, reuse_model=config.reuse_model)
+
+    def trial(micro_batch: int) -> Trial:
+        result = runner(micro_batch)
+        if on_trial is not None:
+            on_trial(result)
+        return result
+
+    try:
+        result = find_max_micro_batch(
+            trial,
+            limit_bytes=limit_bytes,
+            max_micro_batch=config.max_micro_batch,
+            multiple_of=config.multiple_of,
+            hint=fake.max_micro_batch if fake is not None else None,
+            guide=fake.fit if fake is not None else None,
+        )
+    finally:
+        runner.close()
+        for warning in runner.warnings:
+            if warning not in warnings:
+                warnings.append(warning)
+    return result, fake
+
+
+def probe_with_meter(
+    task: ProbeTask,
+    meter: Meter,
+    config: ProbeConfig,
+    *,
+    on_trial: Callable[[Trial], None] | None = None,
+    presearched: FakeSearch | None = None,
+) -> Profile:
+    """Probe on a meter that is already set up (tests use this to share one meter).
+
+    ``presearched``: what a pre-search already found (the surface of a probe over lengths, read at
+    this task's length): the real trials start from it instead of from a fake search of their own.
+    """
+    config.validate()
+    if task.sequence_aware and task.seq_len is None:
+        raise TaskError(
+            f"task {task.name!r} is sequence-aware (its batch takes seq_len=): probe it at its lengths with "
+            "--seq-len L1,L2,... (autotune.orchestrate.lengths.probe_lengths), or bind one with task.at_length(L)"
+        )
+    if config.precision is not None and config.precision != task.precision:
+        task = dataclasses.replace(task, precision=config.precision)
+    if config.activation_checkpointing is not None:
+        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    started = time.perf_counter()
+    strategy = make_strategy(config.strategy, config.world_size)
+    fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size)
+    limit_bytes = int(meter.budget_bytes * (1.0 - config.headroom))
+    warnings: list[str] = []
+
+    no_fit: NoFitError | None = None
+    with strategy.process_group(meter.device):
+        if isinstance(strategy, Replicated) and config.world_size > 1 and not strategy.measures_buckets:
+            warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
+        try:
+            with frozen_heap():
+                result, fake = _search(task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched)
+        except NoFitError as exc:  # diagnosed by fake trials, outside this process group
+            no_fit = exc
+    if no_fit is not None:
+        raise no_fit_error(
+            task,
+            config,
+            budget_bytes=meter.budget_bytes,
+            device_type=str(meter.device),
+            unseen_bytes=meter.unseen_bytes(),
+        )
+
+    m_max = result.max_micro_batch
+    decrease = peaks_decrease(result.trials)
+    if decrease is not None:
+        low, high = decrease
+        warnings.append(
+            f"the peak is not monotone in m on this device (m={low.micro_batch} peaked at {low.peak_bytes} bytes, "
+            f"m={high.micro_batch} at {high.peak_bytes}): max micro-batch {m_max} is the largest m below the "
+            "smallest size measured not to fit, and only measured sizes are planned"
+        )
+    if fake is not None and fake.trials and fake.max_micro_batch != m_max:
+        warnings.append(
+            f"the fake pre-search predicted max micro-batch {fake.max_micro_batch}; the real trials found {m_max}"
+        )
+    the_plan = plan_for(m_max, config, warnings)
+    chosen = the_plan.micro_batch if the_plan else m_max
+    if chosen < BATCHNORM_SMALL_MICRO_BATCH and _has_batchnorm(task):
+        warnings.append(
+            f"the model has BatchNorm and the micro-batch is {chosen}: BatchNorm normalises each "
+            "micro-batch on its own, and accumulation does not change that"
+        )
+    device = meter.describe()
+    fake_trials = fake.trials if fake is not None else []
+    profile = Profile(
+        fingerprint=fingerprint,
+        task=task.name,
+        device=device,
+        devices=[device],
+        precision=task.precision,  # type: ignore[arg-type]
+        tags=dict(task.tags),
+        budget_bytes=meter.budget_bytes,
+        headroom=config.headroom,
+        max_micro_batch=m_max,
+        micro_batch_cap=config.max_micro_batch,
+        multiple_of=config.multiple_of,
+        world_size=config.world_size,
+        strategy=config.strategy,  # type: ignore[arg-type]
+        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
+        seq_len=task.seq_len,
+        non_monotone=decrease is not None,
+        expandable_segments=meter.expandable_segments(),
+        reserved_gap_bytes=reserved_gap_at(result.trials, m_max),
+        plan=the_plan,
+        trials=[*fake_trials, *result.trials],
+        fit=nonnegative_fit(_guide(fake, result) if fake is not None else result.fit),
+        trial_count=len(result.trials),
+        oom_count=result.oom_count,
+        seconds=round(time.perf_counter() - started, 3),
+        warnings=warnings,
+        torch_version=torch.__version__,
+        autotune_version=autotune.__version__,
+    )
+    if config.throughput:  # timed runs, never the search's trials
+        profile.throughput = timed_updates(
+            task,
+            meter,
+            strategy,
+            max_micro_batch=m_max,
+            plan=the_plan,
+            world_size=config.world_size,
+            warnings=profile.warnings,
+        )
+    # A profile the store would refuse is a bug here, not something to write or upload.
+    check_profile(profile)
+    return profile
+
+
+def probe(
+    task: ProbeTask,
+    config: ProbeConfig | None = None,
+    *,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> Profile:
+    """Measure the largest micro-batch that fits and plan the target batch.
+
+    Args:
+        task: the job setup.
+        config: device, budget, headroom, target batch, world size, caps.
+        on_trial: called after each trial (progress output).
+
+    Returns:
+        The Profile (DESIGN.md "Contracts").
+
+    Raises:
+        AutotuneError: bad configuration, a device that does not exist, a budget too small for one
+            sample (the message says what the weights and optimizer take), a misbehaving task.
+    """
+    config = config or ProbeConfig()
+    config.validate()
+    device = resolve_device(config.device)
+    if device == "all":
+        raise DeviceError(
+            "--device all runs one process per GPU, each loading the task again: "
+            "use `autotune probe file.py:name --device all` or "
+            "autotune.orchestrate.multi.probe_all_devices(spec, config)"
+        )
+    meter = make_meter(device, config.budget_bytes)
+    try:
+        return probe_with_meter(task, meter, config, on_trial=on_trial)
+    finally:
+        meter.close()

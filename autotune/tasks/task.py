@@ -1,0 +1,241 @@
+"""ProbeTask: how a user describes the job to probe, and loading one from "file.py:name".
+
+A task is a recipe, not a model: the probe builds a fresh model and optimizer per trial so that
+every measurement starts from the same state.
+
+    task = ProbeTask(
+        name="my-gpt",
+        model=lambda: GPT(cfg),
+        batch=lambda m: {"input_ids": torch.randint(0, 256, (m, 128))},
+        precision="bf16",
+        tags={"seq_len": 128},
+    )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.errors import TaskError
+from autotune.core.schemas import ACTIVATION_CHECKPOINTING, PRECISIONS, TagValue
+
+__all__ = ["LossFn", "LossSumFn", "ModelFactory", "OptimizerFactory", "ProbeTask", "default_loss", "load_task"]
+
+ModelFactory = Callable[[], nn.Module]
+# batch(m) or, for a sequence-aware task, batch(m, seq_len=L).
+BatchFactory = Callable[..., Any]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# loss_sum(model, batch) -> (summed loss, count of supervised elements): what exact accumulation needs.
+LossSumFn = Callable[[nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor"]]
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with PyTorch's defaults: what most recipes start from."""
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@dataclass
+class ProbeTask:
+    """One job setup to probe.
+
+    Args:
+        name: shown in datasheets and the dashboard.
+        model: zero-argument factory returning a fresh nn.Module.
+        batch: batch(m) returns one micro-batch of m samples: a tensor or a nested
+            dict/tuple/list of tensors, made on the CPU; the probe moves it to the device.
+        loss: loss(model, batch) -> scalar tensor; None uses :func:`default_loss`.
+        optimizer: factory taking the parameters; None is AdamW.
+        precision: "fp32", "bf16" (autocast) or "fp16" (autocast with GradScaler).
+        tags: free-form facts that change memory (seq_len, checkpointing, ...); they enter the fingerprint.
+        loss_sum: optional loss_sum(model, batch) -> (summed loss, supervised count), used by
+            ``autotune verify`` and the accumulator for exact group normalization (token losses).
+        shard_classes: the block classes ``--strategy fsdp`` shards one by one; None shards every
+            child of every nn.ModuleList in the model.
+        activation_checkpointing: the memory policy of the trials (autotune/measure/policies.py):
+            "none", "every-2" (every other block recomputes its forward) or "full" (every block);
+            the blocks are the ones ``--strategy fsdp`` shards.
+        seq_len: the sequence length this task's batches are made at, for a sequence-aware task
+            (one whose ``batch`` takes a ``seq_len`` keyword: ``batch(m, seq_len=L)``) bound to one
+            length by :meth:`at_length`; None otherwise.
+        source: the spec :func:`load_task` loaded it from (another process can load it again:
+            autotune/search/lanes.py); None for a task built in Python.
+
+    A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
+    the length out, and each profile records it.
+    """
+
+    name: str
+    model: ModelFactory
+    batch: BatchFactory
+    loss: LossFn | None = None
+    optimizer: OptimizerFactory | None = None
+    precision: str = "fp32"
+    tags: dict[str, TagValue] = field(default_factory=dict)
+    loss_sum: LossSumFn | None = None
+    shard_classes: tuple[type[nn.Module], ...] | None = None
+    activation_checkpointing: str = "none"
+    seq_len: int | None = None
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise TaskError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise TaskError(
+                f"activation checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+                f"got {self.activation_checkpointing!r}"
+            )
+        if not callable(self.model) or not callable(self.batch):
+            raise TaskError("ProbeTask needs callables for model and batch")
+
+    @property
+    def sequence_aware(self) -> bool:
+        """Whether ``batch`` takes a ``seq_len`` keyword (``batch(m, seq_len=L)``)."""
+        return _takes_seq_len(self.batch)
+
+    def at_length(self, seq_len: int) -> ProbeTask:
+        """This sequence-aware task with its batches made at seq_len (``batch(m)`` then means
+        ``batch(m, seq_len=seq_len)``), for every part of the probe that knows only m.
+
+        Raises:
+            TaskError: the task is not sequence-aware, or seq_len is not a positive integer.
+        """
+        if not self.sequence_aware:
+            raise TaskError(
+                f"task {self.name!r} is not sequence-aware: its batch has no seq_len keyword "
+                f"(write batch(m, seq_len=L) to probe it at --seq-len {seq_len})"
+            )
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise TaskError(f"sequence length must be a positive integer, got {seq_len!r}")
+        return dataclasses.replace(self, batch=functools.partial(self.batch, seq_len=seq_len), seq_len=seq_len)
+
+    def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        factory = self.optimizer or default_optimizer
+        return factory(params)
+
+    def compute_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = (self.loss or default_loss)(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TaskError(f"loss(model, batch) of task {self.name!r} must return a scalar tensor, got {shape}")
+        return loss
+
+
+def _takes_seq_len(batch: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(batch).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    param = parameters.get("seq_len")
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+
+
+def _call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs)
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """A loss from the model's own output, for tasks that give none.
+
+    - a dict batch is passed as keyword arguments; an output with a ``loss`` (attribute or key) uses it;
+    - an (inputs, targets) pair: cross-entropy for integer targets, mean squared error otherwise;
+    - anything else: the mean of the output, which still back-propagates through every activation.
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+        inputs, targets = batch
+        out = _call_model(model, inputs)
+        logits = _output_tensor(out)
+        if not targets.is_floating_point():
+            return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+        return nn.functional.mse_loss(logits.float(), targets.float())
+    out = _call_model(model, batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    return _output_tensor(out).float().mean()
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        value = out.get(key) if isinstance(out, Mapping) else getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TaskError(f"cannot derive a loss from a model output of type {type(out).__name__}: give the task a loss")
+
+
+def load_task(spec: str) -> ProbeTask:
+    """Load "path/to/file.py:name" or "package.module:name".
+
+    ``name`` is a ProbeTask or a zero-argument callable returning one. Without ":name" the
+    module's ``task`` attribute is used.
+
+    ``hf:path/to/config.json`` (or ``hf:DIRECTORY``) builds a causal LM from a Hugging Face config
+    instead (:mod:`autotune.tasks.hf`; needs the ``hf`` extra).
+
+    Raises:
+        TaskError: with what was looked for and why it failed, in one line.
+    """
+    from autotune.tasks.hf import is_hf_spec, load_hf_spec
+
+    if is_hf_spec(spec):
+        return dataclasses.replace(load_hf_spec(spec), source=spec)
+    module_part, _, attr = spec.rpartition(":") if ":" in spec else (spec, "", "task")
+    attr = attr or "task"
+    if not module_part:
+        raise TaskError(f"task {spec!r} is not of the form path/to/file.py:name or package.module:name")
+    if module_part.endswith(".py") or "/" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise TaskError(f"task file {module_part!r} not found (from {spec!r})")
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        mod_name = f"_autotune_task_{path.stem}_{digest}"
+        mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise TaskError(f"cannot import {module_part!r} as Python (from {spec!r})")
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as exc:  # the user's module failed at import: say where, in one line
+            sys.modules.pop(mod_name, None)
+            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise TaskError(f"module {module_part!r} not found (from {spec!r}): {exc}") from exc
+        except Exception as exc:
+            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise TaskError(f"{module_part!r} has no attribute {attr!r} (from {spec!r})")
+    obj = getattr(module, attr)
+    if not isinstance(obj, ProbeTask) and callable(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise TaskError(f"{spec!r}() failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(obj, ProbeTask):
+        raise TaskError(f"{spec!r} is a {type(obj).__name__}, not a ProbeTask or a callable returning one")
+    return dataclasses.replace(obj, source=spec)
