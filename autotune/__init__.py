@@ -35,7 +35,7 @@ _PUBLIC = {
     "Plan": "autotune.core.schemas",
     "plan": "autotune.core.plan",
     "ProbeTask": "autotune.tasks.task",
-    "load_task": "autotune.tasks.task",
+    "load_task": "autotune.tasks.load",
     "probe": "autotune.orchestrate.probe",
     "ProbeConfig": "autotune.orchestrate.probe",
     "estimate": "autotune.orchestrate.estimate",

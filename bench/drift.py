@@ -39,7 +39,7 @@ from fastapi.testclient import TestClient
 
 from autotune.core.schemas import Profile
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 from autotune_server import Settings, create_app
 from autotune_server.drift import Reference, fitting_micro_batch
 from autotune_server.migrate import upgrade_head

@@ -16,7 +16,7 @@ from autotune.core.units import format_bytes
 from autotune.measure.meters import CudaMeter
 from autotune.measure.trial import _autocast, build_model, make_batch, run_trial
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 GiB = 1 << 30
 STEPS = 50

@@ -76,7 +76,7 @@ from _peers_meter import PEER_OOM_TEXT, CudaPeerMeter, PeerMeter, cuda_recogniti
 from autotune.measure.meters import CpuMeter, CudaMeter, Meter
 from autotune.measure.trial import run_trial
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 # Run as a script, bench/ is on sys.path but the repo root (examples/) is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -40,7 +40,7 @@ from autotune.measure.policies import POLICIES
 from autotune.measure.strategies import Replicated
 from autotune.measure.throughput import Timings, throughput_of, time_sizes
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 MiB = 1 << 20
 CASES = {

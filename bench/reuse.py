@@ -55,7 +55,7 @@ from _peers_meter import PeerMeter
 from autotune.measure.meters import CpuMeter
 from autotune.measure.trial import run_trial
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20

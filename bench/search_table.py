@@ -14,7 +14,7 @@ from pathlib import Path
 
 from autotune.core.units import format_bytes
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 # Run as a script, bench/ is on sys.path but the repo root (examples/) is not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

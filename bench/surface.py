@@ -40,7 +40,7 @@ SEVEN_B_LENGTHS = (2048, 4096, 8192, 16384)
 
 # The same task bound to each length: what a user probes without --seq-len (one probe per length).
 BOUND_TASKS = """
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 task = load_task({spec!r})
 {bound}

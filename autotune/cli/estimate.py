@@ -41,7 +41,7 @@ def add_parsers(sub: Any) -> None:
 def run_estimate(args: argparse.Namespace) -> int:
     from autotune.cli.report import trial_line
     from autotune.orchestrate.estimate import EstimateConfig, estimate
-    from autotune.tasks.task import load_task
+    from autotune.tasks.load import load_task
 
     config = EstimateConfig(
         budget_bytes=args.budget,

@@ -102,7 +102,7 @@ def run_fleet_command(args: argparse.Namespace) -> int:
     )
     if args.ac:  # every policy applies to every task, checked before any cluster time is spent
         from autotune.cli.policies import check_policies
-        from autotune.tasks.task import load_task
+        from autotune.tasks.load import load_task
 
         for spec in args.tasks:
             check_policies(load_task(spec), args.ac)

@@ -110,7 +110,7 @@ def add_parsers(sub: Any) -> None:
 def run_probe(args: argparse.Namespace) -> int:
     from autotune.cli.report import trial_line
     from autotune.orchestrate.probe import probe
-    from autotune.tasks.task import load_task
+    from autotune.tasks.load import load_task
 
     check_seq_len_options(args)
     spec = task_spec(args.task, args)
@@ -229,7 +229,7 @@ def emit_profile(profile: Any, args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     from autotune.loop.verify import verify_cli
-    from autotune.tasks.task import load_task
+    from autotune.tasks.load import load_task
 
     task = _at_length(load_task(task_spec(args.task, args)), args.seq_len)
     ok, message = verify_cli(task, args.target_batch, args.micro_batch, args.tolerance)

@@ -74,7 +74,7 @@ def probe_pair(index: int, spec: str, config: Any, board: Any = None) -> Outcome
     attempt = _report_start(board, index)
     try:
         from autotune.orchestrate.probe import probe
-        from autotune.tasks.task import load_task
+        from autotune.tasks.load import load_task
 
         task = load_task(spec)
         if config.seq_lens:  # one run over the lengths: a JSON array of their profiles

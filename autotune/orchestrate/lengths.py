@@ -38,7 +38,14 @@ from autotune.measure.strategies import Strategy, make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.search.boundary import NoFitError
 from autotune.search.lanes import FakeLanes, Point, spare_cores
-from autotune.search.presearch import FakeSearch, FakeTrials, SurfaceSearch, fake_strategy, fake_surface
+from autotune.search.presearch import (
+    FakeSearch,
+    FakeTrials,
+    SurfaceSearch,
+    fake_strategy,
+    fake_surface,
+    hold_lane_model,
+)
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
@@ -577,6 +584,7 @@ def estimate_lengths(
                 strategy=config.strategy,
                 world_size=config.world_size,
                 device_name=device_name,
+                hold=hold_lane_model,
             )
             fakes = FakeTrials(task, device_type=device_type, strategy=held, device_name=device_name, lanes=lanes)
             steps = _Lengths(

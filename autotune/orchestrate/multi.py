@@ -25,7 +25,7 @@ POLL_SECONDS = 5.0
 
 def _child(spec: str, config: Any, index: int, queue: Any) -> None:
     from autotune.orchestrate.probe import probe
-    from autotune.tasks.task import load_task
+    from autotune.tasks.load import load_task
 
     try:
         profile = probe(load_task(spec), dataclasses.replace(config, device=f"cuda:{index}"))

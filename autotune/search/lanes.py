@@ -18,11 +18,10 @@ main process runs what did not come back.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import multiprocessing.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack
@@ -64,6 +63,10 @@ class LaneSetup:
     strategy: str
     world_size: int
     device_name: str | None
+    # Loads the task and holds its fake model in the worker: (task, the ExitStack its process group and
+    # heap live in, the fake trials). A module-level function, so that it pickles by name; the search
+    # passes autotune.search.presearch.hold_lane_model, which this floor does not import.
+    hold: Callable[[LaneSetup], tuple[Any, ExitStack, Any]]
 
 
 def spare_cores() -> int:
@@ -93,27 +96,12 @@ def _start_worker(setup: LaneSetup) -> None:
 
 
 def _hold_model(setup: LaneSetup) -> None:
-    from autotune.measure.strategies import make_strategy
-    from autotune.measure.trial import frozen_heap
-    from autotune.search.presearch import FakeTrials, fake_strategy
-    from autotune.tasks.task import load_task
-
     torch.set_num_threads(1)  # fake tensors compute nothing; the lanes share the cores
-    task = dataclasses.replace(
-        load_task(setup.spec), precision=setup.precision, activation_checkpointing=setup.activation_checkpointing
-    )
-    strategy = fake_strategy(make_strategy(setup.strategy, setup.world_size))  # held before the model
-    stack = ExitStack()  # held for the worker's life: its model lives in this group
-    stack.enter_context(strategy.process_group(torch.device(setup.device_type)))
-    stack.enter_context(frozen_heap())
+    task, stack, fakes = setup.hold(setup)
     # Left open, the group and the frozen heap would be torn down half-way through the interpreter's
     # own shutdown: closed first, as the worker exits.
     multiprocessing.util.Finalize(None, _stop_worker, exitpriority=10)
-    _WORKER.update(
-        task=task,
-        stack=stack,
-        fakes=FakeTrials(task, device_type=setup.device_type, strategy=strategy, device_name=setup.device_name),
-    )
+    _WORKER.update(task=task, stack=stack, fakes=fakes)
 
 
 def _stop_worker() -> None:
@@ -139,7 +127,15 @@ class FakeLanes:
 
     @classmethod
     def for_task(
-        cls, task: Any, workers: int, *, device_type: str, strategy: str, world_size: int, device_name: str | None
+        cls,
+        task: Any,
+        workers: int,
+        *,
+        device_type: str,
+        strategy: str,
+        world_size: int,
+        device_name: str | None,
+        hold: Callable[[LaneSetup], tuple[Any, ExitStack, Any]],
     ) -> FakeLanes | None:
         """Lanes for task (a ProbeTask), or None where there are no workers or no spec to load it from."""
         if workers <= 0 or task.source is None:
@@ -152,6 +148,7 @@ class FakeLanes:
             strategy=strategy,
             world_size=world_size,
             device_name=device_name,
+            hold=hold,
         )
         return cls(setup, workers)
 

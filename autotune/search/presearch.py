@@ -15,10 +15,14 @@ the small sizes do not fit, it runs the exact search on fake trials instead, reu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from autotune.core.curve import PeakCurve
 from autotune.core.errors import AutotuneError
@@ -28,10 +32,11 @@ from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategies import Replicated, Strategy
 from autotune.measure.trial import TrialRunner
 from autotune.search.boundary import FAKE_FAR_EXTRAPOLATION, find_max_micro_batch, measured_fit
-from autotune.search.lanes import SLOW_BUILD_SECONDS, SLOW_TRIAL_SECONDS, FakeLanes, Point
+from autotune.search.lanes import SLOW_BUILD_SECONDS, SLOW_TRIAL_SECONDS, FakeLanes, LaneSetup, Point
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
+    "hold_lane_model",
     "TRACED_SIZES",
     "FakeSearch",
     "FakeTrials",
@@ -365,3 +370,21 @@ def presearch_failed(exc: BaseException) -> str:
     text = str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}"
     first_line = (text.strip().splitlines() or [""])[0]
     return f"fake pre-search skipped ({first_line}); the search used real trials only"
+
+
+def hold_lane_model(setup: LaneSetup) -> tuple[ProbeTask, ExitStack, FakeTrials]:
+    """In a lane's worker (autotune/search/lanes.py): the run's task loaded from its spec, and its fake
+    model held inside a fake process group and a frozen heap that live as long as the returned stack."""
+    from autotune.measure.strategies import make_strategy
+    from autotune.measure.trial import frozen_heap
+    from autotune.tasks.load import load_task
+
+    task = dataclasses.replace(
+        load_task(setup.spec), precision=setup.precision, activation_checkpointing=setup.activation_checkpointing
+    )
+    strategy = fake_strategy(make_strategy(setup.strategy, setup.world_size))  # held before the model
+    stack = ExitStack()
+    stack.enter_context(strategy.process_group(torch.device(setup.device_type)))
+    stack.enter_context(frozen_heap())
+    fakes = FakeTrials(task, device_type=setup.device_type, strategy=strategy, device_name=setup.device_name)
+    return task, stack, fakes

@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +27,7 @@ from torch import nn
 from autotune.core.errors import TaskError
 from autotune.core.schemas import ACTIVATION_CHECKPOINTING, PRECISIONS, TagValue
 
-__all__ = ["LossFn", "LossSumFn", "ModelFactory", "OptimizerFactory", "ProbeTask", "default_loss", "load_task"]
+__all__ = ["LossFn", "LossSumFn", "ModelFactory", "OptimizerFactory", "ProbeTask", "default_loss"]
 
 ModelFactory = Callable[[], nn.Module]
 # batch(m) or, for a sequence-aware task, batch(m, seq_len=L).
@@ -183,59 +178,3 @@ def _output_tensor(out: Any) -> torch.Tensor:
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise TaskError(f"cannot derive a loss from a model output of type {type(out).__name__}: give the task a loss")
-
-
-def load_task(spec: str) -> ProbeTask:
-    """Load "path/to/file.py:name" or "package.module:name".
-
-    ``name`` is a ProbeTask or a zero-argument callable returning one. Without ":name" the
-    module's ``task`` attribute is used.
-
-    ``hf:path/to/config.json`` (or ``hf:DIRECTORY``) builds a causal LM from a Hugging Face config
-    instead (:mod:`autotune.tasks.hf`; needs the ``hf`` extra).
-
-    Raises:
-        TaskError: with what was looked for and why it failed, in one line.
-    """
-    from autotune.tasks.hf import is_hf_spec, load_hf_spec
-
-    if is_hf_spec(spec):
-        return dataclasses.replace(load_hf_spec(spec), source=spec)
-    module_part, _, attr = spec.rpartition(":") if ":" in spec else (spec, "", "task")
-    attr = attr or "task"
-    if not module_part:
-        raise TaskError(f"task {spec!r} is not of the form path/to/file.py:name or package.module:name")
-    if module_part.endswith(".py") or "/" in module_part:
-        path = Path(module_part)
-        if not path.is_file():
-            raise TaskError(f"task file {module_part!r} not found (from {spec!r})")
-        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-        mod_name = f"_autotune_task_{path.stem}_{digest}"
-        mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-        if mod_spec is None or mod_spec.loader is None:
-            raise TaskError(f"cannot import {module_part!r} as Python (from {spec!r})")
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[mod_name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:  # the user's module failed at import: say where, in one line
-            sys.modules.pop(mod_name, None)
-            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {exc}") from exc
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as exc:
-            raise TaskError(f"module {module_part!r} not found (from {spec!r}): {exc}") from exc
-        except Exception as exc:
-            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {exc}") from exc
-    if not hasattr(module, attr):
-        raise TaskError(f"{module_part!r} has no attribute {attr!r} (from {spec!r})")
-    obj = getattr(module, attr)
-    if not isinstance(obj, ProbeTask) and callable(obj):
-        try:
-            obj = obj()
-        except Exception as exc:
-            raise TaskError(f"{spec!r}() failed: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(obj, ProbeTask):
-        raise TaskError(f"{spec!r} is a {type(obj).__name__}, not a ProbeTask or a callable returning one")
-    return dataclasses.replace(obj, source=spec)

@@ -13,7 +13,8 @@ from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.search.boundary import find_max_micro_batch
 from autotune.search.presearch import TRACED_SIZES, fake_search
-from autotune.tasks.task import ProbeTask, load_task
+from autotune.tasks.load import load_task
+from autotune.tasks.task import ProbeTask
 from examples.cases import task_spec
 from tests.autotune._tasks import linear_task
 

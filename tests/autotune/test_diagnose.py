@@ -19,7 +19,7 @@ from autotune.core.errors import CannotFitError
 from autotune.orchestrate.estimate import EstimateConfig, estimate
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.search.diagnose import NoFit, diagnose_no_fit
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20

@@ -12,7 +12,7 @@ import autotune.search.lanes as fake_lanes
 import autotune.search.presearch as presearch
 from autotune.orchestrate.estimate import EstimateConfig
 from autotune.orchestrate.lengths import LengthsRun, estimate_lengths
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 MiB = 1 << 20
 SPEC = "examples/gpt.py:task_seq"

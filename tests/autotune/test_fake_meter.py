@@ -11,7 +11,8 @@ from autotune.measure.meters.fake import FakeMeter, FakeTrialError
 from autotune.measure.strategies import Replicated, make_strategy
 from autotune.measure.trial import TrialRunner, _cycle
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import ProbeTask, load_task
+from autotune.tasks.load import load_task
+from autotune.tasks.task import ProbeTask
 from examples.cases import CPU_BUDGET_CASES, HEADROOM, task_spec
 from tests.autotune._tasks import linear_task
 

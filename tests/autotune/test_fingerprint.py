@@ -9,13 +9,13 @@ import sys
 import torch
 
 from autotune.tasks.fingerprint import fingerprint_model, task_fingerprint
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 from examples import gpt
 
 
 def test_same_setup_in_two_processes() -> None:
     code = (
-        "from autotune.tasks.task import load_task; from autotune.tasks.fingerprint import task_fingerprint; "
+        "from autotune.tasks.load import load_task; from autotune.tasks.fingerprint import task_fingerprint; "
         "print(task_fingerprint(load_task('examples/gpt.py:task')))"
     )
     outs = {

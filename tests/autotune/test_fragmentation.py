@@ -10,7 +10,7 @@ from autotune.cli.report import datasheet
 from autotune.core.schemas import Profile
 from autotune.measure.fragmentation import LARGE_GAP_MIN_BYTES, expandable_segments_on, gap_advice, reserved_gap_at
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 from tests.factories import make_profile
 
 GiB = 1 << 30

@@ -16,7 +16,7 @@ from autotune.core.errors import TaskError
 from autotune.orchestrate.estimate import EstimateConfig, estimate
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.hf import parameter_count_text, with_options
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 from tests.autotune._hf_configs import CONFIGS, SEQ_LEN, VOCAB, write_config
 
 MiB = 1 << 20

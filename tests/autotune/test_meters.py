@@ -13,7 +13,7 @@ import torch
 from autotune.core.errors import BudgetError, DeviceError
 from autotune.measure.meters import CpuMeter, CpuOutOfMemoryError, describe_device, make_meter
 from autotune.measure.trial import run_trial
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 MiB = 1 << 20
 
@@ -75,7 +75,7 @@ def test_device_errors() -> None:
 _FRESH = """
 import json
 from autotune.measure.meters import CpuMeter
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 from autotune.measure.trial import run_trial
 task = load_task("examples/gpt.py:task")
 meter = CpuMeter(16 << 20)

@@ -11,7 +11,7 @@ from autotune.core.errors import AutotuneError, BudgetError
 from autotune.measure.meters import CpuMeter
 from autotune.measure.trial import run_trial
 from autotune.orchestrate.probe import ProbeConfig, probe, probe_with_meter
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 from examples.cases import CPU_BUDGET_CASES, HEADROOM, task_spec
 from tests.autotune._tasks import assert_profile_contract
 

@@ -10,7 +10,7 @@ from autotune.measure.meters import CpuMeter
 from autotune.measure.strategies import make_strategy
 from autotune.measure.trial import TrialRunner, run_trial
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 from examples.cases import task_spec
 from tests.autotune._tasks import linear_task
 

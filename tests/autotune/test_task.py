@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from autotune.core.errors import TaskError
-from autotune.tasks.task import ProbeTask, default_loss, load_task
+from autotune.tasks.load import load_task
+from autotune.tasks.task import ProbeTask, default_loss
 
 TASK_FILE = """
 import torch

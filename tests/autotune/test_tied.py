@@ -13,7 +13,8 @@ from autotune.measure.meters.cpu import CpuMeter
 from autotune.measure.trial import build_model, build_on_meta
 from autotune.orchestrate.estimate import EstimateConfig, estimate
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import ProbeTask, load_task
+from autotune.tasks.load import load_task
+from autotune.tasks.task import ProbeTask
 from tests.autotune._allocator_truth import allocator_peak_bytes
 from tests.autotune._hf_configs import write_config
 

@@ -22,7 +22,7 @@ def main() -> int:
     sys.path.insert(0, str(REPO))
     from autotune.orchestrate.lengths import probe_lengths
     from autotune.orchestrate.probe import ProbeConfig
-    from autotune.tasks.task import load_task
+    from autotune.tasks.load import load_task
 
     task = load_task(str(REPO / "examples" / "gpt.py") + ":task_seq")
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET_BYTES, throughput=False)

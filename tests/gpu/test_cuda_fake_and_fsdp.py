@@ -11,7 +11,7 @@ from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategies import make_strategy
 from autotune.measure.trial import TrialRunner
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 GiB = 1 << 30
 

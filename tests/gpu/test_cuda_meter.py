@@ -13,7 +13,7 @@ import torch
 from autotune.measure.meters import CudaMeter
 from autotune.measure.trial import run_trial
 from autotune.orchestrate.probe import ProbeConfig, probe
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -64,7 +64,7 @@ def test_budget_below_the_card_is_enforced(meter_1gib: CudaMeter) -> None:
 _FRESH = """
 import json
 from autotune.measure.meters import CudaMeter
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 from autotune.measure.trial import run_trial
 meter = CudaMeter(0, 1 << 30)
 t = run_trial(load_task("examples/gpt.py:task"), meter, 16, limit_bytes=1 << 30)

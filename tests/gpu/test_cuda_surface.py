@@ -8,7 +8,7 @@ from autotune.measure.strategies import make_strategy
 from autotune.orchestrate.lengths import probe_lengths
 from autotune.orchestrate.probe import ProbeConfig
 from autotune.search.presearch import fake_surface
-from autotune.tasks.task import load_task
+from autotune.tasks.load import load_task
 
 GiB = 1 << 30
 LENGTHS = [256, 512, 1024]

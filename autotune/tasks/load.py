@@ -1,0 +1,74 @@
+"""Loading a task from its spec: "path/to/file.py:name", "package.module:name" or "hf:CONFIG".
+
+Above both kinds of task it loads (``task``'s ProbeTask and ``hf``'s builders), so that neither of them
+imports the other's module to dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from autotune.core.errors import TaskError
+from autotune.tasks.hf import is_hf_spec, load_hf_spec
+from autotune.tasks.task import ProbeTask
+
+__all__ = ["load_task"]
+
+
+def load_task(spec: str) -> ProbeTask:
+    """Load "path/to/file.py:name" or "package.module:name".
+
+    ``name`` is a ProbeTask or a zero-argument callable returning one. Without ":name" the
+    module's ``task`` attribute is used.
+
+    ``hf:path/to/config.json`` (or ``hf:DIRECTORY``) builds a causal LM from a Hugging Face config
+    instead (:mod:`autotune.tasks.hf`; needs the ``hf`` extra).
+
+    Raises:
+        TaskError: with what was looked for and why it failed, in one line.
+    """
+    if is_hf_spec(spec):
+        return dataclasses.replace(load_hf_spec(spec), source=spec)
+    module_part, _, attr = spec.rpartition(":") if ":" in spec else (spec, "", "task")
+    attr = attr or "task"
+    if not module_part:
+        raise TaskError(f"task {spec!r} is not of the form path/to/file.py:name or package.module:name")
+    if module_part.endswith(".py") or "/" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise TaskError(f"task file {module_part!r} not found (from {spec!r})")
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        mod_name = f"_autotune_task_{path.stem}_{digest}"
+        mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise TaskError(f"cannot import {module_part!r} as Python (from {spec!r})")
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as exc:  # the user's module failed at import: say where, in one line
+            sys.modules.pop(mod_name, None)
+            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise TaskError(f"module {module_part!r} not found (from {spec!r}): {exc}") from exc
+        except Exception as exc:
+            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise TaskError(f"{module_part!r} has no attribute {attr!r} (from {spec!r})")
+    obj = getattr(module, attr)
+    if not isinstance(obj, ProbeTask) and callable(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise TaskError(f"{spec!r}() failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(obj, ProbeTask):
+        raise TaskError(f"{spec!r} is a {type(obj).__name__}, not a ProbeTask or a callable returning one")
+    return dataclasses.replace(obj, source=spec)
