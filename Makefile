@@ -21,6 +21,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# The CUDA build of torch for emulated-card fake trials (autotune.emulation) on hosts without a GPU. pip's
+# configuration here puts a local CPU wheel first (find-links; 2.13.0+cpu sorts above 2.13.0), so this
+# install reads no configuration file; the project goes in editable, without its torch extras.
+CUDA_VENV := .venv-cuda
+CUDA_PIP := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(CUDA_VENV)/bin/python -m pip
+$(CUDA_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_PIP) install --quiet torch==$(TORCH_VERSION) numpy
+	$(CUDA_VENV)/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda is None)'
+	$(CUDA_PIP) install --quiet -e . 'transformers>=5,<6'
+	touch $@
+
 # Debian's chromium for the browser tests (Playwright's own browser download cannot work here).
 system-deps:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
@@ -28,7 +40,7 @@ system-deps:
 run: install
 	bash scripts/run.sh
 
-test: install system-deps
+test: install system-deps $(CUDA_VENV)/.installed
 	$(PY) -m ruff check autotune server client tests bench examples
 	$(PY) -m mypy
 	$(PY) -m pytest
@@ -37,4 +49,4 @@ bench: install
 	$(PY) bench/search_table.py
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(CUDA_VENV) var .pytest_cache .mypy_cache .ruff_cache
