@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,6 +58,7 @@ __all__ = [
     "VerifyReport",
     "verify_cli",
     "verify_gradients",
+    "verify_micro_batches",
 ]
 
 CAUSE_BATCHNORM = "batchnorm"
@@ -279,6 +280,7 @@ def _verify(
     micro_batch: int,
     tolerance: float,
     dtype: torch.dtype,
+    split: str | None = None,
 ) -> VerifyReport:
     comparison = _Comparison(task, model, batch, micro)
     full = comparison.full()
@@ -291,7 +293,7 @@ def _verify(
     if task.loss_sum is not None:
         mean_of_means_error = _worst(_relative_errors(comparison.mean_of_means(), full))[0]
 
-    split = f"T={target_batch} as {len(micro)} micro-batches of {micro_batch}"
+    split = split or f"T={target_batch} as {len(micro)} micro-batches of {micro_batch}"
     how = "divided by the group's count (loss_sum)" if task.loss_sum else "sample-weighted mean loss"
     report = dict(
         max_relative_error=error,
@@ -321,6 +323,58 @@ def _verify(
     )
     return VerifyReport(ok=False, cause=cause, message=message, **report)  # type: ignore[arg-type]
 
+
+def verify_micro_batches(
+    task: ProbeTask,
+    sizes: Sequence[int],
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+) -> VerifyReport:
+    """:func:`verify_gradients` over micro-batches of the given sizes, in order: uneven ones, as a
+    length-aware sampler (:class:`autotune.loop.sampler.LengthBatchSampler`) yields them, each with
+    its own number of samples and of supervised tokens, accumulated as one group.
+
+    Args:
+        task: as for :func:`verify_gradients`; one ``task.batch(sum(sizes))`` is cut into the sizes.
+        sizes: two or more micro-batch sizes, e.g. ``[len(b) for b in update]`` of a sampler's update.
+
+    Returns:
+        A :class:`VerifyReport` whose ``micro_batch`` is the largest size and ``target_batch`` their sum.
+
+    Raises:
+        ValueError: fewer than two sizes, a size that is not a positive integer, or a non-positive tolerance.
+        TaskError: the task's batch does not have sum(sizes) samples.
+
+    >>> from examples.gpt import task
+    >>> verify_micro_batches(task, [5, 1, 3, 2]).ok
+    True
+    """
+    sizes = list(sizes)
+    if len(sizes) < 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"sizes must be two or more positive integers, got {sizes!r}")
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be positive, got {tolerance!r}")
+    target_batch = sum(sizes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = task.model()
+        batch = task.batch(target_batch)
+        if batch_size(batch) != target_batch:
+            raise TaskError(f"task {task.name!r}: batch({target_batch}) returned {batch_size(batch)} samples")
+        model = model.to(dtype=dtype)
+        batch = _map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        micro = [_samples(batch, start, stop) for start, stop in zip(starts, starts[1:], strict=False)]
+        split = f"T={target_batch} as {len(sizes)} uneven micro-batches of {'+'.join(map(str, sizes))}"
+        return _verify(task, model, batch, micro, target_batch, max(sizes), tolerance, dtype, split=split)
+
+
+
+def _samples(batch: Any, start: int, stop: int) -> Any:
+    """Samples start..stop of a batch (dim 0 of every tensor that has one)."""
+    return _map_tensors(batch, lambda t: t[start:stop] if t.dim() > 0 else t)
 
 def _dropout_layers(model: nn.Module) -> list[str]:
     dropout = nn.modules.dropout._DropoutNd
