@@ -22,6 +22,7 @@ __all__ = [
     "headroom",
     "non_negative_int",
     "positive_int",
+    "positive_int_list",
     "seq_lens",
     "size",
     "task_spec",
@@ -88,6 +89,17 @@ def add_strategy_and_plan_options(p: argparse.ArgumentParser) -> None:
         help="balanced (default: the fewest steps, micro-batches within one of each other, "
         "e.g. 6x26 + 4x25 = 256) or divisor (equal micro-batches, e.g. 16x16)",
     )
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """``"1,2,26"`` -> ``(1, 2, 26)``: positive integers, each named where one is not."""
+    sizes = []
+    for part in text.split(","):
+        try:
+            sizes.append(_integer(part.strip(), 1, "a positive integer"))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"micro-batch size {exc}") from None
+    return tuple(sizes)
 
 
 def seq_lens(text: str) -> list[int]:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import check_seq_len_options, non_negative_int, task_spec
+from autotune.cli.common import check_seq_len_options, non_negative_int, positive_int_list, size, task_spec
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
 from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of
 
@@ -24,6 +24,7 @@ def add_parsers(sub: Any) -> None:
     e.add_argument(
         "--device-name", help='the card the estimate is for, as /suggest matches it ("NVIDIA H100 80GB HBM3")'
     )
+    add_card_options(e)
     add_setup_options(e)
     e.add_argument("--output", type=Path, help="also write the profile JSON to this file")
     e.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
@@ -36,6 +37,29 @@ def add_parsers(sub: Any) -> None:
         "(default: one per spare core, at most 3; 0 runs them all here)",
     )
     e.set_defaults(run=run_estimate)
+
+
+def add_card_options(e: argparse.ArgumentParser) -> None:
+    """--gpu, --context-bytes, --micro-batches: an estimate for a named card (autotune gpus lists them)."""
+    e.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="a card of the catalog (h100, h200, a100-80gb, l4, ...: `autotune gpus`): its name for /suggest, "
+        "its memory as the default budget, and CUDA semantics by an emulated card",
+    )
+    e.add_argument(
+        "--context-bytes",
+        type=size,
+        metavar="BYTES",
+        help="with --gpu: memory outside the caching allocator (CUDA context and modules); default the catalog's",
+    )
+    e.add_argument(
+        "--micro-batches",
+        type=positive_int_list,
+        metavar="M1,M2,...",
+        default=(),
+        help="also estimate these sizes (their trials in the profile): will m = 32 fit?",
+    )
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -55,18 +79,25 @@ def run_estimate(args: argparse.Namespace) -> int:
         multiple_of=args.multiple_of,
         precision=args.precision,
         plan_policy=args.plan,
-    )
+        gpu=args.gpu,
+        context_bytes=args.context_bytes,
+        micro_batches=tuple(args.micro_batches),
+    ).on_card()
     config.validate()  # a missing budget is refused before the task is even loaded
     check_seq_len_options(args)
     task = load_task(task_spec(args.task, args))
     lengths = lengths_of(task, args)
-    limit = int(args.budget * (1 - args.headroom))
-    print(f"estimating {task.name} for {args.device_kind} with fake tensors ...", file=sys.stderr)
+    assert config.budget_bytes is not None  # validate() refused None
+    limit = int(config.budget_bytes * (1 - args.headroom))
+    target = config.device_name if config.gpu else args.device_kind
+    print(f"estimating {task.name} for {target} with fake tensors ...", file=sys.stderr)
 
     def progress(trial: Any) -> None:
         print(trial_line(trial, limit), file=sys.stderr, flush=True)
 
     def run(t: Any, c: Any) -> list[Any]:
+        if lengths and c.gpu is not None:  # one emulated search per length
+            return [estimate(t.at_length(seq_len), c, on_trial=progress) for seq_len in lengths]
         if lengths:
             from autotune.orchestrate.lengths import estimate_lengths
 

@@ -60,8 +60,45 @@ class EstimateConfig:
     plan_policy: str = "balanced"
     # The memory policy (none, every-2, full): None keeps the task's own activation_checkpointing.
     activation_checkpointing: str | None = None
+    # A card of the catalog (autotune/core/cards.py: "h100", "h200", ...): its name, budget and CUDA
+    # semantics, by emulated fake trials (autotune/orchestrate/card_estimate.py).
+    gpu: str | None = None
+    # Memory outside the caching allocator (the CUDA context): None takes the catalog's figure.
+    context_bytes: int | None = None
+    # Sizes estimated besides the search's (their trials in the profile): "will m = 32 fit?".
+    micro_batches: tuple[int, ...] = ()
+
+    def on_card(self) -> EstimateConfig:
+        """This config with the card's name and budget where --gpu names one and they are not given."""
+        if self.gpu is None:
+            return self
+        from autotune.orchestrate.card_estimate import card_of
+
+        card = card_of(self.gpu)
+        return dataclasses.replace(
+            self,
+            budget_bytes=self.budget_bytes if self.budget_bytes is not None else card.device_total_bytes,
+            device_name=self.device_name or card.nvml_name,
+        )
 
     def validate(self) -> None:
+        if self.gpu is not None:
+            from autotune.orchestrate.card_estimate import card_of
+
+            card = card_of(self.gpu)
+            if self.device_kind != "cuda":
+                raise AutotuneError(
+                    f"--gpu {self.gpu} names a CUDA card: it cannot go with --device-kind {self.device_kind}"
+                )
+            if self.context_bytes is not None and not 0 <= self.context_bytes < card.device_total_bytes:
+                raise AutotuneError(
+                    f"--context-bytes must be at least 0 and below the {card.short_name}'s memory "
+                    f"({card.device_total_bytes} bytes), got {self.context_bytes}"
+                )
+        elif self.context_bytes is not None:
+            raise AutotuneError("--context-bytes applies to an estimate for a card: name it with --gpu")
+        if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in self.micro_batches):
+            raise AutotuneError(f"--micro-batches must be positive integers, got {list(self.micro_batches)}")
         if self.budget_bytes is None:
             raise BudgetError("estimate needs a budget: pass --budget (for example --budget 80GiB)")
         if self.budget_bytes <= 0:
@@ -119,15 +156,28 @@ def estimate(
             even fake; its one line says what the job needs and what would fit (autotune/search/diagnose.py).
         AutotuneError: bad configuration; an op that cannot run fake (the message names it).
     """
+    config = config.on_card()
     config.validate()
     assert config.budget_bytes is not None  # validate() refused None
     if config.precision is not None and config.precision != task.precision:
         task = dataclasses.replace(task, precision=config.precision)
     if config.activation_checkpointing is not None:
         task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    warnings: list[str] = []
+    if config.gpu is not None and fakes is None:
+        from autotune.orchestrate.card_estimate import estimate_on_card
+
+        on_card = estimate_on_card(task, config, on_trial=on_trial)
+        if on_card is not None:
+            return on_card
+        warnings.append(
+            f"no CUDA build of torch here to emulate the {config.gpu} with (install torch's CUDA build, or point "
+            "AUTOTUNE_CUDA_PYTHON at a Python that has it): estimated with CPU semantics, without the "
+            "caching allocator or the memory outside it"
+        )
     started = time.perf_counter()
     device_type, semantics = estimate_device_type(config.device_kind)
-    warnings: list[str] = [semantics] if semantics else []
+    warnings.extend([semantics] if semantics else [])
     limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
     strategy = make_strategy(config.strategy, config.world_size)
     device_name = config.device_name or f"{config.device_kind} (estimate)"

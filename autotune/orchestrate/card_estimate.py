@@ -1,0 +1,183 @@
+"""`autotune estimate --gpu NAME`: the datasheet of a named card, from a host without it.
+
+The search runs in a child process where a CUDA build of torch sees the card emulated (autotune/emulation/):
+CUDA's dispatch, autocast lists, attention kernels and optimizer paths. Each fake trial's allocations are
+replayed through the caching allocator's model (autotune/core/allocator.py), and the figure the search
+decides on is the one a real CUDA trial records: reserved bytes + the memory outside the allocator.
+
+Without a CUDA build of torch here, the estimate runs with CPU semantics (autotune/orchestrate/estimate.py)
+for the card's budget and name, and says what to install.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import autotune
+from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, lookup, outside_allocator
+from autotune.core.consistency import check_profile
+from autotune.core.errors import AutotuneError, CannotFitError
+from autotune.core.schemas import Device, Fit, Profile, Trial
+from autotune.core.units import format_bytes
+from autotune.orchestrate.probe import plan_for
+from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.task import ProbeTask
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from autotune.orchestrate.estimate import EstimateConfig
+
+__all__ = ["card_of", "context_bytes_for", "estimate_on_card"]
+
+
+def card_of(name: str) -> Card:
+    """The catalog's card called name; AutotuneError (one line listing the known ones) for another."""
+    try:
+        return lookup(name)
+    except ValueError as exc:
+        raise AutotuneError(f"--gpu: {exc}") from None
+
+
+def context_bytes_for(card: Card, given: int | None, torch_version: str, cuda_version: str) -> tuple[int, str]:
+    """The memory outside the allocator an estimate adds for card, and where the figure comes from.
+
+    ``given`` (``--context-bytes``) wins; then what is known for this card, torch and CUDA; then what is
+    known for this card with another torch; then the H200's measured figure, said to be a stand-in.
+    """
+    if given is not None:
+        return given, f"{format_bytes(given)} outside the allocator (--context-bytes)"
+    known = outside_allocator(card, torch_version, cuda_version)
+    if known is not None:
+        return known.bytes, f"{format_bytes(known.bytes)} outside the allocator ({known.source})"
+    for (short, torch_mm, cuda_mm), figure in OUTSIDE_ALLOCATOR.items():
+        if short == card.short_name:
+            return figure.bytes, (
+                f"{format_bytes(figure.bytes)} outside the allocator, measured with torch {torch_mm} and CUDA "
+                f"{cuda_mm}, not {torch_version} and {cuda_version} (--context-bytes to say otherwise)"
+            )
+    stand_in = next(iter(OUTSIDE_ALLOCATOR.values()))
+    return stand_in.bytes, (
+        f"{format_bytes(stand_in.bytes)} outside the allocator: not measured on a {card.short_name}; the H200's "
+        "figure stands in (--context-bytes to say otherwise)"
+    )
+
+
+def estimate_on_card(
+    task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Trial], None] | None = None
+) -> Profile | None:
+    """The estimate for config.gpu by emulated CUDA fake trials; None where this host has no CUDA build of
+    torch (the caller then estimates with CPU semantics, and warns).
+
+    Raises:
+        CannotFitError: micro-batch multiple_of does not fit the card.
+        AutotuneError: the task has no spec to load in the child, or the emulation failed (one line).
+    """
+    from autotune.emulation.build import EmulationError, inspect_cuda_torch
+    from autotune.emulation.card_search import search_on_card
+    from autotune.emulation.runner import CudaTorchMissing, find_cuda_python
+
+    assert config.gpu is not None and config.budget_bytes is not None
+    card = card_of(config.gpu)
+    if task.source is None:
+        raise AutotuneError(
+            f"--gpu runs the fake trials of task {task.name!r} in a process of its own, which loads it from its "
+            "spec: load it with autotune.load_task('file.py:name') (or from the command line)"
+        )
+    try:
+        cuda_torch = inspect_cuda_torch(find_cuda_python())
+    except (CudaTorchMissing, EmulationError):
+        return None
+    started = time.perf_counter()
+    outside, outside_source = context_bytes_for(
+        card, config.context_bytes, cuda_torch.torch_version, cuda_torch.cuda_version
+    )
+    limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
+    if outside >= limit_bytes:
+        raise CannotFitError(
+            f"the {format_bytes(outside)} outside the allocator on a {card.short_name} leave nothing of the "
+            f"{format_bytes(limit_bytes)} limit (budget less headroom)"
+        )
+    try:
+        found = search_on_card(
+            task.source,
+            card,
+            limit_bytes=limit_bytes,
+            outside_bytes=outside,
+            seq_len=task.seq_len,
+            strategy=config.strategy,
+            world_size=config.world_size,
+            precision=task.precision,
+            activation_checkpointing=task.activation_checkpointing,
+            max_micro_batch=config.max_micro_batch,
+            multiple_of=config.multiple_of,
+            extra_sizes=config.micro_batches,
+        )
+    except EmulationError as exc:
+        raise AutotuneError(str(exc)) from None
+    trials = [Trial.model_validate(raw) for raw in found.trials]
+    for trial in trials:
+        if on_trial is not None:
+            on_trial(trial)
+    if found.no_fit:
+        at = next((t for t in trials if t.micro_batch == config.multiple_of), None)
+        figure = f" reads {format_bytes(at.peak_bytes)}" if at is not None and not at.oom else " does not fit the card"
+        raise CannotFitError(
+            f"micro-batch {config.multiple_of} of {task.name} on an emulated {card.short_name}{figure} "
+            f"(reserved + {format_bytes(outside)} outside the allocator), over the limit of {format_bytes(limit_bytes)}"
+        )
+    semantics = (
+        f"emulated {card.nvml_name} (compute capability {card.capability}) with CUDA semantics: fake trials "
+        f"under torch {cuda_torch.torch_version}, reserved bytes by the caching allocator's model, "
+        f"plus {outside_source}"
+    )
+    warnings = [semantics, *found.warnings]
+    if config.strategy == "ddp" and config.world_size > 1:
+        warnings.append("the estimate leaves out DDP's gradient buckets (about the size of the gradients)")
+    m_max = found.max_micro_batch
+    the_plan = plan_for(m_max, config.as_probe_config(), warnings)
+    device = Device(
+        kind="cuda",
+        name=card.nvml_name,
+        total_bytes=config.budget_bytes,
+        torch_version=cuda_torch.torch_version,
+        cuda_version=cuda_torch.cuda_version,
+        compute_capability=card.capability,
+    )
+    fit = Fit.model_validate(found.fit) if found.fit else None
+    profile = Profile(
+        fingerprint=task_fingerprint(task, strategy=config.strategy, world_size=config.world_size),
+        task=task.name,
+        device=device,
+        devices=[device],
+        precision=task.precision,  # type: ignore[arg-type]
+        tags=dict(task.tags),
+        budget_bytes=config.budget_bytes,
+        headroom=config.headroom,
+        max_micro_batch=m_max,
+        micro_batch_cap=config.max_micro_batch,
+        multiple_of=config.multiple_of,
+        world_size=config.world_size,
+        strategy=config.strategy,  # type: ignore[arg-type]
+        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
+        source="estimate",
+        seq_len=task.seq_len,
+        plan=the_plan,
+        trials=trials,
+        fit=_nonnegative(fit),
+        trial_count=len(trials),
+        oom_count=sum(1 for t in trials if t.oom),
+        seconds=round(time.perf_counter() - started, 3),
+        warnings=warnings,
+        torch_version=cuda_torch.torch_version,
+        autotune_version=autotune.__version__,
+    )
+    check_profile(profile)
+    return profile
+
+
+def _nonnegative(fit: Fit | None) -> Fit | None:
+    from autotune.core.plan import nonnegative_fit
+
+    return nonnegative_fit(fit)
