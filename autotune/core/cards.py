@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "ARCHITECTURES",
     "CARDS",
     "OUTSIDE_ALLOCATOR",
     "Architecture",

@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -76,29 +76,30 @@ def _check() -> dict[str, Any]:
     return found
 
 
-def _recording_meter(budget_bytes: int, device_name: str, ops: dict[str, set[str]]) -> Any:
-    """A FakeMeter whose counting mode also notes every op and the dtypes of what it returned."""
+@contextmanager
+def _recording_ops(ops: dict[str, set[str]]) -> Iterator[None]:
+    """Note every op the fake meter's counting mode dispatches, with the dtypes of what it returned
+    (this process's own class is wrapped, for as long as the block runs)."""
     import torch
     from torch.utils._pytree import tree_flatten
 
-    from autotune.measure.meters.fake import FakeMeter, _FakeCountingMode
+    from autotune.measure.meters.fake import _FakeCountingMode
 
-    class OpRecorder(_FakeCountingMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            dtypes = ops.setdefault(str(func), set())
-            for leaf in tree_flatten(out)[0]:
-                if isinstance(leaf, torch.Tensor):
-                    dtypes.add(str(leaf.dtype).removeprefix("torch."))
-            return out
+    original = _FakeCountingMode.__torch_dispatch__
 
-    class RecordingFakeMeter(FakeMeter):
-        @contextmanager
-        def _counting(self) -> Iterator[None]:
-            with self._fake_mode, self._storage_resizes(), OpRecorder(self):
-                yield
+    def dispatch(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = original(self, func, types, args, kwargs)
+        dtypes = ops.setdefault(str(func), set())
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                dtypes.add(str(leaf.dtype).removeprefix("torch."))
+        return out
 
-    return RecordingFakeMeter(budget_bytes, "cuda", device_name)
+    _FakeCountingMode.__torch_dispatch__ = dispatch  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _FakeCountingMode.__torch_dispatch__ = original  # type: ignore[method-assign]
 
 
 def _renumbered(held: list[tuple[int, int]], events: list[tuple[int, int]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -146,14 +147,12 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
     budget = int(request.get("budget_bytes") or MAX_BYTES)
     ops: dict[str, set[str]] = {}
     device_name = _device()["name"]
-    if request.get("record_ops"):
-        meter = _recording_meter(budget, device_name, ops)
-    else:
-        meter = FakeMeter(budget, "cuda", device_name)
+    meter = FakeMeter(budget, "cuda", device_name)
     strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"])))
     results = []
     torch.set_num_threads(1)  # fake tensors compute nothing
-    with strategy.process_group(meter.device), frozen_heap():
+    recording: AbstractContextManager[Any] = _recording_ops(ops) if request.get("record_ops") else nullcontext()
+    with strategy.process_group(meter.device), frozen_heap(), recording:
         runner = TrialRunner(task, meter, limit_bytes=budget, strategy=strategy)
         try:
             runner.build()
