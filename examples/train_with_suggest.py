@@ -1,4 +1,4 @@
-"""Train with the plan the tuner suggests (the README's "Use it from a training script").
+"""Train with the plan the tuner suggests (docs/client.md, "Use it from a training script").
 
 Run it with AUTOTUNE_URL (and AUTOTUNE_TOKEN, to upload what it measures) pointing at `autotune serve`;
 without them it measures locally and says so.

@@ -1,5 +1,6 @@
-"""The README's "From a Lightning module", "From a Hugging Face Trainer" and "From a model config"
-blocks, run as written (each in a fresh process, in an empty folder, as a user would)."""
+"""docs/client.md's "From a Lightning module", "From a Hugging Face Trainer" and "From a model config"
+blocks (the README's until the reference moved to docs/), run as written (each in a fresh process, in an
+empty folder, as a user would)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_SECONDS = 600
+PAGE = REPO / "docs" / "client.md"
 
 
 def block(heading: str, language: str) -> str:
-    """The first ``language`` block under the README's ``### heading``."""
-    text = (REPO / "README.md").read_text()
+    """The first ``language`` block under docs/client.md's ``### heading``."""
+    text = PAGE.read_text()
     marker = f"### {heading}\n"
-    assert marker in text, f"README.md has no section {heading!r}"
+    assert marker in text, f"docs/client.md has no section {heading!r}"
     section = text.split(marker, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     match = re.search(rf"```{language}\n(.*?)```", section, re.DOTALL)
     assert match, f"no {language} block under {heading!r}"
