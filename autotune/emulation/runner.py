@@ -170,10 +170,9 @@ def _run_child(
     """The child's result and the emulation's lines of its log; EmulationError for a child that
     failed, hung or wrote no result, in one line."""
     env = child_environment(card, libraries, driver_version=torch.cudart_version, disable=disable)
-    # The child imports this very package: from this checkout, whatever its Python has installed.
-    if not _REPO.joinpath("autotune").is_dir() or "site-packages" in str(_REPO):
-        env.pop("PYTHONPATH", None)
-    else:
+    # The child imports this very package: from this checkout, whatever its Python has installed (an
+    # installed autotune is the child's own to find).
+    if "site-packages" not in str(_REPO):
         env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.TemporaryDirectory(prefix="autotune-emulation-") as folder:
         request_path, result_path, log_path = (Path(folder) / name for name in ("request.json", "result.json", "log"))
