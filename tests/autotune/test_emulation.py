@@ -213,3 +213,12 @@ def test_the_ledger_records_allocations_resizes_and_releases(meter: CpuMeter) ->
     renamed = recorded.events[3][0]
     assert recorded.events == [(key, 1024), (key, FREE), (key, 1024), (renamed, 2048), (key, FREE), (renamed, FREE)]
     assert renamed != key and replay(recorded.held + recorded.events).peak_allocated_bytes == 512 + 1024 + 2048
+
+
+def test_a_missing_compiler_is_one_line(cuda_python: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from autotune.emulation.build import build_libraries, inspect_cuda_torch
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
+    with pytest.raises(EmulationError, match=r"builds its libraries with gcc, which is not on PATH \(install gcc"):
+        build_libraries(inspect_cuda_torch(cuda_python))
