@@ -37,7 +37,7 @@ from autotune.measure.trial import TrialRunner
 from autotune.tasks.load import load_task
 
 GPT = "examples/gpt.py:task"
-SIZES = (2, 3)
+SIZES = (2,)
 MiB = 1 << 20
 # (card, strategy, world size) of the module's runs: three architectures, and FSDP2's resizes on one.
 RUNS = {"h200": ("ddp", 1), "a100-80gb": ("fsdp", 2), "t4": ("ddp", 1)}
