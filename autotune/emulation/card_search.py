@@ -143,7 +143,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
 
     from autotune.core.allocator import AllocatorConfig, replay
     from autotune.core.schemas import Trial
-    from autotune.emulation.child import _device, _renumbered, prepare_fake_cuda
+    from autotune.emulation.fake_cuda import device_facts, prepare_fake_cuda, renumbered
     from autotune.measure.meters.fake import FakeMeter
     from autotune.measure.strategies import make_strategy
     from autotune.measure.trial import TrialRunner, frozen_heap
@@ -164,7 +164,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
     config = AllocatorConfig.parse(request.get("alloc_conf"))
     # The workspaces come first: each is made at its thread's first matmul, before the trial's peak.
     workspaces = [(-(i + 1), int(n)) for i, n in enumerate(request["workspace_bytes"])]
-    device = _device()
+    device = device_facts()
     meter = FakeMeter(budget, "cuda", device["name"])
     strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"])))
     torch.set_num_threads(1)  # fake tensors compute nothing
@@ -177,7 +177,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
         if live.oom:  # live bytes alone crossed the card's memory: no replay can fit
             result = live.model_copy(update={"fake": True, "fits": False})
         else:
-            held, events = _renumbered(recorded.held, recorded.events)
+            held, events = renumbered(recorded.held, recorded.events)
             # A release of a storage the recording never saw (id 0) frees nothing the replay holds.
             trace = workspaces + [(k, n) for k, n in held] + [(k, n) for k, n in events if k != 0]
             peaks = replay(trace, config, budget - outside)
