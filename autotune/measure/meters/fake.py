@@ -9,19 +9,37 @@ kernel workspaces, the CUDA context), which is why real trials confirm the bound
 
 Ops that need data:
 
-- ``.item()`` and friends (``aten._local_scalar_dense``) answer a placeholder: 1 for integers,
-  1.0 for floats, False for booleans. Optimizer step counters, supervised-token counts and
-  ``isfinite`` checks read scalars only to do arithmetic or to skip work, so memory is unchanged;
-  a model that branches on a scalar to allocate differently can differ from a real trial.
-- Ops whose output shape depends on data (``nonzero``, ``masked_select``, boolean indexing) cannot
-  run fake: the trial fails with FakeTrialError naming the op, and the probe falls back to real
-  trials.
+- Routing (mixture of experts). ``topk``'s indices get values from a stated rule instead of
+  data: every row (token) picks k distinct choices (experts) in turn, so each of n experts gets
+  rows * k / n (balanced, ``moe_load_factor`` 1.0); with a load factor f > 1 the first expert,
+  the busiest, gets round(f * rows * k / n) of them (at most every row) and the others share the
+  rest in turn (``routed_indices``). From there, integer and boolean tensors computed from known
+  values carry real values beside them (small: tokens x k x experts), so ops whose output size
+  depends on data (``nonzero``, ``torch.where(cond)``, boolean indexing, ``masked_select``,
+  ``bincount``, ``unique``, ``.item()``/``.tolist()`` of a routing count) get the size a real
+  run would give under that routing, and loops over the experts hit run as a real run's would.
+  The memory of HF's default ``grouped_mm`` experts does not depend on the spread at all (every
+  token-expert pair is one row); where experts run one after another (``eager``), only the
+  busiest expert's transient does.
+- ``.item()`` and friends (``aten._local_scalar_dense``) of any other tensor answer a placeholder:
+  1 for integers, 1.0 for floats, False for booleans. Optimizer step counters, supervised-token
+  counts and ``isfinite`` checks read scalars only to do arithmetic or to skip work, so memory is
+  unchanged; a model that branches on a scalar to allocate differently can differ from a real trial.
+- Any other op whose output shape depends on data that no rule gives cannot run fake: the trial
+  fails with FakeTrialError naming the op, and the probe falls back to real trials.
+
+FakeTensorMode logs an op whose meta function fails before raising; those lines are torch's, not
+ours, and are kept from the user's terminal while a fake trial runs (the error itself still says it).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,18 +50,77 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device
 from autotune.measure.meters.cpu import CpuMeter, _LiveStorageMode
 
-__all__ = ["FakeMeter", "FakeTrialError", "SCALAR_PLACEHOLDERS"]
+__all__ = ["FakeMeter", "FakeTrialError", "SCALAR_PLACEHOLDERS", "moe_routing", "routed_indices"]
 
 SCALAR_PLACEHOLDERS = {"bool": False, "int": 1, "float": 1.0}
+
+_LOAD_FACTOR: ContextVar[float] = ContextVar("moe_load_factor", default=1.0)
+_TOPK = (torch.ops.aten.topk.default,)
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+_EXACT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 
 
 class FakeTrialError(AutotuneError):
     """An op of the task cannot run on fake tensors (its output shape depends on data)."""
+
+
+@contextmanager
+def moe_routing(load_factor: float) -> Iterator[None]:
+    """Fake trials started inside route by ``routed_indices`` with this load factor (1.0 balanced).
+
+    Raises:
+        AutotuneError: load_factor below 1 (no expert is busier than a fair share on average).
+    """
+    if not load_factor >= 1.0:
+        raise AutotuneError(f"moe load factor must be at least 1 (1.0 = balanced routing), got {load_factor}")
+    token = _LOAD_FACTOR.set(float(load_factor))
+    try:
+        yield
+    finally:
+        _LOAD_FACTOR.reset(token)
+
+
+def routed_indices(rows: int, choices: int, k: int, load_factor: float = 1.0) -> torch.Tensor:
+    """The routing rule: (rows, k) distinct choices per row, int64.
+
+    Balanced, every choice gets rows * k / choices rows (within one); with load_factor f > 1,
+    choice 0 gets round(f * rows * k / choices) (at most rows) and the others share the rest in turn.
+
+    >>> routed_indices(4, 4, 2).tolist()
+    [[0, 1], [2, 3], [0, 1], [2, 3]]
+    >>> routed_indices(4, 4, 2, 2.0).bincount().tolist()
+    [4, 2, 1, 1]
+    """
+    flat = torch.arange(rows * k, dtype=torch.int64)
+    if load_factor <= 1.0 or k >= choices:
+        return (flat % choices).view(rows, k)
+    fair = rows * k / choices
+    busiest = min(rows, max(int(round(load_factor * fair)), -(-rows * k // choices)))
+    others = 1 + flat[: busiest * (k - 1) + (rows - busiest) * k] % (choices - 1)
+    loaded = torch.cat(
+        [torch.zeros(busiest, 1, dtype=torch.int64), others[: busiest * (k - 1)].view(busiest, k - 1)], 1
+    )
+    rest = others[busiest * (k - 1) :].view(rows - busiest, k)
+    return torch.cat([loaded, rest], 0)
+
+
+def _routed_like(indices: torch.Tensor, source: torch.Tensor, k: int, dim: int, load_factor: float) -> torch.Tensor:
+    dim = dim % max(source.dim(), 1)
+    choices = source.shape[dim] if source.dim() else 1
+    moved = list(indices.shape)
+    moved.append(moved.pop(dim))
+    rows = indices.numel() // max(k, 1)
+    routed = routed_indices(rows, choices, k, load_factor).view(moved)
+    return routed.movedim(-1, dim).contiguous()
 
 
 def _placeholder(tensor: torch.Tensor) -> bool | int | float:
@@ -54,18 +131,201 @@ def _placeholder(tensor: torch.Tensor) -> bool | int | float:
     return SCALAR_PLACEHOLDERS["int"]
 
 
+@dataclass
+class _Recipe:
+    """A factory op with no tensor inputs (arange, zeros, full) whose values are made only when a
+    routing value needs them (one_hot compares indices with an arange)."""
+
+    func: Any
+    args: Any
+    kwargs: Any
+
+    def make(self) -> torch.Tensor:
+        kwargs = dict(self.kwargs)
+        if "device" in kwargs:
+            kwargs["device"] = torch.device("cpu")
+        with _disable_current_modes():
+            return self.func(*self.args, **kwargs)  # type: ignore[no-any-return]
+
+
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
+    # torch/_meta_registrations.py: _create_grouped_mm_output_tensor, without CUDA's padding.
+    if a.dim() == 2 and b.dim() == 2:
+        assert offs is not None
+        return [offs.shape[0], a.shape[0], b.shape[1]]
+    if a.dim() == 2:
+        return [a.shape[0], b.shape[-1]]
+    if b.dim() == 2:
+        return [a.shape[1], b.shape[1]]
+    return [a.shape[0], a.shape[1], b.shape[-1]]
+
+
+@functools.cache
+def _answers_python(func: Any) -> bool:
+    """Whether func returns Python values only (no tensors)."""
+    returns = func._schema.returns
+    return bool(returns) and all("Tensor" not in str(ret.type) for ret in returns)
+
+
+def _cpu_grouped_mm(func: Any, args: Any, exc: RuntimeError) -> bool:
+    """Whether exc is the meta's bf16-only check refusing a grouped matmul that the CPU runs."""
+    return (
+        func is torch.ops.aten._grouped_mm.default
+        and "Expected inputs of BF16" in str(exc)
+        and args[0].device.type == "cpu"
+        and args[0].dtype == args[1].dtype
+    )
+
+
 class _FakeCountingMode(_LiveStorageMode):
-    """The CPU meter's counting mode over FakeTensorMode, answering scalar reads of fake tensors."""
+    """The CPU meter's counting mode over FakeTensorMode: answers scalar reads of fake tensors and
+    carries routing values (the module docstring) beside the fake tensors computed from them."""
+
+    def __init__(self, meter: CpuMeter, load_factor: float) -> None:
+        super().__init__(meter)
+        self.load_factor = load_factor
+        self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
-            return _placeholder(args[0])
+            known = self._value(args[0])
+            if known is None:
+                return _placeholder(args[0])
+            with _disable_current_modes():
+                return known.item()
+        if len(self.values) and _answers_python(func):
+            # A Python answer (bool(t): is_nonzero, equal) is decomposed inside FakeTensorMode into
+            # a scalar read that this mode never sees: answer it from the values where there are some.
+            inputs = self._real_inputs(args, kwargs, stand_ins=False)
+            if inputs is not None:
+                with _disable_current_modes():
+                    return func(*inputs[0], **inputs[1])
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as exc:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except _DATA_DEPENDENT as exc:
+            out = self._sized_by_values(func, types, args, kwargs, exc)
+        except RuntimeError as exc:
+            if not _cpu_grouped_mm(func, args, exc):
+                raise
+            out = self._grouped_mm(types, args, kwargs)
+        if func in _TOPK:
+            source, k = args[0], args[1]
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            with _disable_current_modes():  # real values, outside FakeTensorMode
+                self.values[out[1]] = _routed_like(out[1], source, k, dim, self.load_factor)
+        elif len(self.values):
+            self._follow(func, args, kwargs, out)
+        return out
+
+    def _value(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        known = self.values.get(tensor)
+        if isinstance(known, _Recipe):
+            known = self.values[tensor] = known.make()
+        return known
+
+    def _real_inputs(self, args: Any, kwargs: Any, *, stand_ins: bool) -> tuple[Any, Any, bool] | None:
+        """args and kwargs with every fake tensor replaced by its values; where one has none, by a
+        storage-free stand-in of its shape (stand_ins) or None. Also whether all had values."""
+        flat, spec = tree_flatten((args, kwargs))
+        real: list[Any] = []
+        complete = True
+        for item in flat:
+            if isinstance(item, FakeTensor):
+                known = self._value(item)
+                if known is None:
+                    if not stand_ins:
+                        return None
+                    complete = False
+                    with _disable_current_modes():  # a real tensor, outside FakeTensorMode
+                        known = torch.empty((), dtype=item.dtype).expand(item.shape)
+                real.append(known)
+            elif isinstance(item, torch.device):
+                real.append(torch.device("cpu"))
+            else:
+                real.append(item)
+        real_args, real_kwargs = tree_unflatten(real, spec)
+        return real_args, real_kwargs, complete
+
+    def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Give out the values func gives on the values of its inputs, where all have them."""
+        flat = tree_flatten((args, kwargs))[0]
+        fakes = [item for item in flat if isinstance(item, FakeTensor)]
+        if not fakes:
+            if isinstance(out, FakeTensor) and out.dtype in _EXACT_DTYPES:
+                self.values[out] = _Recipe(func, args, kwargs)
+            return
+        if not any(fake in self.values for fake in fakes):
+            return
+        inputs = self._real_inputs(args, kwargs, stand_ins=False)
+        if inputs is None:
+            if func._schema.is_mutable:  # a tensor with values changed by what has none: forget them
+                for fake in fakes:
+                    self.values.pop(fake, None)
+            return
+        with _disable_current_modes():
+            real_out = func(*inputs[0], **inputs[1])
+        for fake, real in zip(tree_flatten(out)[0], tree_flatten(real_out)[0], strict=False):
+            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
+                self.values[fake] = real
+
+    def _empty_like(self, types: Any, real: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return super().__torch_dispatch__(  # type: ignore[no-any-return]
+            torch.ops.aten.empty_strided.default,
+            types,
+            (list(real.shape), list(real.stride())),
+            {"dtype": real.dtype, "device": device},
+        )
+
+    def _sized_by_values(self, func: Any, types: Any, args: Any, kwargs: Any, exc: Exception) -> Any:
+        """An op whose output size depends on data: run it on the values its inputs carry (stand-ins
+        without storage for those that carry none, whose values cannot change a size), and make fake
+        outputs of the sizes it gives."""
+        inputs = self._real_inputs(args, kwargs, stand_ins=True)
+        fakes = [item for item in tree_flatten((args, kwargs))[0] if isinstance(item, FakeTensor)]
+        if inputs is None or not any(fake in self.values for fake in fakes):
             raise FakeTrialError(
                 f"{func} cannot run on fake tensors ({type(exc).__name__}: its output depends on data)"
             ) from None
+        real_args, real_kwargs, complete = inputs
+        with _disable_current_modes():
+            real_out = func(*real_args, **real_kwargs)
+        device = fakes[0].device
+        flat, spec = tree_flatten(real_out)
+        made: list[Any] = []
+        for real in flat:
+            if isinstance(real, torch.Tensor):
+                fake = self._empty_like(types, real, device)
+                if complete:
+                    self.values[fake] = real
+                made.append(fake)
+            else:
+                made.append(real)
+        return tree_unflatten(made, spec)
+
+    def _grouped_mm(self, types: Any, args: Any, kwargs: Any) -> torch.Tensor:
+        """torch's meta for _grouped_mm checks CUDA's bf16-only rule; the CPU kernel multiplies fp32
+        (an fp32 model under bf16 autocast: transformers casts the input to the weights' dtype)."""
+        a, b = args[0], args[1]
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        dtype = kwargs.get("out_dtype") or a.dtype
+        return super().__torch_dispatch__(  # type: ignore[no-any-return]
+            torch.ops.aten.empty.memory_format,
+            types,
+            (_grouped_mm_shape(a, b, offs),),
+            {"dtype": dtype, "device": a.device},
+        )
+
+
+@contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    logger = logging.getLogger(_FAKE_TENSOR_LOG)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class FakeMeter(CpuMeter):
@@ -100,5 +360,6 @@ class FakeMeter(CpuMeter):
 
     @contextmanager
     def _counting(self) -> Iterator[None]:
-        with self._fake_mode, self._storage_resizes(), _FakeCountingMode(self):
-            yield
+        with _quiet_fake_tensor_log(), self._fake_mode, self._storage_resizes():
+            with _FakeCountingMode(self, _LOAD_FACTOR.get()):
+                yield
