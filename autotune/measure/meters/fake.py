@@ -97,7 +97,7 @@ def routed_indices(rows: int, choices: int, k: int, load_factor: float = 1.0) ->
 
     >>> routed_indices(4, 4, 2).tolist()
     [[0, 1], [2, 3], [0, 1], [2, 3]]
-    >>> routed_indices(4, 4, 2, 2.0).bincount().tolist()
+    >>> routed_indices(4, 4, 2, 2.0).flatten().bincount().tolist()
     [4, 2, 1, 1]
     """
     flat = torch.arange(rows * k, dtype=torch.int64)
