@@ -15,6 +15,7 @@ __all__ = [
     "EXIT_USAGE",
     "CliError",
     "Parser",
+    "add_finetune_options",
     "add_seq_len_options",
     "add_strategy_and_plan_options",
     "check_seq_len_options",
@@ -149,21 +150,81 @@ def check_seq_len_options(args: argparse.Namespace) -> None:
 
 
 def add_task_options(p: argparse.ArgumentParser) -> None:
-    """--optimizer and --lr: what an hf: task trains with (a task file's ProbeTask brings its own)."""
+    """--optimizer and --lr: what an hf: task trains with (a task file's ProbeTask brings its own);
+    and the fine-tuning options (:func:`add_finetune_options`)."""
     p.add_argument(
         "--optimizer",
         metavar="CLASS",
         help="hf: tasks: a torch.optim class (AdamW, SGD, ...) or package.module.Class (default AdamW)",
     )
     p.add_argument("--lr", type=float, metavar="LR", help="hf: tasks: the optimizer's learning rate")
+    add_finetune_options(p)
+
+
+def _lora_alpha(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _lora_dropout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"dropout must be in [0, 1), got {text}")
+    return value
+
+
+# The options of hf: tasks that say which model is fine-tuned and how (autotune/tasks/hf.py).
+_FINETUNE_DESTS = ("hf_class", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "weights_dtype")
+
+
+def add_finetune_options(p: argparse.ArgumentParser) -> None:
+    """--hf-class, --lora-rank/--lora-alpha/--lora-targets/--lora-dropout and --weights-dtype: the head, LoRA
+    and the weights' dtype of an hf: task, written into its spec (docs/fine-tuning.md)."""
+    p.add_argument(
+        "--hf-class",
+        metavar="NAME",
+        help="hf: tasks: the transformers model class to build (default: the config's architectures, "
+        "else a causal LM), e.g. BertForSequenceClassification",
+    )
+    p.add_argument(
+        "--lora-rank", type=positive_int, metavar="R", help="hf: tasks: LoRA of rank R over a frozen base (peft)"
+    )
+    p.add_argument("--lora-alpha", type=_lora_alpha, metavar="A", help="LoRA's alpha (default 2 x rank)")
+    p.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="the module names LoRA adapts, a comma list (default peft's own for the model type, e.g. q_proj,v_proj)",
+    )
+    p.add_argument("--lora-dropout", type=_lora_dropout, metavar="P", help="LoRA's dropout (default 0)")
+    p.add_argument(
+        "--weights-dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="hf: tasks: the dtype the model is held in, gradients and optimizer state following "
+        "(default fp32; not --precision, which autocasts over the weights)",
+    )
 
 
 def task_spec(spec: str, args: argparse.Namespace) -> str:
-    """The spec with --optimizer/--lr written into it, so that it alone rebuilds the task elsewhere
-    (``--device all`` children, fleet workers). Raises TaskError for a spec that is not hf:."""
+    """The spec with --optimizer/--lr and the fine-tuning options written into it, so that it alone
+    rebuilds the task elsewhere (``--device all`` children, fleet workers). Raises TaskError for a spec
+    that is not hf:."""
     from autotune.tasks.hf import with_options
 
-    return with_options(spec, optimizer=getattr(args, "optimizer", None), lr=getattr(args, "lr", None))
+    finetune = {dest: getattr(args, dest, None) for dest in _FINETUNE_DESTS}
+    if finetune["weights_dtype"] == "fp16" and getattr(args, "precision", None) == "fp16":
+        raise CliError(
+            "--weights-dtype fp16 with --precision fp16: GradScaler cannot unscale fp16 gradients; "
+            "hold fp16 weights with --precision fp32 (or bf16)"
+        )
+    return with_options(spec, optimizer=getattr(args, "optimizer", None), lr=getattr(args, "lr", None), **finetune)
 
 
 class Parser(argparse.ArgumentParser):

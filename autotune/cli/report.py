@@ -7,7 +7,7 @@ from autotune.core.schemas import Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import gap_advice
 
-__all__ = ["datasheet", "lengths_datasheet", "strategy_text", "trial_counts", "trial_line"]
+__all__ = ["datasheet", "finetune_lines", "lengths_datasheet", "strategy_text", "trial_counts", "trial_line"]
 
 
 _POLICY_TEXT = {
@@ -46,6 +46,25 @@ def trial_counts(profile: Profile) -> str:
     return text + (f", {fake} fake" if fake else "")
 
 
+def finetune_lines(profile: Profile) -> list[str]:
+    """The head, weights' dtype and LoRA of a fine-tuning task (its tags, autotune/tasks/hf.py), one line
+    each where they differ from a full fp32 causal LM; none otherwise."""
+    tags = profile.tags
+    lines = []
+    if "hf_class" in tags:
+        lines.append(f"  model            {tags['hf_class']} ({tags.get('hf_family', '-')})")
+    if tags.get("weights_dtype", "fp32") != "fp32":
+        lines.append(f"  weights          {tags['weights_dtype']} (gradients and optimizer state in it too)")
+    if "lora_rank" in tags:
+        alpha = tags.get("lora_alpha")
+        alpha_text = f"{alpha:g}" if isinstance(alpha, (int, float)) else str(alpha)
+        lines.append(
+            f"  lora             rank {tags['lora_rank']}, alpha {alpha_text}, dropout {tags.get('lora_dropout', 0)}, "
+            f"targets {tags.get('lora_targets', '-')} (base frozen)"
+        )
+    return lines
+
+
 def datasheet(profile: Profile) -> str:
     """The profile as a page of text: plan, memory, fit, trials, warnings."""
     dev = profile.device
@@ -54,6 +73,7 @@ def datasheet(profile: Profile) -> str:
         f"  fingerprint      {profile.fingerprint[:16]}",
         f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
         f"  precision        {profile.precision}",
+        *finetune_lines(profile),
         f"  strategy         {strategy_text(profile)}",
         f"  checkpointing    {_POLICY_TEXT.get(profile.activation_checkpointing, profile.activation_checkpointing)}",
         f"  source           {profile.source}"
@@ -120,6 +140,7 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
         f"  fingerprint      {first.fingerprint[:16]} (every length)",
         f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
         f"  precision        {first.precision}",
+        *finetune_lines(first),
         f"  strategy         {strategy_text(first)}",
         f"  source           {first.source}",
         f"  budget           {format_bytes(first.budget_bytes)} (headroom {first.headroom:.0%}, "

@@ -27,7 +27,7 @@ from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.measure.oom import is_oom
 from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Replicated, Strategy
-from autotune.tasks.task import ProbeTask
+from autotune.tasks.task import ProbeTask, weights_dtype_refusal
 
 __all__ = [
     "MICRO_BATCHES_PER_STEP",
@@ -170,7 +170,13 @@ def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = No
     meta_model (from :func:`build_on_meta`) is materialized on the meter's device by
     :func:`materialize` and the modules' own ``reset_parameters``, so that a large model is never first built on the
     CPU; without one the factory is called on the device.
+
+    Raises:
+        TaskError: the device cannot hold the task's ``weights_dtype`` (bf16 on a card before Ampere).
     """
+    refusal = weights_dtype_refusal(task.weights_dtype, meter.device)
+    if refusal is not None:
+        raise TaskError(refusal)
     with meter.hold():
         if meta_model is None:
             with torch.device(meter.device):

@@ -1,23 +1,42 @@
-"""``hf:PATH`` task specs: a causal LM from a Hugging Face ``config.json``, no task file to write.
+"""``hf:PATH`` task specs: the model a Hugging Face ``config.json`` names, no task file to write.
 
     autotune probe hf:configs/llama-tiny.json --seq-len 512,2048 --budget 24GiB --target-batch 256
     autotune probe hf:path/to/checkpoint_dir --seq-len 1024 --optimizer SGD --lr 0.01 ...
+    autotune estimate hf:configs/llama-1b.json --seq-len 2048 --budget 80GiB --lora-rank 16 --weights-dtype bf16
 
 PATH is a ``config.json`` or a directory holding one; nothing is downloaded and no weights are read
 (memory does not depend on their values). The task is:
 
-- model: ``AutoModelForCausalLM.from_config(config)``, exactly: transformers' defaults, its attention
+- model: the class the config's ``architectures`` names, or ``?class=NAME`` (``--hf-class``), built by
+  its ``_from_config`` as transformers' ``Auto*.from_config`` does; with neither,
+  ``AutoModelForCausalLM.from_config(config)``. Exactly transformers' defaults, its attention
   implementation included (recorded in the tags, since sdpa and eager differ in memory and not in
   the module tree the fingerprint sees);
-- batch: ``batch(m, seq_len=L)``, random token ids of shape (m, L) with ``labels`` equal to them, so
-  every position but the first of each sequence is supervised; the task is sequence-aware;
-- loss: the model's own ``output.loss``; ``loss_sum`` multiplies it back by the m x (L - 1) labels it
-  averaged over, so ``autotune verify`` normalizes groups exactly;
+- batch, by the class's family (the ``MODEL_FOR_*_MAPPING_NAMES`` of transformers that holds it):
+  causal and masked LM: token ids (m, L) with ``labels`` equal to them; sequence classification:
+  ``input_ids`` and an all-ones ``attention_mask`` (m, L), ``labels`` (m,) in ``range(num_labels)``;
+  token classification: the same with ``labels`` (m, L); sequence-to-sequence: ``input_ids`` and
+  ``labels`` (m, L); all sequence-aware, ``batch(m, seq_len=L)``. Image classification:
+  ``pixel_values`` (m, channels, image_size, image_size) and ``labels`` (m,), ``batch(m)``;
+- loss: the model's own ``output.loss``; ``loss_sum`` multiplies it back by the count it averaged
+  over (m x (L - 1) shifted labels for a causal LM), so ``autotune verify`` normalizes groups exactly;
 - optimizer: AdamW (the probe's default) unless ``?optimizer=NAME`` (a ``torch.optim`` class, or
-  ``package.module.Class``) and/or ``?lr=X`` say otherwise; the CLI's ``--optimizer``/``--lr`` write them
-  into the spec (:func:`with_options`), so that the spec alone rebuilds the task in another process
-  (``--device all``, fleet workers);
-- name: the config's ``model_type`` and its parameter count, e.g. ``llama-15M``.
+  ``package.module.Class``) and/or ``?lr=X`` say otherwise;
+- LoRA (``?lora_rank=R``, with ``lora_alpha`` (default 2R), ``lora_targets`` (comma list; default
+  peft's own for the model type) and ``lora_dropout`` (default 0)): ``peft.get_peft_model`` over the
+  model, with the peft task type of its family, so the base is frozen (no gradients, no optimizer
+  state) and a classifier's head is trained (peft's ``modules_to_save``);
+- weights (``?weights_dtype=bf16|fp16``): the model built in that dtype (``from_config(dtype=)``, as
+  ``from_pretrained(dtype=)`` loads it), its gradients and optimizer state following; peft keeps LoRA
+  adapters in fp32 over a bf16 base, as it does by default;
+- name: the config's ``model_type``, the family when not a causal LM, its parameter count, e.g.
+  ``llama-15M``, ``bert-seq-cls-4.4M``, ``llama-1.2B-lora16-bf16``.
+
+The CLI's ``--optimizer``, ``--lr``, ``--hf-class``, ``--lora-*`` and ``--weights-dtype`` write these
+options into the spec (:func:`with_options`), so that the spec alone rebuilds the task in another
+process (``--device all``, fleet workers, estimate lanes). The class and family (when not a causal LM)
+and the LoRA options are tags of the task, so they enter the fingerprint; the weights' dtype is the
+task's ``weights_dtype`` (a tag too, and the parameters' dtypes).
 
 Importing this module imports neither torch nor transformers; :func:`hf_task` imports both.
 """
@@ -27,7 +46,9 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode
@@ -40,12 +61,84 @@ if TYPE_CHECKING:
 
     from autotune.tasks.task import OptimizerFactory, ProbeTask
 
-__all__ = ["HF_PREFIX", "hf_task", "is_hf_spec", "load_hf_spec", "parameter_count_text", "with_options"]
+__all__ = [
+    "FAMILIES",
+    "HF_PREFIX",
+    "WEIGHTS_DTYPES",
+    "LoraOptions",
+    "hf_task",
+    "is_hf_spec",
+    "load_hf_spec",
+    "parameter_count_text",
+    "with_options",
+]
 
 HF_PREFIX = "hf:"
-_OPTIONS = ("optimizer", "lr")
+_OPTIONS = ("optimizer", "lr", "class", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "weights_dtype")
+_LORA_OPTIONS = ("lora_alpha", "lora_targets", "lora_dropout")
+# The spec's option -> the CLI flag that writes it (for messages that name what the user typed).
+_FLAGS = {
+    "optimizer": "--optimizer",
+    "lr": "--lr",
+    "class": "--hf-class",
+    "lora_rank": "--lora-rank",
+    "lora_alpha": "--lora-alpha",
+    "lora_targets": "--lora-targets",
+    "lora_dropout": "--lora-dropout",
+    "weights_dtype": "--weights-dtype",
+}
+WEIGHTS_DTYPES = ("fp32", "bf16", "fp16")
 # A ValueError of transformers can run to thousands of characters (every model type it knows).
 _REASON_CHARS = 240
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What autotune knows of one kind of head: where transformers lists its classes, how it is
+    batched, the peft task type LoRA wraps it with, and the short name the task's name carries."""
+
+    name: str
+    mapping: str  # transformers.models.auto.modeling_auto.<mapping>: model_type -> class name(s)
+    short: str
+    peft_task_type: str | None
+    sequence_aware: bool = True
+
+
+FAMILIES = (
+    _Family("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "", "CAUSAL_LM"),
+    # Before masked LM: transformers lists BART's ForConditionalGeneration under both.
+    _Family("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq", "SEQ_2_SEQ_LM"),
+    _Family("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "mlm", None),
+    _Family("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "seq-cls", "SEQ_CLS"),
+    _Family("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token-cls", "TOKEN_CLS"),
+    _Family("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image-cls", None, False),
+)
+_CAUSAL_LM = FAMILIES[0]
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA over an hf: model (peft's ``LoraConfig``): rank, alpha (default 2 x rank), the module
+    names it adapts (None: peft's default for the model type) and the adapters' dropout."""
+
+    rank: int
+    alpha: float | None = None
+    targets: tuple[str, ...] | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise TaskError(f"--lora-rank must be a positive integer, got {self.rank!r}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise TaskError(f"--lora-alpha must be positive, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise TaskError(f"--lora-dropout must be in [0, 1), got {self.dropout!r}")
+        if self.targets is not None and (not self.targets or not all(self.targets)):
+            raise TaskError(f"--lora-targets needs module names (q_proj,v_proj), got {','.join(self.targets)!r}")
+
+    @property
+    def scaled_alpha(self) -> float:
+        return float(2 * self.rank) if self.alpha is None else float(self.alpha)
 
 
 def is_hf_spec(spec: str) -> bool:
@@ -53,40 +146,104 @@ def is_hf_spec(spec: str) -> bool:
     return spec.startswith(HF_PREFIX)
 
 
-def with_options(spec: str, *, optimizer: str | None = None, lr: float | None = None) -> str:
-    """The ``hf:`` spec with the optimizer options written into it (``hf:PATH?optimizer=SGD&lr=0.01``).
+def _number_text(value: float) -> str:
+    return repr(float(value))
+
+
+def with_options(
+    spec: str,
+    *,
+    optimizer: str | None = None,
+    lr: float | None = None,
+    hf_class: str | None = None,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: str | None = None,
+    lora_dropout: float | None = None,
+    weights_dtype: str | None = None,
+) -> str:
+    """The ``hf:`` spec with the options written into it (``hf:PATH?optimizer=SGD&lr=0.01&lora_rank=16``).
 
     Raises:
-        TaskError: the spec is not an ``hf:`` spec (a task file's ProbeTask sets its own optimizer).
+        TaskError: the spec is not an ``hf:`` spec (a task file's ProbeTask sets its own model and optimizer).
     """
-    if optimizer is None and lr is None:
+    asked: dict[str, str | None] = {
+        "optimizer": optimizer,
+        "lr": None if lr is None else _number_text(lr),
+        "class": hf_class,
+        "lora_rank": None if lora_rank is None else str(int(lora_rank)),
+        "lora_alpha": None if lora_alpha is None else _number_text(lora_alpha),
+        "lora_targets": lora_targets,
+        "lora_dropout": None if lora_dropout is None else _number_text(lora_dropout),
+        "weights_dtype": weights_dtype,
+    }
+    given = {key: value for key, value in asked.items() if value is not None}
+    if not given:
         return spec
     if not is_hf_spec(spec):
-        raise TaskError(f"--optimizer and --lr apply to hf: tasks; {spec!r} is a ProbeTask, whose optimizer is its own")
+        flags = " and ".join(_FLAGS[key] for key in given)
+        whose = "optimizer is its own" if set(given) <= {"optimizer", "lr"} else "model and optimizer are its own"
+        hint = " (a ProbeTask sets weights_dtype= itself)" if "weights_dtype" in given else ""
+        raise TaskError(f"{flags} apply to hf: tasks; {spec!r} is a ProbeTask, whose {whose}{hint}")
     path, options = _split(spec)
-    if optimizer is not None:
-        options["optimizer"] = optimizer
-    if lr is not None:
-        options["lr"] = repr(float(lr))
+    options.update(given)
     return HF_PREFIX + path + ("?" + urlencode(options) if options else "")
 
 
+def _float_option(options: dict[str, str], key: str, spec: str) -> float | None:
+    text = options.get(key)
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise TaskError(f"{key}={text!r} in {spec!r} is not a number ({_FLAGS[key]})") from None
+
+
+def _lora_of(options: dict[str, str], spec: str) -> LoraOptions | None:
+    rank_text = options.get("lora_rank")
+    if rank_text is None:
+        stray = [_FLAGS[key] for key in _LORA_OPTIONS if key in options]
+        if stray:
+            verb = "needs" if len(stray) == 1 else "need"
+            raise TaskError(f"{' and '.join(stray)} {verb} --lora-rank R (LoRA is off without a rank)")
+        return None
+    try:
+        rank = int(rank_text)
+    except ValueError:
+        raise TaskError(f"--lora-rank {rank_text!r} is not an integer") from None
+    targets_text = options.get("lora_targets")
+    targets = None if targets_text is None else tuple(name.strip() for name in targets_text.split(","))
+    dropout = _float_option(options, "lora_dropout", spec)
+    return LoraOptions(
+        rank=rank,
+        alpha=_float_option(options, "lora_alpha", spec),
+        targets=targets,
+        dropout=0.0 if dropout is None else dropout,
+    )
+
+
 def load_hf_spec(spec: str) -> ProbeTask:
-    """The task an ``hf:PATH[?optimizer=NAME&lr=X]`` spec names (what ``load_task`` calls).
+    """The task an ``hf:PATH[?optimizer=NAME&lr=X&class=NAME&lora_rank=R&...&weights_dtype=D]`` spec
+    names (what ``load_task`` calls).
 
     Raises:
-        TaskError: no such config, not a config transformers can build a causal LM from, an unknown
-            option or optimizer, or transformers missing; one line each.
+        TaskError: no such config, not a config transformers can build the class from, an unknown
+            option, optimizer, class or family, LoRA that peft refuses, or transformers (peft) missing;
+            one line each.
     """
     path, options = _split(spec)
-    lr_text = options.get("lr")
-    lr: float | None = None
-    if lr_text is not None:
-        try:
-            lr = float(lr_text)
-        except ValueError:
-            raise TaskError(f"lr={lr_text!r} in {spec!r} is not a number") from None
-    return hf_task(path, optimizer=options.get("optimizer"), lr=lr)
+    weights_dtype = options.get("weights_dtype", "fp32")
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise TaskError(f"--weights-dtype {weights_dtype!r}: one of {', '.join(WEIGHTS_DTYPES)}")
+    return hf_task(
+        path,
+        optimizer=options.get("optimizer"),
+        lr=_float_option(options, "lr", spec),
+        hf_class=options.get("class"),
+        lora=_lora_of(options, spec),
+        weights_dtype=weights_dtype,
+    )
 
 
 def _split(spec: str) -> tuple[str, dict[str, str]]:
@@ -177,33 +334,88 @@ def _optimizer_factory(name: str | None, lr: float | None) -> OptimizerFactory |
     return factory
 
 
-def _token_batch(m: int, *, seq_len: int, vocab_size: int, max_positions: int | None) -> dict[str, torch.Tensor]:
-    import torch
-
+def _check_length(seq_len: int, max_positions: int | None, least: int) -> None:
     # ValueError, not TaskError: a trial reports it as the model refusing the length, which is how the
     # probe's search for the longest length learns where the model stops.
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len must be an integer of at least 2 (one token predicts the next), got {seq_len!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < least:
+        why = " (one token predicts the next)" if least == 2 else ""
+        raise ValueError(f"seq_len must be an integer of at least {least}{why}, got {seq_len!r}")
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(f"seq_len {seq_len} is longer than the config's max_position_embeddings {max_positions}")
+
+
+def _token_batch(m: int, *, seq_len: int, vocab_size: int, max_positions: int | None) -> dict[str, torch.Tensor]:
+    """Causal and masked LM: token ids (m, L) with labels equal to them."""
+    import torch
+
+    _check_length(seq_len, max_positions, 2)
     # Seeded by the shape: the same (m, L) gives the same tokens in every process and every trial.
     generator = torch.Generator().manual_seed(m * 1_000_003 + seq_len)
     input_ids = torch.randint(0, vocab_size, (m, seq_len), generator=generator)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
-def _causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _classification_batch(
+    m: int, *, seq_len: int, vocab_size: int, max_positions: int | None, num_labels: int, per_token: bool
+) -> dict[str, torch.Tensor]:
+    """Sequence (labels (m,)) and token (labels (m, L)) classification: ids and an all-ones mask (m, L)."""
+    import torch
+
+    _check_length(seq_len, max_positions, 1)
+    generator = torch.Generator().manual_seed(m * 1_000_003 + seq_len)
+    input_ids = torch.randint(0, vocab_size, (m, seq_len), generator=generator)
+    shape = (m, seq_len) if per_token else (m,)
+    # One label is regression in transformers (mean squared error over float targets).
+    labels = torch.zeros(shape) if num_labels == 1 else torch.randint(0, num_labels, shape, generator=generator)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+
+
+def _seq2seq_batch(m: int, *, seq_len: int, vocab_size: int, max_positions: int | None) -> dict[str, torch.Tensor]:
+    """Sequence to sequence: source ids (m, L) and target ids (m, L); the model shifts the labels
+    right into its decoder's inputs."""
+    import torch
+
+    _check_length(seq_len, max_positions, 1)
+    generator = torch.Generator().manual_seed(m * 1_000_003 + seq_len)
+    input_ids = torch.randint(0, vocab_size, (m, seq_len), generator=generator)
+    labels = torch.randint(0, vocab_size, (m, seq_len), generator=generator)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _image_batch(m: int, *, channels: int, height: int, width: int, num_labels: int) -> dict[str, torch.Tensor]:
+    """Image classification: fp32 pixel values (m, C, H, W), as an image processor gives them (the
+    model casts them to its weights' dtype), and labels (m,)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(m * 1_000_003)
+    pixel_values = torch.randn((m, channels, height, width), generator=generator)
+    labels = torch.zeros(m) if num_labels == 1 else torch.randint(0, num_labels, (m,), generator=generator)
+    return {"pixel_values": pixel_values, "labels": labels}
+
+
+def _model_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     loss = model(**batch).loss
     if loss is None:
         raise TaskError(f"{type(model).__name__} returned no loss for labels")
     return loss  # type: ignore[no-any-return]
 
 
-def _causal_lm_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    # output.loss is the mean over the shifted labels: m x (L - 1) of them, none ignored.
+def _shifted_count(batch: dict[str, torch.Tensor]) -> int:
+    # A causal LM's loss is the mean over the shifted labels: m x (L - 1) of them, none ignored.
     labels = batch["labels"]
-    count = labels.shape[0] * (labels.shape[1] - 1)
-    return _causal_lm_loss(model, batch) * count, count
+    return int(labels.shape[0] * (labels.shape[1] - 1))
+
+
+def _label_count(batch: dict[str, torch.Tensor]) -> int:
+    # Every other family averages over every label it was given (none is -100 here).
+    return int(batch["labels"].numel())
+
+
+def _loss_sum(
+    count: Callable[[dict[str, torch.Tensor]], int], model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    supervised = count(batch)
+    return _model_loss(model, batch) * supervised, supervised
 
 
 def _shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...] | None:
@@ -213,57 +425,215 @@ def _shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...] | None:
     return tuple(sorted(found, key=lambda cls: cls.__name__)) or None
 
 
-def hf_task(path: str | Path, *, optimizer: str | None = None, lr: float | None = None) -> ProbeTask:
-    """A sequence-aware ProbeTask for the causal LM that a Hugging Face config describes.
+def _known_families() -> str:
+    return ", ".join(family.name for family in FAMILIES)
+
+
+def _family_of(class_name: str) -> _Family | None:
+    from transformers.models.auto import modeling_auto
+
+    for family in FAMILIES:
+        mapping: dict[str, Any] = getattr(modeling_auto, family.mapping, {})
+        for names in mapping.values():
+            if class_name == names or (isinstance(names, (tuple, list)) and class_name in names):
+                return family
+    return None
+
+
+def _model_class(where: str, config: Any, hf_class: str | None) -> tuple[Any, _Family]:
+    """The class to build (None: AutoModelForCausalLM's choice) and its family."""
+    import transformers
+
+    if hf_class is not None:
+        name, said_by = hf_class, f"--hf-class {hf_class}"
+    elif getattr(config, "architectures", None):
+        name = str(config.architectures[0])
+        said_by = f"hf:{where}: the config's architectures {name}"
+    else:
+        return None, _CAUSAL_LM
+    try:
+        cls = getattr(transformers, name, None)
+    except Exception:  # the lazy module failed to import that model's code
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise TaskError(f"{said_by}: transformers knows no model class {name!r} (e.g. LlamaForCausalLM)")
+    family = _family_of(name)
+    if family is None:
+        raise TaskError(
+            f"{said_by}: autotune cannot batch {name}: it batches the families {_known_families()} "
+            "(--hf-class NAME picks another head)"
+        )
+    config_class = getattr(cls, "config_class", None)
+    if isinstance(config_class, type) and not isinstance(config, config_class):
+        raise TaskError(f"{said_by}: {name} takes a {config_class.__name__}, the config is a {type(config).__name__}")
+    return cls, family
+
+
+def _batch_factory(family: _Family, config: Any, where: str) -> Callable[..., Any]:
+    max_positions = getattr(config, "max_position_embeddings", None)
+    positions = int(max_positions) if isinstance(max_positions, int) else None
+    if family.name == "image-classification":
+        size = getattr(config, "image_size", None)
+        height, width = (size, size) if isinstance(size, int) else tuple(size or (0, 0))
+        if not (isinstance(height, int) and isinstance(width, int) and height > 0 and width > 0):
+            raise TaskError(f"hf:{where}: an image classifier's config needs an image_size, got {size!r}")
+        return functools.partial(
+            _image_batch,
+            channels=int(getattr(config, "num_channels", 3)),
+            height=height,
+            width=width,
+            num_labels=int(config.num_labels),
+        )
+    vocab_size = int(config.vocab_size)
+    if family.name in ("causal-lm", "masked-lm"):
+        return functools.partial(_token_batch, vocab_size=vocab_size, max_positions=positions)
+    if family.name == "seq2seq":
+        return functools.partial(_seq2seq_batch, vocab_size=vocab_size, max_positions=positions)
+    return functools.partial(
+        _classification_batch,
+        vocab_size=vocab_size,
+        max_positions=positions,
+        num_labels=int(config.num_labels),
+        per_token=family.name == "token-classification",
+    )
+
+
+def _lora_wrapper(lora: LoraOptions, family: _Family) -> Callable[[nn.Module], nn.Module]:
+    try:
+        import peft
+    except ImportError:
+        raise TaskError("--lora-rank needs peft: pip install 'autotune[hf]'") from None
+    config = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.scaled_alpha,  # type: ignore[arg-type]  # peft annotates it int; it scales by alpha / r
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets) if lora.targets is not None else None,
+        task_type=family.peft_task_type,
+    )
+
+    def wrap(model: nn.Module) -> nn.Module:
+        with warnings.catch_warnings():
+            # peft asks transformers' deprecated is_gradient_checkpointing while it wraps.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            return peft.get_peft_model(model, config)  # type: ignore[arg-type,return-value]
+
+    return wrap
+
+
+def _lora_refusal(lora: LoraOptions, model_type: str, exc: BaseException) -> TaskError:
+    text = _reason(exc)
+    if lora.targets is None and "target_modules" in text:
+        return TaskError(
+            f"--lora-rank: peft has no default targets for model type {model_type!r}: name them with "
+            "--lora-targets (e.g. q_proj,v_proj)"
+        )
+    if "not found in the base model" in text or "target_modules" in text:
+        return TaskError(f"--lora-targets {','.join(lora.targets or ())}: {text}")
+    return TaskError(f"--lora-rank {lora.rank}: peft cannot wrap the model: {text}")
+
+
+def hf_task(
+    path: str | Path,
+    *,
+    optimizer: str | None = None,
+    lr: float | None = None,
+    hf_class: str | None = None,
+    lora: LoraOptions | None = None,
+    weights_dtype: str = "fp32",
+) -> ProbeTask:
+    """A ProbeTask for the model that a Hugging Face config describes.
 
     Args:
         path: a ``config.json``, or a directory holding one.
         optimizer: a ``torch.optim`` class name (``"SGD"``) or ``"package.module.Class"``; None is AdamW.
         lr: the learning rate given to the optimizer; None leaves the optimizer's default.
+        hf_class: a transformers model class name; None is the config's ``architectures`` or, without
+            one, the causal LM.
+        lora: LoRA over the model (peft); None trains every parameter.
+        weights_dtype: "fp32", "bf16" or "fp16": the dtype the model is built (and held) in.
 
     Returns:
-        The task; ``task.batch(m, seq_len=L)`` needs a length.
+        The task; ``task.batch(m, seq_len=L)`` needs a length (but for an image classifier's).
 
     Raises:
         TaskError: one line with the reason (no config, transformers' own reason when it cannot
-            build a causal LM from it, a bad optimizer, transformers not installed).
+            build the class from it, an unknown class or family, peft's refusal, a bad optimizer,
+            transformers or peft not installed).
 
     """
     import torch
 
-    from autotune.tasks.task import ProbeTask
+    from autotune.tasks.task import DTYPES, ProbeTask
 
     where = str(path)
     config = _load_config(where)
-    from transformers import AutoModelForCausalLM
+    model_class, family = _model_class(where, config, hf_class)
+    if family.name == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        raise TaskError(
+            f"hf:{where}: {model_class.__name__} finds each sequence's last token by the config's pad_token_id, "
+            'which is unset: set "pad_token_id" in the config'
+        )
+    if family.name == "seq2seq" and getattr(config, "decoder_start_token_id", None) is None:
+        raise TaskError(
+            f"hf:{where}: {model_class.__name__} starts its decoder's inputs with the config's "
+            'decoder_start_token_id, which is unset: set "decoder_start_token_id" in the config'
+        )
+    dtype = DTYPES[weights_dtype]
+    wrap = _lora_wrapper(lora, family) if lora is not None else None
 
+    def base() -> nn.Module:
+        if model_class is None:
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-any-return]
+        return model_class._from_config(config, dtype=dtype)  # type: ignore[no-any-return]
+
+    def model() -> nn.Module:
+        return base() if wrap is None else wrap(base())
+
+    what = "causal LM" if model_class is None else model_class.__name__
     try:
         # On meta: the size for the name, transformers' choice of attention and its block classes,
         # and a refusal now rather than in the first trial; no memory is spent.
         with torch.device("meta"):
-            shape_only = AutoModelForCausalLM.from_config(config)
+            shape_only = base()
     except Exception as exc:
-        raise TaskError(f"hf:{where}: transformers cannot build a causal LM from it: {_reason(exc)}") from None
+        raise TaskError(f"hf:{where}: transformers cannot build a {what} from it: {_reason(exc)}") from None
     parameters = sum(p.numel() for p in shape_only.parameters())
     model_type = str(config.model_type)
     attention = str(getattr(shape_only.config, "_attn_implementation", None) or "default")
-    vocab_size = int(config.vocab_size)
-    max_positions = getattr(config, "max_position_embeddings", None)
-
-    def model() -> nn.Module:
-        return AutoModelForCausalLM.from_config(config)  # type: ignore[no-any-return]
-
+    tags: dict[str, Any] = {"hf_model_type": model_type, "attn_implementation": attention}
+    # A causal LM's tags stay what they were, so that its profiles stored before heads still match.
+    if family is not _CAUSAL_LM:
+        tags.update(hf_class=type(shape_only).__name__, hf_family=family.name)
+    name = "-".join(part for part in (model_type, family.short, parameter_count_text(parameters)) if part)
+    shard_classes = _shard_classes(shape_only)
+    if lora is not None and wrap is not None:
+        try:
+            with torch.device("meta"):
+                wrapped = wrap(shape_only)
+        except Exception as exc:
+            raise _lora_refusal(lora, model_type, exc) from None
+        targets = getattr(wrapped, "peft_config", {}).get("default")
+        target_names = sorted(getattr(targets, "target_modules", None) or ())
+        tags.update(
+            lora_rank=lora.rank,
+            lora_alpha=lora.scaled_alpha,
+            lora_dropout=lora.dropout,
+            lora_targets=",".join(target_names),
+        )
+        name += f"-lora{lora.rank}"
+    if weights_dtype != "fp32":
+        name += f"-{weights_dtype}"
+    count = _shifted_count if family is _CAUSAL_LM else _label_count
     return ProbeTask(
-        name=f"{model_type}-{parameter_count_text(parameters)}",
+        name=name,
         model=model,
-        batch=functools.partial(
-            _token_batch,
-            vocab_size=vocab_size,
-            max_positions=int(max_positions) if isinstance(max_positions, int) else None,
-        ),
-        loss=_causal_lm_loss,
-        loss_sum=_causal_lm_loss_sum,
+        batch=_batch_factory(family, config, where),
+        loss=_model_loss,
+        loss_sum=functools.partial(_loss_sum, count),
         optimizer=_optimizer_factory(optimizer, lr),
-        tags={"hf_model_type": model_type, "attn_implementation": attention},
-        shard_classes=_shard_classes(shape_only),
+        tags=tags,
+        shard_classes=shard_classes,
+        weights_dtype=weights_dtype,
     )

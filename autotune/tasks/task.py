@@ -27,7 +27,16 @@ from torch import nn
 from autotune.core.errors import TaskError
 from autotune.core.schemas import ACTIVATION_CHECKPOINTING, PRECISIONS, TagValue
 
-__all__ = ["LossFn", "LossSumFn", "ModelFactory", "OptimizerFactory", "ProbeTask", "default_loss"]
+__all__ = [
+    "DTYPES",
+    "LossFn",
+    "LossSumFn",
+    "ModelFactory",
+    "OptimizerFactory",
+    "ProbeTask",
+    "default_loss",
+    "weights_dtype_refusal",
+]
 
 ModelFactory = Callable[[], nn.Module]
 # batch(m) or, for a sequence-aware task, batch(m, seq_len=L).
@@ -36,6 +45,45 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # loss_sum(model, batch) -> (summed loss, count of supervised elements): what exact accumulation needs.
 LossSumFn = Callable[[nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor"]]
+
+
+# The weights' dtypes a task can hold its model in (``ProbeTask.weights_dtype``).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class _BuiltIn:
+    """A model factory run with torch's default dtype set to the weights' dtype (what transformers'
+    ``from_config(dtype=)`` and ``from_pretrained(dtype=)`` do): every parameter and buffer the factory
+    makes without naming a dtype is made in it, and what names one (rotary ``inv_freq`` in fp32, peft's
+    fp32 adapters over a bf16 base) keeps its own. Every path that calls ``task.model()`` (meta
+    builds, the fingerprint, trials, fleet workers) gets the same model."""
+
+    factory: ModelFactory
+    weights_dtype: str
+
+    def __call__(self) -> nn.Module:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(DTYPES[self.weights_dtype])
+        try:
+            return self.factory()
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def weights_dtype_refusal(weights_dtype: str, device: torch.device) -> str | None:
+    """Why ``device`` cannot hold weights of that dtype (a line naming the flag), or None when it can.
+    CPUs hold all three (torch 2.x has bf16 and fp16 kernels for them); a CUDA card holds bf16 from
+    compute capability 8.0 (Ampere) on."""
+    if weights_dtype != "bf16" or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return (
+        f"--weights-dtype bf16: {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) "
+        "has no bf16 arithmetic; use --weights-dtype fp16 or fp32"
+    )
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -68,6 +116,10 @@ class ProbeTask:
             length by :meth:`at_length`; None otherwise.
         source: the spec :func:`load_task` loaded it from (another process can load it again:
             autotune/search/lanes.py); None for a task built in Python.
+        weights_dtype: "fp32", "bf16" or "fp16": the dtype the model is held in, its gradients and
+            optimizer state following (a bf16 fine-tune); ``model()`` runs with torch's default dtype
+            set to it. Distinct from ``precision`` (autocast over the weights). Not fp32: the tag
+            ``weights_dtype`` says it (the fingerprint and the profile carry it).
 
     A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
     the length out, and each profile records it.
@@ -85,6 +137,7 @@ class ProbeTask:
     activation_checkpointing: str = "none"
     seq_len: int | None = None
     source: str | None = None
+    weights_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -96,6 +149,21 @@ class ProbeTask:
             )
         if not callable(self.model) or not callable(self.batch):
             raise TaskError("ProbeTask needs callables for model and batch")
+        if self.weights_dtype not in DTYPES:
+            raise TaskError(f"weights dtype must be one of {', '.join(DTYPES)}, got {self.weights_dtype!r}")
+        if self.weights_dtype == "fp16" and self.precision == "fp16":
+            raise TaskError(
+                "--weights-dtype fp16 with --precision fp16: GradScaler cannot unscale fp16 gradients; "
+                "hold fp16 weights with --precision fp32 (or bf16)"
+            )
+        # dataclasses.replace hands the wrapped factory back: unwrap it, then wrap for this dtype.
+        factory = self.model.factory if isinstance(self.model, _BuiltIn) else self.model
+        self.model = factory if self.weights_dtype == "fp32" else _BuiltIn(factory, self.weights_dtype)
+        tags = {key: value for key, value in self.tags.items() if key != "weights_dtype"}
+        if self.weights_dtype != "fp32":
+            tags["weights_dtype"] = self.weights_dtype
+        if tags != self.tags:
+            self.tags = tags
 
     @property
     def sequence_aware(self) -> bool:

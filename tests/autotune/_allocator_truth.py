@@ -8,7 +8,7 @@ with this is a comparison with the allocator, not with another path of the proje
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,9 +48,9 @@ def _sharded(model: nn.Module, block_classes: tuple[type[nn.Module], ...], mesh:
     return model
 
 
-def _steps(task: Any, micro_batch: int, mesh: Any) -> None:
+def _steps(task: Any, micro_batch: int, mesh: Any, build: Callable[[], nn.Module] | None) -> None:
     """2 micro-batches forward and backward, an AdamW step, zero_grad; twice (DESIGN.md "The trial")."""
-    model = task.model()
+    model = task.model() if build is None else build()
     if mesh is not None:
         model = _sharded(model, task.shard_classes, mesh)
     model.train()
@@ -66,15 +66,20 @@ def _steps(task: Any, micro_batch: int, mesh: Any) -> None:
     del model, optimizer
 
 
-def allocator_peak_bytes(task: Any, micro_batch: int, *, world_size: int = 1) -> int:
+def allocator_peak_bytes(
+    task: Any, micro_batch: int, *, world_size: int = 1, model: Callable[[], nn.Module] | None = None
+) -> int:
     """The CPU allocator's peak of live bytes over an ordinary build and two accumulated steps at micro_batch.
 
     world_size > 1: rank 0 of FSDP2 over a fake process group of that size (the task's block classes
-    sharded one by one, then the root).
+    sharded one by one, then the root). model: the model built the ordinary way, written out by the test
+    (``get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(...))``,
+    ``from_config(config, dtype=torch.bfloat16)``); None calls the task's own factory. Its optimizer gets
+    ``model.parameters()``, frozen ones included, as a training script passes them.
     """
     with _fake_group(world_size) if world_size > 1 else _no_group() as mesh:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            _steps(task, micro_batch, mesh)
+            _steps(task, micro_batch, mesh, model)
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
     live = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):

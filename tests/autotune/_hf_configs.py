@@ -49,3 +49,54 @@ def write_config(directory: Path, arch: str, **overrides: Any) -> Path:
     where.mkdir(parents=True, exist_ok=True)
     (where / "config.json").write_text(json.dumps({**CONFIGS[arch], **overrides}, indent=2))
     return where
+
+
+_BERT = {
+    "model_type": "bert",
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+}
+# One config per head family that hf: batches (autotune/tasks/hf.py FAMILIES), each naming its class in
+# "architectures" as a published checkpoint's config.json does.
+HEADS: dict[str, dict[str, Any]] = {
+    "bert-seq-cls": {**_BERT, "architectures": ["BertForSequenceClassification"], "num_labels": 3},
+    "bert-token-cls": {**_BERT, "architectures": ["BertForTokenClassification"], "num_labels": 5},
+    "bert-mlm": {**_BERT, "architectures": ["BertForMaskedLM"]},
+    "t5": {
+        "model_type": "t5",
+        "vocab_size": VOCAB,
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "architectures": ["T5ForConditionalGeneration"],
+    },
+    "vit": {
+        "model_type": "vit",
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "image_size": 32,
+        "patch_size": 8,
+        "num_channels": 3,
+        "num_labels": 5,
+        "architectures": ["ViTForImageClassification"],
+    },
+    "llama-seq-cls": {**CONFIGS["llama"], "architectures": ["LlamaForSequenceClassification"], "pad_token_id": 0},
+}
+
+
+def write_head_config(directory: Path, head: str, **overrides: Any) -> Path:
+    """directory/head/config.json for one of HEADS; returns the directory holding it."""
+    where = directory / head
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "config.json").write_text(json.dumps({**HEADS[head], **overrides}, indent=2))
+    return where
