@@ -9,7 +9,7 @@ from typing import Any
 
 from autotune.cli.common import check_seq_len_options, non_negative_int, positive_int_list, size, task_spec
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
-from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of
+from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of, moe_routing_of
 
 __all__ = ["add_parsers", "run_estimate"]
 
@@ -63,8 +63,7 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from autotune.cli.report import trial_line
-    from autotune.orchestrate.estimate import EstimateConfig, estimate
+    from autotune.orchestrate.estimate import EstimateConfig
     from autotune.tasks.load import load_task
 
     config = EstimateConfig(
@@ -86,6 +85,15 @@ def run_estimate(args: argparse.Namespace) -> int:
     config.validate()  # a missing budget is refused before the task is even loaded
     check_seq_len_options(args)
     task = load_task(task_spec(args.task, args))
+    routing, _ = moe_routing_of(task, args)
+    with routing:
+        return _estimate_task(args, config, task)
+
+
+def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
+    from autotune.cli.report import trial_line
+    from autotune.orchestrate.estimate import estimate
+
     lengths = lengths_of(task, args)
     assert config.budget_bytes is not None  # validate() refused None
     limit = int(config.budget_bytes * (1 - args.headroom))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -62,6 +63,60 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     add_policy_option(p)
     add_task_options(p)
     add_seq_len_options(p)
+    p.add_argument(
+        "--moe-load-factor",
+        type=moe_load_factor,
+        metavar="F",
+        help="mixture-of-experts tasks: the routing fake trials assume, the busiest expert's share of tokens "
+        "over a fair one (default 1.0, balanced); real trials route as the model does",
+    )
+
+
+def moe_load_factor(text: str) -> float:
+    """--moe-load-factor: a number of at least 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {text!r}") from None
+    if not 1.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text} is below 1: 1.0 is balanced routing, and no expert is busier than a fair share on average"
+        )
+    return value
+
+
+def moe_routing_of(task: Any, args: argparse.Namespace) -> tuple[Any, float | None]:
+    """The routing the fake trials of task run under (a context) and what its profiles say (None: dense).
+
+    Raises:
+        CliError: --moe-load-factor on a dense model, or above experts / top_k (every token on one expert).
+    """
+    from autotune.measure.meters.fake import experts_of, moe_routing
+    from autotune.measure.trial import build_on_meta
+
+    asked = getattr(args, "moe_load_factor", None)
+    args.moe_load_factor_used = None  # what emit_profile(s) write into the profiles
+    meta = build_on_meta(task) if asked is not None or task.model is not None else None
+    found = experts_of(meta) if meta is not None else None
+    del meta
+    if found is None:
+        if asked is not None:
+            raise CliError(f"--moe-load-factor {asked:g}: {task.name} is a dense model (no experts to route)")
+        return contextlib.nullcontext(), None
+    experts, top_k = found
+    factor = 1.0 if asked is None else asked
+    if factor > experts / top_k:
+        raise CliError(
+            f"--moe-load-factor {factor:g}: with {experts} experts and top-{top_k} routing the busiest expert "
+            f"gets at most {experts / top_k:g} x a fair share (every token)"
+        )
+    args.moe_load_factor_used = factor
+    return moe_routing(factor), factor
+
+
+def _with_routing(profile: Any, args: argparse.Namespace) -> Any:
+    factor = getattr(args, "moe_load_factor_used", None)
+    return profile if factor is None else profile.model_copy(update={"moe_load_factor": factor})
 
 
 def config_from_args(args: argparse.Namespace, device: str) -> Any:
@@ -108,13 +163,20 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from autotune.cli.report import trial_line
-    from autotune.orchestrate.probe import probe
     from autotune.tasks.load import load_task
 
     check_seq_len_options(args)
     spec = task_spec(args.task, args)
     task = load_task(spec)
+    routing, _ = moe_routing_of(task, args)
+    with routing:
+        return _probe_task(args, spec, task)
+
+
+def _probe_task(args: argparse.Namespace, spec: str, task: Any) -> int:
+    from autotune.cli.report import trial_line
+    from autotune.orchestrate.probe import probe
+
     config = config_from_args(args, args.device)
     limit = int(args.budget * (1 - args.headroom)) if args.budget else None
     lengths = lengths_of(task, args)
@@ -183,6 +245,7 @@ def emit_profiles(profiles: list[Any], args: argparse.Namespace, *, as_array: bo
     """One profile as :func:`emit_profile`; several (one run, several policies or lengths) as a JSON
     array on --json and --output (``as_array``: an array even of one, as --seq-len promises), a
     datasheet each (one table over the lengths), each uploaded to --server."""
+    profiles = [_with_routing(profile, args) for profile in profiles]
     if len(profiles) == 1 and not as_array:
         return emit_profile(profiles[0], args)
     from autotune.cli.report import datasheet, lengths_datasheet
@@ -211,6 +274,7 @@ def emit_profile(profile: Any, args: argparse.Namespace) -> int:
     """The profile as --output, --json and --server ask, the datasheet on the terminal."""
     from autotune.cli.report import datasheet
 
+    profile = _with_routing(profile, args)
     text = profile.model_dump_json(indent=2)
     if args.output:
         write_atomically(args.output, text)

@@ -257,6 +257,10 @@ class Profile(_Model):
     source: Source = "measured"
     # The memory policy the trials ran under; every policy has its own profile and m_max.
     activation_checkpointing: ActivationCheckpointing = "none"
+    # Mixture of experts: the routing the fake trials assumed (1.0 balanced; the busiest expert's share of
+    # tokens over a fair one, autotune.measure.meters.fake.routed_indices). Real trials route as the model
+    # does. None for a dense model.
+    moe_load_factor: Annotated[float, Field(ge=1, le=1e6)] | None = None
     # Timed runs after the search (at m_max, and at the plan's sizes): what objective=throughput ranks.
     throughput: Annotated[list[Throughput], Field(max_length=16)] | None = None
     # A sequence-aware task's length (its fingerprint leaves L out), and the surface its probe

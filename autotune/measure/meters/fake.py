@@ -58,7 +58,7 @@ from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device
 from autotune.measure.meters.cpu import CpuMeter, _LiveStorageMode
 
-__all__ = ["FakeMeter", "FakeTrialError", "SCALAR_PLACEHOLDERS", "moe_routing", "routed_indices"]
+__all__ = ["FakeMeter", "FakeTrialError", "SCALAR_PLACEHOLDERS", "experts_of", "moe_routing", "routed_indices"]
 
 SCALAR_PLACEHOLDERS = {"bool": False, "int": 1, "float": 1.0}
 
@@ -87,6 +87,29 @@ def moe_routing(load_factor: float) -> Iterator[None]:
         yield
     finally:
         _LOAD_FACTOR.reset(token)
+
+
+_EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def experts_of(model: torch.nn.Module) -> tuple[int, int] | None:
+    """(experts, top_k) of a mixture-of-experts model, None for a dense one.
+
+    Read from a Hugging Face config (``num_experts_per_tok`` with ``num_local_experts``,
+    ``num_experts`` or ``n_routed_experts``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, GPT-OSS), else
+    from the first module with integer ``num_experts`` and ``top_k`` (a router of one's own).
+    """
+    config = getattr(model, "config", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    for name in _EXPERT_COUNT_NAMES:
+        experts = getattr(config, name, None)
+        if isinstance(experts, int) and isinstance(top_k, int) and experts > 1:
+            return experts, top_k
+    for module in model.modules():
+        experts, top_k = getattr(module, "num_experts", None), getattr(module, "top_k", None)
+        if isinstance(experts, int) and isinstance(top_k, int) and experts > 1:
+            return experts, top_k
+    return None
 
 
 def routed_indices(rows: int, choices: int, k: int, load_factor: float = 1.0) -> torch.Tensor:
