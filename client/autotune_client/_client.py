@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx2 as httpx
 
+from autotune.core.capacity import Capacity
 from autotune.core.schemas import Observation, Profile, Suggestion
 from autotune_client._constants import (
     API_PREFIX,
@@ -266,6 +267,36 @@ class TunerClient:
                 "upgrade it to one that knows strategies"
             )
         return Suggestion.model_validate(known)
+
+    def capacity(
+        self,
+        *,
+        fingerprint: str,
+        device_name: str,
+        strategy: str = "ddp",
+        world_size: int = 1,
+        activation_checkpointing: str = "none",
+        source: str | None = None,
+    ) -> Capacity:
+        """m_max at every sequence length, from the newest stored run over lengths of this setup on
+        device_name (``autotune_client._capacity``): a callable ``L -> m_max(L)`` for
+        ``autotune.loop.sampler.LengthBatchSampler``, as ``autotune.core.capacity.capacity`` builds
+        it from local profiles.
+
+        Raises:
+            AutotuneClientError: nothing stored over lengths for this setup, or profiles that make no capacity.
+        """
+        from autotune_client._capacity import stored_capacity
+
+        return stored_capacity(
+            self,
+            fingerprint=fingerprint,
+            device_name=device_name,
+            strategy=strategy,
+            world_size=world_size,
+            activation_checkpointing=activation_checkpointing,
+            source=source,
+        )
 
     def observe(self, profile_id: int, observation: Observation) -> int | None:
         """Report what a job really saw at some micro-batch (a peak, or an OOM). Returns the id stored.

@@ -35,6 +35,8 @@ class ProfileSummary(_Answer):
     # A server from before strategies and estimates stored only ddp measurements.
     strategy: str = "ddp"
     source: str = "measured"
+    # A sequence-aware setup's length (None for others, and from a server from before lengths).
+    seq_len: int | None = None
     trial_count: int = 0
     created_at: datetime
     uploaded_at: datetime | None = None
