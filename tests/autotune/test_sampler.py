@@ -513,3 +513,56 @@ def test_the_docs_blocks_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert "114 14 9 3 1 (8, 916)" in printed  # the figures the page shows
     assert "sample 1 has length 2000, longer than the capacity covers (up to 916)" in printed
     assert "accumulation reproduces the full-batch gradient" in printed
+
+
+# -- under DDP: 2 gloo processes, every rank the same micro-batches per update, the big-batch result --
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
+)
+def test_under_ddp_every_rank_runs_its_share_and_training_equals_one_process(
+    tmp_path: Any,
+) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.autotune import _sampler_ddp_worker as worker
+
+    mp.spawn(worker.run, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["replicas"] for r in results] == [(2, 0), (2, 1)]
+    plan = [list(worker.sampler(num_replicas=2, rank=r).updates()) for r in range(2)]
+    updates = len(plan[0])
+    # The same number of micro-batches per update on both ranks, one gradient all-reduce per update.
+    assert results[0]["sizes"] == results[1]["sizes"] == [len(u) for u in plan[0]] == [len(u) for u in plan[1]]
+    assert all(r["allreduces"] == list(range(updates)) for r in results)
+    # The reference: one process, each update's samples of both ranks as one batch.
+    docs = worker.documents()
+    torch.manual_seed(0)
+    model = gpt.GPT(worker.TINY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=worker.LR)
+    for shares in zip(*plan, strict=True):
+        total, count = gpt.loss_sum(model, worker.pad([docs[i] for share in shares for b in share for i in b]))
+        assert results[0]["denominators"][shares[0].position] == count == shares[0].tokens - shares[0].samples
+        (total / count).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for name, want in model.named_parameters():
+        for result in results:
+            torch.testing.assert_close(result["params"][name], want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_example_trains_within_the_budget_plain_and_packed(probed: Any) -> None:
+    from examples import train_lengths
+
+    cap = capacity(probed.profiles)
+    lengths = train_lengths.lognormal_lengths(120, median=40, high=500, seed=7)
+    dataset = train_lengths.Documents(lengths)
+    logged: list[str] = []
+    for pack_to in (None, 512):
+        sampler = LengthBatchSampler(lengths, cap, target_tokens=3000, pad_to_multiple_of=8, pack_to=pack_to,
+                                     supervised_tokens=[n - 1 for n in lengths])
+        result = train_lengths.train(sampler, dataset, budget_bytes=BUDGET, log=logged.append)
+        assert result["updates"] == len(list(sampler.updates())) >= 2
+        assert 0 < result["peak_bytes"] <= BUDGET and result["tokens_per_second"] > 0
+    assert logged and "micro-batches" in logged[0]
