@@ -225,7 +225,10 @@ class LengthBatchSampler(Sampler[list[Any]]):
             raise ValueError(f"supervised_tokens has {len(counts)} entries for {len(self.lengths)} samples")
         out = []
         for i, count in enumerate(counts):
-            number = operator.index(count) if not isinstance(count, bool) else -1
+            try:
+                number = -1 if isinstance(count, bool) else operator.index(count)
+            except TypeError:
+                number = -1
             if number < 0:
                 raise ValueError(f"supervised tokens of sample {i} must be a non-negative integer, got {count!r}")
             out.append(number)

@@ -319,6 +319,8 @@ def test_a_capacity_of_zero_or_one_that_fails() -> None:
         (dict(target_tokens=0), "target_tokens must be a positive integer, got 0"),
         (dict(supervised_tokens=[1]), "supervised_tokens has 1 entries for 3 samples"),
         (dict(supervised_tokens=[1, -1, 2]), "supervised tokens of sample 1 must be a non-negative integer"),
+        (dict(supervised_tokens=[1, 2, 0.5]), "supervised tokens of sample 2 must be a non-negative integer"),
+        (dict(seed="1"), "seed must be an integer, got '1'"),
     ],
 )
 def test_other_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
