@@ -62,6 +62,31 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
     )
 
 
+def _measured_context(config: Any, args: argparse.Namespace) -> Any:
+    """With --gpu and --server but no --context-bytes: the memory outside the allocator the store has
+    measured on that card (its real CUDA trials), where it has; the catalog's figure otherwise."""
+    if config.gpu is None or config.context_bytes is not None or not args.server:
+        return config
+    import dataclasses
+
+    from autotune_client import TunerClient
+    from autotune_client.errors import AutotuneClientError
+
+    try:
+        with TunerClient(base_url=args.server) as client:
+            found = client.device_context(config.device_name)
+    except AutotuneClientError as exc:
+        print(f"warning: the store's context figure is not to be had ({exc}): the catalog's is used", file=sys.stderr)
+        return config
+    if found is None:
+        return config
+    source = (
+        f"the median of {found.trials} real trials in {found.profiles} measured profiles of the card at "
+        f"{args.server}, {found.low_bytes} to {found.high_bytes} bytes"
+    )
+    return dataclasses.replace(config, context_bytes=found.outside_allocator_bytes, context_source=source)
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     from autotune.orchestrate.estimate import EstimateConfig
     from autotune.tasks.load import load_task
@@ -82,6 +107,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         context_bytes=args.context_bytes,
         micro_batches=tuple(args.micro_batches),
     ).on_card()
+    config = _measured_context(config, args)
     config.validate()  # a missing budget is refused before the task is even loaded
     check_seq_len_options(args)
     task = load_task(task_spec(args.task, args))

@@ -23,6 +23,7 @@ __all__ = [
     "SOURCES",
     "STRATEGIES",
     "Device",
+    "DeviceContext",
     "Fit",
     "LongestSeqLen",
     "MAX_SEQ_LEN",
@@ -324,6 +325,22 @@ class Profile(_Model):
             if trial.micro_batch == micro_batch and trial.fits:
                 return trial.peak_bytes
         return None
+
+
+class DeviceContext(_Model):
+    """What the store has measured of one card's memory outside the caching allocator (the CUDA context,
+    loaded modules, library handles): the median over the real trials of measured CUDA profiles of that
+    card (``outside_allocator_bytes``), for an estimate to add to its reserved bytes (``autotune estimate
+    --gpu NAME --server URL``)."""
+
+    device_name: Annotated[str, Field(min_length=1, max_length=256)]
+    # The torch version (major.minor) the trials were asked for; None: every version the store holds.
+    torch_version: ShortText | None = None
+    outside_allocator_bytes: NonNegBytes
+    low_bytes: NonNegBytes
+    high_bytes: NonNegBytes
+    trials: Annotated[int, Field(ge=1)]
+    profiles: Annotated[int, Field(ge=1)]
 
 
 class Observation(_Model):

@@ -40,14 +40,16 @@ def card_of(name: str) -> Card:
         raise AutotuneError(f"--gpu: {exc}") from None
 
 
-def context_bytes_for(card: Card, given: int | None, torch_version: str, cuda_version: str) -> tuple[int, str]:
+def context_bytes_for(
+    card: Card, given: int | None, torch_version: str, cuda_version: str, given_source: str | None = None
+) -> tuple[int, str]:
     """The memory outside the allocator an estimate adds for card, and where the figure comes from.
 
     ``given`` (``--context-bytes``) wins; then what is known for this card, torch and CUDA; then what is
     known for this card with another torch; then the H200's measured figure, said to be a stand-in.
     """
     if given is not None:
-        return given, f"{format_bytes(given)} outside the allocator (--context-bytes)"
+        return given, f"{format_bytes(given)} outside the allocator ({given_source or '--context-bytes'})"
     known = outside_allocator(card, torch_version, cuda_version)
     if known is not None:
         return known.bytes, f"{format_bytes(known.bytes)} outside the allocator ({known.source})"
@@ -91,7 +93,7 @@ def estimate_on_card(
         return None
     started = time.perf_counter()
     outside, outside_source = context_bytes_for(
-        card, config.context_bytes, cuda_torch.torch_version, cuda_torch.cuda_version
+        card, config.context_bytes, cuda_torch.torch_version, cuda_torch.cuda_version, config.context_source
     )
     limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
     if outside >= limit_bytes:

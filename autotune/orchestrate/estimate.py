@@ -63,8 +63,10 @@ class EstimateConfig:
     # A card of the catalog (autotune/core/cards.py: "h100", "h200", ...): its name, budget and CUDA
     # semantics, by emulated fake trials (autotune/orchestrate/card_estimate.py).
     gpu: str | None = None
-    # Memory outside the caching allocator (the CUDA context): None takes the catalog's figure.
+    # Memory outside the caching allocator (the CUDA context): None takes the catalog's figure; where
+    # it came from when not from --context-bytes (the store's measurements: autotune/cli/estimate.py).
     context_bytes: int | None = None
+    context_source: str | None = None
     # Sizes estimated besides the search's (their trials in the profile): "will m = 32 fit?".
     micro_batches: tuple[int, ...] = ()
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx2 as httpx
 
 from autotune.core.capacity import Capacity
-from autotune.core.schemas import Observation, Profile, Suggestion
+from autotune.core.schemas import DeviceContext, Observation, Profile, Suggestion
 from autotune_client._constants import (
     API_PREFIX,
     DEFAULT_MAX_RETRIES,
@@ -44,6 +44,7 @@ from autotune_client.errors import (
     APIConnectionError,
     APITimeoutError,
     AutotuneClientError,
+    NotFoundError,
     status_error,
 )
 
@@ -188,6 +189,18 @@ class TunerClient:
         """
         response = self._request("POST", "/profiles", json=profile.model_dump(mode="json"))
         return _id_of(response)
+
+    def device_context(self, device_name: str, *, torch_version: str | None = None) -> DeviceContext | None:
+        """What the store has measured of device_name's memory outside the caching allocator (the CUDA
+        context and modules) over measured CUDA profiles, optionally of one torch (major.minor); None
+        where nothing is measured. ``autotune estimate --gpu NAME --server URL`` adds it to reserved bytes.
+        """
+        params = {"device_name": device_name} | ({"torch_version": torch_version} if torch_version else {})
+        try:
+            response = self._request("GET", "/devices/context", params=params)
+        except NotFoundError:
+            return None
+        return DeviceContext.model_validate(response.json())
 
     def delete(self, profile_id: int) -> None:
         """Delete a stored profile (write token). Raises NotFoundError for an unknown id."""

@@ -19,6 +19,7 @@ from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy
 from autotune.core.schemas import (
     MAX_SEQ_LEN,
     ActivationCheckpointing,
+    DeviceContext,
     Objective,
     Observation,
     Profile,
@@ -30,7 +31,7 @@ from autotune_server import drift, repository
 from autotune_server.consistency import consistent_lookup, require_consistent
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
-from autotune_server.errors import ErrorBody
+from autotune_server.errors import ContextNotMeasured, ErrorBody
 from autotune_server.outage import DATABASE_ERRORS, STALE_HEADER, Failure, classify
 from autotune_server.repository import Lookup
 from autotune_server.storable import check_storable
@@ -195,6 +196,27 @@ def get_profile(profile_id: ProfileId, session: SessionDep, _reader: ReadAccess)
     """One stored profile with its trials."""
     row = repository.get_profile(session, profile_id)
     return to_stored_profile(row, repository.observation_count(session, profile_id))
+
+
+@router.get("/devices/context", response_model=DeviceContext, responses=_errors(401, 403, 404, 422))
+def device_context(
+    device_name: Annotated[str, Query(min_length=1, max_length=256, description="as NVML names the card")],
+    session: SessionDep,
+    _reader: ReadAccess,
+    torch_version: Annotated[
+        str | None, Query(max_length=64, pattern=r"^\d+\.\d+", description="only trials of this torch (major.minor)")
+    ] = None,
+) -> DeviceContext:
+    """What measured CUDA profiles of a card record of the memory outside the caching allocator."""
+    found = repository.device_context(session, device_name, torch_version)
+    if found is None:
+        raise ContextNotMeasured(
+            f"no measured CUDA profile of {device_name!r}"
+            + (f" with torch {torch_version}" if torch_version else "")
+            + " records memory outside the allocator: probe on that card first",
+            field="device_name",
+        )
+    return found
 
 
 @router.delete(

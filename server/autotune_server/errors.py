@@ -32,6 +32,7 @@ __all__ = [
     "BodyTooLarge",
     "BudgetTooSmall",
     "DomainError",
+    "ContextNotMeasured",
     "ErrorBody",
     "ErrorDetail",
     "InconsistentProfileError",
@@ -94,6 +95,13 @@ class ProfileNotFound(DomainError):
 
     status_code = 404
     code = "profile_not_found"
+
+
+class ContextNotMeasured(DomainError):
+    """No measured CUDA profile of this card (and torch version) records memory outside the allocator."""
+
+    status_code = 404
+    code = "context_not_measured"
 
 
 class NoProfileForSuggestion(DomainError):

@@ -17,7 +17,7 @@ from sqlalchemy import ColumnElement, Connection, and_, case, delete, func, or_,
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from autotune.core.schemas import Fit, Observation, Profile, Throughput
+from autotune.core.schemas import DeviceContext, Fit, Observation, Profile, Throughput
 from autotune_server.errors import InvalidCursor, ProfileNotFound
 from autotune_server.models import ObservationRow, ProfileRow, TrialRow, utcnow
 from autotune_server.wire import content_hash
@@ -32,6 +32,7 @@ __all__ = [
     "deciding_trial",
     "decode_cursor",
     "delete_profile",
+    "device_context",
     "encode_cursor",
     "get_profile",
     "list_observations",
@@ -308,6 +309,52 @@ def observation_count(session: Session, profile_id: int) -> int:
     """How many observations a profile has."""
     query = select(func.count()).select_from(ObservationRow).where(ObservationRow.profile_id == profile_id)
     return int(session.scalar(query) or 0)
+
+
+# The newest trials a device's context is read from: enough for a median, bounded for a large store.
+CONTEXT_TRIALS = 10_000
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def device_context(session: Session, device_name: str, torch_version: str | None = None) -> DeviceContext | None:
+    """The memory outside the allocator that measured CUDA profiles of device_name record (real trials
+    only: a fake trial's figure is an estimate's assumption), with torch_version's major.minor where given;
+    None where none does."""
+    rows = session.execute(
+        select(TrialRow.outside_allocator_bytes, ProfileRow.id, ProfileRow.torch_version)
+        .join(ProfileRow, TrialRow.profile_id == ProfileRow.id)
+        .where(
+            ProfileRow.device_name == device_name,
+            ProfileRow.device_kind == "cuda",
+            ProfileRow.source == "measured",
+            TrialRow.fake.is_(False),
+            TrialRow.outside_allocator_bytes.is_not(None),
+        )
+        .order_by(ProfileRow.id.desc(), TrialRow.position)
+        .limit(CONTEXT_TRIALS)
+    ).all()
+    wanted = _major_minor(torch_version) if torch_version else None
+    chosen = [
+        (int(outside), pid)
+        for outside, pid, version in rows
+        if outside is not None and (wanted is None or (version is not None and _major_minor(version) == wanted))
+    ]
+    if not chosen:
+        return None
+    figures = sorted(outside for outside, _ in chosen)
+    profiles = {pid for _, pid in chosen}
+    return DeviceContext(
+        device_name=device_name,
+        torch_version=wanted,
+        outside_allocator_bytes=figures[(len(figures) - 1) // 2],  # the lower median: a figure a trial read
+        low_bytes=figures[0],
+        high_bytes=figures[-1],
+        trials=len(figures),
+        profiles=len(profiles),
+    )
 
 
 def count_profiles(session: Session) -> int:
