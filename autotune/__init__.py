@@ -45,6 +45,11 @@ _PUBLIC = {
     "Accumulator": "autotune.loop.accumulate",
     "PlanBatchSampler": "autotune.loop.accumulate",
     "verify_gradients": "autotune.loop.verify",
+    "verify_micro_batches": "autotune.loop.verify",
+    "capacity": "autotune.core.capacity",
+    "Capacity": "autotune.core.capacity",
+    "CapacityError": "autotune.core.capacity",
+    "LengthBatchSampler": "autotune.loop.sampler",
 }
 
 __all__ = ["__version__", *sorted(_PUBLIC)]
