@@ -58,3 +58,17 @@ def test_from_python(tmp_path: Path) -> None:
     found = re.search(printed, out, re.MULTILINE)
     assert found, out[-2000:]
     assert int(found.group(2)) >= 1
+
+
+def test_a_mixture_of_experts(tmp_path: Path) -> None:
+    import json
+
+    (script,) = blocks(section(PAGE, "## A mixture of experts"), "bash")
+    (tmp_path / "run.sh").write_text(script)
+    out = run(["bash", "-e", "run.sh"], tmp_path)
+    assert "autotune datasheet: mixtral-" in out
+    profiles = json.loads((tmp_path / "moe.json").read_text())
+    assert [p["seq_len"] for p in profiles] == [64, 128]
+    assert all(p["moe_load_factor"] == 1.5 and p["source"] == "estimate" for p in profiles)
+    assert profiles[0]["max_micro_batch"] >= profiles[1]["max_micro_batch"] >= 1
+    assert "Traceback" not in out
