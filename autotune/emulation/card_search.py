@@ -96,6 +96,7 @@ def search_on_card(
         EmulationError: the emulation or the child failed, in one line.
     """
     from autotune.emulation.runner import _prepare, _run_child
+    from autotune.measure.meters.fake import current_load_factor
 
     chosen, torch, libraries = _prepare(card, python)
     request = {
@@ -115,6 +116,7 @@ def search_on_card(
         "max_micro_batch": max_micro_batch,
         "multiple_of": multiple_of,
         "extra_sizes": [int(m) for m in extra_sizes],
+        "moe_load_factor": current_load_factor(),
     }
     found, _ = _run_child(
         chosen,
@@ -144,7 +146,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
     from autotune.core.allocator import AllocatorConfig, replay
     from autotune.core.schemas import Trial
     from autotune.emulation.fake_cuda import device_facts, prepare_fake_cuda, renumbered
-    from autotune.measure.meters.fake import FakeMeter
+    from autotune.measure.meters.fake import FakeMeter, moe_routing
     from autotune.measure.strategies import make_strategy
     from autotune.measure.trial import TrialRunner, frozen_heap
     from autotune.search.boundary import NoFitError, find_max_micro_batch
@@ -202,7 +204,8 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
         return result
 
     no_fit = False
-    with strategy.process_group(meter.device), frozen_heap():
+    routing = moe_routing(float(request.get("moe_load_factor") or 1.0))
+    with routing, strategy.process_group(meter.device), frozen_heap():
         runner = TrialRunner(task, meter, limit_bytes=budget, strategy=strategy)
         try:
             try:

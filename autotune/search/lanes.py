@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from autotune.measure.meters.fake import current_load_factor
+
 __all__ = ["SLOW_BUILD_SECONDS", "SLOW_TRIAL_SECONDS", "FakeLanes", "LaneSetup", "Point", "spare_cores"]
 
 # A fake trial this slow or slower is worth a worker: a worker's start (about 6 s of imports and a
@@ -67,6 +69,8 @@ class LaneSetup:
     # heap live in, the fake trials). A module-level function, so that it pickles by name; the search
     # passes autotune.search.presearch.hold_lane_model, which this floor does not import.
     hold: Callable[[LaneSetup], tuple[Any, ExitStack, Any]]
+    # The mixture-of-experts routing the run's fake trials assume (autotune/measure/meters/fake.py).
+    moe_load_factor: float = 1.0
 
 
 def spare_cores() -> int:
@@ -149,6 +153,7 @@ class FakeLanes:
             world_size=world_size,
             device_name=device_name,
             hold=hold,
+            moe_load_factor=current_load_factor(),
         )
         return cls(setup, workers)
 

@@ -28,7 +28,7 @@ from autotune.core.curve import PeakCurve
 from autotune.core.errors import AutotuneError
 from autotune.core.schemas import MAX_BYTES, Fit, Trial
 from autotune.core.surface import PeakSurface
-from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.meters.fake import FakeMeter, moe_routing
 from autotune.measure.strategies import Replicated, Strategy
 from autotune.measure.trial import TrialRunner
 from autotune.search.boundary import FAKE_FAR_EXTRAPOLATION, find_max_micro_batch, measured_fit
@@ -384,6 +384,7 @@ def hold_lane_model(setup: LaneSetup) -> tuple[ProbeTask, ExitStack, FakeTrials]
     )
     strategy = fake_strategy(make_strategy(setup.strategy, setup.world_size))  # held before the model
     stack = ExitStack()
+    stack.enter_context(moe_routing(setup.moe_load_factor))  # the run's routing, for the worker's life
     stack.enter_context(strategy.process_group(torch.device(setup.device_type)))
     stack.enter_context(frozen_heap())
     fakes = FakeTrials(task, device_type=setup.device_type, strategy=strategy, device_name=setup.device_name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,24 @@ def test_bad_card_options_are_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_mixture_of_experts_estimates_on_an_emulated_card(
+    cuda_python: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Routing runs on CUDA's paths too (Mixtral counts its experts with an int32 histc there, a kernel the
+    CPU lacks, and its fp32 experts take _grouped_mm's fallback), under the run's load factor."""
+    config = {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = main(
+        ["estimate", f"hf:{tmp_path}", "--gpu", "h100", "--seq-len", "64", "--max-seq-len", "64",
+         "--max-micro-batch", "8", "--moe-load-factor", "1.5", "--json"]
+    )
+    assert code == 0, capsys.readouterr().err[-2000:]
+    (profile,) = json.loads(capsys.readouterr().out)
+    assert profile["moe_load_factor"] == 1.5 and profile["device"]["name"] == "NVIDIA H100 80GB HBM3"
+    assert profile["max_micro_batch"] == 8  # the cap: a tiny model fits the card many times over

@@ -82,3 +82,24 @@ def test_a_task_built_in_python_runs_every_trial_here(lanes_always: dict[str, in
     config = EstimateConfig(budget_bytes=64 * MiB, device_kind="cpu")
     estimate_lengths(task_seq, config, LENGTHS[:2], max_seq_len=512, workers=1)
     assert lanes_always == {"came_back": 0, "failed": 0}
+
+
+def test_a_worker_routes_by_the_runs_load_factor() -> None:
+    """A lane's worker holds its model under the routing of the run that made it (a mixture of experts'
+    fake trials there route as they do here), for as long as the worker lives."""
+    from autotune.measure.meters.fake import current_load_factor, moe_routing
+
+    task = load_task("examples/mlp.py:task")
+    with moe_routing(1.5):
+        lanes = fake_lanes.FakeLanes.for_task(
+            task, 1, device_type="cpu", strategy="ddp", world_size=1, device_name=None, hold=presearch.hold_lane_model
+        )
+    assert lanes is not None and lanes.setup.moe_load_factor == 1.5
+    assert current_load_factor() == 1.0
+    _, stack, fakes = presearch.hold_lane_model(lanes.setup)
+    try:
+        assert current_load_factor() == 1.5
+    finally:
+        fakes.close()
+        stack.close()
+    assert current_load_factor() == 1.0

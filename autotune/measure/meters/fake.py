@@ -58,7 +58,15 @@ from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device
 from autotune.measure.meters.cpu import CpuMeter, _LiveStorageMode
 
-__all__ = ["FakeMeter", "FakeTrialError", "SCALAR_PLACEHOLDERS", "experts_of", "moe_routing", "routed_indices"]
+__all__ = [
+    "FakeMeter",
+    "FakeTrialError",
+    "SCALAR_PLACEHOLDERS",
+    "current_load_factor",
+    "experts_of",
+    "moe_routing",
+    "routed_indices",
+]
 
 SCALAR_PLACEHOLDERS = {"bool": False, "int": 1, "float": 1.0}
 
@@ -87,6 +95,12 @@ def moe_routing(load_factor: float) -> Iterator[None]:
         yield
     finally:
         _LOAD_FACTOR.reset(token)
+
+
+def current_load_factor() -> float:
+    """The load factor fake trials started here route by (``moe_routing``'s, 1.0 outside it): what a
+    process that runs them elsewhere (a lane's worker, an emulated card's child) must route by too."""
+    return _LOAD_FACTOR.get()
 
 
 _EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -190,14 +204,44 @@ def _answers_python(func: Any) -> bool:
     return bool(returns) and all("Tensor" not in str(ret.type) for ret in returns)
 
 
-def _cpu_grouped_mm(func: Any, args: Any, exc: RuntimeError) -> bool:
-    """Whether exc is the meta's bf16-only check refusing a grouped matmul that the CPU runs."""
+def _fallback_grouped_mm(func: Any, args: Any, exc: RuntimeError) -> bool:
+    """Whether exc is the meta's bf16-only check refusing a grouped matmul that the device runs: the
+    meta follows the fast path's rule (CUDA sm_90, bf16), while ``_grouped_mm``'s fallback (a loop of
+    matmuls; pytorch/pytorch#161407 and #162059, in GroupedMMUtils.h) takes fp32 and fp16 on the CPU
+    and on CUDA. HF's default experts under bf16 autocast send the weights' fp32 there."""
     return (
         func is torch.ops.aten._grouped_mm.default
         and "Expected inputs of BF16" in str(exc)
-        and args[0].device.type == "cpu"
+        and args[0].device.type in ("cpu", "cuda")
         and args[0].dtype == args[1].dtype
     )
+
+
+def _on_cpu_values(func: Any, args: Any, kwargs: Any, fake_out: Any) -> Any:
+    """func on the CPU values of its inputs; None where the CPU has no kernel for them.
+
+    The values ride on the CPU whatever device the fake tensors claim, and some kernels exist on CUDA
+    only for integers (``histc`` of int32 counts: Mixtral's expert counts on a card): those run on the
+    values as float64 (counts and indices are exact there) and come back in the fake output's dtype.
+    """
+    try:
+        return func(*args, **kwargs)
+    except (RuntimeError, NotImplementedError):
+        pass
+    flat, spec = tree_flatten((args, kwargs))
+    widened = [t.double() if isinstance(t, torch.Tensor) and t.dtype in _EXACT_DTYPES[1:] else t for t in flat]
+    try:
+        real_args, real_kwargs = tree_unflatten(widened, spec)
+        real_out = func(*real_args, **real_kwargs)
+    except (RuntimeError, NotImplementedError):
+        return None
+    fakes = tree_flatten(fake_out)[0]
+    reals, out_spec = tree_flatten(real_out)
+    cast = [
+        real.to(fake.dtype) if isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor) else real
+        for real, fake in zip(reals, fakes, strict=False)
+    ]
+    return tree_unflatten(cast, out_spec)
 
 
 class _FakeCountingMode(_LiveStorageMode):
@@ -229,7 +273,7 @@ class _FakeCountingMode(_LiveStorageMode):
         except _DATA_DEPENDENT as exc:
             out = self._sized_by_values(func, types, args, kwargs, exc)
         except RuntimeError as exc:
-            if not _cpu_grouped_mm(func, args, exc):
+            if not _fallback_grouped_mm(func, args, exc):
                 raise
             out = self._grouped_mm(types, args, kwargs)
         if func in _TOPK:
@@ -287,7 +331,9 @@ class _FakeCountingMode(_LiveStorageMode):
                     self.values.pop(fake, None)
             return
         with _disable_current_modes():
-            real_out = func(*inputs[0], **inputs[1])
+            real_out = _on_cpu_values(func, inputs[0], inputs[1], out)
+        if real_out is None:  # no CPU kernel computes it: its outputs carry no values
+            return
         for fake, real in zip(tree_flatten(out)[0], tree_flatten(real_out)[0], strict=False):
             if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
                 self.values[fake] = real
@@ -327,7 +373,7 @@ class _FakeCountingMode(_LiveStorageMode):
         return tree_unflatten(made, spec)
 
     def _grouped_mm(self, types: Any, args: Any, kwargs: Any) -> torch.Tensor:
-        """torch's meta for _grouped_mm checks CUDA's bf16-only rule; the CPU kernel multiplies fp32
+        """torch's meta for _grouped_mm checks the fast path's bf16-only rule; the fallback multiplies fp32
         (an fp32 model under bf16 autocast: transformers casts the input to the weights' dtype)."""
         a, b = args[0], args[1]
         offs = args[2] if len(args) > 2 else kwargs.get("offs")
