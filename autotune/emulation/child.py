@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from autotune.emulation.fake_cuda import device_facts, prepare_fake_cuda, recording_ops, renumbered
+from autotune.emulation.fake_cuda import device_facts, prepare_fake_cuda, recording_ops
 
 __all__ = ["main"]
 
@@ -50,6 +50,7 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
     from autotune.measure.strategies import make_strategy
     from autotune.measure.trial import TrialRunner, frozen_heap
     from autotune.search.presearch import fake_strategy
+    from autotune.search.reserved import renumbered
     from autotune.tasks.load import load_task
 
     task = load_task(request["task"])

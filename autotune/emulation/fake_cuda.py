@@ -1,6 +1,7 @@
 """What a process on an emulated card sets up and reads, shared by the child's jobs (child.py,
 card_search.py): torch's settings for fake CUDA trials, what torch reads of the device, the ops a
-trial dispatches, and allocation traces with small keys. Its functions import torch (the child's).
+trial dispatches (allocation traces with small keys: autotune/search/reserved.py). Its functions
+import torch (the child's).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["device_facts", "prepare_fake_cuda", "recording_ops", "renumbered"]
+__all__ = ["device_facts", "prepare_fake_cuda", "recording_ops"]
 
 
 def prepare_fake_cuda() -> None:
@@ -73,26 +74,3 @@ def recording_ops(ops: dict[str, set[str]]) -> Iterator[None]:
         yield
     finally:
         _FakeCountingMode.__torch_dispatch__ = original  # type: ignore[method-assign]
-
-
-def renumbered(held: list[tuple[int, int]], events: list[tuple[int, int]]) -> tuple[list[list[int]], list[list[int]]]:
-    """Keys as small integers, one per allocation in order (a storage's address can come back for
-    another storage once freed), so that traces compare across runs."""
-    ids: dict[int, int] = {}
-    counter = 0
-
-    def allocate(key: int) -> int:
-        nonlocal counter
-        counter += 1
-        ids[key] = counter
-        return counter
-
-    out_held = [[allocate(key), nbytes] for key, nbytes in held]
-    out_events = []
-    for key, nbytes in events:
-        if nbytes < 0:
-            # 0 is no allocation's id: a release of a storage the recording never saw shows as one.
-            out_events.append([ids.pop(key, 0), nbytes])
-        else:
-            out_events.append([allocate(key), nbytes])
-    return out_held, out_events

@@ -1,0 +1,172 @@
+"""The fake search for what a CUDA card decides on: reserved bytes + the memory outside the allocator.
+
+Each fake trial's allocations and frees (``CpuMeter.record_events``), after the cuBLAS workspaces, are
+replayed in order through the caching allocator's model (autotune/core/allocator.py); the search policy
+(autotune/search/boundary.py) then finds the step of the allocator's staircase that crosses the limit,
+not the crossing of the live bytes' line. Two callers:
+
+- an emulated card's child process (autotune/emulation/card_search.py): the estimate for ``--gpu``;
+- the probe on a real card (autotune/orchestrate/probe.py): its real trials start from this m_max, so
+  that two of them confirm it where the model holds.
+
+The named allocation beside the trace (no fudge factor: the source makes it): two cuBLAS workspaces, one
+per handle, the forward thread's and the autograd engine's backward thread's (ATen/cuda/CublasHandlePool.cpp,
+``getChosenWorkspaceSize``: 32 MiB on compute capability 9.x and up, 4096 * 1024 * 2 + 16 * 1024 * 8 bytes
+before; ``CUBLAS_WORKSPACE_CONFIG`` overrides), made through the caching allocator at each thread's first
+matmul and kept for the process's life.
+
+Call inside the strategy's process group and a frozen heap, as every fake trial runs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from autotune.core.allocator import AllocatorConfig, replay
+from autotune.core.schemas import Fit, Trial
+from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.strategies import Strategy
+from autotune.measure.trial import TrialRunner
+from autotune.search.boundary import NoFitError, find_max_micro_batch
+from autotune.tasks.task import ProbeTask
+
+__all__ = ["CUBLAS_HANDLES", "ReservedSearch", "cublas_workspace_bytes", "renumbered", "reserved_search"]
+
+# cuBLAS handles whose workspaces a training step holds: the forward thread's and the backward's.
+CUBLAS_HANDLES = 2
+
+
+def cublas_workspace_bytes(capability_major: int, config: str | None = None) -> int:
+    """The workspace of one cuBLAS handle on a card of this compute capability (CublasHandlePool.cpp).
+
+    ``config``: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT`` pairs, their products summed), None for
+    the default.
+
+    >>> cublas_workspace_bytes(9) // 2**20
+    32
+    >>> cublas_workspace_bytes(8)
+    8519680
+    >>> cublas_workspace_bytes(9, ":4096:2:16:8") == 4096 * 1024 * 2 + 16 * 1024 * 8
+    True
+    """
+    if config:
+        pairs = re.findall(r":(\d+):(\d+)", config)
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    if capability_major >= 9:
+        return 4096 * 8 * 1024
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def renumbered(
+    held: Sequence[tuple[int, int]], events: Sequence[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """A trace's keys as small integers, one per allocation in order: a storage's address can come back
+    for another storage once freed, and traces then compare across runs. A release of a storage the
+    recording never saw gets key 0, which no allocation has.
+
+    >>> renumbered([(7000, 64)], [(9000, 512), (7000, -1), (9000, -1), (7000, 32), (5, -1)])
+    ([(1, 64)], [(2, 512), (1, -1), (2, -1), (3, 32), (0, -1)])
+    """
+    ids: dict[int, int] = {}
+    counter = 0
+
+    def allocate(key: int) -> int:
+        nonlocal counter
+        counter += 1
+        ids[key] = counter
+        return counter
+
+    out_held = [(allocate(key), nbytes) for key, nbytes in held]
+    out_events = [(ids.pop(key, 0), nbytes) if nbytes < 0 else (allocate(key), nbytes) for key, nbytes in events]
+    return out_held, out_events
+
+
+@dataclass
+class ReservedSearch:
+    """m_max by reserved + outside bytes, every trial run (by size), the fit, and whether nothing fits."""
+
+    max_micro_batch: int
+    trials: dict[int, Trial] = field(default_factory=dict)
+    fit: Fit | None = None
+    no_fit: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+
+def reserved_search(
+    task: ProbeTask,
+    *,
+    device_type: str,
+    device_name: str,
+    budget_bytes: int,
+    limit_bytes: int,
+    outside_bytes: int,
+    workspace_bytes: Sequence[int],
+    strategy: Strategy,
+    max_micro_batch: int,
+    multiple_of: int,
+    alloc_conf: str | None = None,
+    extra_sizes: Sequence[int] = (),
+    hint: int | None = None,
+) -> ReservedSearch:
+    """The search on fake trials replayed through the caching allocator (the module docstring).
+
+    ``budget_bytes`` is the card's memory (what the allocator may hold is that less ``outside_bytes``);
+    ``limit_bytes`` the figure that still fits; ``hint`` a predicted m_max to start from.
+    """
+    config = AllocatorConfig.parse(alloc_conf)
+    # The workspaces come first: each is made at its thread's first matmul, before the trial's peak.
+    workspaces = [(-(i + 1), int(n)) for i, n in enumerate(workspace_bytes)]
+    meter = FakeMeter(budget_bytes, device_type, device_name)
+    found = ReservedSearch(max_micro_batch=0)
+    runner = TrialRunner(task, meter, limit_bytes=budget_bytes, strategy=strategy)
+
+    def trial(micro_batch: int) -> Trial:
+        meter.release()
+        with meter.record_events() as recorded:
+            live = runner(micro_batch)
+        if live.oom:  # live bytes alone crossed the card's memory: no replay can fit
+            result = live.model_copy(update={"fake": True, "fits": False})
+        else:
+            held, events = renumbered(recorded.held, recorded.events)
+            trace = [*workspaces, *held, *((k, n) for k, n in events if k != 0)]
+            peaks = replay(trace, config, budget_bytes - outside_bytes)
+            if peaks.oom:
+                result = Trial(micro_batch=micro_batch, peak_bytes=budget_bytes + 1, fits=False, oom=True, fake=True)
+            else:
+                figure = peaks.peak_reserved_bytes + outside_bytes
+                result = Trial(
+                    micro_batch=micro_batch,
+                    peak_bytes=figure,
+                    fits=figure <= limit_bytes,
+                    step_bytes=live.step_bytes,
+                    allocated_bytes=peaks.peak_allocated_bytes,
+                    outside_allocator_bytes=outside_bytes,
+                    seconds=live.seconds,
+                    fake=True,
+                )
+        found.trials[micro_batch] = result
+        return result
+
+    try:
+        try:
+            searched = find_max_micro_batch(
+                trial,
+                limit_bytes=limit_bytes,
+                max_micro_batch=max_micro_batch,
+                multiple_of=multiple_of,
+                hint=hint,
+                far_extrapolation=1e9,  # fake trials: an overshoot costs no device
+            )
+            found.max_micro_batch, found.fit = searched.max_micro_batch, searched.fit
+        except NoFitError:
+            found.no_fit = True
+        for size in extra_sizes:
+            if size not in found.trials:
+                trial(int(size))
+    finally:
+        runner.close()
+        found.warnings.extend(runner.warnings)
+    return found
