@@ -13,7 +13,7 @@ echo "== device"
 timeout -k 5 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 timeout -k 5 30 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 echo "== GPU tests"
-timeout -k 5 80 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rs || status=1
+timeout -k 5 150 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu -rs || status=1
 echo "== examples: probe, 50 training steps at the chosen m, m+1"
 timeout -k 5 60 "$PY" bench/gpu_train_check.py || status=1
 echo "== CLI datasheet on cuda"

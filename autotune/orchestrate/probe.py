@@ -7,6 +7,7 @@ profile.max_micro_batch, profile.plan
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,9 +165,9 @@ def _search(
     warnings: list[str],
     on_trial: Callable[[Trial], None] | None,
     presearched: FakeSearch | None = None,
-) -> tuple[SearchResult, FakeSearch | None]:
+) -> tuple[SearchResult, FakeSearch | None, int | None]:
     """Pre-search on fake trials (unless turned off, impossible, or ``presearched`` already), then
-    real trials from its answer."""
+    real trials from its answer; also the m_max they started from (None: no pre-search)."""
     fake: FakeSearch | None = presearched
     if fake is None and config.presearch:
         try:
@@ -189,6 +190,9 @@ def _search(
         except Exception as exc:  # an op that cannot run fake: real trials only
             warnings.append(presearch_failed(exc))
             fake = None
+    hint = fake.max_micro_batch if fake is not None else None
+    if fake is not None and fake.trials and meter.device.type == "cuda":
+        hint = _reserved_hint(task, meter, config, strategy, limit_bytes, hint, warnings)
     runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, reuse_model=config.reuse_model)
 
     def trial(micro_batch: int) -> Trial:
@@ -203,7 +207,7 @@ def _search(
             limit_bytes=limit_bytes,
             max_micro_batch=config.max_micro_batch,
             multiple_of=config.multiple_of,
-            hint=fake.max_micro_batch if fake is not None else None,
+            hint=hint,
             guide=fake.fit if fake is not None else None,
         )
     finally:
@@ -211,7 +215,51 @@ def _search(
         for warning in runner.warnings:
             if warning not in warnings:
                 warnings.append(warning)
-    return result, fake
+    return result, fake, hint if fake is not None and fake.trials else None
+
+
+# The warning's opening, where the caching allocator's model predicted the real search's start.
+RESERVED_PREDICTION = "the caching allocator's model predicted max micro-batch"
+
+
+def _reserved_hint(
+    task: ProbeTask,
+    meter: Meter,
+    config: ProbeConfig,
+    strategy: Strategy,
+    limit_bytes: int,
+    live_hint: int | None,
+    warnings: list[str],
+) -> int | None:
+    """On a card: where the real trials start, by fake trials replayed through the caching allocator's
+    model (autotune/search/reserved.py) with this process's memory outside the allocator, as the card's
+    own figure is (reserved + outside): the step of the allocator's staircase that crosses the limit,
+    where the live bytes' line crosses it elsewhere. A model that cannot run leaves the live bytes' hint."""
+    from autotune.search.reserved import CUBLAS_HANDLES, cublas_workspace_bytes, reserved_search
+
+    try:
+        major = torch.cuda.get_device_capability(meter.device)[0]
+        found = reserved_search(
+            task,
+            device_type=str(meter.device),
+            device_name=meter.describe().name,
+            budget_bytes=meter.budget_bytes,
+            limit_bytes=limit_bytes,
+            outside_bytes=meter.unseen_bytes(),
+            workspace_bytes=[cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))]
+            * CUBLAS_HANDLES,
+            strategy=strategy,
+            max_micro_batch=config.max_micro_batch,
+            multiple_of=config.multiple_of,
+            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            hint=live_hint,
+        )
+    except Exception as exc:  # the live bytes' hint still stands
+        warnings.append(f"the caching allocator's model could not predict the boundary: {presearch_failed(exc)}")
+        return live_hint
+    if found.no_fit:
+        return config.multiple_of
+    return found.max_micro_batch
 
 
 def probe_with_meter(
@@ -249,7 +297,9 @@ def probe_with_meter(
             warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
         try:
             with frozen_heap():
-                result, fake = _search(task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched)
+                result, fake, predicted = _search(
+                    task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched
+                )
         except NoFitError as exc:  # diagnosed by fake trials, outside this process group
             no_fit = exc
     if no_fit is not None:
@@ -270,10 +320,9 @@ def probe_with_meter(
             f"m={high.micro_batch} at {high.peak_bytes}): max micro-batch {m_max} is the largest m below the "
             "smallest size measured not to fit, and only measured sizes are planned"
         )
-    if fake is not None and fake.trials and fake.max_micro_batch != m_max:
-        warnings.append(
-            f"the fake pre-search predicted max micro-batch {fake.max_micro_batch}; the real trials found {m_max}"
-        )
+    if predicted is not None and predicted != m_max:
+        what = RESERVED_PREDICTION if meter.device.type == "cuda" else "the fake pre-search predicted max micro-batch"
+        warnings.append(f"{what} {predicted}; the real trials found {m_max}")
     the_plan = plan_for(m_max, config, warnings)
     chosen = the_plan.micro_batch if the_plan else m_max
     if chosen < BATCHNORM_SMALL_MICRO_BATCH and _has_batchnorm(task):
