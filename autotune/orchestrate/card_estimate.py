@@ -14,14 +14,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import autotune
 from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, lookup, outside_allocator
-from autotune.core.consistency import check_profile
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.schemas import Device, Fit, Profile, Trial
 from autotune.core.units import format_bytes
-from autotune.orchestrate.probe import plan_for
-from autotune.tasks.fingerprint import task_fingerprint
+from autotune.orchestrate.estimated import estimated_profile
 from autotune.tasks.task import ProbeTask
 
 if TYPE_CHECKING:
@@ -135,10 +132,6 @@ def estimate_on_card(
         f"plus {outside_source}"
     )
     warnings = [semantics, *found.warnings]
-    if config.strategy == "ddp" and config.world_size > 1:
-        warnings.append("the estimate leaves out DDP's gradient buckets (about the size of the gradients)")
-    m_max = found.max_micro_batch
-    the_plan = plan_for(m_max, config.as_probe_config(), warnings)
     device = Device(
         kind="cuda",
         name=card.nvml_name,
@@ -147,39 +140,16 @@ def estimate_on_card(
         cuda_version=cuda_torch.cuda_version,
         compute_capability=card.capability,
     )
-    fit = Fit.model_validate(found.fit) if found.fit else None
-    profile = Profile(
-        fingerprint=task_fingerprint(task, strategy=config.strategy, world_size=config.world_size),
-        task=task.name,
+    return estimated_profile(
+        task,
+        config,
         device=device,
-        devices=[device],
-        precision=task.precision,  # type: ignore[arg-type]
-        tags=dict(task.tags),
-        budget_bytes=config.budget_bytes,
-        headroom=config.headroom,
-        max_micro_batch=m_max,
-        micro_batch_cap=config.max_micro_batch,
-        multiple_of=config.multiple_of,
-        world_size=config.world_size,
-        strategy=config.strategy,  # type: ignore[arg-type]
-        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
-        source="estimate",
-        seq_len=task.seq_len,
-        plan=the_plan,
+        max_micro_batch=found.max_micro_batch,
         trials=trials,
-        fit=_nonnegative(fit),
-        trial_count=len(trials),
-        oom_count=sum(1 for t in trials if t.oom),
-        seconds=round(time.perf_counter() - started, 3),
+        fit=Fit.model_validate(found.fit) if found.fit else None,
         warnings=warnings,
+        started=started,
         torch_version=cuda_torch.torch_version,
-        autotune_version=autotune.__version__,
     )
-    check_profile(profile)
-    return profile
 
 
-def _nonnegative(fit: Fit | None) -> Fit | None:
-    from autotune.core.plan import nonnegative_fit
-
-    return nonnegative_fit(fit)

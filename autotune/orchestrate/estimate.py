@@ -24,18 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-import autotune
-from autotune.core.consistency import check_profile
 from autotune.core.errors import AutotuneError, BudgetError
-from autotune.core.plan import nonnegative_fit
 from autotune.core.schemas import Device, Profile, Trial
 from autotune.measure.strategies import make_strategy
 from autotune.measure.trial import frozen_heap
-from autotune.orchestrate.probe import ProbeConfig, plan_for
+from autotune.orchestrate.estimated import estimated_profile
+from autotune.orchestrate.probe import ProbeConfig
 from autotune.search.boundary import NoFitError
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeTrials, fake_search
-from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["DEVICE_KINDS", "EstimateConfig", "estimate", "estimate_device_type"]
@@ -210,44 +207,21 @@ def estimate(
     if no_fit is not None:
         raise no_fit_error(task, config, budget_bytes=config.budget_bytes, device_type=device_type)
     warnings.extend(found.warnings)
-    if config.strategy == "ddp" and config.world_size > 1:
-        # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors.
-        warnings.append("the estimate leaves out DDP's gradient buckets (about the size of the gradients)")
-    m_max = found.max_micro_batch
-    the_plan = plan_for(m_max, config.as_probe_config(), warnings)
     device = Device(
         kind=config.device_kind,  # type: ignore[arg-type]
         name=device_name,
         total_bytes=config.budget_bytes,
         torch_version=torch.__version__,
     )
-    profile = Profile(
-        fingerprint=task_fingerprint(task, strategy=config.strategy, world_size=config.world_size),
-        task=task.name,
+    return estimated_profile(
+        task,
+        config,
         device=device,
-        devices=[device],
-        precision=task.precision,  # type: ignore[arg-type]
-        tags=dict(task.tags),
-        budget_bytes=config.budget_bytes,
-        headroom=config.headroom,
-        max_micro_batch=m_max,
-        micro_batch_cap=config.max_micro_batch,
-        multiple_of=config.multiple_of,
-        world_size=config.world_size,
-        strategy=config.strategy,  # type: ignore[arg-type]
-        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
-        source="estimate",
-        seq_len=task.seq_len,
-        plan=the_plan,
+        max_micro_batch=found.max_micro_batch,
         trials=found.trials,
-        fit=nonnegative_fit(found.fit),
-        trial_count=len(found.trials),
-        oom_count=sum(1 for t in found.trials if t.oom),
-        seconds=round(time.perf_counter() - started, 3),
+        fit=found.fit,
         warnings=warnings,
+        started=started,
         torch_version=torch.__version__,
-        autotune_version=autotune.__version__,
     )
-    # A profile the store would refuse is a bug here, not something to write or upload.
-    check_profile(profile)
-    return profile
+

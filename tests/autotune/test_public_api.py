@@ -21,6 +21,8 @@ PUBLIC_MODULES = [
     "autotune.core.cards",
     "autotune.loop.sampler",
     "autotune.orchestrate.card_estimate",
+    "autotune.orchestrate.estimated",
+    "autotune.search.reserved",
     "autotune.emulation",
     "autotune.core.schemas",
     "autotune.core.plan",

@@ -1,0 +1,74 @@
+"""An estimate's datasheet: the Profile of fake trials, whichever semantics ran them (CPU, or an emulated
+card's: autotune/orchestrate/estimate.py, card_estimate.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import autotune
+from autotune.core.consistency import check_profile
+from autotune.core.plan import nonnegative_fit
+from autotune.core.schemas import Device, Fit, Profile, Trial
+from autotune.orchestrate.probe import plan_for
+from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.task import ProbeTask
+
+if TYPE_CHECKING:
+    from autotune.orchestrate.estimate import EstimateConfig
+
+__all__ = ["DDP_BUCKETS_LEFT_OUT", "estimated_profile"]
+
+# DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors.
+DDP_BUCKETS_LEFT_OUT = "the estimate leaves out DDP's gradient buckets (about the size of the gradients)"
+
+
+def estimated_profile(
+    task: ProbeTask,
+    config: EstimateConfig,
+    *,
+    device: Device,
+    max_micro_batch: int,
+    trials: Sequence[Trial],
+    fit: Fit | None,
+    warnings: list[str],
+    started: float,
+    torch_version: str,
+) -> Profile:
+    """The estimate's Profile, checked as the store would check it (``source: estimate``; the plan for
+    config's target; DDP's buckets said to be left out where there are replicas)."""
+    assert config.budget_bytes is not None
+    if config.strategy == "ddp" and config.world_size > 1:
+        warnings.append(DDP_BUCKETS_LEFT_OUT)
+    the_plan = plan_for(max_micro_batch, config.as_probe_config(), warnings)
+    profile = Profile(
+        fingerprint=task_fingerprint(task, strategy=config.strategy, world_size=config.world_size),
+        task=task.name,
+        device=device,
+        devices=[device],
+        precision=task.precision,  # type: ignore[arg-type]
+        tags=dict(task.tags),
+        budget_bytes=config.budget_bytes,
+        headroom=config.headroom,
+        max_micro_batch=max_micro_batch,
+        micro_batch_cap=config.max_micro_batch,
+        multiple_of=config.multiple_of,
+        world_size=config.world_size,
+        strategy=config.strategy,  # type: ignore[arg-type]
+        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
+        source="estimate",
+        seq_len=task.seq_len,
+        plan=the_plan,
+        trials=list(trials),
+        fit=nonnegative_fit(fit),
+        trial_count=len(trials),
+        oom_count=sum(1 for t in trials if t.oom),
+        seconds=round(time.perf_counter() - started, 3),
+        warnings=warnings,
+        torch_version=torch_version,
+        autotune_version=autotune.__version__,
+    )
+    # A profile the store would refuse is a bug here, not something to write or upload.
+    check_profile(profile)
+    return profile
