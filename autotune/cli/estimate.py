@@ -130,7 +130,12 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
         print(trial_line(trial, limit), file=sys.stderr, flush=True)
 
     def run(t: Any, c: Any) -> list[Any]:
-        if lengths and c.gpu is not None:  # one emulated search per length
+        if lengths and c.gpu is not None:  # every length's emulated search in one child
+            from autotune.orchestrate.card_estimate import estimate_on_card_lengths
+
+            on_card = estimate_on_card_lengths(t, c.on_card(), lengths, on_trial=progress)
+            if on_card is not None:
+                return on_card
             return [estimate(t.at_length(seq_len), c, on_trial=progress) for seq_len in lengths]
         if lengths:
             from autotune.orchestrate.lengths import estimate_lengths

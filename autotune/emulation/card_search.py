@@ -53,7 +53,7 @@ def search_on_card(
     *,
     limit_bytes: int,
     outside_bytes: int,
-    seq_len: int | None,
+    seq_lens: Sequence[int | None],
     strategy: str,
     world_size: int,
     precision: str | None,
@@ -62,8 +62,9 @@ def search_on_card(
     multiple_of: int,
     extra_sizes: Sequence[int] = (),
     python: str | None = None,
-) -> CardSearch:
-    """Run the search in one child process with the card emulated (autotune/emulation/runner.py).
+) -> list[CardSearch]:
+    """Run the search at each length (None: a task that is not sequence-aware) in one child process with
+    the card emulated (autotune/emulation/runner.py): one torch import and one task load for all.
 
     Raises:
         CudaTorchMissing: no CUDA build of torch here (the caller falls back to CPU semantics).
@@ -76,7 +77,7 @@ def search_on_card(
     request = {
         "job": "search",
         "task": spec,
-        "seq_len": seq_len,
+        "seq_lens": list(seq_lens),
         "strategy": strategy,
         "world_size": world_size,
         "precision": precision,
@@ -101,14 +102,17 @@ def search_on_card(
         disable=(),
         what=f"the search of {spec}",
     )
-    return CardSearch(
-        max_micro_batch=int(found["max_micro_batch"]),
-        trials=list(found["trials"]),
-        device=dict(found["device"]),
-        warnings=list(found["warnings"]),
-        fit=found.get("fit"),
-        no_fit=bool(found.get("no_fit")),
-    )
+    return [
+        CardSearch(
+            max_micro_batch=int(one["max_micro_batch"]),
+            trials=list(one["trials"]),
+            device=dict(found["device"]),
+            warnings=list(one["warnings"]),
+            fit=one.get("fit"),
+            no_fit=bool(one.get("no_fit")),
+        )
+        for one in found["lengths"]
+    ]
 
 
 def child_search(request: dict[str, Any]) -> dict[str, Any]:
@@ -130,32 +134,45 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
     changes = {k: request[k] for k in ("precision", "activation_checkpointing") if request.get(k) is not None}
     if changes:
         task = dataclasses.replace(task, **changes)
-    if request.get("seq_len") is not None:
-        task = task.at_length(int(request["seq_len"]))
     device = device_facts()
     strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"])))
     torch.set_num_threads(1)  # fake tensors compute nothing
     routing = moe_routing(float(request.get("moe_load_factor") or 1.0))
+    multiple_of = int(request["multiple_of"])
+    results: list[dict[str, Any]] = []
+    hint: int | None = None
+    previous: tuple[int, int] | None = None  # (L, m_max) of the last length that fitted
     with routing, strategy.process_group(torch.device("cuda", 0)), frozen_heap():
-        found = reserved_search(
-            task,
-            device_type="cuda",
-            device_name=device["name"],
-            budget_bytes=int(request["budget_bytes"]),
-            limit_bytes=int(request["limit_bytes"]),
-            outside_bytes=int(request["outside_bytes"]),
-            workspace_bytes=[int(n) for n in request["workspace_bytes"]],
-            strategy=strategy,
-            max_micro_batch=int(request["max_micro_batch"]),
-            multiple_of=int(request["multiple_of"]),
-            alloc_conf=request.get("alloc_conf"),
-            extra_sizes=[int(m) for m in request.get("extra_sizes") or ()],
-        )
-    return {
-        "max_micro_batch": found.max_micro_batch,
-        "trials": [t.model_dump(mode="json") for t in found.trials.values()],
-        "device": device,
-        "warnings": found.warnings,
-        "fit": found.fit.model_dump(mode="json") if found.fit is not None else None,
-        "no_fit": found.no_fit,
-    }
+        for seq_len in request["seq_lens"]:
+            at_length = task if seq_len is None else task.at_length(int(seq_len))
+            if previous is not None and seq_len is not None:
+                # Activations grow about as L: the last length's answer, scaled, is where to start.
+                hint = max(multiple_of, previous[1] * previous[0] // int(seq_len) // multiple_of * multiple_of)
+            found = reserved_search(
+                at_length,
+                device_type="cuda",
+                device_name=device["name"],
+                budget_bytes=int(request["budget_bytes"]),
+                limit_bytes=int(request["limit_bytes"]),
+                outside_bytes=int(request["outside_bytes"]),
+                workspace_bytes=[int(n) for n in request["workspace_bytes"]],
+                strategy=strategy,
+                max_micro_batch=int(request["max_micro_batch"]),
+                multiple_of=multiple_of,
+                alloc_conf=request.get("alloc_conf"),
+                extra_sizes=[int(m) for m in request.get("extra_sizes") or ()],
+                hint=hint,
+            )
+            if not found.no_fit and seq_len is not None:
+                previous = (int(seq_len), found.max_micro_batch)
+            results.append(
+                {
+                    "seq_len": seq_len,
+                    "max_micro_batch": found.max_micro_batch,
+                    "trials": [t.model_dump(mode="json") for t in found.trials.values()],
+                    "warnings": found.warnings,
+                    "fit": found.fit.model_dump(mode="json") if found.fit is not None else None,
+                    "no_fit": found.no_fit,
+                }
+            )
+    return {"device": device, "lengths": results}

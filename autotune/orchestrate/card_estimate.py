@@ -12,6 +12,7 @@ for the card's budget and name, and says what to install.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, lookup, outside_allocator
@@ -24,9 +25,10 @@ from autotune.tasks.task import ProbeTask
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from autotune.emulation.card_search import CardSearch
     from autotune.orchestrate.estimate import EstimateConfig
 
-__all__ = ["card_of", "context_bytes_for", "estimate_on_card"]
+__all__ = ["card_of", "context_bytes_for", "estimate_on_card", "estimate_on_card_lengths"]
 
 
 def card_of(name: str) -> Card:
@@ -73,6 +75,37 @@ def estimate_on_card(
         CannotFitError: micro-batch multiple_of does not fit the card.
         AutotuneError: the task has no spec to load in the child, or the emulation failed (one line).
     """
+    found = _on_card(task, config, [task.seq_len], on_trial)
+    return None if found is None else found[0]
+
+
+def estimate_on_card_lengths(
+    task: ProbeTask,
+    config: EstimateConfig,
+    lengths: Sequence[int],
+    *,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> list[Profile] | None:
+    """The estimate at each length for config.gpu, in one child process (one torch import, one task
+    load; each length's search starts from the last one's answer, scaled by the lengths); a length where
+    nothing fits is named in the others' warnings. None where this host has no CUDA build of torch.
+
+    Raises:
+        CannotFitError: nothing fits at any length (the shortest length's figure is named).
+        AutotuneError: as :func:`estimate_on_card`.
+    """
+    found = _on_card(task, config, list(lengths), on_trial)
+    if found is None:
+        return None
+    return found
+
+
+def _on_card(
+    task: ProbeTask,
+    config: EstimateConfig,
+    seq_lens: Sequence[int | None],
+    on_trial: Callable[[Trial], None] | None,
+) -> list[Profile] | None:
     from autotune.emulation.build import EmulationError, inspect_cuda_torch
     from autotune.emulation.card_search import search_on_card
     from autotune.emulation.runner import CudaTorchMissing, find_cuda_python
@@ -99,12 +132,12 @@ def estimate_on_card(
             f"{format_bytes(limit_bytes)} limit (budget less headroom)"
         )
     try:
-        found = search_on_card(
+        searches = search_on_card(
             task.source,
             card,
             limit_bytes=limit_bytes,
             outside_bytes=outside,
-            seq_len=task.seq_len,
+            seq_lens=seq_lens,
             strategy=config.strategy,
             world_size=config.world_size,
             precision=task.precision,
@@ -115,23 +148,11 @@ def estimate_on_card(
         )
     except EmulationError as exc:
         raise AutotuneError(str(exc)) from None
-    trials = [Trial.model_validate(raw) for raw in found.trials]
-    for trial in trials:
-        if on_trial is not None:
-            on_trial(trial)
-    if found.no_fit:
-        at = next((t for t in trials if t.micro_batch == config.multiple_of), None)
-        figure = f" reads {format_bytes(at.peak_bytes)}" if at is not None and not at.oom else " does not fit the card"
-        raise CannotFitError(
-            f"micro-batch {config.multiple_of} of {task.name} on an emulated {card.short_name}{figure} "
-            f"(reserved + {format_bytes(outside)} outside the allocator), over the limit of {format_bytes(limit_bytes)}"
-        )
     semantics = (
         f"emulated {card.nvml_name} (compute capability {card.capability}) with CUDA semantics: fake trials "
         f"under torch {cuda_torch.torch_version}, reserved bytes by the caching allocator's model, "
         f"plus {outside_source}"
     )
-    warnings = [semantics, *found.warnings]
     device = Device(
         kind="cuda",
         name=card.nvml_name,
@@ -140,16 +161,39 @@ def estimate_on_card(
         cuda_version=cuda_torch.cuda_version,
         compute_capability=card.capability,
     )
-    return estimated_profile(
-        task,
-        config,
-        device=device,
-        max_micro_batch=found.max_micro_batch,
-        trials=trials,
-        fit=Fit.model_validate(found.fit) if found.fit else None,
-        warnings=warnings,
-        started=started,
-        torch_version=cuda_torch.torch_version,
-    )
-
-
+    nothing_fits: list[str] = []
+    made: list[tuple[ProbeTask, CardSearch, list[Trial]]] = []
+    for seq_len, found in zip(seq_lens, searches, strict=True):
+        at_length = task if seq_len is None or task.seq_len == seq_len else task.at_length(seq_len)
+        trials = [Trial.model_validate(raw) for raw in found.trials]
+        for trial in trials:
+            if on_trial is not None:
+                on_trial(trial)
+        if found.no_fit:
+            at = next((t for t in trials if t.micro_batch == config.multiple_of), None)
+            read = at is not None and not at.oom
+            figure = f" reads {format_bytes(at.peak_bytes)}" if read and at is not None else " does not fit the card"
+            where = "" if seq_len is None else f" at seq_len {seq_len}"
+            nothing_fits.append(
+                f"micro-batch {config.multiple_of} of {task.name}{where} on an emulated {card.short_name}{figure} "
+                f"(reserved + {format_bytes(outside)} outside the allocator), over the limit of "
+                f"{format_bytes(limit_bytes)}"
+            )
+            continue
+        made.append((at_length, found, trials))
+    if not made:
+        raise CannotFitError(nothing_fits[0])
+    return [
+        estimated_profile(
+            at_length,
+            config,
+            device=device,
+            max_micro_batch=found.max_micro_batch,
+            trials=trials,
+            fit=Fit.model_validate(found.fit) if found.fit else None,
+            warnings=[semantics, *found.warnings, *nothing_fits],
+            started=started,
+            torch_version=cuda_torch.torch_version,
+        )
+        for at_length, found, trials in made
+    ]

@@ -127,3 +127,30 @@ def test_a_mixture_of_experts_estimates_on_an_emulated_card(
     (profile,) = json.loads(capsys.readouterr().out)
     assert profile["moe_load_factor"] == 1.5 and profile["device"]["name"] == "NVIDIA H100 80GB HBM3"
     assert profile["max_micro_batch"] == 8  # the cap: a tiny model fits the card many times over
+
+
+def test_lengths_on_an_emulated_card_run_in_one_child(
+    cuda_python: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--gpu with --seq-len: every length's search in one child process, each starting from the last
+    one's answer scaled by the lengths."""
+    import autotune.emulation.runner as runner
+
+    children: list[str] = []
+    real_run_child = runner._run_child
+
+    def counted(*args: object, **kwargs: object) -> object:
+        children.append(str(kwargs.get("what")))
+        return real_run_child(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "_run_child", counted)
+    code = main(
+        ["estimate", "examples/gpt.py:task_seq", "--gpu", "h200", "--budget", "2GiB", "--seq-len", "256,512",
+         "--max-seq-len", "512", "--json"]
+    )
+    assert code == 0
+    profiles = [Profile.model_validate(p) for p in json.loads(capsys.readouterr().out)]
+    assert [p.seq_len for p in profiles] == [256, 512]
+    assert len(children) == 1
+    assert profiles[0].max_micro_batch > profiles[1].max_micro_batch >= 1
+    assert all(p.device.name == "NVIDIA H200" and p.source == "estimate" for p in profiles)
