@@ -64,8 +64,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FAMILIES",
     "HF_PREFIX",
-    "WEIGHTS_DTYPES",
     "LoraOptions",
+    "WEIGHTS_DTYPES",
     "hf_task",
     "is_hf_spec",
     "load_hf_spec",
