@@ -28,7 +28,12 @@ if TYPE_CHECKING:
     from autotune.emulation.card_search import CardSearch
     from autotune.orchestrate.estimate import EstimateConfig
 
-__all__ = ["card_of", "context_bytes_for", "estimate_on_card", "estimate_on_card_lengths"]
+__all__ = ["EmulationUnavailable", "card_of", "context_bytes_for", "estimate_on_card", "estimate_on_card_lengths"]
+
+
+class EmulationUnavailable(AutotuneError):
+    """The card cannot be emulated here (no CUDA build of torch, a runtime the emulation does not cover,
+    a child that died or hung): the estimate runs with CPU semantics and says why, in this one line."""
 
 
 def card_of(name: str) -> Card:
@@ -67,16 +72,15 @@ def context_bytes_for(
 
 def estimate_on_card(
     task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Trial], None] | None = None
-) -> Profile | None:
-    """The estimate for config.gpu by emulated CUDA fake trials; None where this host has no CUDA build of
-    torch (the caller then estimates with CPU semantics, and warns).
+) -> Profile:
+    """The estimate for config.gpu by emulated CUDA fake trials.
 
     Raises:
+        EmulationUnavailable: the card cannot be emulated here (the caller estimates with CPU semantics).
         CannotFitError: micro-batch multiple_of does not fit the card.
-        AutotuneError: the task has no spec to load in the child, or the emulation failed (one line).
+        AutotuneError: the task has no spec to load in the child.
     """
-    found = _on_card(task, config, [task.seq_len], on_trial)
-    return None if found is None else found[0]
+    return _on_card(task, config, [task.seq_len], on_trial)[0]
 
 
 def estimate_on_card_lengths(
@@ -85,19 +89,16 @@ def estimate_on_card_lengths(
     lengths: Sequence[int],
     *,
     on_trial: Callable[[Trial], None] | None = None,
-) -> list[Profile] | None:
+) -> list[Profile]:
     """The estimate at each length for config.gpu, in one child process (one torch import, one task
     load; each length's search starts from the last one's answer, scaled by the lengths); a length where
-    nothing fits is named in the others' warnings. None where this host has no CUDA build of torch.
+    nothing fits is named in the others' warnings.
 
     Raises:
         CannotFitError: nothing fits at any length (the shortest length's figure is named).
-        AutotuneError: as :func:`estimate_on_card`.
+        EmulationUnavailable, AutotuneError: as :func:`estimate_on_card`.
     """
-    found = _on_card(task, config, list(lengths), on_trial)
-    if found is None:
-        return None
-    return found
+    return _on_card(task, config, list(lengths), on_trial)
 
 
 def _on_card(
@@ -105,7 +106,7 @@ def _on_card(
     config: EstimateConfig,
     seq_lens: Sequence[int | None],
     on_trial: Callable[[Trial], None] | None,
-) -> list[Profile] | None:
+) -> list[Profile]:
     from autotune.emulation.build import EmulationError, inspect_cuda_torch
     from autotune.emulation.card_search import search_on_card
     from autotune.emulation.runner import CudaTorchMissing, find_cuda_python
@@ -119,8 +120,8 @@ def _on_card(
         )
     try:
         cuda_torch = inspect_cuda_torch(find_cuda_python())
-    except (CudaTorchMissing, EmulationError):
-        return None
+    except (CudaTorchMissing, EmulationError) as exc:
+        raise EmulationUnavailable(str(exc)) from None
     started = time.perf_counter()
     outside, outside_source = context_bytes_for(
         card, config.context_bytes, cuda_torch.torch_version, cuda_torch.cuda_version, config.context_source
@@ -147,7 +148,7 @@ def _on_card(
             extra_sizes=config.micro_batches,
         )
     except EmulationError as exc:
-        raise AutotuneError(str(exc)) from None
+        raise EmulationUnavailable(str(exc)) from None
     semantics = (
         f"emulated {card.nvml_name} (compute capability {card.capability}) with CUDA semantics: fake trials "
         f"under torch {cuda_torch.torch_version}, reserved bytes by the caching allocator's model, "

@@ -66,6 +66,8 @@ class EstimateConfig:
     context_source: str | None = None
     # Sizes estimated besides the search's (their trials in the profile): "will m = 32 fit?".
     micro_batches: tuple[int, ...] = ()
+    # Why the card could not be emulated, where a run over lengths found out already: CPU semantics then.
+    emulation_failed: str | None = None
 
     def on_card(self) -> EstimateConfig:
         """This config with the card's name and budget where --gpu names one and they are not given."""
@@ -164,14 +166,16 @@ def estimate(
         task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
     warnings: list[str] = []
     if config.gpu is not None and fakes is None:
-        from autotune.orchestrate.card_estimate import estimate_on_card
+        from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card
 
-        on_card = estimate_on_card(task, config, on_trial=on_trial)
-        if on_card is not None:
-            return on_card
+        reason = config.emulation_failed
+        if reason is None:
+            try:
+                return estimate_on_card(task, config, on_trial=on_trial)
+            except EmulationUnavailable as exc:
+                reason = str(exc)
         warnings.append(
-            f"no CUDA build of torch here to emulate the {config.gpu} with (install torch's CUDA build, or point "
-            "AUTOTUNE_CUDA_PYTHON at a Python that has it): estimated with CPU semantics, without the "
+            f"the {config.gpu} could not be emulated here ({reason}): estimated with CPU semantics, without the "
             "caching allocator or the memory outside it"
         )
     started = time.perf_counter()

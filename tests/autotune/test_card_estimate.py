@@ -154,3 +154,39 @@ def test_lengths_on_an_emulated_card_run_in_one_child(
     assert len(children) == 1
     assert profiles[0].max_micro_batch > profiles[1].max_micro_batch >= 1
     assert all(p.device.name == "NVIDIA H200" and p.source == "estimate" for p in profiles)
+
+
+@pytest.mark.parametrize("cause", ["no CUDA build", "uncovered entry point"])
+def test_a_card_that_cannot_be_emulated_falls_back_to_cpu_semantics_and_says_why(
+    cause: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import autotune.emulation.runner as runner
+    from autotune.emulation import EmulationError
+
+    if cause == "no CUDA build":
+        def missing() -> str:
+            raise CudaTorchMissing("no Python with a CUDA build of torch here: make .venv-cuda")
+
+        monkeypatch.setattr(runner, "find_cuda_python", missing)
+        said = "no Python with a CUDA build of torch here"
+    else:
+        try:
+            find_cuda_python()
+        except CudaTorchMissing as exc:
+            if os.environ.get("CI") == "true":
+                raise AssertionError(f"CI builds .venv-cuda (make test): {exc}") from None
+            pytest.skip(str(exc))
+
+        def uncovered(*args: object, **kwargs: object) -> object:
+            raise EmulationError("the search on an emulated h200 failed (fakecuda: cudaGraphLaunch is not emulated)")
+
+        monkeypatch.setattr(runner, "_run_child", uncovered)
+        said = "cudaGraphLaunch is not emulated"
+    out = tmp_path / "p.json"
+    code = main(["estimate", GPT, "--gpu", "h200", "--budget", "2GiB", "--max-micro-batch", "8", "--output", str(out)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    profile = Profile.model_validate(json.loads(out.read_text()))
+    assert profile.device.name == "NVIDIA H200" and profile.source == "estimate"
+    (warning,) = [w for w in profile.warnings if "could not be emulated here" in w]
+    assert said in warning and "estimated with CPU semantics" in warning
+    assert "Traceback" not in capsys.readouterr().err
