@@ -144,15 +144,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_cancels_the_tasks_and_stores_nothing(ray_cluster: RayCluster, fleet_server: LiveServer) -> None:
     markers = ray_cluster.marker_dir
     for old in markers.glob("slow-*"):
         old.unlink()
     # Three pairs on two CPUs: two run (and sleep), one waits for a CPU.
+    # Ctrl-C at a terminal reaches a process whose SIGINT has its default disposition; a suite started as a
+    # background job of a non-interactive shell has SIGINT ignored, which every child would inherit (and
+    # Python then installs no KeyboardInterrupt for it): the child gets the terminal's disposition back.
     process = subprocess.Popen(
         [*autotune_command(), "fleet", "tests/fleet/_tasks.py:slow", "--device", "cpu", "--budget", "4MiB,5MiB,6MiB",
          "--server", fleet_server.url, "--ray-address", ray_cluster.address],
         cwd=REPO, env=fleet_env(ray_cluster, fleet_server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     try:
         started = _wait_for(lambda: len(list(markers.glob("slow-started-*"))) >= 2, FLEET_TIMEOUT_SECONDS / 2)
@@ -163,7 +171,7 @@ def test_ctrl_c_cancels_the_tasks_and_stores_nothing(ray_cluster: RayCluster, fl
     finally:
         if process.poll() is None:
             process.kill()
-            process.wait()
+            process.communicate()  # reaps it and closes its pipes
     assert process.returncode == 130, err
     assert err.rstrip().splitlines()[-1] == "autotune: interrupted", err
     assert "cancelled 3 unfinished task(s)" in err, err
