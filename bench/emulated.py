@@ -1,6 +1,7 @@
 """CPU semantics against emulated cards: m_max, the figure at m_max and seconds, for the examples.
 
     .venv/bin/python bench/emulated.py [--budget 2GiB] [--cards h100,h200] [--tasks examples/gpt.py:task,...]
+    .venv/bin/python bench/emulated.py --part 7b    # the 7B fsdp x 8 estimate at four lengths on an emulated H100
 
 CPU semantics: `autotune estimate --device-kind cuda` on this torch (a CPU build: live tensor bytes, no
 allocator, no context). Emulated: `autotune estimate --gpu CARD` (CUDA semantics in a child process, the
@@ -40,12 +41,50 @@ def _estimate(task: str, budget: str, extra: list[str]) -> tuple[int, int, float
     return m_max, at[0] if at else -1, seconds
 
 
+SEVEN_B_LENGTHS = (2048, 4096, 8192, 16384)
+
+
+def part_7b() -> None:
+    """`autotune estimate examples/gpt.py:task_7b_seq --gpu h100 --seq-len 2048,4096,8192,16384 --strategy fsdp
+    --world-size 8`: wall seconds and the peak RSS of its processes (the CLI and the emulated card's child)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from surface import _tree_rss_bytes
+
+    command = [
+        sys.executable, "-m", "autotune.cli", "estimate", "examples/gpt.py:task_7b_seq", "--gpu", "h100",
+        "--seq-len", ",".join(map(str, SEVEN_B_LENGTHS)), "--strategy", "fsdp", "--world-size", "8",
+        "--target-tokens", str(4 << 20), "--json",
+    ]  # fmt: skip
+    started = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rss = 0
+    while child.poll() is None:
+        rss = max(rss, _tree_rss_bytes(child.pid))
+        time.sleep(1.0)
+    stdout, stderr = child.communicate()
+    seconds = time.perf_counter() - started
+    if child.returncode != 0:
+        raise SystemExit(f"the 7B estimate failed: {stderr.strip().splitlines()[-2:]}")
+    print("examples/gpt.py:task_7b_seq on an emulated H100, fsdp over 8 ranks, bf16 (reserved + outside)")
+    for p in json.loads(stdout):
+        figure = [t["peak_bytes"] for t in p["trials"] if t["micro_batch"] == p["max_micro_batch"]]
+        print(
+            f"  L={p['seq_len']:>6} m_max {p['max_micro_batch']:>3}  figure at m_max "
+            f"{(figure[0] / 2**30 if figure else float('nan')):.2f} GiB  fake trials {len(p['trials'])}"
+        )
+    print(f"  wall {seconds:.1f} s (target < 150 s), peak RSS {rss / 2**30:.2f} GiB (target < 2 GiB)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--part", choices=["examples", "7b"], default="examples")
     parser.add_argument("--budget", default="2GiB")
     parser.add_argument("--cards", default="h100,h200")
     parser.add_argument("--tasks", default="examples/gpt.py:task,examples/mlp.py:task,examples/cnn.py:task")
     args = parser.parse_args()
+    if args.part == "7b":
+        part_7b()
+        return
     print("| task | semantics | m_max | figure at m_max (MiB) | seconds | real H200 m_max |")
     print("|---|---|---|---|---|---|")
     for task in args.tasks.split(","):
