@@ -92,26 +92,25 @@ def add_strategy_and_plan_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def positive_int_list(text: str) -> tuple[int, ...]:
-    """``"1,2,26"`` -> ``(1, 2, 26)``: positive integers, each named where one is not."""
-    sizes = []
+def _positive_ints(text: str, what: str) -> list[int]:
+    """``"1,2,26"`` -> ``[1, 2, 26]``: positive integers, each named (as ``what``) where one is not."""
+    values = []
     for part in text.split(","):
         try:
-            sizes.append(_integer(part.strip(), 1, "a positive integer"))
+            values.append(_integer(part.strip(), 1, "a positive integer"))
         except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"micro-batch size {exc}") from None
-    return tuple(sizes)
+            raise argparse.ArgumentTypeError(f"{what} {exc}") from None
+    return values
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """``"1,2,26"`` -> ``(1, 2, 26)``: micro-batch sizes, each named where one is not a positive integer."""
+    return tuple(_positive_ints(text, "micro-batch size"))
 
 
 def seq_lens(text: str) -> list[int]:
     """``"512,1024"`` -> ``[512, 1024]``: positive integers, each named where one is not."""
-    lengths = []
-    for part in text.split(","):
-        try:
-            lengths.append(_integer(part.strip(), 1, "a positive integer"))
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"sequence length {exc}") from None
-    return lengths
+    return _positive_ints(text, "sequence length")
 
 
 def add_seq_len_options(p: argparse.ArgumentParser) -> None:
