@@ -329,9 +329,11 @@ class Profile(_Model):
 
 class DeviceContext(_Model):
     """What the store has measured of one card's memory outside the caching allocator (the CUDA context,
-    loaded modules, library handles): the median over the real trials of measured CUDA profiles of that
-    card (``outside_allocator_bytes``), for an estimate to add to its reserved bytes (``autotune estimate
-    --gpu NAME --server URL``)."""
+    loaded modules, library handles): over the measured CUDA profiles of that card, the median of each
+    profile's decisive real trial (the fitting one at its largest micro-batch: a process loads more kernel
+    modules as its shapes grow, and the boundary's figure is the one that decides), for an estimate to add
+    to its reserved bytes (``autotune estimate --gpu NAME --server URL``); low and high span every real
+    trial read."""
 
     device_name: Annotated[str, Field(min_length=1, max_length=256)]
     # The torch version (major.minor) the trials were asked for; None: every version the store holds.

@@ -18,10 +18,19 @@ from autotune.tasks.task import ProbeTask
 if TYPE_CHECKING:
     from autotune.orchestrate.estimate import EstimateConfig
 
-__all__ = ["DDP_BUCKETS_LEFT_OUT", "estimated_profile"]
+__all__ = ["DDP_BUCKETS_LEFT_OUT", "estimated_profile", "non_monotone_sizes"]
 
 # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors.
 DDP_BUCKETS_LEFT_OUT = "the estimate leaves out DDP's gradient buckets (about the size of the gradients)"
+
+
+def non_monotone_sizes(trials: Sequence[Trial], max_micro_batch: int) -> list[int]:
+    """The sizes that fit above the smallest size that did not (none where the figure is monotone)."""
+    failed = [t.micro_batch for t in trials if not t.fits]
+    if not failed:
+        return []
+    first = min(failed)
+    return sorted({t.micro_batch for t in trials if t.fits and t.micro_batch > first})
 
 
 def estimated_profile(
@@ -42,6 +51,15 @@ def estimated_profile(
     if config.strategy == "ddp" and config.world_size > 1:
         warnings.append(DDP_BUCKETS_LEFT_OUT)
     the_plan = plan_for(max_micro_batch, config.as_probe_config(), warnings)
+    above = non_monotone_sizes(trials, max_micro_batch)
+    if above:
+        # The caching allocator's staircase is not monotone in m: a size past the first one over the limit
+        # can fit again (the H200 read 1.81 GiB at m = 1225 and 1.79 at 1212).
+        warnings.append(
+            f"the figure is not monotone in m: {', '.join(str(m) for m in above[:5])}"
+            f"{' ...' if len(above) > 5 else ''} fit(s) above the first size over the limit; max micro-batch "
+            f"{max_micro_batch} is the largest below it, so every size up to it fits"
+        )
     profile = Profile(
         fingerprint=task_fingerprint(task, strategy=config.strategy, world_size=config.world_size),
         task=task.name,
@@ -68,6 +86,7 @@ def estimated_profile(
         warnings=warnings,
         torch_version=torch_version,
         autotune_version=autotune.__version__,
+        non_monotone=bool(above),
     )
     # A profile the store would refuse is a bug here, not something to write or upload.
     check_profile(profile)

@@ -322,9 +322,22 @@ def _major_minor(version: str) -> str:
 def device_context(session: Session, device_name: str, torch_version: str | None = None) -> DeviceContext | None:
     """The memory outside the allocator that measured CUDA profiles of device_name record (real trials
     only: a fake trial's figure is an estimate's assumption), with torch_version's major.minor where given;
-    None where none does."""
+    None where none does.
+
+    The figure is the lower median, over profiles, of each profile's decisive trial: the fitting trial at
+    its largest micro-batch (where none fitted, its smallest). A process's memory outside the allocator
+    grows as it loads the kernels of larger shapes (CUDA loads modules lazily: on the H200, 742 MiB at
+    m = 1, 876 MiB from m = 1195 on, in one probe), and the figure at the boundary is the one that decides
+    an answer. ``low_bytes`` and ``high_bytes`` span every real trial read.
+    """
     rows = session.execute(
-        select(TrialRow.outside_allocator_bytes, ProfileRow.id, ProfileRow.torch_version)
+        select(
+            TrialRow.outside_allocator_bytes,
+            TrialRow.micro_batch,
+            TrialRow.fits,
+            ProfileRow.id,
+            ProfileRow.torch_version,
+        )
         .join(ProfileRow, TrialRow.profile_id == ProfileRow.id)
         .where(
             ProfileRow.device_name == device_name,
@@ -337,23 +350,28 @@ def device_context(session: Session, device_name: str, torch_version: str | None
         .limit(CONTEXT_TRIALS)
     ).all()
     wanted = _major_minor(torch_version) if torch_version else None
-    chosen = [
-        (int(outside), pid)
-        for outside, pid, version in rows
-        if outside is not None and (wanted is None or (version is not None and _major_minor(version) == wanted))
-    ]
-    if not chosen:
+    figures: list[int] = []
+    # profile id -> (rank, outside bytes) of its decisive trial so far: fitting beats not, then larger m
+    decisive: dict[int, tuple[tuple[bool, int], int]] = {}
+    for outside, micro_batch, fits, pid, version in rows:
+        if outside is None or (wanted is not None and (version is None or _major_minor(version) != wanted)):
+            continue
+        figures.append(int(outside))
+        rank = (bool(fits), int(micro_batch) if fits else -int(micro_batch))
+        if pid not in decisive or rank >= decisive[pid][0]:
+            decisive[pid] = (rank, int(outside))
+    if not figures:
         return None
-    figures = sorted(outside for outside, _ in chosen)
-    profiles = {pid for _, pid in chosen}
+    figures.sort()
+    per_profile = sorted(outside for _, outside in decisive.values())
     return DeviceContext(
         device_name=device_name,
         torch_version=wanted,
-        outside_allocator_bytes=figures[(len(figures) - 1) // 2],  # the lower median: a figure a trial read
+        outside_allocator_bytes=per_profile[(len(per_profile) - 1) // 2],  # the lower median: a figure read
         low_bytes=figures[0],
         high_bytes=figures[-1],
         trials=len(figures),
-        profiles=len(profiles),
+        profiles=len(per_profile),
     )
 
 

@@ -21,11 +21,20 @@ from autotune.emulation import CudaTorchMissing, find_cuda_python
 MiB = 1 << 20
 GiB = 1 << 30
 GPT = "examples/gpt.py:task"
-# The real H200 (2026-11-30), budget 2 GiB, headroom 10 %: reserved + outside per size, as the log prints
-# them (to 0.01 GiB or 0.01 MiB), and the m_max the card's own search found.
-CARD_FIGURES_BYTES = {1: 810 * MiB, 2: 812 * MiB, 414: int(1.14 * GiB), 1195: int(1.79 * GiB), 1212: int(1.79 * GiB)}
+# The real H200 (2026-11-30), budget 2 GiB, headroom 10 % (limit 1.80 GiB): reserved + outside per size, as
+# the log prints them in percent of the limit (0.1 % = 1.8 MiB, finer than its GiB column), in the order the
+# card's search ran them; m = 1 and 2 as its MiB column prints them.
+LIMIT_BYTES = int(2 * GiB * 0.9)
+CARD_PERCENT_OF_LIMIT = {
+    1: 43.9, 2: 44.1, 414: 63.4, 1195: 99.6, 1203: 99.6, 1926: 122.2, 1564: 113.7, 1383: 107.5, 1293: 103.6,
+    1248: 100.6, 1225: 101.5, 1214: 100.7, 1208: 99.6, 1211: 99.6, 1212: 99.6, 1213: 100.7,
+}
 CARD_M_MAX = 1212
-SIZES = ",".join(str(m) for m in (*CARD_FIGURES_BYTES, 1213))
+# The card's process had loaded fewer kernel modules at its first trials (m = 1, 2, 414) than from m = 1195
+# on (autotune/core/cards.py: 742 MiB outside the allocator at m = 1, 876 from 1195), and at 1926 the card's
+# allocator ran into the probe's memory cap and freed its cache: those sizes are compared by verdict only.
+STEADY = [m for m in CARD_PERCENT_OF_LIMIT if 1195 <= m <= 1564]
+SIZES = ",".join(str(m) for m in sorted(CARD_PERCENT_OF_LIMIT) if m != 1926)
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +74,37 @@ def test_the_estimate_is_labelled_as_the_emulated_card(h200_estimate: Profile) -
 
 
 def test_the_figures_against_the_real_h200(h200_estimate: Profile) -> None:
-    """Where the estimate stands against the card (printed for the record; the bounds are what holds today:
-    the emulated trial leaves out what kernels allocate inside themselves, e.g. efficient attention's
-    backward workspace, so the figure runs low near m_max and m_max runs high)."""
-    figures = {t.micro_batch: t.peak_bytes for t in h200_estimate.trials}
-    errors = {m: figures[m] / card - 1 for m, card in CARD_FIGURES_BYTES.items()}
-    print({m: f"{100 * e:+.1f} %" for m, e in errors.items()}, "m_max", h200_estimate.max_micro_batch)
-    assert all(abs(e) <= 0.08 for e in errors.values()), errors
-    assert CARD_M_MAX <= h200_estimate.max_micro_batch <= int(CARD_M_MAX * 1.10)
+    """Every size the card measured gets the card's verdict (fits or over the limit), and from m = 1195 on
+    the card's figure within 0.2 % of the limit, except m = 1248: there the grad-Q accumulator of the
+    mem-efficient attention's backward (81,868,800 bytes; kernel_backward.h) is 78 KiB larger than the
+    largest cached block (78 MiB, the logits' size) and the model adds an 80 MiB segment the card did not show
+    (+4.3 %; both over the limit)."""
+    figures = {t.micro_batch: t for t in h200_estimate.trials}
+    errors = {}
+    for m, percent in CARD_PERCENT_OF_LIMIT.items():
+        if m == 1926:
+            continue
+        card_fits = percent <= 100.0
+        assert figures[m].fits == card_fits, (m, figures[m].peak_bytes / LIMIT_BYTES)
+        errors[m] = 100 * figures[m].peak_bytes / LIMIT_BYTES - percent
+    print({m: f"{e:+.1f} % of the limit" for m, e in errors.items()}, "m_max", h200_estimate.max_micro_batch)
+    for m in STEADY:
+        if m != 1248:
+            assert abs(errors[m]) <= 0.2, (m, errors[m])
+    assert 0 < errors[1248] <= 4.5
+
+
+def test_the_card_boundary_and_the_first_step_over_the_limit(h200_estimate: Profile) -> None:
+    """The card's search stopped at 1212 (fits) and 1213 (over): the estimate agrees at both. Its own search
+    met the staircase lower (a size between 1129 and 1194 over the limit, which the card never tried), so
+    it answers the largest size below that one and says the figure is not monotone."""
+    figures = {t.micro_batch: t for t in h200_estimate.trials}
+    assert figures[CARD_M_MAX].fits and not figures[CARD_M_MAX + 1].fits
+    assert h200_estimate.non_monotone
+    failed = min(t.micro_batch for t in h200_estimate.trials if not t.fits)
+    assert h200_estimate.max_micro_batch == failed - 1
+    assert 0.9 * CARD_M_MAX <= h200_estimate.max_micro_batch <= CARD_M_MAX
+    assert any("not monotone in m" in w for w in h200_estimate.warnings)
 
 
 def test_the_caching_allocators_staircase_is_in_the_figure(h200_estimate: Profile) -> None:

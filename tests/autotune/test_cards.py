@@ -39,7 +39,10 @@ def test_the_measured_h200() -> None:
     assert (h200.nvml_name, h200.memory_bytes, h200.compute_capability) == ("NVIDIA H200", 143771 * MiB, (9, 0))
     known = outside_allocator(h200, "2.11.0+cu130", "13.0")
     assert known is not None and known.measured
-    assert 750 * MiB <= known.low_bytes <= known.bytes <= known.high_bytes <= 810 * MiB
+    assert known.low_bytes <= known.bytes <= known.high_bytes
+    # The card's first trial (m = 1) read 810 MiB: the context then, two 32 MiB cuBLAS workspaces and the
+    # trial's own small segments; later trials read more outside the allocator (modules load lazily).
+    assert known.low_bytes + 64 * MiB < 810 * MiB < known.bytes + 64 * MiB
 
 
 def test_what_is_not_known_is_none() -> None:
@@ -88,7 +91,7 @@ def test_autotune_gpus_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     for card in CARDS:
         assert card.short_name in out and card.nvml_name in out
-    assert "800.00 MiB (torch 2.11, CUDA 13.0, measured)" in out
+    assert "876.00 MiB (torch 2.11, CUDA 13.0, measured)" in out
     assert "not known" in out
 
 

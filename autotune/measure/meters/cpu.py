@@ -117,6 +117,27 @@ class _StorageLedger:
         else:
             self.events.append((event_key, FREE))
 
+    def scratch(self, steps: list[tuple[str, int]]) -> None:
+        """A kernel's temporaries (autotune/core/kernel_temporaries.py): allocated and freed within one op,
+        after its outputs. They raise the peak and go into the recorded events under keys of their own; the
+        live bytes after them (and so the trace) are unchanged."""
+        with self._lock:
+            keys: dict[str, tuple[int, int]] = {}
+            held = 0
+            for name, nbytes in steps:
+                if nbytes == FREE:
+                    key, freed = keys.pop(name)
+                    held -= freed
+                    if self.events is not None and freed:
+                        self.events.append((key, FREE))
+                    continue
+                key = next(self._new_keys)
+                keys[name] = (key, nbytes)
+                held += nbytes
+                if self.events is not None and nbytes:
+                    self.events.append((key, nbytes))
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes + held)
+
     def held(self) -> list[tuple[int, int]]:
         """(event key, bytes) of every live storage that holds bytes, in the order they were counted."""
         with self._lock:

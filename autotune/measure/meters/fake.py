@@ -57,6 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device
 from autotune.measure.meters.cpu import CpuMeter, _LiveStorageMode
+from autotune.measure.meters.temporaries import KernelFacts, kernel_facts, op_temporaries
 
 __all__ = [
     "FakeMeter",
@@ -276,6 +277,11 @@ class _FakeCountingMode(_LiveStorageMode):
             if not _fallback_grouped_mm(func, args, exc):
                 raise
             out = self._grouped_mm(types, args, kwargs)
+        facts = getattr(self.meter, "kernel_facts", None)
+        if facts is not None:
+            steps = op_temporaries(func, args, facts)
+            if steps:
+                self.meter._ledger.scratch(steps)
         if func in _TOPK:
             source, k = args[0], args[1]
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
@@ -417,6 +423,21 @@ class FakeMeter(CpuMeter):
         # Tensors made outside the mode (a batch built by the task, a loss's constant) are allowed
         # and turned fake on use.
         self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # On CUDA: what the kernels' temporaries depend on (autotune/measure/meters/temporaries.py), read
+        # when the first trial starts (the device is not touched before).
+        self.kernel_facts: KernelFacts | None = None
+
+    def _account(self, tensors: Any, what: Any) -> None:
+        """On CUDA only the device's storages count: a batch built on the host (the task's ``batch``
+        before it is moved) or an optimizer's step counter is host memory on a card."""
+        if self.device.type == "cuda":
+            if type(tensors) is FakeTensor or type(tensors) is torch.Tensor:
+                if tensors.device.type == "cpu":
+                    return
+            else:
+                leaves = tree_flatten(tensors)[0]
+                tensors = [t for t in leaves if not isinstance(t, torch.Tensor) or t.device.type != "cpu"]
+        super()._account(tensors, what)
 
     def describe(self) -> Device:
         return Device(
@@ -429,6 +450,8 @@ class FakeMeter(CpuMeter):
 
     @contextmanager
     def _counting(self) -> Iterator[None]:
+        if self.device.type == "cuda" and self.kernel_facts is None:
+            self.kernel_facts = kernel_facts(self.device)
         with _quiet_fake_tensor_log(), self._fake_mode, self._storage_resizes():
             with _FakeCountingMode(self, _LOAD_FACTOR.get()):
                 yield

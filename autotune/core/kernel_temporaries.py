@@ -1,0 +1,328 @@
+"""What CUDA kernels allocate for themselves: the temporaries a real op takes from the caching allocator
+beyond the outputs it returns, as arithmetic on the op's shapes.
+
+A fake (meta) kernel allocates an op's outputs only; the CUDA kernel behind the same op may also ask the
+caching allocator for scratch space (``at::empty`` inside the op, cub's temp storage, a cuDNN workspace)
+and give it back before it returns. Such a temporary never shows in the live bytes after the op, but the
+allocator must find a block for it while everything else is live, and where no cached block fits it adds a
+segment that stays reserved. So the replay of a fake trial on a card (autotune/search/reserved.py) puts
+each op's temporaries into the trace right after the op's outputs, allocated and freed in the order the
+source does it. Every rule names the function it follows (PyTorch 2.11 - 2.13 sources, checked against the
+2.13 headers where they ship); nothing here is a margin or a factor.
+
+Each rule returns the op's steps as ``(name, nbytes)`` pairs in order: ``nbytes >= 0`` allocates under
+``name``, ``nbytes == FREE`` frees it; every name allocated is freed by the end (an op's scratch never
+outlives it). The worked case of the mem-efficient attention backward, fp32, 1212 sequences of 64 tokens,
+4 heads of 16 on sm_90: delta's product of grad_out and out, its sum and the transposed copy, then the
+grad-Q accumulator of 16,400 bytes per (sequence, head):
+
+    >>> steps = efficient_attention_backward(1212, 4, 64, 64, 16, 16, itemsize=4, capability=(9, 0))
+    >>> [(name, n) for name, n in steps if n != FREE]
+    [('delta_product', 19857408), ('delta_sum', 1241088), ('delta', 1241088), ('workspace', 79507200)]
+    >>> peak_bytes(steps)
+    80748288
+
+Covered (each with its conditions in its docstring): the mem-efficient attention's backward and forward
+(``mem_eff_attention/kernel_backward.h``, ``kernel_forward.h``, ``attention_backward.cu``,
+``attention.cu``), flash attention's backward (``flash_attn/flash_api.cpp``: ``mha_bwd``), cuDNN
+attention's backward (the cudnn-frontend SDPA backward node's workspace), the embedding's backward
+(``Embedding.cu``, ``EmbeddingBackwardKernel.cu``) and layer norm's backward (``layer_norm_kernel.cu``).
+Not covered, and so not in any figure: cuDNN convolution workspaces (chosen per shape by cuDNN's
+heuristics: not knowable without the library), the split reductions' buffers of ``Reduce.cuh`` (a few KiB
+to a few MiB), cuDNN's own engine workspace for attention, and compute capabilities below 8.0.
+Torch-free, on the floor beside allocator.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "FREE",
+    "Step",
+    "efficient_attention_backward",
+    "efficient_attention_forward",
+    "cudnn_attention_backward",
+    "embedding_dense_backward",
+    "flash_attention_backward",
+    "layer_norm_backward",
+    "peak_bytes",
+]
+
+FREE = -1
+Step = tuple[str, int]
+
+# Embedding.cu: up to this many indices (and without scale_grad_by_freq) the backward needs no sort.
+EMBEDDING_DIRECT_MAX_INDICES = 3072
+# EmbeddingBackwardKernel.cu: NROWS_PER_THREAD, the rows one partial segment sums.
+EMBEDDING_ROWS_PER_PARTIAL = 10
+# layer_norm_kernel.cu (LaunchGammaBetaBackwardCUDAKernel): the "M >> N" path's thresholds.
+LAYER_NORM_BLOCKED_MIN_ROWS = 65536
+LAYER_NORM_BLOCK_X = 32
+LAYER_NORM_MAX_GRID = 64 * 1024 // 2
+# kernel_forward.h: kAlignLSE, the logsumexp's padding of the query length.
+LSE_ALIGN = 32
+
+
+def peak_bytes(steps: Sequence[Step]) -> int:
+    """The most bytes the steps hold at once.
+
+    >>> peak_bytes([("a", 10), ("b", 5), ("a", FREE), ("c", 20), ("b", FREE), ("c", FREE)])
+    25
+    """
+    held: dict[str, int] = {}
+    peak = 0
+    for name, nbytes in steps:
+        if nbytes == FREE:
+            held.pop(name)
+        else:
+            held[name] = nbytes
+            peak = max(peak, sum(held.values()))
+    return peak
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _align_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+def _efficient_backward_tile(max_k: int, half: bool, capability: tuple[int, int]) -> tuple[int, int, int]:
+    """(kBlockSizeI, kBlockSizeJ, kMaxK) of the kernel ``dispatch_cutlassB`` (kernels/cutlassB.h) launches
+    first for this head size on sm_80 and up, without dropout, for unaligned sequence lengths (the
+    sequence-aligned variants have the same tiles)."""
+    ampere_consumer = capability in ((8, 6), (8, 9))  # 99 KiB of shared memory per block
+    if not half:  # dispatch_cutlassB_f32_sm80
+        if max_k <= 32:
+            return 64, 64, 32
+        if max_k <= 64:
+            return 64, 64, 64
+        if max_k <= 128:
+            return (64, 64, 128) if ampere_consumer else (128, 64, 128)
+        return 128, 64, 65536
+    # dispatch_cutlassB_{f16,bf16}_sm80
+    if max_k <= 32:
+        return 64, 64, 32
+    if max_k <= 64:
+        return 64, 64, 64
+    if ampere_consumer and max_k <= 96:
+        return 128, 64, 96
+    if max_k <= 128:
+        return (64, 64, 128) if ampere_consumer else (128, 128, 128)
+    return 128, 64, 65536
+
+
+def efficient_attention_backward(
+    batch: int,
+    heads: int,
+    queries: int,
+    keys: int,
+    head_dim: int,
+    value_dim: int,
+    *,
+    itemsize: int,
+    capability: tuple[int, int],
+    grad_out_contiguous: bool = True,
+    deterministic: bool = False,
+) -> list[Step]:
+    """``_efficient_attention_backward`` (attention_backward.cu), reached from SDPA's mem-efficient
+    backward, after its outputs grad_q, grad_k, grad_v:
+
+    - ``grad_out.contiguous()`` where the (B, M, nH, Kv) view of grad_out is not contiguous;
+    - ``delta``: kernels that compute it themselves (fp16/bf16 on sm_80 and up) take an empty (B, nH, M)
+      float; fp32 kernels compute ``(grad_out.float() * out.float()).sum(-1).transpose(-2, -1)
+      .contiguous()`` first: the product, the sum, and the copy (the first two die at the statement's end);
+    - ``workspace`` = ``Params::workspace_size()`` (kernel_backward.h): per (sequence, head) the grad-Q
+      accumulator (``kNeedsAccumGradQ``: every kernel for sm_70 and up, since they can split keys),
+      ``ceil(M / BI) * ceil(K / BJ)`` tiles of ``GradQTempStorage`` (16 bytes of lock and counter, then
+      BI x BJ floats), plus grad-K and grad-V accumulators (``num_splits_key * BJ * align_up(K, BI)`` floats
+      each) where the kernel cannot keep the output in registers (fp16/bf16 with head size above BI).
+
+    Compute capabilities below 8.0 (other kernel lists) give no steps. Batches above 65535 run in chunks
+    (the sizes here are then those of one chunk; the caller passes the chunk).
+    """
+    if capability < (8, 0):
+        return []
+    half = itemsize <= 2
+    max_k = max(head_dim, value_dim)
+    block_i, block_j, kernel_max_k = _efficient_backward_tile(max_k, half, capability)
+    output_in_registers = half and kernel_max_k <= block_i
+    accum_kv = half and not output_in_registers
+    steps: list[Step] = []
+    if not grad_out_contiguous:
+        steps.append(("grad_out_contiguous", batch * queries * heads * value_dim * itemsize))
+    if half:
+        steps.append(("delta", 4 * batch * heads * queries))
+    else:
+        steps += [
+            ("delta_product", 4 * batch * queries * heads * value_dim),
+            ("delta_sum", 4 * batch * queries * heads),
+        ]
+        if heads > 1 and queries > 1:
+            steps += [("delta", 4 * batch * heads * queries), ("delta_sum", FREE)]
+        else:  # the transposed sum is contiguous already: it is delta, no copy
+            steps[-1] = ("delta", 4 * batch * queries * heads)
+        steps.append(("delta_product", FREE))
+    # num_splits_key (attention_backward.cu's heuristic); it sizes only the grad-K/V accumulators.
+    splits = _ceil_div(keys, block_j)
+    if batch * heads >= 256 and keys <= 2 * block_j:
+        splits = 1
+    if accum_kv:
+        splits = min(splits, 200 // max(1, batch * heads))
+    if splits < 1 or deterministic:
+        splits = 1
+    grad_q_storage = 16 + 4 * block_i * block_j
+    elements_gq = _ceil_div(queries, block_i) * _ceil_div(head_dim, block_j) * grad_q_storage // 4
+    elements_kv = splits * block_j * (_align_up(head_dim, block_i) + _align_up(value_dim, block_i)) if accum_kv else 0
+    workspace = batch * heads * _align_up(elements_gq + elements_kv, 4) * 4
+    if workspace:
+        steps.append(("workspace", workspace))
+    steps.append(("delta", FREE))
+    if workspace:
+        steps.append(("workspace", FREE))
+    if not grad_out_contiguous:
+        steps.append(("grad_out_contiguous", FREE))
+    return steps
+
+
+def efficient_attention_forward(
+    batch: int, heads: int, queries: int, head_dim: int, value_dim: int, *, itemsize: int, capability: tuple[int, int]
+) -> list[Step]:
+    """``_efficient_attention_forward`` (attention.cu): beyond the output and the logsumexp, a float
+    ``output_accum`` (B, M, nH, Kv) where the kernel cannot finish in one pass over the value's head
+    (``kNeedsOutputAccumulatorBuffer``: fp16/bf16 with a head size above 128, the 32 x 128 kernel).
+
+    >>> efficient_attention_forward(2, 4, 64, 256, 256, itemsize=2, capability=(9, 0))
+    [('output_accum', 524288), ('output_accum', -1)]
+    >>> efficient_attention_forward(2, 4, 64, 128, 128, itemsize=2, capability=(9, 0))
+    []
+    """
+    if capability < (8, 0) or itemsize > 2 or max(head_dim, value_dim) <= 128:
+        return []
+    return [("output_accum", 4 * batch * queries * heads * value_dim), ("output_accum", FREE)]
+
+
+def flash_attention_backward(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    queries: int,
+    keys: int,
+    head_dim: int,
+    *,
+    itemsize: int,
+    sm_count: int,
+    deterministic: bool = False,
+) -> list[Step]:
+    """``mha_bwd`` (flash_attn/flash_api.cpp), after grad_q, grad_k, grad_v: ``softmax_d`` (B, nH, M
+    rounded to 128) float, which ``_flash_attention_backward`` drops at its end; ``dq_accum`` (B, M rounded
+    to 128, nH, head rounded to 32) float, one per split of ``ceil(SMs / (B * nH))`` when deterministic;
+    and where keys have fewer heads (GQA), grad-K and grad-V over every query head before they are summed.
+
+    >>> [n for _, n in flash_attention_backward(8, 32, 8, 4096, 4096, 128, itemsize=2, sm_count=132)]
+    [4194304, 536870912, 268435456, 268435456, -1, -1, -1, -1]
+    """
+    queries_rounded = _align_up(queries, 128)
+    head_rounded = _align_up(head_dim, 32)
+    steps: list[Step] = [("softmax_d", 4 * batch * heads * queries_rounded)]
+    splits = _ceil_div(sm_count, batch * heads) if deterministic else 1
+    steps.append(("dq_accum", 4 * splits * batch * queries_rounded * heads * head_rounded))
+    expanded = kv_heads != heads
+    if expanded:
+        steps += [
+            ("dk_expanded", batch * keys * heads * head_dim * itemsize),
+            ("dv_expanded", batch * keys * heads * head_dim * itemsize),
+        ]
+        steps += [("dv_expanded", FREE), ("dk_expanded", FREE)]
+    steps += [("dq_accum", FREE), ("softmax_d", FREE)]
+    return steps
+
+
+def cudnn_attention_backward(batch: int, heads: int, queries: int, head_dim: int) -> list[Step]:
+    """cuDNN's SDPA backward (``run_cudnn_SDP_bprop`` in native/cudnn/MHA.cpp) takes the graph's workspace
+    from the caching allocator for the call; of it, the cudnn-frontend backward node
+    (``CompositeSDPABackwardNode::get_fe_workspace_size_node``, cuDNN 9) needs a float grad-Q accumulator
+    (B, nH, M, K) and the softmax sums (B, nH, M). The engine's own part of the workspace is cuDNN's and is
+    not modelled.
+
+    >>> cudnn_attention_backward(1, 32, 4096, 128)
+    [('workspace', 67633152), ('workspace', -1)]
+    """
+    return [("workspace", 4 * batch * heads * queries * (head_dim + 1)), ("workspace", FREE)]
+
+
+def embedding_dense_backward(
+    num_indices: int,
+    dim: int,
+    num_weights: int,
+    *,
+    index_itemsize: int,
+    accumulate_itemsize: int = 4,
+    scale_grad_by_freq: bool = False,
+) -> list[Step]:
+    """``embedding_dense_backward_cuda`` (Embedding.cu) past 3072 indices: the indices sorted with their
+    positions (cub's radix sort: its temp storage holds an alternate keys and values buffer), then
+    ``embedding_backward_cuda_kernel`` (EmbeddingBackwardKernel.cu): segment offsets, partial segments of
+    10 rows, and the float partial sums per partial segment; all freed before the op returns (the weight's
+    gradient is the output). cub's bookkeeping inside its temp storage (a few KiB) is left out.
+
+    >>> [n for _, n in embedding_dense_backward(3072, 64, 256, index_itemsize=8)]
+    []
+    >>> max(n for _, n in embedding_dense_backward(77568, 64, 256, index_itemsize=8))
+    2051072
+    """
+    if num_indices <= EMBEDDING_DIRECT_MAX_INDICES and not scale_grad_by_freq:
+        return []
+    n, size = num_indices, index_itemsize
+    max_segments = min(num_indices, num_weights)
+    max_partial = num_indices // EMBEDDING_ROWS_PER_PARTIAL + max_segments
+    return [
+        ("sorted_indices", n * size),
+        ("orig_indices", n * size),
+        ("range", n * size),
+        ("sort_temp", 2 * n * size),
+        ("sort_temp", FREE),
+        ("range", FREE),
+        ("segment_offsets", n * size),
+        ("unique_keys", n * size),
+        ("unique_keys", FREE),
+        ("partials_per_segment", max_segments * size),
+        ("partials_per_segment_offset", max_segments * size),
+        ("partial_segment_offset", max_partial * size),
+        ("grad_weight_per_segment", max_partial * dim * accumulate_itemsize),
+        ("grad_weight_per_segment", FREE),
+        ("partial_segment_offset", FREE),
+        ("partials_per_segment_offset", FREE),
+        ("partials_per_segment", FREE),
+        ("segment_offsets", FREE),
+        ("orig_indices", FREE),
+        ("sorted_indices", FREE),
+    ]
+
+
+def layer_norm_backward(
+    rows: int, cols: int, *, weight_itemsize: int, sm_count: int, weight_grad: bool = True, bias_grad: bool = True
+) -> list[Step]:
+    """``LaunchGammaBetaBackwardCUDAKernel`` (layer_norm_kernel.cu): with many more rows than columns
+    (M > 65536 and N / 32 < SMs / 2) the weight's and bias's gradients are first summed per block of rows,
+    into (blocks_y, N) tensors of the weight's dtype, then over blocks.
+
+    >>> layer_norm_backward(77568, 64, weight_itemsize=4, sm_count=132)
+    [('dgamma_blocks', 620544), ('dbeta_blocks', 620544), ('dbeta_blocks', -1), ('dgamma_blocks', -1)]
+    >>> layer_norm_backward(4096, 64, weight_itemsize=4, sm_count=132)
+    []
+    """
+    if rows <= LAYER_NORM_BLOCKED_MIN_ROWS or cols // LAYER_NORM_BLOCK_X >= sm_count // 2:
+        return []
+    blocks_x = _ceil_div(cols, LAYER_NORM_BLOCK_X)
+    blocks_y = min(LAYER_NORM_MAX_GRID // blocks_x, _ceil_div(rows, LAYER_NORM_BLOCK_X))
+    size = blocks_y * cols * weight_itemsize
+    steps: list[Step] = []
+    if weight_grad:
+        steps.append(("dgamma_blocks", size))
+    if bias_grad:
+        steps.append(("dbeta_blocks", size))
+    steps += [(name, FREE) for name, _ in reversed(steps)]
+    return steps
