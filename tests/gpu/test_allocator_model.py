@@ -1,7 +1,8 @@
 """The caching allocator's model on a real card: fake trials replayed through it (autotune/search/reserved.py)
 against the card's own max_memory_reserved at the same sizes, and the probe that starts its real trials
-from the model's prediction. Figures are printed for the closing note; the bounds are what the emulated
-H200 showed (within 8 % of the card's figure on the GPT example, 2026-12-01), not the 3 % target."""
+from the model's prediction. Figures are printed for the closing note. The bound is the issue's 3 % where
+every kernel's temporaries have a rule (autotune/core/kernel_temporaries.py); the CNN's cuDNN convolutions
+pick their workspaces per shape, which no rule gives, so it keeps the 8 % of 2026-12-01."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from autotune.search.reserved import CUBLAS_HANDLES, cublas_workspace_bytes, res
 from autotune.tasks.load import load_task
 
 GiB = 1 << 30
+BOUND = {"examples/gpt.py:task": 0.03, "examples/mlp.py:task": 0.03, "examples/cnn.py:task": 0.08}
 SIZES = {
     "examples/gpt.py:task": (1, 64, 414),
     "examples/mlp.py:task": (1, 256, 4096),
@@ -57,7 +59,7 @@ def test_the_model_replays_a_trial_to_the_cards_reserved_bytes(spec: str) -> Non
         model = found.trials[m].peak_bytes - outside
         error = model / card_reserved - 1
         print(f"{spec} m={m}: card reserved {card_reserved}, model {model} ({100 * error:+.1f} %)")
-        assert abs(error) <= 0.08
+        assert abs(error) <= BOUND[spec]
 
 
 def test_the_probe_starts_from_the_allocator_models_prediction(capsys: pytest.CaptureFixture[str]) -> None:
