@@ -62,6 +62,7 @@ from autotune_server.models import ObservationRow
 from autotune_server.outage import DATABASE_ERRORS
 from autotune_server.repository import get_profile, list_observations, to_utc
 from autotune_server.surface_chart import length_view
+from autotune_server.units import human_bytes
 
 __all__ = [
     "CONTENT_SECURITY_POLICY",
@@ -116,19 +117,7 @@ class PageError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Formatting (the server may not import autotune.core.units: DESIGN.md allows it schemas and plan only)
-
-
-def human_bytes(value: float | None) -> str:
-    """Bytes in binary units, as ``autotune.core.units.format_bytes`` writes them: 1536 -> '1.50 KiB'."""
-    if value is None:
-        return "-"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{size:.2f} TiB"
+# Formatting (human_bytes: autotune_server.units, shared with the API's notes)
 
 
 def human_age(created_at: datetime, now: datetime | None = None) -> str:

@@ -319,7 +319,9 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
-def device_context(session: Session, device_name: str, torch_version: str | None = None) -> DeviceContext | None:
+def device_context(
+    session: Session | Connection, device_name: str, torch_version: str | None = None
+) -> DeviceContext | None:
     """The memory outside the allocator that measured CUDA profiles of device_name record (real trials
     only: a fake trial's figure is an estimate's assumption), with torch_version's major.minor where given;
     None where none does.
@@ -418,6 +420,13 @@ class Candidate:
     # (micro_batch, peak_bytes) of the jobs' observations that reported a peak and no OOM, newest
     # first (at most _OBSERVED_LIMIT per lookup): the drift's evidence (autotune_server.drift).
     observed: tuple[tuple[int, int], ...] = ()
+    # The memory outside the caching allocator each deciding trial records, in the order of ``trials``
+    # (None where a trial has none): for an estimate of a CUDA card, the figure it assumed.
+    outside_allocator_bytes: tuple[int | None, ...] = ()
+    # For an estimate of a CUDA card that assumed that figure: what measured profiles of the card hold
+    # outside the allocator (``device_context``), which /suggest re-derives the estimate with
+    # (autotune_server.measured_context); None otherwise, or where nothing is measured.
+    measured_context: DeviceContext | None = None
 
     @property
     def uses_ddp(self) -> bool:
@@ -479,6 +488,8 @@ _COLUMNS = (
     ProfileRow.seq_len,
     ProfileRow.surface,
     ProfileRow.created_at,
+    ProfileRow.device_kind,
+    ProfileRow.torch_version,
 )
 # At most this many kinds of profile of one (fingerprint, device) are read per lookup.
 _HERE_LIMIT = 64
@@ -548,6 +559,35 @@ def _observed(conn: Connection, profile_ids: list[int]) -> dict[int, list[tuple[
     return found
 
 
+def _assumes_context(row: Any, outside: list[int | None]) -> bool:
+    """Whether a profile is an estimate of a CUDA card whose trials assumed a figure outside the allocator."""
+    return row.source == "estimate" and row.device_kind == "cuda" and any(o is not None for o in outside)
+
+
+def _measured_contexts(
+    conn: Connection, device_name: str, rows: Collection[Any], outside: dict[int, list[int | None]]
+) -> dict[int, DeviceContext]:
+    """profile id -> what measured profiles of device_name hold outside the allocator, for each estimate
+    among rows that assumed a figure there: measured with its torch's major.minor where there are such
+    (modules differ between versions), else with any torch; one query per version."""
+    by_version: dict[str | None, DeviceContext | None] = {}
+
+    def measured(version: str | None) -> DeviceContext | None:
+        if version not in by_version:
+            by_version[version] = device_context(conn, device_name, version)
+        return by_version[version]
+
+    found: dict[int, DeviceContext] = {}
+    for row in rows:
+        if not _assumes_context(row, outside[int(row.id)]):
+            continue
+        version = _major_minor(row.torch_version) if row.torch_version else None
+        context = (measured(version) if version else None) or measured(None)
+        if context is not None:
+            found[int(row.id)] = context
+    return found
+
+
 def deciding_trial() -> ColumnElement[bool]:
     """``Profile.deciding_trials`` as a condition on a trial correlated to its profile: an
     estimate's answer rests on its fake trials, a measurement's on its real ones (fake pre-search
@@ -611,7 +651,8 @@ def lookup(
         estimates = {int(row.id) for row in newest if row.source == "estimate"}
         trials: dict[int, list[tuple[int, int, bool, bool]]] = {int(row.id): [] for row in newest}
         steps: dict[int, list[int]] = {int(row.id): [] for row in newest}
-        for pid, m, peak, fits, oom, fake, step in conn.execute(
+        outside: dict[int, list[int | None]] = {int(row.id): [] for row in newest}
+        for pid, m, peak, fits, oom, fake, step, out in conn.execute(
             select(
                 TrialRow.profile_id,
                 TrialRow.micro_batch,
@@ -620,15 +661,18 @@ def lookup(
                 TrialRow.oom,
                 TrialRow.fake,
                 TrialRow.step_bytes,
+                TrialRow.outside_allocator_bytes,
             )
             .where(TrialRow.profile_id.in_(list(trials)))
             .order_by(TrialRow.profile_id, TrialRow.position)
         ):
             if bool(fake) == (int(pid) in estimates):
                 trials[int(pid)].append((int(m), int(peak), bool(fits), bool(oom)))
+                outside[int(pid)].append(None if out is None else int(out))
                 if step is not None and not oom:
                     steps[int(pid)].append(int(step))
         observed = _observed(conn, list(trials))
+        contexts = _measured_contexts(conn, device_name, newest, outside)
         for row in newest:
             deciding = tuple(trials[int(row.id)])
             here.append(
@@ -638,6 +682,8 @@ def lookup(
                     observed=tuple(observed.get(int(row.id), ())),
                     oom_at=None if row.oom_at is None else int(row.oom_at),
                     smallest_peak=max(steps[int(row.id)]) if steps[int(row.id)] else _smallest_peak(deciding),
+                    outside_allocator_bytes=tuple(outside[int(row.id)]),
+                    measured_context=contexts.get(int(row.id)),
                 )
             )
     # The whole peak of each profile's smallest measured deciding micro-batch (larger on a tie).

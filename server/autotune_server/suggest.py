@@ -18,6 +18,11 @@ bounded by the whole peak of the smallest measured micro-batch (the optimizer st
 the fit does not see), and the answer says plainly that it is a prediction. Every plan respects the
 profile's ``multiple_of``.
 
+An estimate of a CUDA card assumed a figure outside the caching allocator (the CUDA context, loaded
+kernel modules); where measured profiles of that card hold one (``repository.device_context``), its
+trials and m_max are re-derived with that figure before anything else (``measured_context``), and the
+answer says so.
+
 The work is split for speed, since /suggest is what hundreds of jobs call at the start of a sweep:
 ``repository.lookup`` reads the database (a few small indexed queries, no ORM objects) and its result
 is cached per (fingerprint, device) for a second; ``compute`` is pure arithmetic on that result.
@@ -35,7 +40,7 @@ from sqlalchemy import Connection
 
 from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy, in_tokens, micro_batch_for_limit, plan
 from autotune.core.schemas import Plan, Suggestion
-from autotune_server import drift, policy, sequence
+from autotune_server import drift, measured_context, policy, sequence
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
 from autotune_server.repository import Candidate, Lookup
 
@@ -172,6 +177,26 @@ def _estimate_warning(c: Candidate, device_name: str) -> str:
         f"estimated, not measured: profile {c.id} rests on fake-tensor trials (shapes and dtypes, no "
         f"memory spent), not on a measurement on the device; probe on {device_name} for a measured figure"
     )
+
+
+def _with_measured_context(c: Candidate, warnings: list[str]) -> Candidate:
+    """c re-derived with what measured profiles of its card hold outside the allocator, where c is an
+    estimate of a CUDA card that assumed a figure there (``autotune_server.measured_context``); the note
+    that says so joins ``warnings``. Everything after (a stricter budget, drift, the plan) works on it
+    as on any profile.
+
+    Raises:
+        BudgetTooSmall: with the measured figure, not even the smallest tested size fits.
+    """
+    rederived, note = measured_context.for_candidate(c)
+    if note is None:
+        return c
+    if rederived.max_micro_batch < 1:
+        raise BudgetTooSmall(
+            f"profile {c.id}: {note}; probe on {c.device_name} for a measured figure", field="fingerprint"
+        )
+    warnings.append(note)
+    return rederived
 
 
 def _limit_text(budget_bytes: int, headroom: float) -> str:
@@ -615,6 +640,8 @@ def _compute(
         )
         if here is not None and (elsewhere is None or here[0][0] <= elsewhere[0][0]):
             (kind, _), c = here
+            warnings = [_estimate_warning(c, device_name)] if c.estimate else []
+            c = _with_measured_context(c, warnings)
             answer = _measured(
                 c,
                 target_batch=target_batch,
@@ -623,7 +650,7 @@ def _compute(
                 headroom=headroom,
                 strategy=strategy,
                 label="estimated" if c.estimate else ("measured" if kind == 0 else "predicted"),
-                warnings=[_estimate_warning(c, device_name)] if c.estimate else [],
+                warnings=warnings,
                 policy=plan_policy,
             )
             return _with_skipped(found, answer)
