@@ -4,6 +4,10 @@
         --server http://tuner:8000 --ray-address head-node:6379
     autotune fleet examples/mlp.py:task examples/gpt.py:task --device cpu --budget 8MiB,16MiB \\
         --server http://127.0.0.1:8765
+    autotune fleet examples/gpt.py:task --gpu h100,a100-80gb --target-batch 512 --server http://tuner:8000
+
+``--gpu`` makes each pair an estimate for a catalog card (``autotune estimate TASK --gpu NAME``, the card
+emulated in a child process) on any node's CPU, instead of a probe on a GPU.
 
 Ray is imported only when the command runs (``autotune.fleet.runner``), never by the parser.
 """
@@ -11,9 +15,11 @@ Ray is imported only when the command runs (``autotune.fleet.runner``), never by
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +27,14 @@ from autotune.cli.common import EXIT_FAILED, CliError, non_negative_int, size, t
 from autotune.cli.policies import policies_of, with_policies
 from autotune.cli.probe import add_probe_options, config_from_args
 
-__all__ = ["add_parsers", "budget_list", "run_fleet_command"]
+__all__ = ["PROBE_ONLY", "add_parsers", "budget_list", "card_list", "run_fleet_command"]
+
+PROBE_ONLY = (
+    ("presearch", False, "--no-presearch", "an estimate is fake trials only: there is no pre-search to skip"),
+    ("throughput", False, "--no-throughput", "fake trials are not timed: an estimate has no timed run"),
+    ("objective", "throughput", "--objective throughput", "fake trials are not timed: estimates compare by memory"),
+)
+"""Options of a probe that an estimate (``--gpu``) has no use for: (dest, value given, flag, why)."""
 
 
 def budget_list(text: str) -> list[int]:
@@ -30,6 +43,17 @@ def budget_list(text: str) -> list[int]:
     if not all(parts):
         raise argparse.ArgumentTypeError(f"{text!r}: empty budget in the list (use 8MiB,16MiB)")
     return [size(part) for part in parts]
+
+
+def card_list(text: str) -> list[str]:
+    """``"h100,a100-80gb"`` -> the catalog's short names; an unknown card is one line naming the known ones."""
+    from autotune.core.errors import AutotuneError
+    from autotune.fleet.pairs import parse_cards
+
+    try:
+        return parse_cards(text)
+    except AutotuneError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--gpu: ").removeprefix("--gpu ")) from None
 
 
 def add_parsers(sub: Any) -> None:
@@ -43,7 +67,21 @@ def add_parsers(sub: Any) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--accelerators", help="Ray accelerator types, one GPU of each per task: H100,A100,L4")
     where.add_argument("--device", choices=["cpu", "cuda"], help="any node's CPU (needs --budget) or any GPU")
+    where.add_argument(
+        "--gpu",
+        type=card_list,
+        metavar="CARDS",
+        help="estimates, not probes: catalog cards (h100,a100-80gb; `autotune gpus`), each emulated on any "
+        "node's CPU as `autotune estimate --gpu` does, its memory the default budget",
+    )
     add_probe_options(p)
+    p.add_argument(
+        "--context-bytes",
+        type=size,
+        metavar="BYTES",
+        help="with --gpu: memory outside the caching allocator (CUDA context and modules); default the "
+        "store's measurement on the card (--server), else the catalog's",
+    )
     p.add_argument(
         "--budget",
         type=budget_list,
@@ -77,35 +115,14 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_fleet_command(args: argparse.Namespace) -> int:
-    from autotune.fleet import ProfileSink, Progress, make_pairs, parse_accelerators, run_fleet
+    from autotune.fleet import ProfileSink, Progress, run_fleet
 
     if args.server is None and args.output is None:
         raise CliError("nowhere to keep the profiles: give --server URL and/or --output DIR")
     if not args.working_dir.is_dir():
         raise CliError(f"--working-dir {str(args.working_dir)!r} is not a directory")
-
-    def config_for(device: str, budget: int | None) -> Any:
-        config = config_from_args(argparse.Namespace(**{**vars(args), "budget": budget}), device)
-        config.validate()  # a bad option fails here, before any cluster time is spent
-        return config
-
-    pairs = with_policies(
-        make_pairs(
-            [task_spec(spec, args) for spec in args.tasks],
-            accelerators=parse_accelerators(args.accelerators) if args.accelerators else None,
-            device=args.device,
-            budgets=args.budget or [None],
-            config_for=config_for,
-            working_dir=args.working_dir,
-        ),
-        policies_of(args),
-    )
-    if args.ac:  # every policy applies to every task, checked before any cluster time is spent
-        from autotune.cli.policies import check_policies
-        from autotune.tasks.load import load_task
-
-        for spec in args.tasks:
-            check_policies(load_task(spec), args.ac)
+    pairs = with_policies(_estimate_pairs(args) if args.gpu else _probe_pairs(args), policies_of(args))
+    _check_tasks(args)
     progress = Progress(pairs, sys.stderr)
     with ProfileSink(server=args.server, token=os.environ.get("AUTOTUNE_TOKEN"), output_dir=args.output) as sink:
         rows = run_fleet(
@@ -135,3 +152,107 @@ def run_fleet_command(args: argparse.Namespace) -> int:
     if failed:
         print(f"fleet: {len(failed)} of {len(rows)} pairs failed", file=sys.stderr)
     return 0 if all(row.ok for row in rows) else EXIT_FAILED
+
+
+def _probe_pairs(args: argparse.Namespace) -> list[Any]:
+    """--accelerators / --device: one probe per task × GPU kind (or device) × budget."""
+    from autotune.fleet import make_pairs, parse_accelerators
+
+    if args.context_bytes is not None:
+        raise CliError("--context-bytes applies to estimates for cards: name them with --gpu")
+
+    def config_for(device: str, budget: int | None) -> Any:
+        config = config_from_args(argparse.Namespace(**{**vars(args), "budget": budget}), device)
+        config.validate()  # a bad option fails here, before any cluster time is spent
+        return config
+
+    return make_pairs(
+        [task_spec(spec, args) for spec in args.tasks],
+        accelerators=parse_accelerators(args.accelerators) if args.accelerators else None,
+        device=args.device,
+        budgets=args.budget or [None],
+        config_for=config_for,
+        working_dir=args.working_dir,
+    )
+
+
+def _estimate_pairs(args: argparse.Namespace) -> list[Any]:
+    """--gpu: one estimate per task × card × budget, each on a CPU, as `autotune estimate --gpu` makes it."""
+    from autotune.fleet import EstimateOptions, make_pairs
+
+    _refuse_probe_only(args)
+    return make_pairs(
+        [task_spec(spec, args) for spec in args.tasks],
+        accelerators=None,
+        device=None,
+        cards=args.gpu,
+        budgets=args.budget or [None],
+        config_for=_estimate_config_for(args),
+        working_dir=args.working_dir,
+        estimate=EstimateOptions(seq_lens=tuple(args.seq_len or ()), moe_load_factor=args.moe_load_factor),
+    )
+
+
+def _refuse_probe_only(args: argparse.Namespace) -> None:
+    """One line for the first probe-only option given with --gpu, before any cluster time is spent."""
+    for dest, given, flag, why in PROBE_ONLY:
+        if getattr(args, dest) == given:
+            raise CliError(f"{flag} is a probe's option, not an estimate's (--gpu): {why}")
+    # The card estimate over lengths (autotune estimate --gpu --seq-len) answers at the lengths given and
+    # plans --target-batch there: it has no search for the longest length, nor a plan in tokens.
+    if args.target_tokens is not None:
+        raise CliError("--target-tokens is not planned by estimates for cards (--gpu): give --target-batch")
+    if args.max_seq_len is not None:
+        raise CliError("--max-seq-len: estimates for cards (--gpu) answer at the --seq-len lengths only")
+
+
+def _estimate_config_for(args: argparse.Namespace) -> Callable[[str, int | None], Any]:
+    """``(card, budget) -> EstimateConfig`` as `autotune estimate --gpu CARD` builds it from the same flags
+    (its name and memory from the catalog, the memory outside the allocator as the store measured it)."""
+    from autotune.cli.estimate import _measured_context
+    from autotune.orchestrate.estimate import EstimateConfig
+
+    outside: dict[str, tuple[int | None, str | None]] = {}
+
+    def config_for(card: str, budget: int | None) -> Any:
+        config = EstimateConfig(
+            budget_bytes=budget,
+            device_kind="cuda",
+            headroom=args.headroom,
+            target_batch=args.target_batch,
+            world_size=args.world_size,
+            strategy=args.strategy,
+            max_micro_batch=args.max_micro_batch,
+            multiple_of=args.multiple_of,
+            precision=args.precision,
+            plan_policy=args.plan,
+            gpu=card,
+            context_bytes=args.context_bytes,
+        ).on_card()
+        if card not in outside:  # the store is asked once per card, not once per budget
+            measured = _measured_context(config, args)
+            outside[card] = (measured.context_bytes, measured.context_source)
+        context_bytes, context_source = outside[card]
+        config = dataclasses.replace(config, context_bytes=context_bytes, context_source=context_source)
+        config.validate()  # a bad option fails here, before any cluster time is spent
+        return config
+
+    return config_for
+
+
+def _check_tasks(args: argparse.Namespace) -> None:
+    """Every policy applies to every task, and --moe-load-factor to an estimate's, checked on the driver
+    before any cluster time is spent (each task is loaded here only when one of them is given)."""
+    moe = args.gpu and args.moe_load_factor is not None
+    if not args.ac and not moe:
+        return
+    from autotune.cli.policies import check_policies
+    from autotune.cli.probe import moe_routing_of
+    from autotune.tasks.load import load_task
+
+    for spec in args.tasks:
+        task = load_task(task_spec(spec, args))
+        if args.ac:
+            check_policies(task, args.ac)
+        if moe:
+            moe_routing_of(task, args)

@@ -1,8 +1,11 @@
-"""What a fleet run probes: one pair per task spec × accelerator kind (or device) × budget.
+"""What a fleet run probes: one pair per task spec × accelerator kind (or device, or emulated card) × budget.
 
     pairs = make_pairs(["examples/gpt.py:task"], accelerators=["H100", "A100"], device=None,
                        budgets=[None], config_for=lambda device, budget: ProbeConfig(device=device),
                        working_dir=Path.cwd())
+
+With ``cards`` (``--gpu h100,a100-80gb``) a pair is an *estimate* instead of a probe: emulated CUDA fake
+trials for a catalog card (autotune/orchestrate/card_estimate.py), on any node's CPU.
 
 Ray-free and torch-free: the driver builds the pairs before it connects to anything, so that a
 mistake in the command line costs no cluster time.
@@ -19,12 +22,37 @@ from typing import Any
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.units import format_bytes
 
-__all__ = ["FLEET_DEVICES", "Pair", "make_pairs", "parse_accelerators", "worker_spec"]
+__all__ = [
+    "EMULATED",
+    "FLEET_DEVICES",
+    "EstimateOptions",
+    "Pair",
+    "make_pairs",
+    "parse_accelerators",
+    "parse_cards",
+    "worker_spec",
+]
 
 FLEET_DEVICES = ("cpu", "cuda")
 """Devices a fleet pair may name without an accelerator kind: Ray, not the user, picks the GPU."""
 
 _ACCELERATOR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+EMULATED = " (emulated)"
+"""What an estimate pair's ``on`` adds to the card's short name: no node has the card, a child emulates it."""
+
+
+@dataclass(frozen=True)
+class EstimateOptions:
+    """What an estimate pair runs with besides its ``EstimateConfig`` (which has no room for them).
+
+    Attributes:
+        seq_lens: ``--seq-len``: the lengths of a sequence-aware task, all in one emulated child.
+        moe_load_factor: ``--moe-load-factor`` (None: balanced routing for a mixture of experts).
+    """
+
+    seq_lens: tuple[int, ...] = ()
+    moe_load_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -37,7 +65,9 @@ class Pair:
         worker_spec: the task as the worker loads it, relative to the shipped working directory.
         on: the accelerator kind (``H100``) or the device (``cpu``, ``cuda``) it runs on.
         accelerator: the Ray accelerator type it asks for, None for any GPU or the CPU.
-        config: the probe's config (a ``ProbeConfig``: device, budget and probe's other options).
+        config: the probe's config (a ``ProbeConfig``: device, budget and probe's other options), or an
+            estimate pair's ``EstimateConfig`` (the card in ``gpu``, its memory as the default budget).
+        estimate: set on an estimate pair (``--gpu``), None on a probe pair.
     """
 
     index: int
@@ -46,6 +76,12 @@ class Pair:
     on: str
     accelerator: str | None
     config: Any
+    estimate: EstimateOptions | None = None
+
+    @property
+    def needs_gpu(self) -> bool:
+        """A probe on CUDA; never an estimate, whose card is emulated on a CPU."""
+        return self.estimate is None and str(getattr(self.config, "device", "")).startswith("cuda")
 
     @property
     def budget_bytes(self) -> int | None:
@@ -66,12 +102,12 @@ class Pair:
 
         One CPU always; a GPU on CUDA, of the pair's accelerator kind when it names one (Ray turns
         ``accelerator_type="H100"`` into a request for the node resource ``accelerator_type:H100``,
-        which Ray's GPU detection sets on nodes with that card). ``max_retries`` re-runs a task whose
-        worker process died (a node lost, the OOM killer); a probe that raises is not retried: its
-        error is the answer.
+        which Ray's GPU detection sets on nodes with that card); an estimate, one CPU only. ``max_retries``
+        re-runs a task whose worker process died (a node lost, the OOM killer); a probe that raises is
+        not retried: its error is the answer.
         """
         options: dict[str, Any] = {"num_cpus": 1, "max_retries": max_retries}
-        if str(self.config.device).startswith("cuda"):
+        if self.needs_gpu:
             options["num_gpus"] = 1
         if self.accelerator is not None:
             options["accelerator_type"] = self.accelerator
@@ -91,6 +127,24 @@ def parse_accelerators(text: str) -> list[str]:
     if bad:
         raise AutotuneError(f"--accelerators: {', '.join(map(repr, bad))} is not an accelerator type name (e.g. H100)")
     return list(dict.fromkeys(names))
+
+
+def parse_cards(text: str) -> list[str]:
+    """``"h100,A100-80GB"`` -> ``["h100", "a100-80gb"]``: catalog cards (autotune/core/cards.py) by their
+    short names, without repeats; a card named as NVML names it is taken too.
+
+    Raises:
+        AutotuneError: an empty list, or a name the catalog does not know (one line listing the known ones).
+    """
+    from autotune.core.cards import lookup
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise AutotuneError(f"--gpu {text!r} names no card (e.g. h100,a100-80gb; `autotune gpus` lists them)")
+    try:
+        return list(dict.fromkeys(lookup(name).short_name for name in names))
+    except ValueError as exc:
+        raise AutotuneError(f"--gpu: {exc}") from None
 
 
 def worker_spec(spec: str, working_dir: Path) -> str:
@@ -141,25 +195,34 @@ def make_pairs(
     budgets: Sequence[int | None],
     config_for: Callable[[str, int | None], Any],
     working_dir: Path,
+    cards: Sequence[str] | None = None,
+    estimate: EstimateOptions | None = None,
 ) -> list[Pair]:
-    """Every task × (accelerator kind, or the one device) × budget, in that order.
+    """Every task × (accelerator kind, or the one device, or emulated card) × budget, in that order.
 
     Args:
         specs: task specs as ``autotune probe`` takes them.
         accelerators: Ray accelerator types (each pair gets one GPU of that kind), or None.
         device: ``cpu`` or ``cuda`` when no accelerator kinds are given.
         budgets: budgets in bytes; ``[None]`` probes against each device's own memory.
-        config_for: ``(device, budget) -> ProbeConfig`` with the probe's other options.
+        config_for: ``(device, budget) -> ProbeConfig`` with the probe's other options; for ``cards``,
+            ``(card, budget) -> EstimateConfig``.
         working_dir: the directory shipped to the workers; task files must lie inside it.
+        cards: catalog cards' short names (:func:`parse_cards`): each pair is an estimate for one, on
+            a CPU, instead of a probe.
+        estimate: the estimate pairs' lengths and routing (default: none).
 
     Raises:
-        AutotuneError: no tasks, both or neither of accelerators and device, a device the fleet
+        AutotuneError: no tasks, not exactly one of accelerators, device and cards, a device the fleet
             cannot place, the CPU without a budget, a repeated pair; TaskError for a bad spec.
     """
     if not specs:
         raise AutotuneError("fleet needs at least one task")
-    if (accelerators is None) == (device is None):
-        raise AutotuneError("give --accelerators H100,A100 (GPU kinds, one GPU each) or --device cpu|cuda")
+    if sum(given is not None for given in (accelerators, device, cards)) != 1:
+        raise AutotuneError(
+            "give --accelerators H100,A100 (GPU kinds, one GPU each), --device cpu|cuda "
+            "or --gpu h100,a100-80gb (estimates for emulated cards)"
+        )
     if device is not None and device not in FLEET_DEVICES:
         raise AutotuneError(
             f"--device {device!r}: a fleet runs on cpu or cuda (Ray assigns the GPU); "
@@ -171,6 +234,8 @@ def make_pairs(
         raise AutotuneError("--budget repeats a value: each budget makes its own pairs")
     if len(set(specs)) != len(specs):
         raise AutotuneError("a task is given twice: each task makes its own pairs")
+    if cards is not None:
+        return _estimate_pairs(specs, cards, budgets, config_for, working_dir, estimate or EstimateOptions())
     targets: list[tuple[str, str | None]] = (
         [(name, name) for name in accelerators] if accelerators is not None else [(str(device), None)]
     )
@@ -181,4 +246,25 @@ def make_pairs(
             for budget in budgets:
                 config = config_for("cuda" if accelerator is not None else str(device), budget)
                 pairs.append(Pair(len(pairs), spec, shipped, on, accelerator, config))
+    return pairs
+
+
+def _estimate_pairs(
+    specs: Sequence[str],
+    cards: Sequence[str],
+    budgets: Sequence[int | None],
+    config_for: Callable[[str, int | None], Any],
+    working_dir: Path,
+    estimate: EstimateOptions,
+) -> list[Pair]:
+    """Every task × card × budget as an estimate: no accelerator kind to ask Ray for, the card emulated."""
+    if not cards:
+        raise AutotuneError("--gpu names no card (e.g. h100,a100-80gb; `autotune gpus` lists them)")
+    pairs: list[Pair] = []
+    for spec in specs:
+        shipped = worker_spec(spec, working_dir)
+        for card in cards:
+            for budget in budgets:
+                config = config_for(card, budget)
+                pairs.append(Pair(len(pairs), spec, shipped, card + EMULATED, None, config, estimate))
     return pairs

@@ -32,6 +32,8 @@ class PairState:
     stored: Stored | None = None
     seconds: float | None = None
     host: str | None = None
+    # What a done pair's result should say besides where it went (an estimate not emulated).
+    note: str | None = None
 
     @property
     def state_text(self) -> str:
@@ -43,13 +45,14 @@ class PairState:
         """The last column: the error, or where the profile went."""
         if self.state == "failed":
             return self.error or "failed"
+        note = f"; {self.note}" if self.note else ""
         if self.stored is None:
-            return ""
+            return self.note or ""
         if self.stored.profile_id is not None:
-            return f"profile {self.stored.profile_id}"
+            return f"profile {self.stored.profile_id}{note}"
         if self.stored.upload_error is not None:
-            return f"NOT uploaded ({self.stored.upload_error}); kept in {self.stored.path}"
-        return f"written to {self.stored.path}"
+            return f"NOT uploaded ({self.stored.upload_error}); kept in {self.stored.path}{note}"
+        return f"written to {self.stored.path}{note}"
 
     @property
     def ok(self) -> bool:
@@ -73,6 +76,7 @@ class PairState:
             "upload_error": stored.upload_error if stored else None,
             "seconds": self.seconds,
             "host": self.host,
+            "note": self.note,
         }
 
 
@@ -101,10 +105,10 @@ class Progress:
         self._event(row)
 
     def done(self, index: int, *, attempt: int, max_micro_batch: int, plan: str | None, stored: Stored,
-             seconds: float, host: str) -> None:  # fmt: skip
+             seconds: float, host: str, note: str | None = None) -> None:  # fmt: skip
         row = self.rows[index]
         row.state, row.attempt, row.max_micro_batch, row.plan = "done", max(attempt, row.attempt), max_micro_batch, plan
-        row.stored, row.seconds, row.host = stored, seconds, host
+        row.stored, row.seconds, row.host, row.note = stored, seconds, host, note
         self._event(row)
 
     def failed(self, index: int, error: str, *, attempt: int | None = None, seconds: float | None = None,

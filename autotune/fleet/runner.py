@@ -22,7 +22,7 @@ from autotune.core.schemas import Profile
 from autotune.fleet.pairs import Pair
 from autotune.fleet.progress import PairState, Progress
 from autotune.fleet.sink import ProfileSink
-from autotune.fleet.worker import Board, Outcome, one_line, probe_pair
+from autotune.fleet.worker import Board, Outcome, estimate_pair, one_line, probe_pair
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
@@ -47,6 +47,9 @@ default (30 % of the machine's memory) would only reserve shared memory for noth
 SHIPPED_EXCLUDES = [".git", ".venv", "venv", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"]
 """Never shipped to the workers with the working directory (Ray also honours .gitignore and .rayignore)."""
 
+
+NOT_EMULATED = "could not be emulated here"
+"""The words of the warning an estimate carries when its card could not be emulated (orchestrate/estimate.py)."""
 
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Set to 0, Ray runs as it does on a laptop by default: one node, on the loopback address (Linux
@@ -112,7 +115,7 @@ def _warn_unplaceable(ray: Any, pairs: list[Pair], log: TextIO) -> None:
             file=log,
             flush=True,
         )
-    if any(str(pair.config.device).startswith("cuda") for pair in pairs) and resources.get("GPU", 0) < 1:
+    if any(pair.needs_gpu for pair in pairs) and resources.get("GPU", 0) < 1:
         print("fleet: warning: this cluster has no GPU now; the GPU pairs wait until one joins", file=log, flush=True)
 
 
@@ -155,13 +158,54 @@ def _finish(ray: Any, ref: Any, index: int, progress: Progress, sink: ProfileSin
         stored=stored,
         seconds=outcome.seconds,
         host=outcome.host,
+        note=_not_emulated(profile),
     )
+
+
+def _not_emulated(profile: Profile) -> str | None:
+    """An estimate whose card could not be emulated on its node ran with CPU semantics (as `autotune
+    estimate --gpu` does there): the row says so, since the store now holds the weaker figure."""
+    reason = next((w for w in profile.warnings if NOT_EMULATED in w), None)
+    return None if reason is None else f"not emulated, CPU semantics: {reason}"
 
 
 def _plan_text(profile: Profile) -> str | None:
     """One update's micro-batches, count×size: ``16×16 = 256 (16 steps)``, ``6×26 + 4×25 = 256 (10 steps)``."""
     the_plan = profile.plan
     return None if the_plan is None else micro_batches_text(the_plan.micro_batches, the_plan.world_size)
+
+
+def _driver_cuda_python(pairs: list[Pair]) -> str | None:
+    """This machine's Python with a CUDA build of torch, for the estimate pairs' nodes (where they have
+    the same path); None when there are no estimates, or no such Python here."""
+    if not any(pair.estimate is not None for pair in pairs):
+        return None
+    from autotune.emulation.runner import CudaTorchMissing, find_cuda_python
+
+    try:
+        return str(Path(find_cuda_python()).absolute())
+    except CudaTorchMissing:  # the nodes may have their own (AUTOTUNE_CUDA_PYTHON on each)
+        return None
+
+
+def _submit(ray: Any, pairs: list[Pair], board: Any, max_retries: int) -> dict[Any, int]:
+    """One Ray task per pair: a probe, or an estimate on a CPU; returns each task's ref -> pair index."""
+    # max_calls=1: every probe in a fresh worker process, so that nothing an earlier probe left in
+    # the process (memory, a frozen heap, CUDA state) counts against this one.
+    probe_task = ray.remote(max_calls=1)(probe_pair)
+    estimate_task = ray.remote(max_calls=1)(estimate_pair)
+    cuda_python = _driver_cuda_python(pairs)
+    refs: dict[Any, int] = {}
+    for pair in pairs:
+        options = pair.ray_options(max_retries)
+        if pair.estimate is not None:
+            ref = estimate_task.options(**options).remote(
+                pair.index, pair.worker_spec, pair.config, pair.estimate, board, cuda_python
+            )
+        else:
+            ref = probe_task.options(**options).remote(pair.index, pair.worker_spec, pair.config, board)
+        refs[ref] = pair.index
+    return refs
 
 
 def _cancel(ray: Any, refs: dict[Any, int], progress: Progress) -> int:
@@ -233,15 +277,7 @@ def _submit_and_collect(
 ) -> list[PairState]:
     _warn_unplaceable(ray, pairs, log)
     board = ray.remote(num_cpus=0)(Board).remote()
-    # max_calls=1: every probe in a fresh worker process, so that nothing an earlier probe left in
-    # the process (memory, a frozen heap, CUDA state) counts against this one.
-    probe_task = ray.remote(max_calls=1)(probe_pair)
-    refs: dict[Any, int] = {}
-    for pair in pairs:
-        ref = probe_task.options(**pair.ray_options(max_retries)).remote(
-            pair.index, pair.worker_spec, pair.config, board
-        )
-        refs[ref] = pair.index
+    refs = _submit(ray, pairs, board, max_retries)
     progress.refresh()
     attempts: dict[int, int] = {}
     try:

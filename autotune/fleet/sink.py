@@ -30,8 +30,15 @@ def _slug(text: str) -> str:
 
 def profile_file_name(profile: Profile) -> str:
     """``gpt-small-nvidia-h100-80gb-hbm3-25769803776-0123456789ab.json``: task, device, budget in
-    bytes and fingerprint, so that the files of one run never collide and a rerun replaces its own."""
-    return f"{_slug(profile.task)}-{_slug(profile.device.name)}-{profile.budget_bytes}-{profile.fingerprint[:12]}.json"
+    bytes and fingerprint, so that the files of one run never collide and a rerun replaces its own; a
+    length (``-L512``) and a memory policy other than none (``-full``) too, which the fingerprint leaves
+    out (one run over lengths or policies makes a profile of each)."""
+    setup = f"{_slug(profile.task)}-{_slug(profile.device.name)}-{profile.budget_bytes}"
+    if profile.seq_len is not None:
+        setup += f"-L{profile.seq_len}"
+    if profile.activation_checkpointing != "none":
+        setup += f"-{_slug(profile.activation_checkpointing)}"
+    return f"{setup}-{profile.fingerprint[:12]}.json"
 
 
 @dataclass(frozen=True)

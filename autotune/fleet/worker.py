@@ -1,4 +1,5 @@
-"""What runs on the fleet's workers: one probe per Ray task, and the board the tasks report to.
+"""What runs on the fleet's workers: one probe (or card estimate) per Ray task, and the board the tasks
+report to.
 
 The worker loads the task from its spec, as ``autotune probe`` does (a ProbeTask is usually full of
 lambdas that cannot be pickled, so the spec travels, not the task), inside the working directory
@@ -7,12 +8,19 @@ that Ray shipped to it. Ray itself is imported only here, under Ray, to reach th
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Board", "Outcome", "one_line", "probe_pair"]
+from autotune.fleet.pairs import EstimateOptions
+
+__all__ = ["Board", "Outcome", "estimate_pair", "one_line", "probe_pair"]
 
 
 def one_line(exc: BaseException) -> str:
@@ -64,15 +72,29 @@ def _report_start(board: Any, index: int) -> int:
         return 1
 
 
-def probe_pair(index: int, spec: str, config: Any, board: Any = None) -> Outcome:
-    """Probe the task at ``spec`` with ``config`` (a ProbeConfig); the body of a pair's Ray task.
+def _outcome(index: int, board: Any, work: Callable[[], str]) -> Outcome:
+    """Run ``work`` (it returns the profile JSON) as pair ``index``'s attempt, timed.
 
-    A probe that raises becomes an Outcome with its one-line error (a bad task is an answer, not a
-    reason to retry); a worker that dies is Ray's to retry.
+    Work that raises becomes an Outcome with its one-line error (a bad task is an answer, not a reason
+    to retry); a worker that dies is Ray's to retry.
     """
     started = time.perf_counter()
     attempt = _report_start(board, index)
     try:
+        text = work()
+    except Exception as exc:
+        return Outcome(index, attempt, None, one_line(exc), time.perf_counter() - started, socket.gethostname())
+    return Outcome(index, attempt, text, None, time.perf_counter() - started, socket.gethostname())
+
+
+def _json_array(profiles: list[Any]) -> str:
+    return "[" + ",".join(profile.model_dump_json() for profile in profiles) + "]"
+
+
+def probe_pair(index: int, spec: str, config: Any, board: Any = None) -> Outcome:
+    """Probe the task at ``spec`` with ``config`` (a ProbeConfig); the body of a probe pair's Ray task."""
+
+    def work() -> str:
         from autotune.orchestrate.probe import probe
         from autotune.tasks.load import load_task
 
@@ -83,9 +105,84 @@ def probe_pair(index: int, spec: str, config: Any, board: Any = None) -> Outcome
             run = probe_lengths(
                 task, config, config.seq_lens, max_seq_len=config.max_seq_len, target_tokens=config.target_tokens
             )
-            text = "[" + ",".join(profile.model_dump_json() for profile in run.profiles) + "]"
-        else:
-            text = probe(task, config).model_dump_json()
-    except Exception as exc:
-        return Outcome(index, attempt, None, one_line(exc), time.perf_counter() - started, socket.gethostname())
-    return Outcome(index, attempt, text, None, time.perf_counter() - started, socket.gethostname())
+            return _json_array(run.profiles)
+        return str(probe(task, config).model_dump_json())
+
+    return _outcome(index, board, work)
+
+
+def estimate_pair(
+    index: int,
+    spec: str,
+    config: Any,
+    options: EstimateOptions,
+    board: Any = None,
+    cuda_python: str | None = None,
+) -> Outcome:
+    """Estimate the task at ``spec`` for the card of ``config`` (an EstimateConfig with ``gpu`` set) as
+    ``autotune estimate TASK --gpu NAME`` does; the body of an estimate pair's Ray task (a JSON array of
+    profiles, one per length, or one profile).
+
+    ``cuda_python``: the driver's Python with a CUDA build of torch, taken where this node has no
+    ``AUTOTUNE_CUDA_PYTHON`` of its own and has that path (one image on every node, or one machine):
+    the checkout this worker runs in is Ray's copy of the working directory, without ``.venv-cuda``.
+    """
+
+    def work() -> str:
+        from autotune.tasks.load import load_task
+
+        _use_cuda_python(cuda_python)
+        task = load_task(spec)
+        routing, factor = _moe_routing(task, options.moe_load_factor)
+        with routing:
+            profiles = _estimate(task, config, options.seq_lens)
+        if factor is not None:  # as autotune estimate writes it: the routing the fake trials assumed
+            profiles = [profile.model_copy(update={"moe_load_factor": factor}) for profile in profiles]
+        return _json_array(profiles) if options.seq_lens else str(profiles[0].model_dump_json())
+
+    return _outcome(index, board, work)
+
+
+def _use_cuda_python(driver_python: str | None) -> None:
+    from autotune.emulation.runner import CUDA_PYTHON_VARIABLE
+
+    # A fresh worker process per pair (max_calls=1): setting the variable here touches no other pair.
+    if driver_python and not os.environ.get(CUDA_PYTHON_VARIABLE) and Path(driver_python).is_file():
+        os.environ[CUDA_PYTHON_VARIABLE] = driver_python
+
+
+def _moe_routing(task: Any, asked: float | None) -> tuple[Any, float | None]:
+    """The routing of autotune estimate (cli/probe.moe_routing_of): by ``asked``, else balanced, for a
+    mixture of experts; none for a dense model."""
+    from autotune.cli.probe import moe_routing_of
+
+    return moe_routing_of(task, argparse.Namespace(moe_load_factor=asked))
+
+
+def _estimate(task: Any, config: Any, seq_lens: tuple[int, ...]) -> list[Any]:
+    """The card estimate, at each length in one emulated child where there are lengths: the paths of
+    ``autotune estimate --gpu`` (autotune/cli/estimate.py), falling back as it does to CPU semantics,
+    saying why, where the card cannot be emulated here."""
+    from autotune.core.errors import TaskError
+    from autotune.orchestrate.estimate import estimate
+
+    if not seq_lens:
+        if task.sequence_aware and task.seq_len is None:
+            raise TaskError(
+                f"task {task.name!r} is sequence-aware (its batch takes seq_len=): give the lengths with --seq-len"
+            )
+        return [estimate(task, config)]
+    from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card_lengths
+    from autotune.orchestrate.lengths import check_lengths
+
+    lengths = check_lengths(task, seq_lens)
+    # The child builds the task as the config says (estimate() does the same for one length).
+    if config.precision is not None:
+        task = dataclasses.replace(task, precision=config.precision)
+    if config.activation_checkpointing is not None:
+        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    try:
+        return estimate_on_card_lengths(task, config.on_card(), lengths)
+    except EmulationUnavailable as exc:
+        config = dataclasses.replace(config, emulation_failed=str(exc))
+    return [estimate(task.at_length(seq_len), config) for seq_len in lengths]

@@ -131,7 +131,7 @@ def test_the_command_line_takes_probe_options_and_a_budget_list() -> None:
         (["--device", "cpu", "--output", "x"], "--device cpu needs --budget"),
         (["--device", "cpu", "--budget", "8MiB,,9MiB", "--output", "x"], "empty budget"),
         (["--device", "cpu", "--accelerators", "H100", "--output", "x"], "not allowed with argument"),
-        (["--output", "x"], "one of the arguments --accelerators --device is required"),
+        (["--output", "x"], "one of the arguments --accelerators --device --gpu is required"),
         (["--device", "cpu", "--budget", "8MiB", "--output", "x", "--headroom", "1.5"], "headroom"),
     ],
 )
@@ -198,6 +198,9 @@ def test_profiles_go_to_files_and_a_failed_upload_is_kept_for_later(tmp_path: Pa
     )  # fmt: skip
     name = profile_file_name(profile)
     assert name == f"mlp-cpu-{8 * MiB}-{profile.fingerprint[:12]}.json"
+    # One run over lengths or policies makes profiles of one fingerprint: each keeps a file of its own.
+    at_length = profile.model_copy(update={"seq_len": 512, "activation_checkpointing": "every-2"})
+    assert profile_file_name(at_length) == f"mlp-cpu-{8 * MiB}-L512-every-2-{profile.fingerprint[:12]}.json"
 
     with ProfileSink(server=None, token=None, output_dir=tmp_path / "out") as sink:
         stored = sink.keep(profile)
