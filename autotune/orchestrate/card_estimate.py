@@ -11,6 +11,7 @@ for the card's budget and name, and says what to install.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -113,6 +114,11 @@ def _on_card(
 
     assert config.gpu is not None and config.budget_bytes is not None
     card = card_of(config.gpu)
+    # The precision and memory policy asked for, as estimate() applies them (the child gets them by name).
+    if config.precision is not None and config.precision != task.precision:
+        task = dataclasses.replace(task, precision=config.precision)
+    if config.activation_checkpointing is not None:
+        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
     if task.source is None:
         raise AutotuneError(
             f"--gpu runs the fake trials of task {task.name!r} in a process of its own, which loads it from its "
