@@ -3,6 +3,11 @@
     .venv/bin/python bench/emulated.py [--budget 2GiB] [--cards h100,h200] [--tasks examples/gpt.py:task,...]
     .venv/bin/python bench/emulated.py --part 7b    # the 7B fsdp x 8 estimate at four lengths on an emulated H100
 
+The examples' table also has a Llama-style bf16 model (``hf:`` of a config written here: 8 layers, hidden
+512, 8 heads over 2 key-value heads, L = 512, bf16 autocast): its attention is cuDNN's on sm_90 and flash on
+sm_80, with their backward temporaries (autotune/core/kernel_temporaries.py). Seconds per fake trial are the
+estimate's wall seconds over its fake trials (the child's torch import included).
+
 CPU semantics: `autotune estimate --device-kind cuda` on this torch (a CPU build: live tensor bytes, no
 allocator, no context). Emulated: `autotune estimate --gpu CARD` (CUDA semantics in a child process, the
 caching allocator's reserved bytes + the memory outside it). Each run is a CLI process of its own.
@@ -21,9 +26,15 @@ import time
 from pathlib import Path
 
 KNOWN_H200_M_MAX = {("examples/gpt.py:task", "2GiB"): 1212}
+LLAMA_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 512,
+    "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}  # fmt: skip
+LLAMA_FLAGS = ["--seq-len", "512", "--max-seq-len", "512", "--precision", "bf16"]
 
 
-def _estimate(task: str, budget: str, extra: list[str]) -> tuple[int, int, float]:
+def _estimate(task: str, budget: str, extra: list[str]) -> tuple[int, int, float, int]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "p.json"
         started = time.perf_counter()
@@ -38,7 +49,7 @@ def _estimate(task: str, budget: str, extra: list[str]) -> tuple[int, int, float
         profile = json.loads(out.read_text())
     m_max = profile["max_micro_batch"]
     at = [t["peak_bytes"] for t in profile["trials"] if t["micro_batch"] == m_max]
-    return m_max, at[0] if at else -1, seconds
+    return m_max, at[0] if at else -1, seconds, len(profile["trials"])
 
 
 SEVEN_B_LENGTHS = (2048, 4096, 8192, 16384)
@@ -85,16 +96,23 @@ def main() -> None:
     if args.part == "7b":
         part_7b()
         return
-    print("| task | semantics | m_max | figure at m_max (MiB) | seconds | real H200 m_max |")
-    print("|---|---|---|---|---|---|")
-    for task in args.tasks.split(","):
-        real = KNOWN_H200_M_MAX.get((task, args.budget), "")
-        m, figure, seconds = _estimate(task, args.budget, ["--device-kind", "cuda"])
-        print(f"| {task} | CPU | {m} | {figure / 2**20:.1f} | {seconds:.1f} | {real} |", flush=True)
-        for card in args.cards.split(","):
-            m, figure, seconds = _estimate(task, args.budget, ["--gpu", card])
-            print(f"| {task} | emulated {card} | {m} | {figure / 2**20:.1f} | {seconds:.1f} | {real} |", flush=True)
-
+    print("| task | semantics | m_max | figure at m_max (MiB) | seconds | fake trials | s per trial | real H200 |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+        tasks = [(task, []) for task in args.tasks.split(",")] + [(f"hf:{folder}", LLAMA_FLAGS)]
+        for task, flags in tasks:
+            name = "llama-style bf16 (hf config, L=512)" if task.startswith("hf:") else task
+            real = KNOWN_H200_M_MAX.get((task, args.budget), "")
+            cards = [(f"emulated {card}", ["--gpu", card]) for card in args.cards.split(",")]
+            runs = [("CPU", ["--device-kind", "cuda"]), *cards]
+            for semantics, extra in runs:
+                m, figure, seconds, trials = _estimate(task, args.budget, [*extra, *flags])
+                print(
+                    f"| {name} | {semantics} | {m} | {figure / 2**20:.1f} | {seconds:.1f} | {trials} | "
+                    f"{seconds / max(1, trials):.2f} | {real} |",
+                    flush=True,
+                )
 
 if __name__ == "__main__":
     main()
