@@ -178,7 +178,7 @@ def test_lengths_on_an_emulated_card_run_in_one_child(
     monkeypatch.setattr(runner, "_run_child", counted)
     code = main(
         ["estimate", "examples/gpt.py:task_seq", "--gpu", "h200", "--budget", "2GiB", "--seq-len", "256,512",
-         "--max-seq-len", "512", "--json"]
+         "--max-seq-len", "512", "--precision", "bf16", "--json"]
     )
     assert code == 0
     profiles = [Profile.model_validate(p) for p in json.loads(capsys.readouterr().out)]
@@ -186,6 +186,8 @@ def test_lengths_on_an_emulated_card_run_in_one_child(
     assert len(children) == 1
     assert profiles[0].max_micro_batch > profiles[1].max_micro_batch >= 1
     assert all(p.device.name == "NVIDIA H200" and p.source == "estimate" for p in profiles)
+    # The child ran the precision asked for, not the task's own (fp32).
+    assert all(p.precision == "bf16" for p in profiles)
 
 
 @pytest.mark.parametrize("cause", ["no CUDA build", "uncovered entry point"])
