@@ -40,10 +40,13 @@ system-deps:
 run: install
 	bash scripts/run.sh
 
+# Two workers, a test file each at a time (module fixtures are built once): 16 min where one took 23.
+TEST_WORKERS ?= 2
+
 test: install system-deps $(CUDA_VENV)/.installed
 	$(PY) -m ruff check autotune server client tests bench examples
 	$(PY) -m mypy
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PY) bench/search_table.py

@@ -78,7 +78,9 @@ def _spawn_job(world_size: int, tmp_path: Path, attempts: int = 2) -> Path:
     raise AssertionError("unreachable")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# Two real ranks: four on this 2-core machine took 35 s of the suite for the same mechanism (the fake group
+# at world size 4 is held against real trials by test_fake_meter and test_reuse).
+@pytest.mark.parametrize("world_size", [2])
 def test_rank0_of_real_processes_equals_the_fake_group(world_size: int, tmp_path: Path) -> None:
     out = _spawn_job(world_size, tmp_path)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -59,7 +59,7 @@ def test_two_cards_store_one_estimate_each_as_autotune_estimate_answers(
     cuda_python: str, ray_cluster: RayCluster, fleet_server: LiveServer, tmp_path: Path
 ) -> None:
     output = tmp_path / "profiles"
-    # The fleet runs while this process makes the two reference estimates: the machine has two cores.
+    # The fleet runs while this process makes the reference estimate: the machine has two cores.
     fleet = subprocess.Popen(
         [*autotune_command(), "fleet", GPT, "--gpu", ",".join(CARDS), *ESTIMATE_FLAGS, "--server", fleet_server.url,
          "--output", str(output), "--ray-address", ray_cluster.address, "--json"],
@@ -67,7 +67,9 @@ def test_two_cards_store_one_estimate_each_as_autotune_estimate_answers(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        answers = {card: _estimate_json(card, tmp_path) for card in CARDS}
+        # One reference is enough to show the fleet runs what `autotune estimate` runs; the pinned answers
+        # below (12 and 61) hold the other card (each emulated estimate costs a child's torch import).
+        answers = {CARDS[0]: _estimate_json(CARDS[0], tmp_path)}
         out, err = fleet.communicate(timeout=FLEET_TIMEOUT_SECONDS)
     finally:
         if fleet.poll() is None:
@@ -83,10 +85,13 @@ def test_two_cards_store_one_estimate_each_as_autotune_estimate_answers(
     stored = {item["id"]: item for item in stored_profiles(fleet_server, task="gpt-small")}
     for row, card in zip(rows, CARDS, strict=True):
         item = stored[row["profile_id"]]
-        answer = answers[card]
-        assert item["device_name"] == lookup(card).nvml_name == answer["device"]["name"]  # type: ignore[index]
+        assert item["device_name"] == lookup(card).nvml_name
         assert item["source"] == "estimate" and item["device_kind"] == "cuda"
-        assert row["max_micro_batch"] == item["max_micro_batch"] == answer["max_micro_batch"], (card, answer)
+        assert row["max_micro_batch"] == item["max_micro_batch"]
+        if card in answers:
+            answer = answers[card]
+            assert answer["device"]["name"] == item["device_name"]  # type: ignore[index]
+            assert row["max_micro_batch"] == answer["max_micro_batch"], (card, answer)
     # The boundary is inside the cap on both cards, and not the same one: each card was emulated as itself.
     assert [row["max_micro_batch"] for row in rows] == [12, 61]
     written = sorted(output.glob("*.json"))
