@@ -47,6 +47,8 @@ def _estimate(task: str, budget: str, extra: list[str]) -> tuple[int, int, float
         if done.returncode != 0:
             raise SystemExit(f"{task} {extra}: {done.stderr.strip().splitlines()[-1]}")
         profile = json.loads(out.read_text())
+    if isinstance(profile, list):  # a run over lengths writes an array: the bench asks for one length
+        (profile,) = profile
     m_max = profile["max_micro_batch"]
     at = [t["peak_bytes"] for t in profile["trials"] if t["micro_batch"] == m_max]
     return m_max, at[0] if at else -1, seconds, len(profile["trials"])

@@ -57,7 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device
 from autotune.measure.meters.cpu import CpuMeter, _LiveStorageMode
-from autotune.measure.meters.temporaries import KernelFacts, kernel_facts, op_temporaries
+from autotune.measure.meters.temporaries import KernelFacts, kernel_facts, op_temporaries, unmodelled
 
 __all__ = [
     "FakeMeter",
@@ -282,6 +282,9 @@ class _FakeCountingMode(_LiveStorageMode):
             steps = op_temporaries(func, args, facts)
             if steps:
                 self.meter._ledger.scratch(steps)
+            left_out = unmodelled(func)
+            if left_out is not None and isinstance(self.meter, FakeMeter):
+                self.meter.unmodelled.add(left_out)
         if func in _TOPK:
             source, k = args[0], args[1]
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
@@ -426,6 +429,8 @@ class FakeMeter(CpuMeter):
         # On CUDA: what the kernels' temporaries depend on (autotune/measure/meters/temporaries.py), read
         # when the first trial starts (the device is not touched before).
         self.kernel_facts: KernelFacts | None = None
+        # What the CUDA kernels of the ops run so far take that no rule gives (UNMODELLED), for a warning.
+        self.unmodelled: set[str] = set()
 
     def _account(self, tensors: Any, what: Any) -> None:
         """On CUDA only the device's storages count: a batch built on the host (the task's ``batch``

@@ -19,7 +19,7 @@ import torch
 from autotune.core import kernel_temporaries as rules
 from autotune.core.kernel_temporaries import Step
 
-__all__ = ["KernelFacts", "kernel_facts", "op_temporaries"]
+__all__ = ["UNMODELLED", "KernelFacts", "kernel_facts", "op_temporaries", "unmodelled"]
 
 aten = torch.ops.aten
 # attention_backward.cu: larger batches run in chunks of this many (the temporaries are one chunk's).
@@ -158,6 +158,21 @@ _RULES: dict[Any, Callable[[tuple[Any, ...], KernelFacts], list[Step]]] = {
     aten.embedding_dense_backward.default: _embedding_backward,
     aten.native_layer_norm_backward.default: _layer_norm_backward,
 }
+
+
+# Ops whose CUDA kernels take scratch space that no rule gives, and what it is: an estimate that ran one
+# says its figure leaves that out.
+UNMODELLED: dict[Any, str] = {
+    aten.convolution.default: "cuDNN convolution workspaces (cuDNN's heuristics choose an algorithm, and its "
+    "workspace, per shape)",
+    aten.convolution_backward.default: "cuDNN convolution workspaces (cuDNN's heuristics choose an algorithm, "
+    "and its workspace, per shape)",
+}
+
+
+def unmodelled(func: Any) -> str | None:
+    """What func's CUDA kernel takes that no rule here gives, None where nothing (or a rule covers it)."""
+    return UNMODELLED.get(func)
 
 
 def op_temporaries(func: Any, args: tuple[Any, ...], facts: KernelFacts) -> list[Step]:
