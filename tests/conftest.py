@@ -70,6 +70,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=order)  # stable: the rest keep their collection order
 
 
+@pytest.fixture(scope="session")
+def cuda_python() -> str:
+    """The Python with a CUDA build of torch that emulated-card estimates run in (``make .venv-cuda``, which
+    ``make test`` builds). Without one, its tests skip saying so, except under CI=true, where the suite
+    installs it and a skip would hide a failure."""
+    from autotune.emulation import CudaTorchMissing, find_cuda_python
+
+    try:
+        return find_cuda_python()
+    except CudaTorchMissing as exc:
+        if os.environ.get("CI") == "true":
+            raise AssertionError(f"CI builds .venv-cuda (make test): {exc}") from None
+        pytest.skip(str(exc))
+
+
 def postgres_base_url() -> str:
     """The PostgreSQL URL the tests use (without a schema)."""
     return os.environ.get("AUTOTUNE_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)

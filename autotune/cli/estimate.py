@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
     )
 
 
-def _measured_context(config: Any, args: argparse.Namespace) -> Any:
+def measured_context(config: Any, args: argparse.Namespace) -> Any:
     """With --gpu and --server but no --context-bytes: the memory outside the allocator the store has
     measured on that card (its real CUDA trials), where it has; the catalog's figure otherwise."""
     if config.gpu is None or config.context_bytes is not None or not args.server:
@@ -81,20 +82,29 @@ def _measured_context(config: Any, args: argparse.Namespace) -> Any:
     if found is None:
         return config
     source = (
-        f"the median of {found.trials} real trials in {found.profiles} measured profiles of the card at "
-        f"{args.server}, {found.low_bytes} to {found.high_bytes} bytes"
+        f"the median over {found.profiles} measured profiles of the card at {args.server} of each one's trial at "
+        f"its m_max ({found.trials} real trials, {found.low_bytes} to {found.high_bytes} bytes)"
     )
     return dataclasses.replace(config, context_bytes=found.outside_allocator_bytes, context_source=source)
 
 
-def run_estimate(args: argparse.Namespace) -> int:
+def estimate_config(
+    args: argparse.Namespace,
+    *,
+    budget_bytes: int | None,
+    gpu: str | None,
+    device_kind: str = "cuda",
+    device_name: str | None = None,
+    micro_batches: Sequence[int] = (),
+) -> Any:
+    """The EstimateConfig of the estimate flags in args (`autotune estimate`'s, and `autotune fleet --gpu`'s
+    per card and budget), with a card's name and memory where gpu names one."""
     from autotune.orchestrate.estimate import EstimateConfig
-    from autotune.tasks.load import load_task
 
-    config = EstimateConfig(
-        budget_bytes=args.budget,
-        device_kind=args.device_kind,
-        device_name=args.device_name,
+    return EstimateConfig(
+        budget_bytes=budget_bytes,
+        device_kind=device_kind,
+        device_name=device_name,
         headroom=args.headroom,
         target_batch=args.target_batch,
         world_size=args.world_size,
@@ -103,11 +113,24 @@ def run_estimate(args: argparse.Namespace) -> int:
         multiple_of=args.multiple_of,
         precision=args.precision,
         plan_policy=args.plan,
-        gpu=args.gpu,
+        gpu=gpu,
         context_bytes=args.context_bytes,
-        micro_batches=tuple(args.micro_batches),
+        micro_batches=tuple(micro_batches),
     ).on_card()
-    config = _measured_context(config, args)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    from autotune.tasks.load import load_task
+
+    config = estimate_config(
+        args,
+        budget_bytes=args.budget,
+        gpu=args.gpu,
+        device_kind=args.device_kind,
+        device_name=args.device_name,
+        micro_batches=args.micro_batches,
+    )
+    config = measured_context(config, args)
     config.validate()  # a missing budget is refused before the task is even loaded
     check_seq_len_options(args)
     task = load_task(task_spec(args.task, args))

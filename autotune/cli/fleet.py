@@ -209,28 +209,14 @@ def _refuse_probe_only(args: argparse.Namespace) -> None:
 def _estimate_config_for(args: argparse.Namespace) -> Callable[[str, int | None], Any]:
     """``(card, budget) -> EstimateConfig`` as `autotune estimate --gpu CARD` builds it from the same flags
     (its name and memory from the catalog, the memory outside the allocator as the store measured it)."""
-    from autotune.cli.estimate import _measured_context
-    from autotune.orchestrate.estimate import EstimateConfig
+    from autotune.cli.estimate import estimate_config, measured_context
 
     outside: dict[str, tuple[int | None, str | None]] = {}
 
     def config_for(card: str, budget: int | None) -> Any:
-        config = EstimateConfig(
-            budget_bytes=budget,
-            device_kind="cuda",
-            headroom=args.headroom,
-            target_batch=args.target_batch,
-            world_size=args.world_size,
-            strategy=args.strategy,
-            max_micro_batch=args.max_micro_batch,
-            multiple_of=args.multiple_of,
-            precision=args.precision,
-            plan_policy=args.plan,
-            gpu=card,
-            context_bytes=args.context_bytes,
-        ).on_card()
+        config = estimate_config(args, budget_bytes=budget, gpu=card)
         if card not in outside:  # the store is asked once per card, not once per budget
-            measured = _measured_context(config, args)
+            measured = measured_context(config, args)
             outside[card] = (measured.context_bytes, measured.context_source)
         context_bytes, context_source = outside[card]
         config = dataclasses.replace(config, context_bytes=context_bytes, context_source=context_source)

@@ -44,14 +44,6 @@ RUNS = {"h200": ("ddp", 1), "a100-80gb": ("fsdp", 2), "t4": ("ddp", 1)}
 
 
 @pytest.fixture(scope="module")
-def cuda_python() -> str:
-    try:
-        return find_cuda_python()
-    except CudaTorchMissing as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
 def runs(cuda_python: str) -> dict[str, EmulatedRun]:
     def one(card: str) -> EmulatedRun:
         strategy, world_size = RUNS[card]

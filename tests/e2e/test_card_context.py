@@ -4,7 +4,6 @@ the H200 the memory outside the allocator that the card showed (autotune estimat
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import httpx2 as httpx
@@ -12,7 +11,6 @@ import pytest
 
 from autotune.cli import main
 from autotune.core.schemas import Profile
-from autotune.emulation import CudaTorchMissing, find_cuda_python
 from tests.e2e.conftest import LiveServer
 from tests.factories import profile_payload
 
@@ -20,16 +18,6 @@ MiB = 1 << 20
 # The H200 of 2026-11-30 read 810.00 MiB at m = 1 of the GPT example: 4 MiB of the trial, the two 32 MiB
 # cuBLAS workspaces, and so 742 MiB outside the allocator.
 OUTSIDE_BYTES = 742 * MiB
-
-
-@pytest.fixture(scope="module")
-def cuda_python() -> str:
-    try:
-        return find_cuda_python()
-    except CudaTorchMissing as exc:
-        if os.environ.get("CI") == "true":
-            raise AssertionError(f"CI builds .venv-cuda (make test): {exc}") from None
-        pytest.skip(str(exc))
 
 
 def test_an_estimate_uses_the_context_the_store_measured(

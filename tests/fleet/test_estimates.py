@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 from autotune.cli import main
 from autotune.cli.common import EXIT_USAGE
 from autotune.core.cards import lookup
-from autotune.emulation import CudaTorchMissing, find_cuda_python
+from autotune.emulation import CudaTorchMissing
 from autotune.fleet import EstimateOptions, Pair, Progress, Stored, estimate_pair, make_pairs, parse_cards
 from autotune.orchestrate.estimate import EstimateConfig
 from tests.e2e.conftest import REPO, LiveServer, autotune_command
@@ -31,16 +30,6 @@ CARDS = ("h100", "a100-80gb")
 # cards (m = 12 on the H100, whose cuBLAS workspaces take 64 MiB, and 61 on the A100), in a few fake trials.
 ESTIMATE_FLAGS = ["--budget", "1GiB", "--context-bytes", "845MiB", "--max-micro-batch", "64", "--target-batch", "256"]
 GiB = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def cuda_python() -> str:
-    try:
-        return find_cuda_python()
-    except CudaTorchMissing as exc:
-        if os.environ.get("CI") == "true":
-            raise AssertionError(f"CI builds .venv-cuda (make test): {exc}") from None
-        pytest.skip(str(exc))
 
 
 def _explain(done: subprocess.CompletedProcess[str]) -> str:
