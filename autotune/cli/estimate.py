@@ -154,15 +154,9 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
 
     def run(t: Any, c: Any) -> list[Any]:
         if lengths and c.gpu is not None:  # every length's emulated search in one child
-            import dataclasses
+            from autotune.orchestrate.estimate import estimate_for_card_at_lengths
 
-            from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card_lengths
-
-            try:
-                return estimate_on_card_lengths(t, c.on_card(), lengths, on_trial=progress)
-            except EmulationUnavailable as exc:
-                c = dataclasses.replace(c, emulation_failed=str(exc))
-            return [estimate(t.at_length(seq_len), c, on_trial=progress) for seq_len in lengths]
+            return estimate_for_card_at_lengths(t, c, lengths, on_trial=progress)
         if lengths:
             from autotune.orchestrate.lengths import estimate_lengths
 

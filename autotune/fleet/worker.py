@@ -9,7 +9,6 @@ that Ray shipped to it. Ray itself is imported only here, under Ray, to reach th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import socket
 import time
@@ -172,17 +171,7 @@ def _estimate(task: Any, config: Any, seq_lens: tuple[int, ...]) -> list[Any]:
                 f"task {task.name!r} is sequence-aware (its batch takes seq_len=): give the lengths with --seq-len"
             )
         return [estimate(task, config)]
-    from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card_lengths
+    from autotune.orchestrate.estimate import estimate_for_card_at_lengths
     from autotune.orchestrate.lengths import check_lengths
 
-    lengths = check_lengths(task, seq_lens)
-    # The child builds the task as the config says (estimate() does the same for one length).
-    if config.precision is not None:
-        task = dataclasses.replace(task, precision=config.precision)
-    if config.activation_checkpointing is not None:
-        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
-    try:
-        return estimate_on_card_lengths(task, config.on_card(), lengths)
-    except EmulationUnavailable as exc:
-        config = dataclasses.replace(config, emulation_failed=str(exc))
-    return [estimate(task.at_length(seq_len), config) for seq_len in lengths]
+    return estimate_for_card_at_lengths(task, config, check_lengths(task, seq_lens))

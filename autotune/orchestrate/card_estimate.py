@@ -11,7 +11,6 @@ for the card's budget and name, and says what to install.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -114,11 +113,7 @@ def _on_card(
 
     assert config.gpu is not None and config.budget_bytes is not None
     card = card_of(config.gpu)
-    # The precision and memory policy asked for, as estimate() applies them (the child gets them by name).
-    if config.precision is not None and config.precision != task.precision:
-        task = dataclasses.replace(task, precision=config.precision)
-    if config.activation_checkpointing is not None:
-        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    task = config.applied_to(task)  # the child gets the precision and policy by name, from the task
     if task.source is None:
         raise AutotuneError(
             f"--gpu runs the fake trials of task {task.name!r} in a process of its own, which loads it from its "

@@ -35,7 +35,7 @@ from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeTrials, fake_search
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["DEVICE_KINDS", "EstimateConfig", "estimate", "estimate_device_type"]
+__all__ = ["DEVICE_KINDS", "EstimateConfig", "estimate", "estimate_device_type", "estimate_for_card_at_lengths"]
 
 DEVICE_KINDS = ("cpu", "cuda")
 
@@ -68,6 +68,14 @@ class EstimateConfig:
     micro_batches: tuple[int, ...] = ()
     # Why the card could not be emulated, where a run over lengths found out already: CPU semantics then.
     emulation_failed: str | None = None
+
+    def applied_to(self, task: ProbeTask) -> ProbeTask:
+        """task with the precision and the memory policy asked for, where they are given."""
+        if self.precision is not None and self.precision != task.precision:
+            task = dataclasses.replace(task, precision=self.precision)
+        if self.activation_checkpointing is not None:
+            task = dataclasses.replace(task, activation_checkpointing=self.activation_checkpointing)
+        return task
 
     def on_card(self) -> EstimateConfig:
         """This config with the card's name and budget where --gpu names one and they are not given."""
@@ -160,10 +168,7 @@ def estimate(
     config = config.on_card()
     config.validate()
     assert config.budget_bytes is not None  # validate() refused None
-    if config.precision is not None and config.precision != task.precision:
-        task = dataclasses.replace(task, precision=config.precision)
-    if config.activation_checkpointing is not None:
-        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    task = config.applied_to(task)
     warnings: list[str] = []
     if config.gpu is not None and fakes is None:
         from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card
@@ -229,3 +234,20 @@ def estimate(
         torch_version=torch.__version__,
     )
 
+
+def estimate_for_card_at_lengths(
+    task: ProbeTask,
+    config: EstimateConfig,
+    lengths: Sequence[int],
+    *,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> list[Profile]:
+    """``autotune estimate --gpu --seq-len``: every length's estimate for config.gpu in one emulated child;
+    where the card cannot be emulated here, each length with CPU semantics, saying why (estimate() does)."""
+    from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card_lengths
+
+    try:
+        return estimate_on_card_lengths(task, config.on_card(), lengths, on_trial=on_trial)
+    except EmulationUnavailable as exc:
+        config = dataclasses.replace(config, emulation_failed=str(exc))
+    return [estimate(task.at_length(seq_len), config, on_trial=on_trial) for seq_len in lengths]

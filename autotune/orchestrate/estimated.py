@@ -24,7 +24,7 @@ __all__ = ["DDP_BUCKETS_LEFT_OUT", "estimated_profile", "non_monotone_sizes"]
 DDP_BUCKETS_LEFT_OUT = "the estimate leaves out DDP's gradient buckets (about the size of the gradients)"
 
 
-def non_monotone_sizes(trials: Sequence[Trial], max_micro_batch: int) -> list[int]:
+def non_monotone_sizes(trials: Sequence[Trial]) -> list[int]:
     """The sizes that fit above the smallest size that did not (none where the figure is monotone)."""
     failed = [t.micro_batch for t in trials if not t.fits]
     if not failed:
@@ -51,7 +51,7 @@ def estimated_profile(
     if config.strategy == "ddp" and config.world_size > 1:
         warnings.append(DDP_BUCKETS_LEFT_OUT)
     the_plan = plan_for(max_micro_batch, config.as_probe_config(), warnings)
-    above = non_monotone_sizes(trials, max_micro_batch)
+    above = non_monotone_sizes(trials)
     if above:
         # The caching allocator's staircase is not monotone in m: a size past the first one over the limit
         # can fit again (the H200 read 1.81 GiB at m = 1225 and 1.79 at 1212).

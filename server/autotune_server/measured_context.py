@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from autotune.core.schemas import DeviceContext, Fit
+from autotune.core.units import format_bytes as human_bytes
 from autotune_server.repository import Candidate
-from autotune_server.units import human_bytes
 
 __all__ = ["EstimateTrial", "Rederived", "TrialFigure", "for_candidate", "rederive"]
 

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from autotune.core.plan import micro_batches_text
 from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
+from autotune.core.units import format_bytes as human_bytes
 from autotune_server.api import API_PREFIX, MAX_ID
 from autotune_server.consistency import stored_problems
 from autotune_server.convert import to_profile
@@ -62,7 +63,6 @@ from autotune_server.models import ObservationRow
 from autotune_server.outage import DATABASE_ERRORS
 from autotune_server.repository import get_profile, list_observations, to_utc
 from autotune_server.surface_chart import length_view
-from autotune_server.units import human_bytes
 
 __all__ = [
     "CONTENT_SECURITY_POLICY",
@@ -117,7 +117,7 @@ class PageError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Formatting (human_bytes: autotune_server.units, shared with the API's notes)
+# Formatting (human_bytes: autotune.core.units.format_bytes, as the CLI and the API's notes write bytes)
 
 
 def human_age(created_at: datetime, now: datetime | None = None) -> str:

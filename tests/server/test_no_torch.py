@@ -82,5 +82,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
         "autotune.core.recommend",
         # The peak surface over (m, L): /suggest predicts lengths nobody measured from it.
         "autotune.core.surface",
+        # Bytes as people read them: the dashboard and the answers' notes write them as the CLI does.
+        "autotune.core.units",
     }
     assert set(result["autotune_modules"]) <= allowed

@@ -249,8 +249,9 @@ class _FakeCountingMode(_LiveStorageMode):
     """The CPU meter's counting mode over FakeTensorMode: answers scalar reads of fake tensors and
     carries routing values (the module docstring) beside the fake tensors computed from them."""
 
-    def __init__(self, meter: CpuMeter, load_factor: float) -> None:
+    def __init__(self, meter: FakeMeter, load_factor: float) -> None:
         super().__init__(meter)
+        self.meter: FakeMeter = meter
         self.load_factor = load_factor
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -277,13 +278,13 @@ class _FakeCountingMode(_LiveStorageMode):
             if not _fallback_grouped_mm(func, args, exc):
                 raise
             out = self._grouped_mm(types, args, kwargs)
-        facts = getattr(self.meter, "kernel_facts", None)
+        facts = self.meter.kernel_facts
         if facts is not None:
             steps = op_temporaries(func, args, facts)
             if steps:
                 self.meter._ledger.scratch(steps)
             left_out = unmodelled(func)
-            if left_out is not None and isinstance(self.meter, FakeMeter):
+            if left_out is not None:
                 self.meter.unmodelled.add(left_out)
         if func in _TOPK:
             source, k = args[0], args[1]

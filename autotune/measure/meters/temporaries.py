@@ -162,13 +162,11 @@ _RULES: dict[Any, Callable[[tuple[Any, ...], KernelFacts], list[Step]]] = {
 
 # Ops whose CUDA kernels take scratch space that no rule gives, and what it is: an estimate that ran one
 # says its figure leaves that out.
+_CONV_WORKSPACES = "cuDNN convolution workspaces (cuDNN's heuristics choose an algorithm, and its workspace, per shape)"
 UNMODELLED: dict[Any, str] = {
-    aten.convolution.default: "cuDNN convolution workspaces (cuDNN's heuristics choose an algorithm, and its "
-    "workspace, per shape)",
-    aten.convolution_backward.default: "cuDNN convolution workspaces (cuDNN's heuristics choose an algorithm, "
-    "and its workspace, per shape)",
+    aten.convolution.default: _CONV_WORKSPACES,
+    aten.convolution_backward.default: _CONV_WORKSPACES,
 }
-
 
 def unmodelled(func: Any) -> str | None:
     """What func's CUDA kernel takes that no rule here gives, None where nothing (or a rule covers it)."""
