@@ -10,7 +10,7 @@ The map (each package's ``__init__`` says what lives there and what it may impor
       |
     measure/   loop/     one trial on one device (meters, trial, strategies, policies, throughput);
       |          |       the training loop (accumulate, verify, the length-aware sampler)
-    tasks/ -------'      ProbeTask, hf: specs, the fingerprint
+    tasks/ -------'      ProbeTask, hf: specs, the fingerprint, the batch walker
       |
     core/                torch-free: schemas, units, plan, consistency, curve, surface, recommend,
                          errors, the allocator model, the card catalog: all the server may import
@@ -43,13 +43,20 @@ _PUBLIC = {
     "probe_lengths": "autotune.orchestrate.lengths",
     "estimate_lengths": "autotune.orchestrate.lengths",
     "Accumulator": "autotune.loop.accumulate",
-    "PlanBatchSampler": "autotune.loop.accumulate",
+    "PlanBatchSampler": "autotune.loop.plan_sampler",
     "verify_gradients": "autotune.loop.verify",
     "verify_micro_batches": "autotune.loop.verify",
     "capacity": "autotune.core.capacity",
     "Capacity": "autotune.core.capacity",
     "CapacityError": "autotune.core.capacity",
     "LengthBatchSampler": "autotune.loop.sampler",
+    "PackedRow": "autotune.loop.sampler",
+    "with_options": "autotune.tasks.hf",
+    "CpuMeter": "autotune.measure.meters.cpu",
+    "parse_bytes": "autotune.core.units",
+    "format_bytes": "autotune.core.units",
+    "CannotFitError": "autotune.core.errors",
+    "UnevenPlanWarning": "autotune.core.split",
 }
 
 __all__ = ["__version__", *sorted(_PUBLIC)]

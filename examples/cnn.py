@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autotune.tasks.task import ProbeTask
+from autotune import ProbeTask
 
 NUM_CLASSES = 10
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autotune.tasks.task import ProbeTask
+from autotune import ProbeTask
 
 IGNORE_INDEX = -100
 

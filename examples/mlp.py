@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autotune.tasks.task import ProbeTask
+from autotune import ProbeTask
 
 IN_FEATURES = 1024
 HIDDEN = 64

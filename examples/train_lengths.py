@@ -38,10 +38,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.core.capacity import Capacity, capacity  # noqa: E402
-from autotune.core.units import parse_bytes  # noqa: E402
-from autotune.loop.accumulate import Accumulator  # noqa: E402
-from autotune.loop.sampler import LengthBatchSampler, PackedRow  # noqa: E402
+from autotune import Accumulator, Capacity, LengthBatchSampler, PackedRow, capacity, parse_bytes  # noqa: E402
 from examples import gpt  # noqa: E402
 
 IGNORE = gpt.IGNORE_INDEX
@@ -143,8 +140,7 @@ def supervised(batch: dict[str, Any]) -> torch.Tensor:
 
 def probed_capacity(budget_bytes: int, lengths: Sequence[int], device: str = "cpu") -> Capacity:
     """Probe examples/gpt.py:task_seq at lengths in one run and build its capacity."""
-    from autotune.orchestrate.lengths import probe_lengths
-    from autotune.orchestrate.probe import ProbeConfig
+    from autotune import ProbeConfig, probe_lengths
 
     run = probe_lengths(gpt.task_seq, ProbeConfig(device=device, budget_bytes=budget_bytes), list(lengths))
     return capacity(run.profiles)
@@ -158,7 +154,7 @@ class Peak:
         self.device = device
         self.meter: Any = None
         if device == "cpu":
-            from autotune.measure.meters.cpu import CpuMeter
+            from autotune import CpuMeter
 
             self.meter = CpuMeter(budget_bytes)
         else:

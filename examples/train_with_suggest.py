@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from autotune.loop.accumulate import Accumulator, PlanBatchSampler
+from autotune import Accumulator, PlanBatchSampler
 from autotune_client import observer, suggest
 
 TARGET_BATCH = 256  # samples per optimizer update, as the recipe says
