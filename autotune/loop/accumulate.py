@@ -14,7 +14,8 @@ A plan (micro_batch m, accumulation_steps A, world_size D) is only as good as th
 - optional OOM fallback: a group that runs out of memory is redone from its start with micro-batches
   of half the size, nothing double-counted;
 - uneven micro-batches (a balanced plan's 6 x 26 + 4 x 25) are exact too, since the denominator is
-  the group's; :class:`PlanBatchSampler` cuts a map-style dataset into them, group after group.
+  the group's; :class:`~autotune.loop.plan_sampler.PlanBatchSampler` cuts a map-style dataset into
+  them, group after group (importable from here too).
 
     acc = Accumulator(model, optimizer, accumulation_steps=4, max_grad_norm=1.0)
     for group in acc.groups(loader, count=lambda b: (b["labels"] != -100).sum()):
@@ -29,21 +30,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.data import Sampler
 
 from autotune.core.errors import AutotuneError
 from autotune.core.plan import plan as make_plan
-from autotune.core.schemas import Observation, Plan, Suggestion
+from autotune.core.schemas import Observation, Plan
+from autotune.loop.plan_sampler import PlanBatchSampler
 from autotune.measure.oom import is_oom
+from autotune.tasks.batches import samples, tensors
 
 __all__ = [
     "SMALL_BATCHNORM_MICRO_BATCH",
@@ -154,17 +155,6 @@ class Group:
             position += 1
 
 
-def _leaves(batch: Any) -> Iterator[Any]:
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _leaves(value)
-    elif isinstance(batch, (tuple, list)):
-        for value in batch:
-            yield from _leaves(value)
-    else:
-        yield batch
-
-
 def batch_size(batch: Any) -> int:
     """The number of samples in a batch: dim 0 of its tensors (nested dict/tuple/list allowed).
 
@@ -174,88 +164,11 @@ def batch_size(batch: Any) -> int:
     >>> batch_size({"x": torch.zeros(3, 5), "y": (torch.zeros(3),)})
     3
     """
-    sizes = {leaf.shape[0] for leaf in _leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    sizes = {tensor.shape[0] for tensor in tensors(batch) if tensor.dim() > 0}
     if len(sizes) != 1:
         what = "no tensor with a batch dimension" if not sizes else f"tensors with dim 0 of {sorted(sizes)}"
         raise AccumulationError(f"cannot tell the batch size of a micro-batch with {what}")
     return sizes.pop()
-
-
-class PlanBatchSampler(Sampler[list[int]]):
-    """Index lists for a map-style dataset, cut into a plan's micro-batches, group after group.
-
-    A balanced plan's micro-batches differ in size (6 x 26 + 4 x 25 = 256), which a DataLoader's
-    ``batch_size`` cannot say; this batch sampler can. Each update's group is the plan's sizes in
-    order, so :class:`Accumulator` with ``accumulation_steps=plan.accumulation_steps`` takes exactly
-    one group per update and divides it by its true count. The last group of an epoch, when fewer
-    samples than a whole group are left, is those samples in micro-batches as even as they can be,
-    none larger than the plan's largest (``drop_last=True`` leaves it out).
-
-        plan = suggest(model, 256, example=dataset[:1])
-        loader = DataLoader(dataset, batch_sampler=PlanBatchSampler(RandomSampler(dataset), plan))
-        acc = Accumulator(model, optimizer, accumulation_steps=plan.accumulation_steps)
-
-    Under DDP pass each replica's ``DistributedSampler``: the plan's micro-batches are per replica.
-
-    Args:
-        sampler: the indices in the order to use them (a Sampler, any sized iterable of ints), or
-            the dataset's length for 0, 1, ..., n - 1.
-        plan: a Plan, a Suggestion, or the (size, count) pairs of one update's micro-batches.
-        drop_last: leave out a last group smaller than a whole one.
-
-    Raises:
-        ValueError: no micro-batches, or a size or count below 1.
-    """
-
-    def __init__(
-        self,
-        sampler: Iterable[int] | int,
-        plan: Plan | Suggestion | Sequence[tuple[int, int]],
-        *,
-        drop_last: bool = False,
-    ) -> None:
-        pairs = list(plan.micro_batches) if isinstance(plan, Plan | Suggestion) else [tuple(p) for p in plan]
-        if not pairs or any(size < 1 or count < 1 for size, count in pairs):
-            raise ValueError(f"micro-batches must be (size >= 1, count >= 1) pairs, got {pairs!r}")
-        self.sampler: Iterable[int] = range(sampler) if isinstance(sampler, int) else sampler
-        #: The sizes of one group's micro-batches, in the order they are yielded.
-        self.sizes = [size for size, count in pairs for _ in range(count)]
-        self.group_samples = sum(self.sizes)
-        self.drop_last = drop_last
-
-    def __iter__(self) -> Iterator[list[int]]:
-        indices = iter(self.sampler)
-        while True:
-            group: list[list[int]] = []
-            for size in self.sizes:
-                batch = list(itertools.islice(indices, size))
-                if batch:
-                    group.append(batch)
-                if len(batch) < size:  # the sampler ran out inside this group
-                    break
-            if sum(len(b) for b in group) == self.group_samples:
-                yield from group
-                continue
-            if group and not self.drop_last:
-                yield from self._rebalanced([index for batch in group for index in batch])
-            return
-
-    def _rebalanced(self, indices: list[int]) -> Iterator[list[int]]:
-        # ceil(n / largest) micro-batches whose sizes differ by at most one: none larger than what fits.
-        parts = -(-len(indices) // max(self.sizes))
-        small, extra = divmod(len(indices), parts)
-        start = 0
-        for part in range(parts):
-            stop = start + small + (1 if part < extra else 0)
-            yield indices[start:stop]
-            start = stop
-
-    def __len__(self) -> int:
-        if not isinstance(self.sampler, Sized):
-            raise TypeError("the sampler has no length")
-        groups, rest = divmod(len(self.sampler), self.group_samples)
-        tail = 0 if self.drop_last or rest == 0 else -(-rest // max(self.sizes))
-        return groups * len(self.sizes) + tail
 
 
 def split_batch(batch: Any, micro_batch: int) -> list[Any]:
@@ -275,19 +188,7 @@ def split_batch(batch: Any, micro_batch: int) -> list[Any]:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     total = batch_size(batch)
     starts = range(0, total, micro_batch)
-    return [_slice(batch, start, min(start + micro_batch, total)) for start in starts]
-
-
-def _slice(batch: Any, start: int, stop: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.dim() > 0 else batch
-    if isinstance(batch, Mapping):
-        return type(batch)({key: _slice(value, start, stop) for key, value in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple: positional constructor
-        return type(batch)(*(_slice(value, start, stop) for value in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_slice(value, start, stop) for value in batch)
-    return batch
+    return [samples(batch, start, min(start + micro_batch, total)) for start in starts]
 
 
 def _as_int(value: int | torch.Tensor, what: str) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +45,7 @@ from autotune.loop.accumulate import (
     batchnorm_layers,
     split_batch,
 )
+from autotune.tasks.batches import map_tensors, samples
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
@@ -111,16 +112,16 @@ class VerifyReport:
     mean_of_means_error: float | None = None
 
 
-def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: _map_tensors(v, fn) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_map_tensors(v, fn) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map_tensors(v, fn) for v in batch)
-    return batch
+def _model_and_batch(task: ProbeTask, target_batch: int, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    """A fresh model and one batch of target_batch samples, both in dtype (integer tensors stay as they
+    are). Called under the caller's forked and seeded RNG: the model is drawn first, then the batch."""
+    model = task.model()
+    batch = task.batch(target_batch)
+    if batch_size(batch) != target_batch:
+        raise TaskError(f"task {task.name!r}: batch({target_batch}) returned {batch_size(batch)} samples")
+    model = model.to(dtype=dtype)
+    batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+    return model, batch
 
 
 def _grads(model: nn.Module) -> Grads:
@@ -261,12 +262,7 @@ def verify_gradients(
     _check_sizes(target_batch, micro_batch, tolerance)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = task.model()
-        batch = task.batch(target_batch)
-        if batch_size(batch) != target_batch:
-            raise TaskError(f"task {task.name!r}: batch({target_batch}) returned {batch_size(batch)} samples")
-        model = model.to(dtype=dtype)
-        batch = _map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        model, batch = _model_and_batch(task, target_batch, dtype)
         micro = split_batch(batch, micro_batch)
         return _verify(task, model, batch, micro, target_batch, micro_batch, tolerance, dtype)
 
@@ -359,22 +355,12 @@ def verify_micro_batches(
     target_batch = sum(sizes)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = task.model()
-        batch = task.batch(target_batch)
-        if batch_size(batch) != target_batch:
-            raise TaskError(f"task {task.name!r}: batch({target_batch}) returned {batch_size(batch)} samples")
-        model = model.to(dtype=dtype)
-        batch = _map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        model, batch = _model_and_batch(task, target_batch, dtype)
         starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-        micro = [_samples(batch, start, stop) for start, stop in zip(starts, starts[1:], strict=False)]
+        micro = [samples(batch, start, stop) for start, stop in zip(starts, starts[1:], strict=False)]
         split = f"T={target_batch} as {len(sizes)} uneven micro-batches of {'+'.join(map(str, sizes))}"
         return _verify(task, model, batch, micro, target_batch, max(sizes), tolerance, dtype, split=split)
 
-
-
-def _samples(batch: Any, start: int, stop: int) -> Any:
-    """Samples start..stop of a batch (dim 0 of every tensor that has one)."""
-    return _map_tensors(batch, lambda t: t[start:stop] if t.dim() > 0 else t)
 
 def _dropout_layers(model: nn.Module) -> list[str]:
     dropout = nn.modules.dropout._DropoutNd

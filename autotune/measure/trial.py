@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import importlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -27,6 +27,7 @@ from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.measure.oom import is_oom
 from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Replicated, Strategy
+from autotune.tasks.batches import has_tensor, map_tensors
 from autotune.tasks.task import ProbeTask, weights_dtype_refusal
 
 __all__ = [
@@ -49,31 +50,14 @@ _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor of a nested dict/tuple/list to device, keeping the structure."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {key: move_to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(value, device) for value in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(move_to_device(value, device) for value in batch)
-    return batch
-
-
-def _has_tensor(batch: Any) -> bool:
-    if isinstance(batch, torch.Tensor):
-        return True
-    if isinstance(batch, Mapping):
-        return any(_has_tensor(value) for value in batch.values())
-    if isinstance(batch, (tuple, list)):
-        return any(_has_tensor(value) for value in batch)
-    return False
+    """Move every tensor of a nested batch to device, keeping the structure and the container types
+    (the walker of :mod:`autotune.tasks.batches`)."""
+    return map_tensors(lambda tensor: tensor.to(device, non_blocking=True), batch)
 
 
 def make_batch(task: ProbeTask, micro_batch: int, device: torch.device) -> Any:
     batch = task.batch(micro_batch)
-    if not _has_tensor(batch):
+    if not has_tensor(batch):
         raise TaskError(
             f"batch({micro_batch}) of task {task.name!r} returned {type(batch).__name__} with no tensors: "
             "return a tensor or a dict/tuple/list of tensors"
