@@ -5,30 +5,31 @@
     s = suggest(model, target_batch=512, example=lambda m: make_batch(m))
     loader = DataLoader(dataset, batch_sampler=PlanBatchSampler(RandomSampler(dataset), s))
     # ... accumulate s.accumulation_steps micro-batches (s.micro_batches: sizes within one of each
-    # other, autotune.loop.accumulate.PlanBatchSampler yields them) per optimizer step
+    # other, autotune.PlanBatchSampler yields them) per optimizer step
 
 The model's fingerprint is asked of the server; on a miss the setup is probed here, on this job's own
-device, the profile is uploaded, and the next job with the same setup gets it from the store.
-torch and the probe are imported only inside these functions: ``import autotune_client`` stays
-cheap and torch-free.
+device (``autotune_client._local_probe``), the profile is uploaded, and the next job with the same setup
+gets it from the store. torch and the probe are imported only inside these functions: ``import
+autotune_client`` stays cheap and torch-free (``autotune.core``, which it imports, is torch-free).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autotune.core import units
 from autotune.core.plan import PLAN_POLICIES
 from autotune.core.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, STRATEGIES, Profile, Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._constants import DEFAULT_TIMEOUT_SECONDS, ENV_URL
-from autotune_client._distributed import DECISION_SLACK_SECONDS, in_process_group, local_probe_starting, one_decision
+from autotune_client._distributed import DECISION_SLACK_SECONDS, in_process_group, one_decision
+from autotune_client._local_probe import probe_locally, suggestion_from_profile
 from autotune_client.errors import (
     APIConnectionError,
     AutotuneClientError,
@@ -45,23 +46,10 @@ if TYPE_CHECKING:
 
 __all__ = ["job_fingerprint", "parse_bytes", "suggest"]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
 
 def parse_bytes(value: int | str) -> int:
-    """Bytes from an int or a size such as ``"64MiB"``, ``"1.5GiB"``, ``"80GB"``.
+    """Bytes from an int or a size such as ``"64MiB"``, ``"1.5GiB"``, ``"80GB"`` or ``"80G"``: the units of
+    :func:`autotune.core.units.parse_bytes`, the one parser of sizes (``autotune probe --budget`` uses it too).
 
     Raises:
         AutotuneClientError: not a positive size in a known unit.
@@ -69,16 +57,13 @@ def parse_bytes(value: int | str) -> int:
     if isinstance(value, bool):
         raise AutotuneClientError(f"budget must be bytes or a size like '4GiB', got {value!r}")
     if isinstance(value, int):
-        number = value
-    else:
-        match = _BYTES_RE.match(str(value))
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise AutotuneClientError(f"budget {value!r} is not a size like '4GiB', '512MiB' or '80GB'")
-        number = int(float(match.group(1)) * _UNITS[unit])
-    if number <= 0:
-        raise AutotuneClientError(f"budget must be positive, got {value!r}")
-    return number
+        if value <= 0:
+            raise AutotuneClientError(f"budget must be positive, got {value!r}")
+        return value
+    try:
+        return units.parse_bytes(str(value))
+    except ValueError as exc:
+        raise AutotuneClientError(f"budget {value!r}: {exc}") from None
 
 
 def job_fingerprint(
@@ -202,11 +187,50 @@ def suggest(
     timeout, retries included.
     """
     arguments = dict(locals())  # the call as made, for rank 0 to repeat without the process group
-    from autotune.tasks.fingerprint import fingerprint_model
-
     if distributed and in_process_group():
         wait = (client.timeout if client is not None else DEFAULT_TIMEOUT_SECONDS) + DECISION_SLACK_SECONDS
         return one_decision(lambda: suggest(**{**arguments, "distributed": False}), wait_seconds=wait)
+    target_batch, token_note = _validated(
+        target_batch, target_tokens, seq_len, world_size, strategy, plan, objective, activation_checkpointing
+    )
+    job = _Job.resolve(
+        model,
+        target_batch,
+        example=example,
+        world_size=world_size,
+        loss=loss,
+        optimizer=optimizer,
+        precision=precision,
+        tags=tags,
+        device=device,
+        budget=budget,
+        strategy=strategy,
+        plan=plan,
+        objective=objective,
+        activation_checkpointing=activation_checkpointing,
+        seq_len=seq_len,
+    )
+    notes: list[str] = []
+    with _tuner(client) as tuner:
+        answer, upload_to = _ask(tuner, job, notes, probe_if_missing=probe_if_missing)
+        if answer is None:
+            profile = _probe(job, notes)
+            profile_id = _upload(profile, upload_to, notes)
+            answer = suggestion_from_profile(profile, job.target_batch, job.world_size, profile_id, notes, job.plan)
+    return _in_tokens(answer, seq_len, target_tokens, token_note)
+
+
+def _validated(
+    target_batch: int | None,
+    target_tokens: int | None,
+    seq_len: int | None,
+    world_size: int | None,
+    strategy: str,
+    plan: str,
+    objective: str,
+    activation_checkpointing: str,
+) -> tuple[int, str | None]:
+    """The target in sequences per update and the note on it, once the choices are known ones."""
     target_batch, token_note = _target_in_sequences(target_batch, target_tokens, seq_len, world_size)
     if strategy not in STRATEGIES:
         raise AutotuneClientError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -219,103 +243,189 @@ def suggest(
             f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
             f"got {activation_checkpointing!r}"
         )
-    model = _unwrap(model)
-    world = _resolve_world_size(world_size)
-    if target_batch < world:
-        raise AutotuneClientError(
-            f"target_batch {target_batch} is smaller than world_size {world}: "
-            "every replica needs at least one sample per update"
-        )
-    batch_fn, one_sample = _batch_factory(example)
-    precision = precision or "fp32"
-    tag_dict = dict(tags or {})
-    device_spec = _job_device(model, device)
-    budget_bytes = parse_bytes(budget) if budget is not None else None
+    return target_batch, token_note
 
-    fingerprint = fingerprint_model(
-        model, one_sample, optimizer=optimizer, precision=precision, tags=tag_dict, seq_len=seq_len
-    )
-    device_name = _device_name(device_spec)
 
-    notes: list[str] = []
-    own_client: TunerClient | None = None
-    if client is None and os.environ.get(ENV_URL, "").strip():
-        client = own_client = TunerClient()
-    try:
-        upload_to: TunerClient | None = None
-        if client is None:
-            if not probe_if_missing:
-                raise AutotuneClientError(
-                    f"no tuner server: pass client= or set {ENV_URL} (or allow a local probe)"
-                )
-            notes.append(
-                _warn(f"no tuner server configured (${ENV_URL} unset): probing locally, nothing is stored")
+@dataclass(frozen=True)
+class _Job:
+    """One call of :func:`suggest` resolved: what the store is asked (the fingerprint and the query) and
+    what a local probe measures (the model, its batches, the device and budget)."""
+
+    model: nn.Module
+    fingerprint: str
+    target_batch: int
+    world_size: int
+    batch_fn: Callable[[int], Any]
+    loss: LossFn | None
+    optimizer: OptimizerFactory | None
+    precision: str
+    tags: dict[str, TagValue]
+    device_spec: str
+    device_name: str
+    budget_bytes: int | None
+    strategy: str
+    plan: str
+    objective: str
+    activation_checkpointing: str
+    seq_len: int | None
+
+    @classmethod
+    def resolve(
+        cls,
+        model: nn.Module,
+        target_batch: int,
+        *,
+        example: Any,
+        world_size: int | None,
+        loss: LossFn | None,
+        optimizer: OptimizerFactory | None,
+        precision: str | None,
+        tags: Mapping[str, TagValue] | None,
+        device: Any,
+        budget: int | str | None,
+        strategy: str,
+        plan: str,
+        objective: str,
+        activation_checkpointing: str,
+        seq_len: int | None,
+    ) -> _Job:
+        """The defaults filled in (world size, device, precision), the example turned into batches, and
+        the fingerprint taken; the arguments are :func:`suggest`'s."""
+        from autotune.tasks.fingerprint import fingerprint_model
+
+        model = _unwrap(model)
+        world = _resolve_world_size(world_size)
+        if target_batch < world:
+            raise AutotuneClientError(
+                f"target_batch {target_batch} is smaller than world_size {world}: "
+                "every replica needs at least one sample per update"
             )
-        else:
-            try:
-                answer = client.suggest(
-                    fingerprint=fingerprint,
-                    target_batch=target_batch,
-                    world_size=world,
-                    device_name=device_name,
-                    budget_bytes=budget_bytes,
-                    strategy=strategy,
-                    plan=plan,
-                    activation_checkpointing=activation_checkpointing,
-                    objective=objective,
-                    seq_len=seq_len,
-                )
-                return _in_tokens(answer, seq_len, target_tokens, token_note)
-            except NotFoundError:
-                if not probe_if_missing:
-                    raise
-                upload_to = client  # the server works and lacks this setup: it gets the profile
-            except (APIConnectionError, InternalServerError, RateLimitError) as exc:
-                if not probe_if_missing:
-                    raise
-                notes.append(
-                    _warn(f"tuner unavailable ({exc}): probing locally, the profile is not uploaded")
-                )
-
-        profile = _probe_locally(
-            model,
-            batch_fn,
+        batch_fn, one_sample = _batch_factory(example)
+        precision = precision or "fp32"
+        tag_dict = dict(tags or {})
+        device_spec = _job_device(model, device)
+        budget_bytes = parse_bytes(budget) if budget is not None else None
+        fingerprint = fingerprint_model(
+            model, one_sample, optimizer=optimizer, precision=precision, tags=tag_dict, seq_len=seq_len
+        )
+        return cls(
+            model=model,
+            fingerprint=fingerprint,
+            target_batch=target_batch,
+            world_size=world,
+            batch_fn=batch_fn,
             loss=loss,
             optimizer=optimizer,
             precision=precision,
             tags=tag_dict,
             device_spec=device_spec,
+            device_name=_device_name(device_spec),
             budget_bytes=budget_bytes,
-            target_batch=target_batch,
-            world_size=world,
             strategy=strategy,
-            plan_policy=plan,
+            plan=plan,
+            objective=objective,
             activation_checkpointing=activation_checkpointing,
-            throughput=objective == "throughput",
+            seq_len=seq_len,
         )
-        if seq_len is not None:
-            # Measured at the job's one length: stored as the sequence-aware setup's profile at it.
-            profile.fingerprint, profile.seq_len = fingerprint, seq_len
-        if profile.fingerprint != fingerprint:
-            # Should not happen (same function, same inputs); if it does, an upload would be
-            # stored under a key no job asks for, so say so rather than fill the store silently.
-            notes.append(
-                _warn(
-                    f"the probe's fingerprint {profile.fingerprint[:12]} differs from "
-                    f"the job's {fingerprint[:12]}"
-                )
-            )
-        profile_id: int | None = None
-        if upload_to is not None:
-            try:
-                profile_id = upload_to.upload(profile)
-            except AutotuneClientError as exc:
-                notes.append(_warn(f"the probed profile was not uploaded: {exc}"))
-        answer = _suggestion_from_profile(profile, target_batch, world, profile_id, notes, plan)
-        return _in_tokens(answer, seq_len, target_tokens, token_note)
+
+
+@contextlib.contextmanager
+def _tuner(client: TunerClient | None) -> Iterator[TunerClient | None]:
+    """The server to ask: the client given, else one built from ``$AUTOTUNE_URL`` (closed after the
+    call), else None (no server configured)."""
+    if client is not None or not os.environ.get(ENV_URL, "").strip():
+        yield client
+        return
+    own_client = TunerClient()
+    try:
+        yield own_client
     finally:
-        if own_client is not None:
-            own_client.close()
+        own_client.close()
+
+
+def _ask(
+    tuner: TunerClient | None, job: _Job, notes: list[str], *, probe_if_missing: bool
+) -> tuple[Suggestion | None, TunerClient | None]:
+    """The store's answer, or (None, where a local probe's profile goes) on a miss that a probe may fill:
+    the tuner itself when it works and lacks this setup, None when it is absent or unavailable (the
+    reason is warned and added to ``notes``).
+
+    Raises:
+        AutotuneClientError: no server, or a miss or an outage, and ``probe_if_missing`` is False.
+    """
+    if tuner is None:
+        if not probe_if_missing:
+            raise AutotuneClientError(f"no tuner server: pass client= or set {ENV_URL} (or allow a local probe)")
+        notes.append(_warn(f"no tuner server configured (${ENV_URL} unset): probing locally, nothing is stored"))
+        return None, None
+    try:
+        answer = tuner.suggest(
+            fingerprint=job.fingerprint,
+            target_batch=job.target_batch,
+            world_size=job.world_size,
+            device_name=job.device_name,
+            budget_bytes=job.budget_bytes,
+            strategy=job.strategy,
+            plan=job.plan,
+            activation_checkpointing=job.activation_checkpointing,
+            objective=job.objective,
+            seq_len=job.seq_len,
+        )
+        return answer, None
+    except NotFoundError:
+        if not probe_if_missing:
+            raise
+        return None, tuner  # the server works and lacks this setup: it gets the profile
+    except (APIConnectionError, InternalServerError, RateLimitError) as exc:
+        if not probe_if_missing:
+            raise
+        notes.append(_warn(f"tuner unavailable ({exc}): probing locally, the profile is not uploaded"))
+        return None, None
+
+
+def _probe(job: _Job, notes: list[str]) -> Profile:
+    """The job probed here (:func:`autotune_client._local_probe.probe_locally`), its profile stamped with
+    the job's fingerprint and length."""
+    profile = probe_locally(
+        job.model,
+        job.batch_fn,
+        loss=job.loss,
+        optimizer=job.optimizer,
+        precision=job.precision,
+        tags=job.tags,
+        device_spec=job.device_spec,
+        budget_bytes=job.budget_bytes,
+        target_batch=job.target_batch,
+        world_size=job.world_size,
+        strategy=job.strategy,
+        plan_policy=job.plan,
+        activation_checkpointing=job.activation_checkpointing,
+        throughput=job.objective == "throughput",
+    )
+    if job.seq_len is not None:
+        # Measured at the job's one length: stored as the sequence-aware setup's profile at it.
+        profile.fingerprint, profile.seq_len = job.fingerprint, job.seq_len
+    if profile.fingerprint != job.fingerprint:
+        # Should not happen (same function, same inputs); if it does, an upload would be
+        # stored under a key no job asks for, so say so rather than fill the store silently.
+        notes.append(
+            _warn(
+                f"the probe's fingerprint {profile.fingerprint[:12]} differs from "
+                f"the job's {job.fingerprint[:12]}"
+            )
+        )
+    return profile
+
+
+def _upload(profile: Profile, upload_to: TunerClient | None, notes: list[str]) -> int | None:
+    """The stored profile's id, or None when there is nowhere to upload or the upload failed (warned)."""
+    if upload_to is None:
+        return None
+    try:
+        return upload_to.upload(profile)
+    except AutotuneClientError as exc:
+        notes.append(_warn(f"the probed profile was not uploaded: {exc}"))
+        return None
 
 
 def _target_in_sequences(
@@ -340,8 +450,9 @@ def _in_tokens(answer: Suggestion, seq_len: int | None, target_tokens: int | Non
     return in_tokens(answer, seq_len, target_tokens, note)
 
 
-def _warn(message: str) -> str:
-    warnings.warn(message, TunerUnavailableWarning, stacklevel=3)
+def _warn(message: str, *, stacklevel: int = 4) -> str:
+    # 4: the frame that called suggest() (above _warn, the step that warns, and suggest itself).
+    warnings.warn(message, TunerUnavailableWarning, stacklevel=stacklevel)
     return message
 
 
@@ -379,29 +490,11 @@ def _resolve_world_size(world_size: int | None) -> int:
     return 1
 
 
-def _map_tensors(batch: Any, fn: Callable[[Any], Any]) -> Any:
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return {key: _map_tensors(value, fn) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple keeps its type
-        return type(batch)(*(_map_tensors(value, fn) for value in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map_tensors(value, fn) for value in batch)
-    return batch
-
-
-def _has_tensor(batch: Any) -> bool:
-    found: list[Any] = []
-    _map_tensors(batch, found.append)
-    return bool(found)
-
-
 def _batch_factory(example: Any) -> tuple[Callable[[int], Any], Any]:
     """(batch(m), a batch of one sample) from what the caller gave."""
     import torch
+
+    from autotune.tasks.batches import has_tensor, map_tensors
 
     if example is None:
         raise AutotuneClientError(
@@ -412,11 +505,11 @@ def _batch_factory(example: Any) -> tuple[Callable[[int], Any], Any]:
         # The sample may be random; drawing it must not shift the job's seeded stream.
         with torch.random.fork_rng(devices=[]):
             one = example(1)
-        if not _has_tensor(one):
+        if not has_tensor(one):
             raise AutotuneClientError("example(1) returned no tensor: batch(m) must return tensors")
         return example, one
 
-    if not _has_tensor(example):
+    if not has_tensor(example):
         raise AutotuneClientError(f"example holds no tensor (got {type(example).__name__})")
 
     def first(t: torch.Tensor) -> torch.Tensor:
@@ -424,10 +517,10 @@ def _batch_factory(example: Any) -> tuple[Callable[[int], Any], Any]:
         # caller's tensor stays untouched.
         return (t[:1] if t.dim() > 0 else t).detach().to("cpu", copy=True)
 
-    one = _map_tensors(example, first)
+    one = map_tensors(first, example)
 
     def batch(m: int) -> Any:
-        return _map_tensors(one, lambda t: t.repeat(m, *([1] * (t.dim() - 1))) if t.dim() > 0 else t.clone())
+        return map_tensors(lambda t: t.repeat(m, *([1] * (t.dim() - 1))) if t.dim() > 0 else t.clone(), one)
 
     return batch, one
 
@@ -458,140 +551,3 @@ def _device_name(device_spec: str) -> str:
     from autotune.measure.meters import describe_device
 
     return describe_device(device_spec).name
-
-
-def _cpu_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of the model on the CPU, made without a second copy on the model's device.
-
-    Parameters and buffers are copied to the CPU first and handed to deepcopy through its memo, so
-    a GPU-resident model is never duplicated on the GPU; shared (tied) weights stay shared, and
-    ``requires_grad`` is kept because frozen layers change memory.
-    """
-    import torch
-    from torch import nn
-
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        if id(tensor) in memo:
-            continue
-        if tensor.is_meta:
-            # A model built on the meta device (deferred init) has shapes but no values, and only
-            # shapes decide memory: zeros stand in for the weights it does not have yet.
-            data = torch.zeros_like(tensor, device="cpu")
-        else:
-            data = tensor.detach().to("cpu", copy=True)
-        if isinstance(tensor, nn.Parameter):
-            memo[id(tensor)] = nn.Parameter(data, requires_grad=tensor.requires_grad)
-        else:
-            memo[id(tensor)] = data
-    return copy.deepcopy(model, memo)
-
-
-@contextlib.contextmanager
-def _rng_preserved(device_spec: str) -> Iterator[None]:
-    import torch
-
-    # The probe draws random batches; a job seeded for reproducibility must not see its stream shift.
-    devices = [int(device_spec[5:])] if device_spec.startswith("cuda:") else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
-def _probe_locally(
-    model: nn.Module,
-    batch_fn: Callable[[int], Any],
-    *,
-    loss: LossFn | None,
-    optimizer: OptimizerFactory | None,
-    precision: str,
-    tags: dict[str, TagValue],
-    device_spec: str,
-    budget_bytes: int | None,
-    target_batch: int,
-    world_size: int,
-    strategy: str = "ddp",
-    plan_policy: str = "balanced",
-    activation_checkpointing: str = "none",
-    throughput: bool = False,
-) -> Profile:
-    from autotune.orchestrate.probe import ProbeConfig, probe
-    from autotune.tasks.task import ProbeTask
-
-    if device_spec == "cpu" and budget_bytes is None:
-        raise AutotuneClientError("probing on the CPU needs budget= (bytes or a size like '4GiB')")
-    local_probe_starting()  # under a process group: the other ranks now wait for a probe
-    template = _cpu_copy(model)
-
-    def fresh_model() -> nn.Module:
-        # A fresh copy per trial, in training mode whatever mode the caller's model is in.
-        return copy.deepcopy(template).train()
-
-    task = ProbeTask(
-        name=type(model).__name__,
-        model=fresh_model,
-        batch=batch_fn,
-        loss=loss,
-        optimizer=optimizer,
-        precision=precision,
-        tags=tags,
-    )
-    config = ProbeConfig(
-        device=device_spec,
-        budget_bytes=budget_bytes,
-        target_batch=target_batch,
-        world_size=world_size,
-        strategy=strategy,
-        plan_policy=plan_policy,
-        activation_checkpointing=activation_checkpointing,
-        throughput=throughput,
-    )
-    with _rng_preserved(device_spec):
-        return probe(task, config)
-
-
-def _suggestion_from_profile(
-    profile: Profile,
-    target_batch: int,
-    world_size: int,
-    profile_id: int | None,
-    notes: list[str],
-    policy: str = "balanced",
-) -> Suggestion:
-    from autotune.core.plan import plan
-
-    # The probe planned with the same policy; any other target or world size is planned here.
-    stored = profile.plan
-    if stored is not None and stored.target_batch == target_batch and stored.world_size == world_size:
-        chosen = stored
-    else:
-        chosen = plan(
-            profile.max_micro_batch,
-            target_batch,
-            world_size,
-            multiple_of=profile.multiple_of,
-            policy=policy,  # type: ignore[arg-type]
-        )
-    found = [*profile.warnings, *([chosen.note] if chosen.note else []), *notes]
-    return Suggestion.from_plan(
-        chosen,
-        source="probed",
-        profile_id=profile_id,
-        fingerprint=profile.fingerprint,
-        device_name=profile.device.name,
-        max_micro_batch=profile.max_micro_batch,
-        multiple_of=profile.multiple_of,
-        peak_bytes=profile.peak_at(chosen.micro_batch),
-        budget_bytes=profile.budget_bytes,
-        strategy=profile.strategy,
-        activation_checkpointing=profile.activation_checkpointing,
-        samples_per_second=_timed_rate(profile, chosen),
-        warnings=list(dict.fromkeys(found)),
-    )
-
-
-def _timed_rate(profile: Profile, chosen: Any) -> float | None:
-    """The samples per second the profile's timed runs give the chosen plan (None: not timed)."""
-    from autotune.core.recommend import samples_per_second
-
-    rate = samples_per_second(profile.throughput or [], chosen.micro_batches, chosen.world_size)
-    return None if rate is None else round(rate[0], 4)

@@ -307,7 +307,7 @@ def test_no_server_configured_and_no_probe_is_an_error(fake_probe: FakeProbe) ->
         ({"target_batch": 0}, "target_batch"),
         ({"world_size": 0}, "world_size"),
         ({"target_batch": 2, "world_size": 4}, "smaller than world_size"),
-        ({"budget": "lots"}, "not a size"),
+        ({"budget": "lots"}, "budget 'lots': cannot read 'lots' as a size"),
         ({"device": "meta"}, "not 'meta'"),
     ],
 )
@@ -334,7 +334,17 @@ def test_probing_on_the_cpu_needs_a_budget(fake_probe: FakeProbe) -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(4096, 4096), ("64MiB", 64 << 20), ("1.5GiB", 3 << 29), ("80GB", 80 * 10**9), ("512 kib", 512 << 10)],
+    [
+        (4096, 4096),
+        ("64MiB", 64 << 20),
+        ("1.5GiB", 3 << 29),
+        ("80GB", 80 * 10**9),
+        ("512 kib", 512 << 10),
+        # The units of autotune.core.units, the one parser of sizes (the client once knew no k/m/g).
+        ("80G", 80 * 10**9),
+        ("4k", 4000),
+        ("2m", 2 * 10**6),
+    ],
 )
 def test_parse_bytes(value: int | str, expected: int) -> None:
     assert parse_bytes(value) == expected
