@@ -25,6 +25,8 @@ from autotune.core.capacity import Capacity
 from autotune.core.schemas import DeviceContext, Observation, Profile, Suggestion
 from autotune_client._constants import (
     API_PREFIX,
+    BUSY_ERROR_CODE,
+    BUSY_RETRY_JITTER_FRACTION,
     DEFAULT_MAX_RETRIES,
     DEFAULT_TIMEOUT_SECONDS,
     ENV_TOKEN,
@@ -84,7 +86,9 @@ class TunerClient:
         base_url: the server root, e.g. ``http://tuner:8765``; defaults to ``$AUTOTUNE_URL``.
         token: bearer token sent with every request; defaults to ``$AUTOTUNE_TOKEN`` (writes need one).
         timeout: seconds one call may take in all, retries and back-off included.
-        max_retries: retries after the first attempt on connection errors, 408, 429 and 5xx.
+        max_retries: retries after the first attempt on connection errors, 408, 429 and 5xx; a 503
+            ``server_busy`` (a saturated server: nothing done) is retried after its Retry-After
+            while ``timeout`` allows, beyond this count (not when it is 0).
         http_client: an ``httpx.Client`` to use (tests pass one with a MockTransport); it is not
             closed by this client.
 
@@ -361,13 +365,17 @@ class TunerClient:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
-    def _retry_delay(self, attempt: int, response: httpx.Response | None, remaining: float = math.inf) -> float:
+    def _retry_delay(
+        self, attempt: int, response: httpx.Response | None, remaining: float = math.inf, *, busy: bool = False
+    ) -> float:
         """Seconds to wait before the next attempt: the server's Retry-After when it gave a believable
-        one (lengthened by jitter only while that still fits in ``remaining``), else the back-off."""
+        one (lengthened by jitter only while that still fits in ``remaining``; more jitter when the
+        server was busy), else the back-off."""
         if response is not None:
             retry_after = _parse_retry_after(response.headers.get("Retry-After"))
             if retry_after is not None and retry_after <= MAX_RETRY_AFTER_SECONDS:
-                jittered = retry_after * (1.0 + RETRY_AFTER_JITTER_FRACTION * self._random())
+                fraction = BUSY_RETRY_JITTER_FRACTION if busy else RETRY_AFTER_JITTER_FRACTION
+                jittered = retry_after * (1.0 + fraction * self._random())
                 return jittered if jittered < remaining else retry_after
         delay = min(MAX_RETRY_DELAY_SECONDS, INITIAL_RETRY_DELAY_SECONDS * 2**attempt)
         return delay * (1.0 - RETRY_JITTER_FRACTION * self._random())
@@ -390,6 +398,7 @@ class TunerClient:
                 raise APITimeoutError(f"{method} {url}: no answer within {self.timeout:g} s")
             response: httpx.Response | None = None
             error: AutotuneClientError
+            busy = False
             try:
                 response = self._http.request(
                     method, url, params=params, json=json, headers=self._headers(), timeout=remaining
@@ -416,9 +425,13 @@ class TunerClient:
                 )
                 # 503 means the server did not process it, whatever the method.
                 retryable = retryable or status == 503
-            if not retryable or attempt >= self.max_retries:
+                busy = status == 503 and getattr(error, "code", None) == BUSY_ERROR_CODE
+            # A busy server asks for a short wait and did nothing: retried while the call's timeout
+            # allows, not counted against max_retries (a crowd may be shed more than twice in a row).
+            out_of_retries = attempt >= self.max_retries and not (busy and self.max_retries > 0)
+            if not retryable or out_of_retries:
                 raise error
-            delay = self._retry_delay(attempt, response, deadline - time.monotonic())
+            delay = self._retry_delay(attempt, response, deadline - time.monotonic(), busy=busy)
             if time.monotonic() + delay >= deadline:
                 # Waiting would overrun the call's timeout: fail now with what the server said.
                 raise error

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "API_PREFIX",
+    "BUSY_ERROR_CODE",
+    "BUSY_RETRY_JITTER_FRACTION",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_TIMEOUT_SECONDS",
     "ENV_TOKEN",
@@ -51,10 +53,19 @@ RETRY_AFTER_JITTER_FRACTION = 0.25
 the server asked), so that a fleet refused together by a store that is down does not come back in
 one burst the moment it returns."""
 
+BUSY_ERROR_CODE = "server_busy"
+"""The error code of a 503 from a saturated server (its database is fine; its queue is full).
+Nothing was processed: it is retried after its Retry-After while the call's timeout allows, beyond
+``max_retries`` (but never when ``max_retries`` is 0)."""
+
+BUSY_RETRY_JITTER_FRACTION = 1.0
+"""A busy server's Retry-After is lengthened by up to this fraction at random (up to twice the
+wait): a crowd shed at once must not come back at once, or it is shed again."""
+
 RETRYABLE_STATUS_CODES = frozenset({408, 429})
 """Statuses below 500 worth a retry (request timeout, rate limiting); every 5xx is retried too,
-but for :data:`NON_RETRYABLE_STATUS_CODES`. 503 (the store's database is unavailable: nothing was
-processed) is retried whatever the method, after its Retry-After."""
+but for :data:`NON_RETRYABLE_STATUS_CODES`. 503 (the store's database is unavailable, or the server
+is busy: nothing was processed) is retried whatever the method, after its Retry-After."""
 
 NON_RETRYABLE_STATUS_CODES = frozenset({501, 505, 507})
 """5xx that a retry within seconds cannot change: not implemented, HTTP version, a full disk (507)."""

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response, st
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import Engine
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy
@@ -30,8 +30,9 @@ from autotune.core.schemas import (
 from autotune_server import drift, repository
 from autotune_server.consistency import consistent_lookup, require_consistent
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
-from autotune_server.deps import ReadAccess, SessionDep, WriteAccess
+from autotune_server.deps import GateDep, ReadAccess, WriteAccess
 from autotune_server.errors import ContextNotMeasured, ErrorBody
+from autotune_server.gate import DatabaseGate
 from autotune_server.outage import DATABASE_ERRORS, STALE_HEADER, Failure, classify
 from autotune_server.repository import Lookup
 from autotune_server.storable import check_storable
@@ -52,7 +53,8 @@ MAX_TARGET_BATCH = 2**40 - 2**30
 FINGERPRINT_PATTERN = r"^[0-9a-f]{16,128}$"
 
 
-# Every route that reads or writes the store can meet an outage: 503 (with Retry-After) or 507.
+# Every route that reads or writes the store can meet an outage or a full queue: 503 (with
+# Retry-After) or 507.
 _OUTAGE = (503, 507)
 
 
@@ -64,8 +66,9 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         413: "Request body over the size cap",
         422: "A field is missing, unknown or out of range, or a profile's trials contradict it "
         "(the error names the field, and the trial)",
-        503: "The database is unavailable (unreachable, timed out, locked or read-only): nothing was "
-        "stored; retry after Retry-After seconds",
+        503: "The database is unavailable (database_unavailable: unreachable, timed out, locked or "
+        "read-only), or every database slot of this server is taken and its queue is full (server_busy): "
+        "nothing was stored; retry after Retry-After seconds",
         507: "The database's disk is full: nothing was stored",
     }
     out: dict[int | str, dict[str, Any]] = {}
@@ -121,11 +124,11 @@ ProfileId = Annotated[int, Path(ge=1, le=MAX_ID, description="The id POST /profi
         **_errors(401, 403, 413, 422),
     },
 )
-def upload_profile(
+async def upload_profile(
     profile: Annotated[Profile, Body()],
     raw: RawBody,
     uploader: WriteAccess,
-    session: SessionDep,
+    gate: GateDep,
     request: Request,
     response: Response,
 ) -> ProfileRef:
@@ -138,20 +141,27 @@ def upload_profile(
     During a database outage the answer is 503 (nothing stored; retry after ``Retry-After``) or 507
     (disk full): a retry of the same body never stores it twice.
     """
-    profile = _strict(Profile, raw)
-    check_storable(profile)
-    require_consistent(profile)
-    row, created = repository.add_profile(session, profile, uploader=uploader)
+
+
+    def store(session: Session) -> tuple[int, str, bool]:
+        # The checks are CPU work: in the gate's thread too, before the first query takes a connection.
+        checked = _strict(Profile, raw)
+        check_storable(checked)
+        require_consistent(checked)
+        row, created = repository.add_profile(session, checked, uploader=uploader)
+        return row.id, row.content_hash, created
+
+    profile_id, content_hash, created = await gate.run(store)
     request.app.state.suggest_cache.clear()
-    url = str(request.url_for("get_profile", profile_id=row.id).path)
+    url = str(request.url_for("get_profile", profile_id=profile_id).path)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     response.headers["Location"] = url
-    return ProfileRef(id=row.id, content_hash=row.content_hash, created=created, url=url)
+    return ProfileRef(id=profile_id, content_hash=content_hash, created=created, url=url)
 
 
 @router.get("/profiles", response_model=ProfilePage, responses=_errors(401, 403, 422))
-def list_profiles(
-    session: SessionDep,
+async def list_profiles(
+    gate: GateDep,
     _reader: ReadAccess,
     fingerprint: Annotated[str | None, Query(pattern=FINGERPRINT_PATTERN)] = None,
     task: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
@@ -184,31 +194,40 @@ def list_profiles(
         activation_checkpointing=activation_checkpointing,
         seq_len=seq_len,
     )
-    rows, next_before = repository.list_profiles(session, filters, limit=limit, before_id=before_id)
-    return ProfilePage(
-        items=[to_summary(r) for r in rows],
-        next_cursor=repository.encode_cursor(next_before) if next_before is not None else None,
-    )
+
+
+    def page(session: Session) -> ProfilePage:
+        rows, next_before = repository.list_profiles(session, filters, limit=limit, before_id=before_id)
+        return ProfilePage(
+            items=[to_summary(r) for r in rows],
+            next_cursor=repository.encode_cursor(next_before) if next_before is not None else None,
+        )
+
+    return await gate.run(page)
 
 
 @router.get("/profiles/{profile_id}", response_model=StoredProfile, responses=_errors(401, 403, 404, 422))
-def get_profile(profile_id: ProfileId, session: SessionDep, _reader: ReadAccess) -> StoredProfile:
+async def get_profile(profile_id: ProfileId, gate: GateDep, _reader: ReadAccess) -> StoredProfile:
     """One stored profile with its trials."""
-    row = repository.get_profile(session, profile_id)
-    return to_stored_profile(row, repository.observation_count(session, profile_id))
+
+    def read(session: Session) -> StoredProfile:
+        row = repository.get_profile(session, profile_id)
+        return to_stored_profile(row, repository.observation_count(session, profile_id))
+
+    return await gate.run(read)
 
 
 @router.get("/devices/context", response_model=DeviceContext, responses=_errors(401, 403, 404, 422))
-def device_context(
+async def device_context(
     device_name: Annotated[str, Query(min_length=1, max_length=256, description="as NVML names the card")],
-    session: SessionDep,
+    gate: GateDep,
     _reader: ReadAccess,
     torch_version: Annotated[
         str | None, Query(max_length=64, pattern=r"^\d+\.\d+", description="only trials of this torch (major.minor)")
     ] = None,
 ) -> DeviceContext:
     """What measured CUDA profiles of a card record of the memory outside the caching allocator."""
-    found = repository.device_context(session, device_name, torch_version)
+    found = await gate.run(lambda session: repository.device_context(session, device_name, torch_version))
     if found is None:
         raise ContextNotMeasured(
             f"no measured CUDA profile of {device_name!r}"
@@ -225,11 +244,11 @@ def device_context(
     response_class=Response,
     responses=_errors(401, 403, 404, 422),
 )
-def delete_profile(
-    profile_id: ProfileId, _uploader: WriteAccess, session: SessionDep, request: Request
+async def delete_profile(
+    profile_id: ProfileId, _uploader: WriteAccess, gate: GateDep, request: Request
 ) -> Response:
     """Delete a profile with its trials and observations."""
-    repository.delete_profile(session, profile_id)
+    await gate.run(lambda session: repository.delete_profile(session, profile_id))
     _forget_answers(request)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -240,22 +259,26 @@ def delete_profile(
     response_model=StoredObservation,
     responses=_errors(401, 403, 404, 413, 422),
 )
-def add_observation(
+async def add_observation(
     profile_id: ProfileId,
     observation: Annotated[Observation, Body()],
     raw: RawBody,
     uploader: WriteAccess,
-    session: SessionDep,
+    gate: GateDep,
     request: Request,
 ) -> StoredObservation:
     """Record what a training job really saw (its peak, or an OOM) against a profile."""
-    observation = _strict(Observation, raw)
-    check_storable(observation)
-    said = drift.check_observation(observation, repository.get_profile(session, profile_id))
-    row = repository.add_observation(session, profile_id, observation, uploader=uploader)
+
+    def record(session: Session) -> StoredObservation:
+        checked = _strict(Observation, raw)
+        check_storable(checked)
+        said = drift.check_observation(checked, repository.get_profile(session, profile_id))
+        stored = to_stored_observation(repository.add_observation(session, profile_id, checked, uploader=uploader))
+        stored.warnings = said
+        return stored
+
+    stored = await gate.run(record)
     request.app.state.suggest_cache.clear()  # the drift and the OOM cap answer from the next request on
-    stored = to_stored_observation(row)
-    stored.warnings = said
     return stored
 
 
@@ -264,10 +287,14 @@ def add_observation(
     response_model=ObservationPage,
     responses=_errors(401, 403, 404, 422),
 )
-def list_observations(profile_id: ProfileId, session: SessionDep, _reader: ReadAccess) -> ObservationPage:
+async def list_observations(profile_id: ProfileId, gate: GateDep, _reader: ReadAccess) -> ObservationPage:
     """The observations recorded against a profile, oldest first."""
-    rows = repository.list_observations(session, profile_id)
-    return ObservationPage(items=[to_stored_observation(r) for r in rows])
+
+    def read(session: Session) -> ObservationPage:
+        rows = repository.list_observations(session, profile_id)
+        return ObservationPage(items=[to_stored_observation(r) for r in rows])
+
+    return await gate.run(read)
 
 
 _REMEMBERED_HEADERS = {
@@ -402,7 +429,12 @@ async def _single_flight(cache: LookupCache, key: tuple[str, str], state: Any) -
     # first one queries and the others await its result (all on this one event loop).
     pending = cache.inflight.get(key)
     if pending is None:
-        pending = asyncio.ensure_future(run_in_threadpool(_lookup, state.engine, *key))
+        fingerprint, device_name = key
+        gate: DatabaseGate = state.gate
+        pending = asyncio.ensure_future(
+            # Stored profiles that contradict their own trials never answer (autotune_server.consistency).
+            gate.run(lambda session: consistent_lookup(session.connection(), fingerprint, device_name))
+        )
         cache.inflight[key] = pending
         try:
             found: Lookup = await pending
@@ -411,7 +443,6 @@ async def _single_flight(cache: LookupCache, key: tuple[str, str], state: Any) -
         cache.put(key, found)
         if found.here or found.elsewhere:
             state.remembered_lookups.remember(key, found)
-        state.outage.succeeded(wrote=False)
         return found
     return await asyncio.shield(pending)
 
@@ -459,12 +490,6 @@ def _forget_answers(request: Request) -> None:
     # memory. (Uploads clear only the cache: an answer from memory says it may miss newer profiles.)
     request.app.state.suggest_cache.clear()
     request.app.state.remembered_lookups.clear()
-
-
-def _lookup(engine: Engine, fingerprint: str, device_name: str) -> Lookup:
-    with engine.connect() as conn:
-        # Stored profiles that contradict their own trials never answer (autotune_server.consistency).
-        return consistent_lookup(conn, fingerprint, device_name)
 
 
 def use_docstring_summaries(target: APIRouter) -> None:

@@ -4,8 +4,9 @@
     app = create_app(Settings(database_url="sqlite:///./var/dev.db", api_tokens=("secret",)))
 
 Nothing touches the database at import or in ``create_app``: the engine and sessionmaker are made
-in the lifespan and kept on ``app.state`` (``engine``, ``sessionmaker``, ``settings``, ``metrics``,
-and for outages ``outage`` and ``remembered_lookups``: ``autotune_server.outage``).
+in the lifespan and kept on ``app.state`` (``engine``, ``sessionmaker``, ``gate``: the one way requests
+reach the database, ``autotune_server.gate``; ``settings``, ``metrics``, and for outages ``outage`` and
+``remembered_lookups``: ``autotune_server.outage``).
 The schema is not created here either; ``autotune_server.migrate.upgrade_head`` does that.
 
 Other routers: pass them as ``routers=``, call ``app.include_router`` on the result, or give the
@@ -26,6 +27,7 @@ from autotune import __version__
 from autotune_server import api, health
 from autotune_server.db import make_engine, make_sessionmaker
 from autotune_server.errors import install_error_handlers
+from autotune_server.gate import DatabaseGate
 from autotune_server.metrics import MetricsMiddleware, Registry
 from autotune_server.middleware import AllowMiddleware, BodyLimitMiddleware
 from autotune_server.migrate import head_revision
@@ -49,6 +51,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     )
     app.state.engine = engine
     app.state.sessionmaker = make_sessionmaker(engine)
+    app.state.gate = DatabaseGate(
+        app.state.sessionmaker,
+        slots=settings.database_slots,
+        queue_limit=settings.db_queue_limit,
+        queue_seconds=settings.db_queue_seconds,
+        outage=app.state.outage,
+    )
     app.state.head_revision = head_revision()
     try:
         yield

@@ -1,21 +1,18 @@
-"""FastAPI dependencies: the request's session, the app's settings, and bearer-token checks."""
+"""FastAPI dependencies: the database gate, the app's settings, and bearer-token checks."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
 
-from autotune_server.db import COMMITTED
-from autotune_server.errors import AuthenticationRequired, DomainError, PermissionDenied
-from autotune_server.outage import OutageMonitor
+from autotune_server.errors import AuthenticationRequired, PermissionDenied
+from autotune_server.gate import DatabaseGate
 from autotune_server.settings import Settings
 
-__all__ = ["ReadAccess", "SessionDep", "SettingsDep", "WriteAccess", "get_session", "get_settings"]
+__all__ = ["GateDep", "ReadAccess", "SettingsDep", "WriteAccess", "get_gate", "get_settings"]
 
 # auto_error=False: a missing token must become our 401 in the one error shape, not FastAPI's 403.
 _bearer = HTTPBearer(auto_error=False, description="A write token from AUTOTUNE_API_TOKENS")
@@ -29,31 +26,18 @@ async def get_settings(request: Request) -> Settings:
     return settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
-    """One session per request, closed (and rolled back if unfinished) when the request ends.
+async def get_gate(request: Request) -> DatabaseGate:
+    """The app's database gate: routes run their database work through ``gate.run(work)``.
 
-    A request that ends without a database error tells the outage monitor the database answered
-    (``wrote`` when it committed), which is how the log learns that an outage is over.
+    Not a per-request session: a session held across the route would keep its connection while the
+    response is serialized, which is how a crowd deadlocked threads against connections (issue 31).
     """
-    state = request.app.state
-    with state.sessionmaker() as session:
-        try:
-            yield session
-        except DomainError:
-            # A 404 or 422 found by asking the database is an answer from it all the same.
-            _answered(state, session)
-            raise
-        _answered(state, session)
-
-
-def _answered(state: Any, session: Session) -> None:
-    monitor = getattr(state, "outage", None)
-    if isinstance(monitor, OutageMonitor):
-        monitor.succeeded(wrote=bool(session.info.get(COMMITTED)))
+    gate: DatabaseGate = request.app.state.gate
+    return gate
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
+GateDep = Annotated[DatabaseGate, Depends(get_gate)]
 
 
 def _match(token: str, named: dict[str, str]) -> str | None:

@@ -10,7 +10,8 @@ a bare 500 whose message says nothing about the code: no stack trace ever leaves
 A database that cannot be reached, times out, is locked past the busy timeout or is read-only is
 not a bug: it answers ``503 database_unavailable`` with a short ``Retry-After`` (a full disk:
 ``507 database_full``), and the log gets a few lines from ``outage.OutageMonitor``, not a traceback
-per request.
+per request. A server whose database slots are all taken with a full queue answers ``503
+server_busy`` (``autotune_server.gate``): the database is fine, this server is saturated.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "NoProfileForSuggestion",
     "PermissionDenied",
     "ProfileNotFound",
+    "ServerBusy",
     "UnstorableValue",
     "database_error_response",
     "error_response",
@@ -169,6 +171,14 @@ class PermissionDenied(DomainError):
 
     status_code = 403
     code = "permission_denied"
+
+
+class ServerBusy(DomainError):
+    """Every database slot is taken and the queue for them is full or too slow (``autotune_server.gate``):
+    nothing was done, retry after ``Retry-After``. Not an outage: the database is fine, this server is full."""
+
+    status_code = 503
+    code = "server_busy"
 
 
 class BodyTooLarge(StarletteHTTPException):

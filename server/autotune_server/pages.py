@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +32,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from sqlalchemy.orm import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from autotune.core.plan import micro_batches_text
@@ -51,14 +52,16 @@ from autotune_server.dashboard_queries import (
     policy_siblings,
     profile_table,
 )
-from autotune_server.deps import SessionDep, SettingsDep, require_read
+from autotune_server.deps import GateDep, SettingsDep, require_read
 from autotune_server.drift import profile_drift
 from autotune_server.errors import (
     AuthenticationRequired,
     PermissionDenied,
     ProfileNotFound,
+    ServerBusy,
     database_error_response,
 )
+from autotune_server.gate import DatabaseGate
 from autotune_server.models import ObservationRow
 from autotune_server.outage import DATABASE_ERRORS
 from autotune_server.repository import get_profile, list_observations, to_utc
@@ -87,7 +90,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 STATIC_DIR = PACKAGE_DIR / "static"
 PLOTLY_URL = "/static/vendor/plotly.min.js"
-# A trial runs 2 micro-batches, an optimizer step, then 2 more and a second step (DESIGN.md, "The
+# A trial runs 2 micro-batches, an optimizer step, then 2 more and a second step (docs/design.md, "The
 # trial"): its seconds cover this many micro-batches.
 TRIAL_MICRO_BATCHES = 4
 # 'unsafe-inline' for styles only: Plotly sets style attributes and injects <style> rules as it draws.
@@ -521,9 +524,23 @@ async def _page_reader(settings: SettingsDep, request: Request) -> str | None:
 PageReader = Annotated[str | None, Depends(_page_reader)]
 
 
+async def _through_gate(gate: DatabaseGate, work: Callable[[Session], HTMLResponse]) -> HTMLResponse:
+    # The page is built and rendered in the gate's thread, while its rows are loaded; a full queue
+    # is a page that says so (503 with Retry-After), as the API's server_busy is.
+    try:
+        return await gate.run(work)
+    except ServerBusy as exc:
+        message = "The profile store is busy with other requests right now: reload in a few seconds."
+        raise PageError(503, "Store busy", message, headers=exc.headers) from None
+
+
 @router.get("/", response_class=HTMLResponse)
-def index(request: Request, session: SessionDep, _reader: PageReader) -> HTMLResponse:
+async def index(request: Request, gate: GateDep, _reader: PageReader) -> HTMLResponse:
     """The table of stored profiles, filtered, sorted and paginated by GET parameters."""
+    return await _through_gate(gate, lambda session: _index(request, session))
+
+
+def _index(request: Request, session: Session) -> HTMLResponse:
     query = parse_table_query(dict(request.query_params))
     page = profile_table(session, query)
     root = _root(request)
@@ -545,8 +562,12 @@ def index(request: Request, session: SessionDep, _reader: PageReader) -> HTMLRes
 
 
 @router.get("/profiles/{profile_id}", response_class=HTMLResponse)
-def profile_page(profile_id: str, request: Request, session: SessionDep, _reader: PageReader) -> HTMLResponse:
+async def profile_page(profile_id: str, request: Request, gate: GateDep, _reader: PageReader) -> HTMLResponse:
     """One profile's datasheet: plan, budget, fit, trials, warnings, observations and two charts."""
+    return await _through_gate(gate, lambda session: _profile_page(profile_id, request, session))
+
+
+def _profile_page(profile_id: str, request: Request, session: Session) -> HTMLResponse:
     # The id is read here, not by FastAPI, so that "/profiles/abc" is this 404 page, not a JSON 422.
     number = int(profile_id) if profile_id.isascii() and profile_id.isdigit() else 0
     if not 1 <= number <= MAX_ID:
