@@ -4,18 +4,18 @@ The map (each package's ``__init__`` says what lives there and what it may impor
 
     cli/  fleet/         commands and Ray tasks; the only packages that import the server and the client
       |
-    orchestrate/         probe, estimate, lengths, multi: device(s) -> search -> plan -> Profile
+    orchestrate/         probe, estimate, lengths, multi, a card's estimate: device(s) -> search -> plan -> Profile
       |
+    emulation/           the emulated CUDA runtime for fake trials on a host without a card: the parent uses
+      |                  core; its child process runs the search's fake trials (search, measure, tasks)
     search/              the search policy, the fake pre-search, fake lanes, the no-fit diagnosis
       |
     measure/   loop/     one trial on one device (meters, trial, strategies, policies, throughput);
-      |          |       the training loop (accumulate, verify, the length-aware sampler)
+      |          |       the training loop (accumulate, verify, the samplers; of measure, the OOM test only)
     tasks/ -------'      ProbeTask, hf: specs, the fingerprint, the batch walker
       |
     core/                torch-free: schemas, units, plan, consistency, curve, surface, recommend,
                          errors, the allocator model, the card catalog: all the server may import
-    emulation/           the emulated CUDA runtime for fake trials on a host without a card (a child
-                         process of its own; uses core and measure)
 
 Importing this package does not import torch (the service image has none): the public names below are
 loaded on first use (``from autotune import probe, ProbeTask, Accumulator``).

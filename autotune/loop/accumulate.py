@@ -1,7 +1,7 @@
 """The training-loop side of a plan: gradient accumulation done right.
 
 A plan (micro_batch m, accumulation_steps A, world_size D) is only as good as the loop that uses it.
-:class:`Accumulator` makes the right loop the easy one (DESIGN.md, "Accumulation"):
+:class:`Accumulator` makes the right loop the easy one (docs/design.md, "Accumulation"):
 
 - the loss of a group is divided by the supervised count of the *whole group* (all its micro-batches,
   and all replicas under DDP), known before the first backward, not a mean of micro-batch means;

@@ -19,7 +19,7 @@ def linear_task(**overrides: object) -> ProbeTask:
 
 
 def assert_profile_contract(data: dict) -> None:
-    """The keys DESIGN.md's "Contracts" promises in a Profile's JSON (other tools depend on them)."""
+    """The keys docs/design.md's "Contracts" promises in a Profile's JSON (other tools depend on them)."""
     top = {"fingerprint", "task", "device", "budget_bytes", "headroom", "max_micro_batch", "plan", "trials", "fit"}
     assert top <= set(data), top - set(data)
     assert set(data["device"]) >= {"kind", "name", "index", "total_bytes"}
