@@ -237,7 +237,7 @@ class Surface(_Model):
 
 
 class Profile(_Model):
-    """The datasheet of one job setup on one device model (DESIGN.md, "Contracts")."""
+    """The datasheet of one job setup on one device model (docs/design.md, "Contracts")."""
 
     schema_version: Annotated[int, Field(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
     fingerprint: Annotated[str, Field(pattern=r"^[0-9a-f]{16,128}$")]

@@ -390,7 +390,7 @@ def probe(
         on_trial: called after each trial (progress output).
 
     Returns:
-        The Profile (DESIGN.md "Contracts").
+        The Profile (docs/design.md, "Contracts").
 
     Raises:
         AutotuneError: bad configuration, a device that does not exist, a budget too small for one
