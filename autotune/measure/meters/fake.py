@@ -21,10 +21,34 @@ Ops that need data:
   The memory of HF's default ``grouped_mm`` experts does not depend on the spread at all (every
   token-expert pair is one row); where experts run one after another (``eager``), only the
   busiest expert's transient does.
-- ``.item()`` and friends (``aten._local_scalar_dense``) of any other tensor answer a placeholder:
-  1 for integers, 1.0 for floats, False for booleans. Optimizer step counters, supervised-token
-  counts and ``isfinite`` checks read scalars only to do arithmetic or to skip work, so memory is
-  unchanged; a model that branches on a scalar to allocate differently can differ from a real trial.
+- Scalar reads (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``: ``aten._local_scalar_dense`` and
+  ``is_nonzero``) take the branch a healthy real run takes wherever one gates memory. Each gets, in order:
+
+  1. The value, where the tensor carries one: the routing values above, a one-element tensor made from
+     constants (``torch.full((), 0.0)``, ``torch.tensor(0.0)``: GradScaler's scale, growth tracker and
+     ``found_inf``, an optimizer's step counters, Lightning's SIGTERM flag) and whatever is computed from
+     values only (``_amp_update_scale_``, ``step += 1``). A real run reads the same numbers.
+  2. What finite numbers answer to a check for inf or NaN: every floating value of a healthy run is
+     finite. ``isnan``, ``isinf``, ``isposinf``, ``isneginf`` are False everywhere; a comparison with
+     inf, -inf or nan answers what any finite number answers, and ``x == x`` is True (so ``isfinite``,
+     which torch decomposes into ``abs(x) != inf`` and ``x == x``, is True everywhere);
+     ``_amp_foreach_non_finite_check_and_unscale_`` finds nothing, so ``found_inf`` keeps the 0 it
+     was made with. Hence GradScaler's ``found_inf.item()`` reads 0.0 and ``scaler.step`` calls
+     ``optimizer.step()``, whose AdamW state is the memory that check gates; ``clip_grad_norm_(...,
+     error_if_nonfinite=True)`` does not raise; Lightning's ``isfinite(loss).all()`` holds; the HF
+     Trainer's ``isnan(loss) or isinf(loss)`` filter adds the loss; autotune.loop.accumulate counts no
+     skipped update (``get_scale()`` reads the scale, unchanged). Safe because a trial's weights are
+     finite (trial.py initialises them) and a step skipped for an overflow holds less than a healthy
+     one (no optimizer state, nothing new): the healthy branch is the peak a budget must hold.
+     The answers are booleans without storage (one value, expanded); an op that combines them
+     computes its real output on the host, at most a byte per element of the tensor checked.
+  3. Otherwise a placeholder: 1 for integers, 1.0 for floats, False for booleans. On the paths the
+     project runs (the trial's loop, GradScaler, clipping, accumulate, the HF Trainer's and
+     Lightning's steps) these are data values read for arithmetic or logging only: a loss or a
+     gradient norm logged (``tr_loss.item()``, ``grad_norm.item()``), a count of supervised tokens
+     divided by (accumulate's ``_as_int``). Memory does not depend on them. A model of one's own
+     that branches on such a value (``if (x > t).any():``) to allocate differently can differ from
+     a real trial, which is why real trials confirm the boundary.
 - Any other op whose output shape depends on data that no rule gives cannot run fake: the trial
   fails with FakeTrialError naming the op, and the probe falls back to real trials.
 
@@ -36,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -76,6 +101,16 @@ _TOPK = (torch.ops.aten.topk.default,)
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _EXACT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
+
+_aten = torch.ops.aten
+# A healthy run's answers (module docstring, "Scalar reads"): every floating value is finite.
+_NEVER_NON_FINITE = (_aten.isnan.default, _aten.isinf.default, _aten.isposinf.default, _aten.isneginf.default)
+# x compared with inf, -inf or nan: every finite x answers the same (isfinite decomposes into abs(x) != inf).
+_SCALAR_COMPARISONS = tuple(getattr(_aten, name).Scalar for name in ("eq", "ne", "lt", "le", "gt", "ge"))
+# x == x and x != x: the NaN idiom (isfinite's other half).
+_SELF_COMPARISONS = (_aten.eq.Tensor, _aten.ne.Tensor)
+# GradScaler's unscale finds no inf or NaN in the gradients: found_inf keeps the value it was made with.
+_FINDS_NONE = (_aten._amp_foreach_non_finite_check_and_unscale_.default,)
 
 
 class FakeTrialError(AutotuneError):
@@ -169,6 +204,39 @@ def _placeholder(tensor: torch.Tensor) -> bool | int | float:
     return SCALAR_PLACEHOLDERS["int"]
 
 
+def _finite_answer(func: Any, args: Any, out: Any) -> torch.Tensor | None:
+    """What finite values answer to func, a check of args[0] for inf or NaN: a boolean of out's shape
+    without storage (one value, expanded), or None where func is no such check."""
+    other = args[1] if len(args) > 1 else None
+    if func in _NEVER_NON_FINITE:
+        answer = False
+    elif func in _SCALAR_COMPARISONS and isinstance(other, float) and not math.isfinite(other):
+        with _disable_current_modes():  # 0.0 stands for every finite value
+            answer = bool(func(torch.zeros((), dtype=torch.float64), other))
+    elif func in _SELF_COMPARISONS and args[0] is other:
+        answer = func is _aten.eq.Tensor
+    else:
+        return None
+    with _disable_current_modes():
+        return torch.tensor(answer).expand(out.shape)
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[FakeTensor]:
+    """The fake tensors func writes to (its schema's ``Tensor(a!)`` arguments)."""
+    schema = func._schema
+    positional = [arg for arg in schema.arguments if not arg.kwarg_only]
+    written: list[FakeTensor] = []
+    for index, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg in positional and index < len(args):
+            value = args[index]
+        else:
+            value = kwargs.get(arg.name)
+        written.extend(item for item in tree_flatten(value)[0] if isinstance(item, FakeTensor))
+    return written
+
+
 @dataclass
 class _Recipe:
     """A factory op with no tensor inputs (arange, zeros, full) whose values are made only when a
@@ -198,11 +266,15 @@ def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     return [a.shape[0], a.shape[1], b.shape[-1]]
 
 
+_NUMBER_TYPES = frozenset({"bool", "int", "float", "Scalar", "SymInt", "SymFloat", "SymBool"})
+
+
 @functools.cache
-def _answers_python(func: Any) -> bool:
-    """Whether func returns Python values only (no tensors)."""
+def _answers_numbers(func: Any) -> bool:
+    """Whether func returns Python numbers only (no tensors, and no device or layout: those the values,
+    which ride on the CPU, would answer wrongly for a fake tensor on a card)."""
     returns = func._schema.returns
-    return bool(returns) and all("Tensor" not in str(ret.type) for ret in returns)
+    return bool(returns) and all(str(ret.type).removesuffix("[]") in _NUMBER_TYPES for ret in returns)
 
 
 def _fallback_grouped_mm(func: Any, args: Any, exc: RuntimeError) -> bool:
@@ -254,6 +326,9 @@ class _FakeCountingMode(_LiveStorageMode):
         self.meter: FakeMeter = meter
         self.load_factor = load_factor
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Whether a routing value was made: from then on integer tensors made from constants (an
+        # arange to compare indices with) carry values too; before, only scalars do.
+        self.routing = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -263,7 +338,7 @@ class _FakeCountingMode(_LiveStorageMode):
                 return _placeholder(args[0])
             with _disable_current_modes():
                 return known.item()
-        if len(self.values) and _answers_python(func):
+        if len(self.values) and _answers_numbers(func):
             # A Python answer (bool(t): is_nonzero, equal) is decomposed inside FakeTensorMode into
             # a scalar read that this mode never sees: answer it from the values where there are some.
             inputs = self._real_inputs(args, kwargs, stand_ins=False)
@@ -291,7 +366,17 @@ class _FakeCountingMode(_LiveStorageMode):
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
             with _disable_current_modes():  # real values, outside FakeTensorMode
                 self.values[out[1]] = _routed_like(out[1], source, k, dim, self.load_factor)
-        elif len(self.values):
+            self.routing = True
+        elif func in _FINDS_NONE:
+            pass  # found_inf keeps its value; the gradients it scaled carry none
+        elif (
+            args
+            and isinstance(args[0], FakeTensor)
+            and args[0] not in self.values
+            and ((healthy := _finite_answer(func, args, out)) is not None)
+        ):
+            self.values[out] = healthy
+        elif len(self.values) or (isinstance(out, FakeTensor) and out.numel() <= 1):
             self._follow(func, args, kwargs, out)
         return out
 
@@ -329,20 +414,21 @@ class _FakeCountingMode(_LiveStorageMode):
         flat = tree_flatten((args, kwargs))[0]
         fakes = [item for item in flat if isinstance(item, FakeTensor)]
         if not fakes:
-            if isinstance(out, FakeTensor) and out.dtype in _EXACT_DTYPES:
+            if isinstance(out, FakeTensor) and (out.numel() <= 1 or (self.routing and out.dtype in _EXACT_DTYPES)):
                 self.values[out] = _Recipe(func, args, kwargs)
             return
         if not any(fake in self.values for fake in fakes):
             return
         inputs = self._real_inputs(args, kwargs, stand_ins=False)
-        if inputs is None:
-            if func._schema.is_mutable:  # a tensor with values changed by what has none: forget them
-                for fake in fakes:
+        real_out = None
+        if inputs is not None:
+            with _disable_current_modes():
+                real_out = _on_cpu_values(func, inputs[0], inputs[1], out)
+        if real_out is None:
+            # Written to by what has no values (or by what no CPU kernel computes): forget theirs.
+            if func._schema.is_mutable:
+                for fake in _written(func, args, kwargs):
                     self.values.pop(fake, None)
-            return
-        with _disable_current_modes():
-            real_out = _on_cpu_values(func, inputs[0], inputs[1], out)
-        if real_out is None:  # no CPU kernel computes it: its outputs carry no values
             return
         for fake, real in zip(tree_flatten(out)[0], tree_flatten(real_out)[0], strict=False):
             if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
