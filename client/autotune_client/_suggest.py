@@ -190,143 +190,111 @@ def suggest(
     if distributed and in_process_group():
         wait = (client.timeout if client is not None else DEFAULT_TIMEOUT_SECONDS) + DECISION_SLACK_SECONDS
         return one_decision(lambda: suggest(**{**arguments, "distributed": False}), wait_seconds=wait)
-    target_batch, token_note = _validated(
-        target_batch, target_tokens, seq_len, world_size, strategy, plan, objective, activation_checkpointing
-    )
-    job = _Job.resolve(
-        model,
-        target_batch,
-        example=example,
-        world_size=world_size,
-        loss=loss,
-        optimizer=optimizer,
-        precision=precision,
-        tags=tags,
-        device=device,
-        budget=budget,
-        strategy=strategy,
-        plan=plan,
-        objective=objective,
-        activation_checkpointing=activation_checkpointing,
-        seq_len=seq_len,
-    )
+    call = _Call(**arguments)
+    target_batch, token_note = _validated(call)
+    job = _resolved(call, target_batch)
     notes: list[str] = []
     with _tuner(client) as tuner:
-        answer, upload_to = _ask(tuner, job, notes, probe_if_missing=probe_if_missing)
+        answer, upload_to = _ask(tuner, call, job, notes)
         if answer is None:
-            profile = _probe(job, notes)
+            profile = _probe(call, job, notes)
             profile_id = _upload(profile, upload_to, notes)
-            answer = suggestion_from_profile(profile, job.target_batch, job.world_size, profile_id, notes, job.plan)
+            answer = suggestion_from_profile(profile, job.target_batch, job.world_size, profile_id, notes, plan)
     return _in_tokens(answer, seq_len, target_tokens, token_note)
 
 
-def _validated(
-    target_batch: int | None,
-    target_tokens: int | None,
-    seq_len: int | None,
-    world_size: int | None,
-    strategy: str,
-    plan: str,
-    objective: str,
-    activation_checkpointing: str,
-) -> tuple[int, str | None]:
-    """The target in sequences per update and the note on it, once the choices are known ones."""
-    target_batch, token_note = _target_in_sequences(target_batch, target_tokens, seq_len, world_size)
-    if strategy not in STRATEGIES:
-        raise AutotuneClientError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if plan not in PLAN_POLICIES:
-        raise AutotuneClientError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {plan!r}")
-    if objective not in OBJECTIVES:
-        raise AutotuneClientError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        raise AutotuneClientError(
-            f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
-            f"got {activation_checkpointing!r}"
-        )
-    return target_batch, token_note
+@dataclass(frozen=True)
+class _Call:
+    """The arguments of one :func:`suggest` call as given (its docstring says what each means)."""
+
+    model: nn.Module
+    target_batch: int | None
+    example: Any
+    world_size: int | None
+    loss: LossFn | None
+    optimizer: OptimizerFactory | None
+    precision: str | None
+    tags: Mapping[str, TagValue] | None
+    device: Any
+    budget: int | str | None
+    probe_if_missing: bool
+    client: TunerClient | None
+    strategy: str
+    plan: str
+    distributed: bool
+    objective: str
+    activation_checkpointing: str
+    seq_len: int | None
+    target_tokens: int | None
 
 
 @dataclass(frozen=True)
 class _Job:
-    """One call of :func:`suggest` resolved: what the store is asked (the fingerprint and the query) and
-    what a local probe measures (the model, its batches, the device and budget)."""
+    """What a call resolves to: the store's key and what a local probe measures, defaults filled in."""
 
     model: nn.Module
     fingerprint: str
     target_batch: int
     world_size: int
     batch_fn: Callable[[int], Any]
-    loss: LossFn | None
-    optimizer: OptimizerFactory | None
     precision: str
     tags: dict[str, TagValue]
     device_spec: str
     device_name: str
     budget_bytes: int | None
-    strategy: str
-    plan: str
-    objective: str
-    activation_checkpointing: str
-    seq_len: int | None
 
-    @classmethod
-    def resolve(
-        cls,
-        model: nn.Module,
-        target_batch: int,
-        *,
-        example: Any,
-        world_size: int | None,
-        loss: LossFn | None,
-        optimizer: OptimizerFactory | None,
-        precision: str | None,
-        tags: Mapping[str, TagValue] | None,
-        device: Any,
-        budget: int | str | None,
-        strategy: str,
-        plan: str,
-        objective: str,
-        activation_checkpointing: str,
-        seq_len: int | None,
-    ) -> _Job:
-        """The defaults filled in (world size, device, precision), the example turned into batches, and
-        the fingerprint taken; the arguments are :func:`suggest`'s."""
-        from autotune.tasks.fingerprint import fingerprint_model
 
-        model = _unwrap(model)
-        world = _resolve_world_size(world_size)
-        if target_batch < world:
-            raise AutotuneClientError(
-                f"target_batch {target_batch} is smaller than world_size {world}: "
-                "every replica needs at least one sample per update"
-            )
-        batch_fn, one_sample = _batch_factory(example)
-        precision = precision or "fp32"
-        tag_dict = dict(tags or {})
-        device_spec = _job_device(model, device)
-        budget_bytes = parse_bytes(budget) if budget is not None else None
-        fingerprint = fingerprint_model(
-            model, one_sample, optimizer=optimizer, precision=precision, tags=tag_dict, seq_len=seq_len
+def _validated(call: _Call) -> tuple[int, str | None]:
+    """The target in sequences per update and the note on it, once the choices are known ones."""
+    target_batch, token_note = _target_in_sequences(
+        call.target_batch, call.target_tokens, call.seq_len, call.world_size
+    )
+    if call.strategy not in STRATEGIES:
+        raise AutotuneClientError(f"strategy must be one of {', '.join(STRATEGIES)}, got {call.strategy!r}")
+    if call.plan not in PLAN_POLICIES:
+        raise AutotuneClientError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {call.plan!r}")
+    if call.objective not in OBJECTIVES:
+        raise AutotuneClientError(f"objective must be one of {', '.join(OBJECTIVES)}, got {call.objective!r}")
+    if call.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise AutotuneClientError(
+            f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+            f"got {call.activation_checkpointing!r}"
         )
-        return cls(
-            model=model,
-            fingerprint=fingerprint,
-            target_batch=target_batch,
-            world_size=world,
-            batch_fn=batch_fn,
-            loss=loss,
-            optimizer=optimizer,
-            precision=precision,
-            tags=tag_dict,
-            device_spec=device_spec,
-            device_name=_device_name(device_spec),
-            budget_bytes=budget_bytes,
-            strategy=strategy,
-            plan=plan,
-            objective=objective,
-            activation_checkpointing=activation_checkpointing,
-            seq_len=seq_len,
+    return target_batch, token_note
+
+
+def _resolved(call: _Call, target_batch: int) -> _Job:
+    """The call's defaults filled in (world size, device, precision), its example turned into batches, its
+    budget read, and the fingerprint taken."""
+    from autotune.tasks.fingerprint import fingerprint_model
+
+    model = _unwrap(call.model)
+    world = _resolve_world_size(call.world_size)
+    if target_batch < world:
+        raise AutotuneClientError(
+            f"target_batch {target_batch} is smaller than world_size {world}: "
+            "every replica needs at least one sample per update"
         )
+    batch_fn, one_sample = _batch_factory(call.example)
+    precision = call.precision or "fp32"
+    tags = dict(call.tags or {})
+    device_spec = _job_device(model, call.device)
+    budget_bytes = parse_bytes(call.budget) if call.budget is not None else None
+    fingerprint = fingerprint_model(
+        model, one_sample, optimizer=call.optimizer, precision=precision, tags=tags, seq_len=call.seq_len
+    )
+    return _Job(
+        model=model,
+        fingerprint=fingerprint,
+        target_batch=target_batch,
+        world_size=world,
+        batch_fn=batch_fn,
+        precision=precision,
+        tags=tags,
+        device_spec=device_spec,
+        device_name=_device_name(device_spec),
+        budget_bytes=budget_bytes,
+    )
 
 
 @contextlib.contextmanager
@@ -344,7 +312,7 @@ def _tuner(client: TunerClient | None) -> Iterator[TunerClient | None]:
 
 
 def _ask(
-    tuner: TunerClient | None, job: _Job, notes: list[str], *, probe_if_missing: bool
+    tuner: TunerClient | None, call: _Call, job: _Job, notes: list[str]
 ) -> tuple[Suggestion | None, TunerClient | None]:
     """The store's answer, or (None, where a local probe's profile goes) on a miss that a probe may fill:
     the tuner itself when it works and lacks this setup, None when it is absent or unavailable (the
@@ -354,7 +322,7 @@ def _ask(
         AutotuneClientError: no server, or a miss or an outage, and ``probe_if_missing`` is False.
     """
     if tuner is None:
-        if not probe_if_missing:
+        if not call.probe_if_missing:
             raise AutotuneClientError(f"no tuner server: pass client= or set {ENV_URL} (or allow a local probe)")
         notes.append(_warn(f"no tuner server configured (${ENV_URL} unset): probing locally, nothing is stored"))
         return None, None
@@ -365,46 +333,46 @@ def _ask(
             world_size=job.world_size,
             device_name=job.device_name,
             budget_bytes=job.budget_bytes,
-            strategy=job.strategy,
-            plan=job.plan,
-            activation_checkpointing=job.activation_checkpointing,
-            objective=job.objective,
-            seq_len=job.seq_len,
+            strategy=call.strategy,
+            plan=call.plan,
+            activation_checkpointing=call.activation_checkpointing,
+            objective=call.objective,
+            seq_len=call.seq_len,
         )
         return answer, None
     except NotFoundError:
-        if not probe_if_missing:
+        if not call.probe_if_missing:
             raise
         return None, tuner  # the server works and lacks this setup: it gets the profile
     except (APIConnectionError, InternalServerError, RateLimitError) as exc:
-        if not probe_if_missing:
+        if not call.probe_if_missing:
             raise
         notes.append(_warn(f"tuner unavailable ({exc}): probing locally, the profile is not uploaded"))
         return None, None
 
 
-def _probe(job: _Job, notes: list[str]) -> Profile:
+def _probe(call: _Call, job: _Job, notes: list[str]) -> Profile:
     """The job probed here (:func:`autotune_client._local_probe.probe_locally`), its profile stamped with
     the job's fingerprint and length."""
     profile = probe_locally(
         job.model,
         job.batch_fn,
-        loss=job.loss,
-        optimizer=job.optimizer,
+        loss=call.loss,
+        optimizer=call.optimizer,
         precision=job.precision,
         tags=job.tags,
         device_spec=job.device_spec,
         budget_bytes=job.budget_bytes,
         target_batch=job.target_batch,
         world_size=job.world_size,
-        strategy=job.strategy,
-        plan_policy=job.plan,
-        activation_checkpointing=job.activation_checkpointing,
-        throughput=job.objective == "throughput",
+        strategy=call.strategy,
+        plan_policy=call.plan,
+        activation_checkpointing=call.activation_checkpointing,
+        throughput=call.objective == "throughput",
     )
-    if job.seq_len is not None:
+    if call.seq_len is not None:
         # Measured at the job's one length: stored as the sequence-aware setup's profile at it.
-        profile.fingerprint, profile.seq_len = job.fingerprint, job.seq_len
+        profile.fingerprint, profile.seq_len = job.fingerprint, call.seq_len
     if profile.fingerprint != job.fingerprint:
         # Should not happen (same function, same inputs); if it does, an upload would be
         # stored under a key no job asks for, so say so rather than fill the store silently.
