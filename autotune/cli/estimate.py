@@ -11,6 +11,7 @@ from typing import Any
 from autotune.cli.common import check_seq_len_options, non_negative_int, positive_int_list, size, task_spec
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
 from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of, moe_routing_of
+from autotune.core.units import limit_bytes
 
 __all__ = ["add_parsers", "run_estimate"]
 
@@ -145,7 +146,7 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
 
     lengths = lengths_of(task, args)
     assert config.budget_bytes is not None  # validate() refused None
-    limit = int(config.budget_bytes * (1 - args.headroom))
+    limit = limit_bytes(config.budget_bytes, args.headroom)
     target = config.device_name if config.gpu else args.device_kind
     print(f"estimating {task.name} for {target} with fake tensors ...", file=sys.stderr)
 

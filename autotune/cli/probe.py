@@ -24,6 +24,7 @@ from autotune.cli.common import (
 from autotune.cli.policies import add_objective_option, add_policy_option, for_each_policy, policies_of, recommendation
 from autotune.core.files import write_atomically
 from autotune.core.schemas import PRECISIONS
+from autotune.core.units import limit_bytes
 
 __all__ = [
     "add_parsers",
@@ -178,7 +179,7 @@ def _probe_task(args: argparse.Namespace, spec: str, task: Any) -> int:
     from autotune.orchestrate.probe import probe
 
     config = config_from_args(args, args.device)
-    limit = int(args.budget * (1 - args.headroom)) if args.budget else None
+    limit = limit_bytes(args.budget, args.headroom) if args.budget else None
     lengths = lengths_of(task, args)
     print(f"probing {task.name} on {args.device} ...", file=sys.stderr)
     if lengths:

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from autotune.core import units
 from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Profile
 from autotune.core.surface import PeakSurface
@@ -175,7 +176,7 @@ def capacity(profiles: Iterable[Profile | Mapping[str, Any]]) -> Capacity:
             )
     floors = list(measured.items())
     record = first.surface
-    limit_bytes = int(first.budget_bytes * (1.0 - first.headroom))
+    limit_bytes = units.limit_bytes(first.budget_bytes, first.headroom)
     if record is None:
         return Capacity(
             shortest=min(measured),

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from autotune.core import units
 from autotune.core.split import UnevenPlanWarning, micro_batches_text, split
 
 __all__ = [
@@ -291,7 +292,7 @@ class Profile(_Model):
     @property
     def limit_bytes(self) -> int:
         """The largest peak that counts as fitting: budget x (1 - headroom)."""
-        return int(self.budget_bytes * (1.0 - self.headroom))
+        return units.limit_bytes(self.budget_bytes, self.headroom)
 
     @property
     def deciding_trials(self) -> list[Trial]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["format_bytes", "limit_bytes", "limit_bytes_unrounded", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -42,6 +42,25 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return value
+
+
+def limit_bytes_unrounded(budget_bytes: float, headroom: float) -> float:
+    """The largest peak that counts as fitting a budget: budget x (1 - headroom), unrounded (the server
+    compares and predicts with it as it is). The one home of the headroom rule.
+
+    >>> limit_bytes_unrounded(1000, 0.25)
+    750.0
+    """
+    return budget_bytes * (1.0 - headroom)
+
+
+def limit_bytes(budget_bytes: float, headroom: float) -> int:
+    """:func:`limit_bytes_unrounded` rounded down to a whole byte: the limit a trial's peak is held to.
+
+    >>> limit_bytes(1001, 0.1)
+    900
+    """
+    return int(limit_bytes_unrounded(budget_bytes, headroom))
 
 
 def format_bytes(value: float | None) -> str:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from autotune.core import units
 from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, lookup, outside_allocator
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.schemas import Device, Fit, Profile, Trial
@@ -127,7 +128,7 @@ def _on_card(
     outside, outside_source = context_bytes_for(
         card, config.context_bytes, cuda_torch.torch_version, cuda_torch.cuda_version, config.context_source
     )
-    limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
+    limit_bytes = units.limit_bytes(config.budget_bytes, config.headroom)
     if outside >= limit_bytes:
         raise CannotFitError(
             f"the {format_bytes(outside)} outside the allocator on a {card.short_name} leave nothing of the "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autotune.core import units
 from autotune.core.errors import AutotuneError, BudgetError
 from autotune.core.schemas import Device, Profile, Trial
 from autotune.measure.strategies import make_strategy
@@ -186,7 +187,7 @@ def estimate(
     started = time.perf_counter()
     device_type, semantics = estimate_device_type(config.device_kind)
     warnings.extend([semantics] if semantics else [])
-    limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
+    limit_bytes = units.limit_bytes(config.budget_bytes, config.headroom)
     strategy = make_strategy(config.strategy, config.world_size)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
     no_fit: NoFitError | None = None

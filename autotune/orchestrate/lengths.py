@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from autotune.core import units
 from autotune.core.errors import AutotuneError, BudgetError, TaskError, TrialError
 from autotune.core.plan import TargetError, target_in_sequences
 from autotune.core.schemas import MAX_SEQ_LEN, Fit, LongestSeqLen, Profile, Surface, Trial
@@ -481,7 +482,7 @@ def probe_lengths(
     task = _checked(task, config, lengths)
     meter = make_meter(resolve_device(config.device), config.budget_bytes)
     try:
-        limit_bytes = int(meter.budget_bytes * (1.0 - config.headroom))
+        limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
         strategy = make_strategy(config.strategy, config.world_size)
 
         def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
@@ -547,7 +548,7 @@ def estimate_lengths(
 
     task = _checked(task, config, lengths)
     assert config.budget_bytes is not None  # validate() refused None
-    limit_bytes = int(config.budget_bytes * (1.0 - config.headroom))
+    limit_bytes = units.limit_bytes(config.budget_bytes, config.headroom)
     device_type, _ = estimate_device_type(config.device_kind)
     strategy = make_strategy(config.strategy, config.world_size)
     held = fake_strategy(strategy)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import autotune
+from autotune.core import units
 from autotune.core.consistency import check_profile
 from autotune.core.errors import AutotuneError, BudgetError, DeviceError, TaskError
 from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, nonnegative_fit, plan
@@ -288,7 +289,7 @@ def probe_with_meter(
     started = time.perf_counter()
     strategy = make_strategy(config.strategy, config.world_size)
     fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size)
-    limit_bytes = int(meter.budget_bytes * (1.0 - config.headroom))
+    limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
     warnings: list[str] = []
 
     no_fit: NoFitError | None = None

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from autotune.core import units
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.schemas import MAX_BYTES, Trial
 from autotune.core.units import format_bytes
@@ -153,7 +154,7 @@ def diagnose_no_fit(
     Returns:
         A :class:`NoFit`; figures are None where a fake trial could not run.
     """
-    limit_bytes = int(budget_bytes * (1.0 - headroom))
+    limit_bytes = units.limit_bytes(budget_bytes, headroom)
     fake_limit = max(1, limit_bytes - unseen_bytes)
     if device_type.startswith("cuda") and not torch.cuda.is_available():
         device_type = "cpu"  # a CPU build cannot run fake CUDA tensors through autograd (estimate.py)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from autotune.core.schemas import DeviceContext, Fit
 from autotune.core.units import format_bytes as human_bytes
+from autotune.core.units import limit_bytes_unrounded
 from autotune_server.repository import Candidate
 
 __all__ = ["EstimateTrial", "Rederived", "TrialFigure", "for_candidate", "rederive"]
@@ -155,7 +156,7 @@ def for_candidate(c: Candidate) -> tuple[Candidate, str | None]:
             for (m, peak, _fits, oom), outside in zip(c.trials, c.outside_allocator_bytes, strict=True)
         ],
         max_micro_batch=c.max_micro_batch,
-        limit_bytes=c.budget_bytes * (1.0 - c.headroom),
+        limit_bytes=limit_bytes_unrounded(c.budget_bytes, c.headroom),
         measured=c.measured_context,
         multiple_of=c.multiple_of,
         micro_batch_cap=c.micro_batch_cap,

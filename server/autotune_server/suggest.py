@@ -40,6 +40,7 @@ from sqlalchemy import Connection
 
 from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy, in_tokens, micro_batch_for_limit, plan
 from autotune.core.schemas import Plan, Suggestion
+from autotune.core.units import limit_bytes_unrounded
 from autotune_server import drift, measured_context, policy, sequence
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
 from autotune_server.repository import Candidate, Lookup
@@ -290,8 +291,8 @@ def _measured(
     if budget_bytes is not None or headroom is not None:
         used_headroom = headroom if headroom is not None else c.headroom
         field = "budget_bytes" if budget_bytes is not None else "headroom"
-        limit = used_budget * (1.0 - used_headroom)
-        measured_limit = c.budget_bytes * (1.0 - c.headroom)
+        limit = limit_bytes_unrounded(used_budget, used_headroom)
+        measured_limit = limit_bytes_unrounded(c.budget_bytes, c.headroom)
         limit_text = _limit_text(used_budget, used_headroom)
         if limit < measured_limit:
             within = [
@@ -325,7 +326,7 @@ def _measured(
                 "with it to use it"
             )
     job_headroom = headroom if headroom is not None else c.headroom
-    m_max = drift.within_drift(c, m_max, used_budget * (1.0 - job_headroom), warnings)
+    m_max = drift.within_drift(c, m_max, limit_bytes_unrounded(used_budget, job_headroom), warnings)
     if c.oom_at is not None and c.oom_at <= m_max:
         capped = _round_down(c.oom_at - 1, c.multiple_of)
         if capped < 1:
@@ -371,7 +372,7 @@ def _from_surface(
         warnings.append(mismatch)
     used_budget = budget_bytes if budget_bytes is not None else c.budget_bytes
     used_headroom = headroom if headroom is not None else c.headroom
-    limit = used_budget * (1.0 - used_headroom)
+    limit = limit_bytes_unrounded(used_budget, used_headroom)
     m_max = sequence.surface_max(c, seq_len, limit)
     if m_max < 1:
         raise BudgetTooSmall(
@@ -469,7 +470,7 @@ def _predicted(
     policy: PlanPolicy = DEFAULT_PLAN_POLICY,
 ) -> Suggestion:
     used_headroom = headroom if headroom is not None else c.headroom
-    limit = budget_bytes * (1.0 - used_headroom)
+    limit = limit_bytes_unrounded(budget_bytes, used_headroom)
     m_max = _predicted_max(c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes")
     chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
     what = "estimated" if c.estimate else "measured"

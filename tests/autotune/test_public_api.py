@@ -220,7 +220,9 @@ def test_the_lower_floor_imports_nothing_above_it() -> None:
     which imports nothing of autotune (plan.py and schemas.py once imported each other), and the
     fleet writes files through autotune.core.files, not through a command module."""
     root = Path(autotune.__file__).parent
-    assert _autotune_imports(root / "core" / "schemas.py", lazy=True) <= {"autotune.core.split"}
+    # ... and the byte units (the headroom rule, Profile.limit_bytes), which import nothing of autotune either.
+    assert _autotune_imports(root / "core" / "schemas.py", lazy=True) <= {"autotune.core.split", "autotune.core.units"}
+    assert _autotune_imports(root / "core" / "units.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "split.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "files.py", lazy=True) == set()
     assert not any(m.startswith("autotune.cli") for m in _autotune_imports(root / "fleet" / "sink.py", lazy=True))
