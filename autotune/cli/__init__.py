@@ -1,10 +1,11 @@
 """`autotune probe | verify | estimate | fleet | serve | db | suggest | profiles`.
 
 One module per command group (probe, estimate, fleet, service, store) adds its sub-parsers and runs them; this
-module holds only ``main``. Every failure a user can cause ends in one line on stderr and a
-non-zero exit, never a traceback (AUTOTUNE_DEBUG=1 shows it). Torch, the server and the client are
-imported only by the commands that need them, so `autotune serve` runs in the service image
-without torch.
+module holds only ``main``. Every input is checked before any work starts (``autotune.cli.inputs``), and every
+failure a user can cause ends in one line on stderr and the exit status of one table for every command
+(``autotune.core.errors.ExitCode``: 0 ok, 1 failed, 2 usage or input, 3 server unreachable, 4 nothing fits,
+5 nothing stored), never a traceback (AUTOTUNE_DEBUG=1 shows it). Torch, the server and the client are imported
+only by the commands that need them, so `autotune serve` runs in the service image without torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from autotune.cli.common import EXIT_FAILED, EXIT_NO_FIT, EXIT_USAGE, CliError
+from autotune.cli.common import CliError, ExitCode, exit_code_of
+from autotune.cli.inputs import check_inputs
 from autotune.cli.parser import build_parser
 
 __all__ = ["build_parser", "main"]
@@ -33,29 +35,33 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-def _cannot_fit(exc: BaseException) -> bool:
-    from autotune.core.errors import CannotFitError
-
-    return isinstance(exc, CannotFitError)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `autotune` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
+        check_inputs(args)
         return int(args.run(args))
     except KeyboardInterrupt:
         print("autotune: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:  # the parser's own exits happened above; this one is a task's or a library's
+        if exc.code not in (0, None):
+            raise
+        print(
+            f"autotune: error: something autotune ran called sys.exit({exc.code!r}) before {args.command} finished "
+            "(a task's code, or a library it calls): nothing was done",
+            file=sys.stderr,
+        )
+        return ExitCode.FAILED
     except Exception as exc:
         if os.environ.get("AUTOTUNE_DEBUG"):
             traceback.print_exc()
         if isinstance(exc, _user_error_types()):
             print(f"autotune: error: {exc}", file=sys.stderr)
-            return EXIT_NO_FIT if _cannot_fit(exc) else EXIT_USAGE
+            return exit_code_of(exc)
         first_line = (str(exc).strip().splitlines() or [""])[0]
         print(
             f"autotune: error: {type(exc).__name__}: {first_line} (AUTOTUNE_DEBUG=1 shows the traceback)",
             file=sys.stderr,
         )
-        return EXIT_FAILED
+        return ExitCode.FAILED

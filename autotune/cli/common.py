@@ -1,12 +1,19 @@
-"""What every command of the CLI shares: argument types, the one-line parser, exit codes."""
+"""What every command of the CLI shares: argument types, the one-line parser, exit codes.
+
+The exit codes are one table for every command (``autotune.core.errors.ExitCode``, docs/probing.md); the
+``EXIT_*`` names here are its members under the names the commands have used.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from typing import Any
 
+from autotune.core.errors import ExitCode
 from autotune.core.plan import PLAN_POLICIES
-from autotune.core.schemas import STRATEGIES
+from autotune.core.schemas import MAX_MICRO_BATCH, MAX_SEQ_LEN, MAX_WORLD_SIZE, STRATEGIES
 from autotune.core.units import parse_bytes
 
 __all__ = [
@@ -14,39 +21,66 @@ __all__ = [
     "EXIT_NO_FIT",
     "EXIT_USAGE",
     "CliError",
+    "ExitCode",
     "Parser",
     "add_finetune_options",
     "add_seq_len_options",
     "add_strategy_and_plan_options",
     "check_seq_len_options",
     "add_task_options",
+    "exit_code_of",
+    "finite_positive",
     "headroom",
+    "micro_batch_cap",
     "non_negative_int",
+    "port",
     "positive_int",
     "positive_int_list",
+    "seq_len",
     "seq_lens",
     "size",
     "task_spec",
+    "world_size",
 ]
 
-EXIT_USAGE = 2
-EXIT_FAILED = 1
+EXIT_USAGE = ExitCode.USAGE
+EXIT_FAILED = ExitCode.FAILED
 # Even the smallest micro-batch does not fit (autotune.core.errors.CannotFitError): the one line says what
-# the job needs and what would fit. 3 is `autotune suggest`'s "nothing stored" (EXIT_NOT_FOUND).
-EXIT_NO_FIT = 4
+# the job needs and what would fit.
+EXIT_NO_FIT = ExitCode.NO_FIT
 
 
 class CliError(Exception):
     """A user mistake caught by the CLI itself (bad flag values)."""
 
 
-def _integer(text: str, lowest: int, what: str) -> int:
+def exit_code_of(exc: BaseException) -> ExitCode:
+    """The exit status a command ends with for exc (``autotune.core.errors.ExitCode``): the client's rule for
+    its errors (unreachable 3, nothing stored 5, ...), USAGE for a CliError, the probe's rule otherwise."""
+    from autotune.core.errors import exit_code_for
+
+    try:
+        from autotune_client.errors import AutotuneClientError
+    except ImportError:  # the client's package is not installed (the service image's torch-free install is)
+        AutotuneClientError = None  # type: ignore[assignment,misc]  # noqa: N806
+    if AutotuneClientError is not None and isinstance(exc, AutotuneClientError):
+        from autotune_client.cli import exit_code_for as client_exit_code
+
+        return client_exit_code(exc)
+    if isinstance(exc, CliError):
+        return ExitCode.USAGE
+    return exit_code_for(exc)
+
+
+def _integer(text: str, lowest: int, what: str, highest: int | None = None, why: str = "") -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < lowest:
         raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
+    if highest is not None and value > highest:
+        raise argparse.ArgumentTypeError(f"{text} is above {highest}{why}")
     return value
 
 
@@ -56,6 +90,39 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     return _integer(text, 0, "zero or more")
+
+
+def micro_batch_cap(text: str) -> int:
+    """--max-micro-batch: a positive integer no larger than a profile can record (MAX_MICRO_BATCH)."""
+    return _integer(text, 1, "a positive integer", MAX_MICRO_BATCH, ", the largest micro-batch a profile records")
+
+
+def world_size(text: str) -> int:
+    """--world-size: a positive integer no larger than a profile can record (MAX_WORLD_SIZE)."""
+    return _integer(text, 1, "a positive integer", MAX_WORLD_SIZE, ", the largest world size a profile records")
+
+
+def seq_len(text: str) -> int:
+    """--seq-len (one length), --max-seq-len: a positive integer no longer than a profile records (MAX_SEQ_LEN)."""
+    return _integer(text, 1, "a positive integer", MAX_SEQ_LEN, ", the longest sequence a profile records")
+
+
+def port(text: str) -> int:
+    """--port: a TCP port (0 asks the system for a free one)."""
+    return _integer(text, 0, "a TCP port, 0 to 65535", 65535, ", the largest TCP port")
+
+
+def finite_positive(text: str) -> float:
+    """A number above 0 that is finite (--lr, --tolerance, --lora-alpha): nan and inf are refused by name."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+    return value
 
 
 def size(text: str) -> int:
@@ -70,8 +137,8 @@ def headroom(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"headroom must be in [0, 1), got {text}")
+    if not 0 <= value < 1:  # nan fails it too
+        raise argparse.ArgumentTypeError(f"{text!r}: the headroom is a fraction in [0, 1), e.g. 0.1")
     return value
 
 
@@ -92,25 +159,28 @@ def add_strategy_and_plan_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_ints(text: str, what: str) -> list[int]:
-    """``"1,2,26"`` -> ``[1, 2, 26]``: positive integers, each named (as ``what``) where one is not."""
+def _positive_ints(text: str, what: str, highest: int, why: str) -> list[int]:
+    """``"1,2,26"`` -> ``[1, 2, 26]``: positive integers up to highest, each named (as ``what``) where one is not."""
     values = []
     for part in text.split(","):
         try:
-            values.append(_integer(part.strip(), 1, "a positive integer"))
+            values.append(_integer(part.strip(), 1, "a positive integer", highest, why))
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{what} {exc}") from None
     return values
 
 
 def positive_int_list(text: str) -> tuple[int, ...]:
-    """``"1,2,26"`` -> ``(1, 2, 26)``: micro-batch sizes, each named where one is not a positive integer."""
-    return tuple(_positive_ints(text, "micro-batch size"))
+    """``"1,2,26"`` -> ``(1, 2, 26)``: micro-batch sizes, each named where one is not a positive integer (whether
+    each can be tried, below --max-micro-batch and on --multiple-of, is autotune.cli.inputs's to say)."""
+    return tuple(
+        _positive_ints(text, "micro-batch size", MAX_MICRO_BATCH, ", the largest micro-batch a profile records")
+    )
 
 
 def seq_lens(text: str) -> list[int]:
     """``"512,1024"`` -> ``[512, 1024]``: positive integers, each named where one is not."""
-    return _positive_ints(text, "sequence length")
+    return _positive_ints(text, "sequence length", MAX_SEQ_LEN, ", the longest sequence a profile records")
 
 
 def add_seq_len_options(p: argparse.ArgumentParser) -> None:
@@ -124,7 +194,7 @@ def add_seq_len_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-seq-len",
-        type=positive_int,
+        type=seq_len,
         metavar="L",
         help="the cap of the search for the longest length that fits at m = multiple-of "
         "(default 4x the longest --seq-len)",
@@ -156,18 +226,8 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
         metavar="CLASS",
         help="hf: tasks: a torch.optim class (AdamW, SGD, ...) or package.module.Class (default AdamW)",
     )
-    p.add_argument("--lr", type=float, metavar="LR", help="hf: tasks: the optimizer's learning rate")
+    p.add_argument("--lr", type=finite_positive, metavar="LR", help="hf: tasks: the optimizer's learning rate")
     add_finetune_options(p)
-
-
-def _lora_alpha(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
 
 
 def _lora_dropout(text: str) -> float:
@@ -196,7 +256,7 @@ def add_finetune_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora-rank", type=positive_int, metavar="R", help="hf: tasks: LoRA of rank R over a frozen base (peft)"
     )
-    p.add_argument("--lora-alpha", type=_lora_alpha, metavar="A", help="LoRA's alpha (default 2 x rank)")
+    p.add_argument("--lora-alpha", type=finite_positive, metavar="A", help="LoRA's alpha (default 2 x rank)")
     p.add_argument(
         "--lora-targets",
         metavar="NAMES",
@@ -227,5 +287,11 @@ def task_spec(spec: str, args: argparse.Namespace) -> str:
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes "-5MiB" for a flag ("expected one argument"); a value that starts with a digit after the
+        # minus is a value, so that its type names the rule it breaks ("--budget -5MiB": not a size).
+        self._negative_number_matcher = re.compile(r"^-\d")
+
     def error(self, message: str) -> Any:  # one line, exit 2, like every other usage error
         self.exit(EXIT_USAGE, f"autotune: error: {message}\n")

@@ -60,7 +60,8 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
         type=positive_int_list,
         metavar="M1,M2,...",
         default=(),
-        help="also estimate these sizes (their trials in the profile): will m = 32 fit?",
+        help="with --gpu: also estimate these sizes (their trials in the profile): will m = 32 fit? Each at most "
+        "--max-micro-batch and a multiple of --multiple-of",
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -16,10 +17,14 @@ from autotune.cli.common import (
     add_strategy_and_plan_options,
     add_task_options,
     check_seq_len_options,
+    finite_positive,
     headroom,
+    micro_batch_cap,
     positive_int,
+    seq_len,
     size,
     task_spec,
+    world_size,
 )
 from autotune.cli.policies import add_objective_option, add_policy_option, for_each_policy, policies_of, recommendation
 from autotune.core.files import write_atomically
@@ -56,8 +61,8 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=size, help="bytes or 800MiB / 24GiB (required on cpu)")
     p.add_argument("--headroom", type=headroom, default=0.10, help="fraction kept free (default 0.10)")
     p.add_argument("--target-batch", type=positive_int, help="effective batch T to plan for")
-    p.add_argument("--world-size", type=positive_int, default=1, help="data-parallel replicas D")
-    p.add_argument("--max-micro-batch", type=positive_int, default=4096)
+    p.add_argument("--world-size", type=world_size, default=1, help="data-parallel replicas D")
+    p.add_argument("--max-micro-batch", type=micro_batch_cap, default=4096)
     p.add_argument("--multiple-of", type=positive_int, default=1)
     p.add_argument("--precision", choices=PRECISIONS, help="override the task's precision")
     add_strategy_and_plan_options(p)
@@ -74,12 +79,17 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
 
 
 def moe_load_factor(text: str) -> float:
-    """--moe-load-factor: a number of at least 1."""
+    """--moe-load-factor: a finite number of at least 1."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {text!r}") from None
-    if not 1.0 <= value < float("inf"):
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a finite number: the busiest expert's share of tokens over a fair one, at least 1 "
+            "and at most experts / top_k"
+        )
+    if value < 1.0:
         raise argparse.ArgumentTypeError(
             f"{text} is below 1: 1.0 is balanced routing, and no expert is busier than a fair share on average"
         )
@@ -157,8 +167,8 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("task")
     v.add_argument("--target-batch", type=positive_int)
     v.add_argument("--micro-batch", type=positive_int)
-    v.add_argument("--tolerance", type=float)
-    v.add_argument("--seq-len", type=positive_int, help="the sequence length of a sequence-aware task (hf: tasks)")
+    v.add_argument("--tolerance", type=finite_positive)
+    v.add_argument("--seq-len", type=seq_len, help="the sequence length of a sequence-aware task (hf: tasks)")
     add_task_options(v)
     v.set_defaults(run=run_verify)
 
@@ -298,9 +308,14 @@ def run_verify(args: argparse.Namespace) -> int:
 
     task = _at_length(load_task(task_spec(args.task, args)), args.seq_len)
     ok, message = verify_cli(task, args.target_batch, args.micro_batch, args.tolerance)
+    if not ok and message.startswith(_VERIFY_REFUSED):  # sizes it refused before running (--target-batch 1, ...)
+        raise CliError(message.removeprefix(_VERIFY_REFUSED))
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else EXIT_FAILED
 
+
+# How verify_cli says it refused its sizes rather than found a mismatch (autotune/loop/verify.py).
+_VERIFY_REFUSED = "autotune verify: "
 
 
 def _at_length(task: Any, seq_len: int | None) -> Any:

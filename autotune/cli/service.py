@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from autotune.cli.common import positive_int
+from autotune.cli.common import port, positive_int
 
 __all__ = ["add_parsers", "run_db", "run_serve"]
 
@@ -15,7 +15,7 @@ __all__ = ["add_parsers", "run_db", "run_serve"]
 def add_parsers(sub: Any) -> None:
     s = sub.add_parser("serve", help="run the profile store and REST API")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port, default=8000)
     s.add_argument("--workers", type=positive_int, default=1)
     s.add_argument("--database-url", help="default: AUTOTUNE_DATABASE_URL or a SQLite file")
     s.set_defaults(run=run_serve)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from autotune.cli.common import CliError, add_strategy_and_plan_options, headroom, positive_int, size
+from autotune.cli.common import (
+    CliError,
+    add_strategy_and_plan_options,
+    headroom,
+    positive_int,
+    seq_len,
+    size,
+    world_size,
+)
 from autotune.core.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, SOURCES, STRATEGIES
 
 __all__ = ["add_parsers", "run_profiles", "run_suggest"]
@@ -17,8 +25,8 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--fingerprint", required=True)
     g.add_argument("--target-batch", type=positive_int, help="sequences (samples) per update")
     g.add_argument("--target-tokens", type=positive_int, help="tokens per update instead (needs --seq-len)")
-    g.add_argument("--seq-len", type=positive_int, help="a sequence-aware setup's sequence length")
-    g.add_argument("--world-size", type=positive_int, default=1)
+    g.add_argument("--seq-len", type=seq_len, help="a sequence-aware setup's sequence length")
+    g.add_argument("--world-size", type=world_size, default=1)
     g.add_argument("--device-name", required=True)
     g.add_argument("--budget", type=size)
     g.add_argument("--headroom", type=headroom)
@@ -48,7 +56,7 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--device-name")
     r.add_argument("--precision")
     r.add_argument("--strategy", choices=STRATEGIES)
-    r.add_argument("--world-size", type=positive_int)
+    r.add_argument("--world-size", type=world_size)
     r.add_argument("--source", choices=SOURCES, help="measured, or estimate (fake-tensor trials only)")
     r.set_defaults(run=run_profiles)
 

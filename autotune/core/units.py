@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "limit_bytes", "limit_bytes_unrounded", "parse_bytes"]
+__all__ = ["MAX_SIZE_BYTES", "format_bytes", "limit_bytes", "limit_bytes_unrounded", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -22,25 +22,36 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+# The largest size a profile records (autotune.core.schemas.MAX_BYTES, 1 EiB; a test holds them equal): a larger
+# one is refused where it is read, not by the profile's validation after the trials.
+MAX_SIZE_BYTES = 2**60
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str) -> int:
-    """Parse "800MiB", "24GiB", "1.5GB" or a plain number of bytes.
+    """Parse "800MiB", "24GiB", "1.5GB" or a plain number of bytes (a fraction of a byte rounds down).
 
     >>> parse_bytes("800MiB")
     838860800
+    >>> parse_bytes("0.5")
+    Traceback (most recent call last):
+    ...
+    ValueError: size '0.5' is less than one byte: give bytes or a unit such as 800MiB, 24GiB, 1.5GB
 
     Raises:
-        ValueError: naming the text that could not be read.
+        ValueError: naming the text and the rule it breaks (not a size, below one byte, above 1 EiB).
     """
     match = _PATTERN.match(str(text))
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: use bytes or a unit such as 800MiB, 24GiB, 1.5GB")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+    number, scale = match.group(1), _UNITS[unit]
+    # Whole numbers stay integers: float() would round 99999999999999TiB before the cap could see it.
+    value = int(number) * scale if "." not in number else int(float(number) * scale)
+    if value < 1:
+        raise ValueError(f"size {text!r} is less than one byte: give bytes or a unit such as 800MiB, 24GiB, 1.5GB")
+    if value > MAX_SIZE_BYTES:
+        raise ValueError(f"size {text!r} is above 1 EiB (2**60 bytes), the largest a profile records")
     return value
 
 

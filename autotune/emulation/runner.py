@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.core.cards import Card, lookup
+from autotune.core.errors import TrialError
 from autotune.emulation.build import (
     CudaTorch,
     EmulationError,
@@ -40,6 +42,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "CudaTorchMissing",
     "EmulatedDevice",
+    "EmulatedJobError",
     "EmulatedRun",
     "EmulatedTrial",
     "check_emulation",
@@ -56,6 +59,21 @@ _REPO = Path(__file__).resolve().parents[2]
 
 class CudaTorchMissing(EmulationError):
     """No Python with a CUDA build of torch was found: the caller falls back to CPU semantics."""
+
+
+class EmulatedJobError(TrialError):
+    """The task's job failed in the child under an emulation that ran (a trial at a size, the task's load): an
+    error of the estimate, in one line, never a reason to fall back to CPU semantics. Only what says the
+    emulation is not to be had here (an EmulationError: no CUDA build of torch, libraries that do not build, an
+    entry point the emulation does not cover, a CUDA runtime failure, a child that died or hung) falls back."""
+
+
+# The jobs that run the user's task in the child (the check runs none: any failure of it is the emulation's).
+_TASK_JOBS = ("search", "trials")
+# A child's error that says the CUDA runtime under it failed: the emulation's fault, not the task's.
+_RUNTIME_FAILURE = re.compile(
+    r"CUDA error|CUDA driver|cuda runtime|cudaError|CUresult|no CUDA GPUs|NVIDIA driver", re.I
+)
 
 
 @dataclass(frozen=True)
@@ -202,8 +220,19 @@ def _run_child(
         result: dict[str, Any] = json.loads(result_path.read_text())
     if "error" in result:
         cause = f" ({_uncovered(emulation_lines)})" if emulation_lines else ""
-        raise EmulationError(f"{what} on an emulated {card.short_name} failed: {result['error']}{cause}")
+        message = f"{what} on an emulated {card.short_name} failed: {result['error']}{cause}"
+        if request.get("job") in _TASK_JOBS and not _emulation_at_fault(str(result["error"]), emulation_lines):
+            raise EmulatedJobError(message)
+        raise EmulationError(message)
     return result, emulation_lines
+
+
+def _emulation_at_fault(error: str, emulation_lines: list[str]) -> bool:
+    """Whether a child's error is the emulation's (an entry point it does not cover, an allocation it refused,
+    the CUDA runtime under it failing) rather than the task's own at some size."""
+    if any("is not emulated" in line or "refused" in line for line in emulation_lines):
+        return True
+    return _RUNTIME_FAILURE.search(error) is not None
 
 
 def _uncovered(lines: list[str]) -> str:
@@ -305,8 +334,9 @@ def run_emulated_trials(
 
     Raises:
         CudaTorchMissing: no CUDA build of torch here (the caller falls back to CPU semantics).
-        EmulationError: the emulation cannot be built, the child failed (one line, naming the entry point
-            the emulation did not cover where that was the cause) or it outlived timeout_seconds.
+        EmulationError: the emulation cannot be built, it failed in the child (one line, naming the entry point
+            it did not cover where that was the cause), the child died or outlived timeout_seconds.
+        EmulatedJobError: the task failed in the child under an emulation that ran (at a size, at its load).
         ValueError: an unknown card, or a size that is not a positive integer.
     """
     sizes = [int(m) for m in micro_batches]

@@ -78,6 +78,8 @@ def estimate_on_card(
 
     Raises:
         EmulationUnavailable: the card cannot be emulated here (the caller estimates with CPU semantics).
+        EmulatedJobError (a TrialError): the task failed in the emulated child, at a size or at its load: an
+            error of the estimate, not a reason for CPU semantics (autotune/emulation/runner.py says which is which).
         CannotFitError: micro-batch multiple_of does not fit the card.
         AutotuneError: the task has no spec to load in the child.
     """

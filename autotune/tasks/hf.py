@@ -90,6 +90,13 @@ _FLAGS = {
 WEIGHTS_DTYPES = ("fp32", "bf16", "fp16")
 # A ValueError of transformers can run to thousands of characters (every model type it knows).
 _REASON_CHARS = 240
+# Layer counts past this are refused before the model is built: no published model has more than a few hundred,
+# and building a million layers even on meta takes minutes with nothing to say.
+_MAX_LAYERS = 10_000
+# The config's keys that count layers, as the model families spell them.
+_LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers", "num_decoder_layers")
+# torch takes a dimension as a C long long: a larger integer in a config overflows deep in its tensor factory.
+_MAX_DIMENSION = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -269,9 +276,28 @@ def _config_file(path: str) -> Path:
 
 
 def _reason(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines() or [type(exc).__name__]
-    line = lines[0]
+    """exc's message on one line: every line of it joined (pydantic and transformers put the reason on the
+    lines after a heading that ends in a colon), cut at _REASON_CHARS."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    line = " ".join(lines)
     return line if len(line) <= _REASON_CHARS else line[:_REASON_CHARS].rstrip() + " ..."
+
+
+def _check_sizes(path: str, file: Path, values: dict[str, Any]) -> None:
+    """Refuse, before transformers sees them, sizes no model can be built with in reasonable time or at all:
+    a layer count past _MAX_LAYERS, an integer past what torch takes as a dimension."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if key in _LAYER_KEYS and value > _MAX_LAYERS:
+            raise TaskError(
+                f"hf:{path}: {key} {value} in {file} is above {_MAX_LAYERS} layers: building it would take minutes "
+                "even without memory, and no published model has more than a few hundred"
+            )
+        if abs(value) > _MAX_DIMENSION:
+            raise TaskError(
+                f"hf:{path}: {key} {value} in {file} is above 2**63 - 1, the largest size torch takes for a dimension"
+            )
 
 
 def _load_config(path: str) -> Any:
@@ -282,6 +308,7 @@ def _load_config(path: str) -> Any:
         raise TaskError(f"hf:{path}: {file} is not readable JSON: {_reason(exc)}") from None
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise TaskError(f'hf:{path}: {file} has no "model_type": not a transformers config')
+    _check_sizes(path, file, values)
     try:
         from transformers import AutoConfig
     except ImportError:

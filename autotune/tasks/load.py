@@ -51,24 +51,45 @@ def load_task(spec: str) -> ProbeTask:
         sys.modules[mod_name] = module
         try:
             mod_spec.loader.exec_module(module)
+        except SystemExit as exc:  # sys.exit() at import would end autotune itself, silently with 0
+            sys.modules.pop(mod_name, None)
+            raise _exited(spec, f"importing {module_part!r}", exc) from None
         except Exception as exc:  # the user's module failed at import: say where, in one line
             sys.modules.pop(mod_name, None)
-            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
     else:
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as exc:
             raise TaskError(f"module {module_part!r} not found (from {spec!r}): {exc}") from exc
+        except SystemExit as exc:
+            raise _exited(spec, f"importing {module_part!r}", exc) from None
         except Exception as exc:
-            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
     if not hasattr(module, attr):
         raise TaskError(f"{module_part!r} has no attribute {attr!r} (from {spec!r})")
     obj = getattr(module, attr)
     if not isinstance(obj, ProbeTask) and callable(obj):
         try:
             obj = obj()
+        except SystemExit as exc:
+            raise _exited(spec, f"calling {attr}()", exc) from None
         except Exception as exc:
-            raise TaskError(f"{spec!r}() failed: {type(exc).__name__}: {exc}") from exc
+            raise TaskError(f"{spec!r}() failed: {type(exc).__name__}: {_one_line(exc)}") from exc
     if not isinstance(obj, ProbeTask):
         raise TaskError(f"{spec!r} is a {type(obj).__name__}, not a ProbeTask or a callable returning one")
     return dataclasses.replace(obj, source=spec)
+
+
+def _exited(spec: str, doing: str, exc: SystemExit) -> TaskError:
+    """A task that calls sys.exit() while it loads: an error naming it (autotune, not the task, decides when
+    to exit; a script's ``if __name__ == "__main__"`` guard keeps its own exit out of an import)."""
+    return TaskError(
+        f"task {spec!r}: {doing} called sys.exit({exc.code!r}): a task file must not exit when imported "
+        "(put the script's part under if __name__ == '__main__':)"
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error's message on one line (a multi-line message's lines joined)."""
+    return " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())

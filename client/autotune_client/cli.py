@@ -6,11 +6,16 @@
     autotune profiles upload DIR --server URL          (the JSON profiles a fleet run kept there)
 
 Results go to stdout (JSON with ``--json``, one readable line otherwise) and every failure is one
-line on stderr with a non-zero exit code, so that launch scripts can branch on it:
+line on stderr with the exit status of every ``autotune`` command (``autotune.core.errors.ExitCode``), so that
+launch scripts can branch on it:
 
     0  success
-    1  error (server unreachable, refused, bad input)
-    3  not found: nothing stored for this setup (``suggest``) or no such profile id
+    1  the server failed (5xx after the retries)
+    2  usage or input: no server given, a URL that is not one, a field the server rejects (422), a token it
+       refuses (401/403)
+    3  the server cannot be reached (refused, timed out) or is not serving (503 after the retries)
+    4  nothing fits: the budget holds not even one micro-batch (``suggest``'s budget_too_small)
+    5  not found: nothing stored for this setup (``suggest``) or no such profile id
 """
 
 from __future__ import annotations
@@ -23,16 +28,23 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 from autotune.cli.report import datasheet, trial_line
+from autotune.core.errors import ExitCode
 from autotune.core.plan import micro_batches_text
 from autotune.core.schemas import Profile, Suggestion
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
-from autotune_client.errors import APIConnectionError, AutotuneClientError, NotFoundError
+from autotune_client.errors import (
+    APIConnectionError,
+    APIStatusError,
+    AutotuneClientError,
+    InternalServerError,
+    NotFoundError,
+)
 
 __all__ = [
-    "EXIT_ERROR",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
+    "exit_code_for",
     "format_suggestion",
     "profiles_command",
     "suggest_command",
@@ -40,14 +52,35 @@ __all__ = [
     "upload_profile",
 ]
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_NOT_FOUND = 3
+# Names kept from before the one table of exit codes (autotune.core.errors.ExitCode).
+EXIT_OK = ExitCode.OK
+EXIT_NOT_FOUND = ExitCode.NOT_FOUND
+
+# /suggest's code for "not even one micro-batch fits the budget" (autotune_server.errors.BudgetTooSmall).
+_NO_FIT_CODES = frozenset({"budget_too_small"})
+
+
+def exit_code_for(exc: AutotuneClientError) -> ExitCode:
+    """The exit status of a client error, by the table of every command (``autotune.core.errors.ExitCode``).
+
+    >>> from autotune_client.errors import APIConnectionError
+    >>> int(exit_code_for(APIConnectionError("cannot reach the tuner")))
+    3
+    """
+    if isinstance(exc, APIConnectionError):  # timeouts included
+        return ExitCode.SERVER_UNREACHABLE
+    if isinstance(exc, NotFoundError):
+        return ExitCode.NOT_FOUND
+    if isinstance(exc, InternalServerError):  # still failing after the retries
+        return ExitCode.SERVER_UNREACHABLE if exc.status_code == 503 else ExitCode.FAILED
+    if isinstance(exc, APIStatusError) and exc.code in _NO_FIT_CODES:
+        return ExitCode.NO_FIT
+    return ExitCode.USAGE  # no server given, a bad URL, a rejected field or token: the user's to fix
 
 
 def _fail(exc: AutotuneClientError, err: TextIO) -> int:
     print(f"autotune: error: {exc}", file=err)
-    return EXIT_NOT_FOUND if isinstance(exc, NotFoundError) else EXIT_ERROR
+    return exit_code_for(exc)
 
 
 def format_suggestion(s: Suggestion) -> str:
@@ -118,7 +151,7 @@ def suggest_command(
     except AutotuneClientError as exc:
         return _fail(exc, err)
     print(suggestion.model_dump_json() if as_json else format_suggestion(suggestion), file=out)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _row(summary: ProfileSummary) -> str:
@@ -166,10 +199,10 @@ def profiles_command(
     err = err or sys.stderr
     if action not in ("ls", "show", "rm"):
         print(f"autotune: error: unknown profiles action {action!r}: use ls, show or rm", file=err)
-        return EXIT_ERROR
+        return ExitCode.USAGE
     if action != "ls" and profile_id is None:
         print(f"autotune: error: profiles {action} needs a profile id", file=err)
-        return EXIT_ERROR
+        return ExitCode.USAGE
     try:
         with TunerClient(base_url=server) as client:
             if action == "ls":
@@ -193,7 +226,7 @@ def profiles_command(
                 print(done, file=out)
     except AutotuneClientError as exc:
         return _fail(exc, err)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def upload_profile(profile: Profile, *, server: str, token: str | None) -> int:
@@ -229,11 +262,11 @@ def upload_directory(
     err = err or sys.stderr
     if not directory.is_dir():
         print(f"autotune: error: {str(directory)!r} is not a directory", file=err)
-        return EXIT_ERROR
+        return ExitCode.USAGE
     files = sorted(directory.glob("*.json"))
     if not files:
         print(f"autotune: error: no *.json profiles in {directory}", file=err)
-        return EXIT_ERROR
+        return ExitCode.USAGE
     failed = 0
     try:
         with TunerClient(base_url=server, token=token) as client:
@@ -256,4 +289,4 @@ def upload_directory(
         return _fail(exc, err)
     if failed:
         print(f"autotune: error: {failed} of {len(files)} files not uploaded", file=err)
-    return EXIT_ERROR if failed else EXIT_OK
+    return ExitCode.USAGE if failed else ExitCode.OK

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from autotune.core.errors import ExitCode
 from autotune.core.schemas import Suggestion
 from autotune_client import AuthenticationError, PermissionDeniedError
 from autotune_client.cli import (
-    EXIT_ERROR,
     EXIT_NOT_FOUND,
     EXIT_OK,
     format_suggestion,
@@ -97,7 +97,7 @@ def test_suggest_prints_a_balanced_plan_and_asks_for_a_divisor_one(in_process_se
 
 def test_suggest_with_no_server_anywhere_is_a_one_line_error() -> None:
     code, out, err = run_suggest(server=None)
-    assert code == EXIT_ERROR and out == ""
+    assert code == ExitCode.USAGE and out == ""
     assert "AUTOTUNE_URL" in err and err.count("\n") == 1
 
 
@@ -108,7 +108,7 @@ def test_suggest_against_a_dead_server_fails_fast(monkeypatch: pytest.MonkeyPatc
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     code, _, err = run_suggest(server=f"http://127.0.0.1:{port}")
-    assert code == EXIT_ERROR
+    assert code == ExitCode.SERVER_UNREACHABLE == 3
     assert "cannot reach the tuner" in err
 
 
@@ -149,7 +149,7 @@ def test_profiles_ls_show_rm(in_process_server: Callable[..., Any], monkeypatch:
     assert json.loads(out)["profile"]["max_micro_batch"] == 30
 
     code, _, err = run_profiles("rm", large)
-    assert code == EXIT_ERROR and "401" in err  # deleting needs the write token
+    assert code == ExitCode.USAGE and "401" in err  # deleting needs the write token
     monkeypatch.setenv("AUTOTUNE_TOKEN", WRITE_TOKEN)
     code, out, _ = run_profiles("rm", large)
     assert (code, out.strip()) == (EXIT_OK, f"deleted profile {large}")
@@ -162,7 +162,7 @@ def test_profiles_ls_show_rm(in_process_server: Callable[..., Any], monkeypatch:
 )
 def test_profiles_bad_usage(action: str, profile_id: int | None, match: str) -> None:
     code, _, err = run_profiles(action, profile_id)
-    assert code == EXIT_ERROR and match in err
+    assert code == ExitCode.USAGE and match in err
 
 
 def test_format_suggestion_says_when_the_target_is_missed() -> None:

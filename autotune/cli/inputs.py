@@ -1,0 +1,233 @@
+"""Every input honoured or refused before any work starts: the checks that need no task.
+
+``main`` runs :func:`check_inputs` on the parsed flags of every command before the command runs, so that a
+value that cannot be honoured costs no trial, stores nothing and writes no file: one line naming the flag, the
+value and the rule, exit 2 (``autotune.core.errors.ExitCode.USAGE``). What the argument types refuse alone (a
+size that is not one, a number that is not finite, an integer past what a profile records) is refused by the
+parser before this; what needs the task loaded (a policy on a model without blocks, --moe-load-factor on a
+dense model, --seq-len on a task that takes none) by the command, still before its first trial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from autotune.cli.common import CliError
+from autotune.core.units import format_bytes
+
+__all__ = ["check_inputs"]
+
+# The commands that upload what they make to --server (a write, which the server takes only with a token).
+_UPLOADERS = ("probe", "estimate", "fleet")
+# The commands that only talk to a server, from --server or else $AUTOTUNE_URL.
+_CLIENTS = ("suggest", "profiles")
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse, in one line, the first flag of args whose value the command could not honour.
+
+    Raises:
+        CliError: naming the flag, the value and the rule it breaks.
+    """
+    _check_server(args)
+    _check_output(args)
+    _check_micro_batches(args)
+    _check_budget_on_cards(args)
+    _check_database_url(args)
+    _check_verify_sizes(args)
+
+
+def _check_server(args: argparse.Namespace) -> None:
+    command = getattr(args, "command", None)
+    server = getattr(args, "server", None)
+    if command in _CLIENTS and not server:
+        server = os.environ.get("AUTOTUNE_URL") or None
+        if server is None:
+            raise CliError(f"{command} asks a server: give --server URL or set AUTOTUNE_URL")
+        _check_url(server, "AUTOTUNE_URL")
+        return
+    if server is None:
+        return
+    _check_url(server, "--server")
+    if command in _UPLOADERS and not os.environ.get("AUTOTUNE_TOKEN"):
+        raise CliError(
+            f"--server {server} uploads what {command} makes, and the server takes uploads only with a write "
+            "token: set AUTOTUNE_TOKEN (or leave --server out and keep the profile with --output)"
+        )
+
+
+def _check_url(url: str, flag: str) -> None:
+    """A server URL: http(s), a host, a port that is one."""
+    rule = "give http://HOST:PORT or https://HOST"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  # raises ValueError for a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise CliError(f"{flag} {url!r} is not a server URL ({exc}): {rule}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CliError(f"{flag} {url!r} is not a server URL: {rule}")
+
+
+def _check_output(args: argparse.Namespace) -> None:
+    output = getattr(args, "output", None)
+    if output is None:
+        return
+    path = Path(output)
+    if getattr(args, "command", None) == "fleet":  # a folder of profiles, one file per pair
+        if path.exists() and not path.is_dir():
+            raise CliError(f"--output {str(path)!r} is a file: fleet writes a profile per pair into a folder")
+    elif path.is_dir():
+        raise CliError(f"--output {str(path)!r} is a folder: give a file name, e.g. {str(path / 'profile.json')!r}")
+    _check_writable(path, "--output")
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """The nearest folder of path that exists is one this process can create a file in (what
+    write_atomically does, creating the folders between): tried with a file removed at once."""
+    folder = path if path.is_dir() else path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise CliError(f"{flag} {str(path)!r}: {str(folder)!r} is a file, not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".autotune-check-"):
+            pass
+    except OSError as exc:
+        raise CliError(f"{flag} {str(path)!r}: cannot write in {str(folder)!r} ({exc.strerror or exc})") from None
+
+
+def _check_micro_batches(args: argparse.Namespace) -> None:
+    """--micro-batches: sizes the emulated search can try (only it runs them)."""
+    sizes = getattr(args, "micro_batches", None) or ()
+    if not sizes:
+        return
+    if getattr(args, "gpu", None) is None:
+        raise CliError(
+            f"--micro-batches {','.join(map(str, sizes))}: extra sizes are estimated for a card only: name it with "
+            "--gpu (autotune gpus lists them)"
+        )
+    cap, multiple = args.max_micro_batch, args.multiple_of
+    for m in sizes:
+        if m > cap:
+            raise CliError(
+                f"--micro-batches {m}: above --max-micro-batch {cap}, the largest size the estimate tries "
+                "(raise --max-micro-batch to try it)"
+            )
+        if m % multiple:
+            raise CliError(f"--micro-batches {m}: not a multiple of --multiple-of {multiple}")
+
+
+def _check_budget_on_cards(args: argparse.Namespace) -> None:
+    """A budget is what the job may hold of its card: above the card's memory it is refused where the card is
+    known (--gpu, a catalog card's --device-name, a CUDA device of this machine)."""
+    budgets = _budgets(args)
+    if not budgets:
+        return
+    for name, memory_bytes in _known_cards(args):
+        for budget in budgets:
+            if budget > memory_bytes:
+                raise CliError(
+                    f"--budget {format_bytes(budget)} ({budget} bytes) is above the {name}'s memory, "
+                    f"{format_bytes(memory_bytes)} ({memory_bytes} bytes as CUDA reports it): a budget is what the "
+                    "job may hold of the card (leave --budget out to take all of it)"
+                )
+
+
+def _budgets(args: argparse.Namespace) -> list[int]:
+    budget = getattr(args, "budget", None)
+    if budget is None:
+        return []
+    return list(budget) if isinstance(budget, list) else [budget]
+
+
+def _known_cards(args: argparse.Namespace) -> Iterable[tuple[str, int]]:
+    """(name, memory in bytes) of each card the command's budget is for, where it is known."""
+    from autotune.core.cards import lookup
+
+    command = getattr(args, "command", None)
+    gpu = getattr(args, "gpu", None)
+    if gpu:  # estimate: a name; fleet: the list card_list made
+        for name in [gpu] if isinstance(gpu, str) else gpu:
+            try:
+                card = lookup(name)
+            except ValueError:
+                continue  # the estimate's own line names the known cards
+            yield card.short_name, card.device_total_bytes
+        return
+    device_name = getattr(args, "device_name", None)
+    if device_name and command in ("estimate", "suggest") and getattr(args, "device_kind", "cuda") == "cuda":
+        try:
+            card = lookup(device_name)
+        except ValueError:
+            return  # a card the catalog does not know: its memory is not known here
+        yield card.nvml_name, card.device_total_bytes
+        return
+    if command == "probe":
+        yield from _local_cuda_devices(str(args.device))
+
+
+def _local_cuda_devices(device: str) -> Iterable[tuple[str, int]]:
+    """The CUDA devices of this machine a probe's --device names (none without CUDA: the probe says so)."""
+    spec = device.strip().lower()
+    if not (spec.startswith("cuda") or spec in ("auto", "all")):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    if spec.startswith("cuda:"):
+        try:
+            indices = [int(spec.removeprefix("cuda:"))]
+        except ValueError:
+            return  # the probe's own line says what a device is
+        if not 0 <= indices[0] < torch.cuda.device_count():
+            return
+    elif spec == "all":
+        indices = list(range(torch.cuda.device_count()))
+    else:
+        indices = [torch.cuda.current_device()]
+    for index in indices:
+        properties = torch.cuda.get_device_properties(index)
+        yield f"cuda:{index} ({properties.name})", int(properties.total_memory)
+
+
+def _check_database_url(args: argparse.Namespace) -> None:
+    """serve and db: a database URL SQLAlchemy can open (a dialect it has), before the server starts."""
+    if getattr(args, "command", None) not in ("serve", "db"):
+        return
+    url = getattr(args, "database_url", None)
+    flag = "--database-url"
+    if url is None and os.environ.get("AUTOTUNE_DATABASE_URL"):
+        url, flag = os.environ["AUTOTUNE_DATABASE_URL"], "AUTOTUNE_DATABASE_URL"
+    if url is None:
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(url).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CliError(
+            f"{flag} {url!r} is not a database URL SQLAlchemy can open ({first}): e.g. sqlite:///store.db or "
+            "postgresql+psycopg://USER@HOST/DB"
+        ) from None
+    except ImportError as exc:  # the dialect's driver is not installed
+        raise CliError(f"{flag} {url!r}: its driver is not installed ({exc})") from None
+
+
+def _check_verify_sizes(args: argparse.Namespace) -> None:
+    if getattr(args, "command", None) != "verify":
+        return
+    target, micro = args.target_batch, args.micro_batch
+    if target is not None and micro is not None and micro >= target:
+        rule = "larger than" if micro > target else "equal to"
+        raise CliError(
+            f"--micro-batch {micro} is {rule} --target-batch {target}: verify compares one batch of the target "
+            "with its accumulation over smaller micro-batches"
+        )
