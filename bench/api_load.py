@@ -19,10 +19,11 @@ fresh connection (one 201, the rest 200).
 
 Every request has ``--request-timeout`` seconds (30) to be answered; one that is not counts as a
 timeout and its client reconnects. A 503 whose error code is ``server_busy`` is the server shedding
-load (counted apart from other 5xx); these raw clients do not retry it. The clients are a minimal
-asyncio HTTP/1.1 loop in this process, so that the load generator costs far less CPU than the
-server, but it shares the machine's cores with it. Figures only: never part of the test run's
-pass/fail.
+load: counted apart from other 5xx ("busy") and retried as ``TunerClient`` does (after its
+Retry-After, lengthened by up to as much again at random); the request's latency includes the
+waits. The clients are a minimal asyncio HTTP/1.1 loop in this process, so that the load generator
+costs far less CPU than the server, but it shares the machine's cores with it. Figures only: never
+part of the test run's pass/fail.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -74,8 +76,8 @@ class Phase:
 
     @property
     def server_errors(self) -> int:
-        """5xx other than the server's busy 503s."""
-        return sum(n for status, n in self.statuses.items() if status >= 500) - self.busy
+        """5xx answers (a busy 503 is retried, and counted in ``busy`` instead)."""
+        return sum(n for status, n in self.statuses.items() if status >= 500)
 
     def percentile(self, q: float) -> float:
         return _quantile(self.latencies, q)
@@ -145,69 +147,91 @@ SUGGEST_PATH = (
 
 async def _exchange(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, payload: bytes
-) -> tuple[int, bool, bool]:
-    """Send one request, read its answer: (status, busy, the server keeps the connection open)."""
+) -> tuple[int, float | None, bool]:
+    """Send one request, read its answer: (status, a busy answer's Retry-After, the connection stays open)."""
     writer.write(payload)
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     length = 0
     keep = True
+    retry_after = 1.0
     for line in head.split(b"\r\n"):
         lowered = line.lower()
         if lowered.startswith(b"content-length:"):
             length = int(line[15:])
         elif lowered.startswith(b"connection:") and b"close" in lowered:
             keep = False
+        elif lowered.startswith(b"retry-after:"):
+            retry_after = float(line[12:])
     body = await reader.readexactly(length)
-    return status, status == 503 and BUSY_CODE in body, keep
+    return status, retry_after if status == 503 and BUSY_CODE in body else None, keep
 
 
 async def _client(
     port: int, requests: Iterator[Request], stop_at: float, phase: Phase, *, fresh: bool, timeout: float
 ) -> None:
-    """Ask one request after the other until ``stop_at`` or ``requests`` ends, each answered or timed out."""
+    """Ask one request after the other until ``stop_at`` or ``requests`` ends, each answered or timed out.
+
+    A busy answer (503 server_busy) is retried as the client does: after its Retry-After lengthened
+    by up to as much again at random; the request's latency runs from its first attempt.
+    """
     connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
     try:
         for request in requests:
             if time.perf_counter() >= stop_at:
                 break
             start = time.perf_counter()
-            try:
-                if connection is None:
-                    connection = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
-                status, busy, keep = await asyncio.wait_for(
-                    _exchange(*connection, request.encode(close=fresh)), timeout
-                )
-            except asyncio.TimeoutError:
-                phase.timeouts += 1
-                keep = False
-            except (OSError, asyncio.IncompleteReadError):
-                phase.connection_errors += 1
-                keep = False
-            else:
-                phase.latencies.append(time.perf_counter() - start)
-                phase.by_kind.setdefault(request.kind, []).append(phase.latencies[-1])
-                phase.requests += 1
-                phase.statuses[status] += 1
-                phase.busy += busy
-            if not keep or fresh:
-                if connection is not None:
-                    connection[1].close()
-                connection = None
+            while True:
+                busy_wait: float | None = None
+                try:
+                    if connection is None:
+                        connection = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+                    status, busy_wait, keep = await asyncio.wait_for(
+                        _exchange(*connection, request.encode(close=fresh)), timeout
+                    )
+                except asyncio.TimeoutError:
+                    phase.timeouts += 1
+                    keep = False
+                except (OSError, asyncio.IncompleteReadError):
+                    phase.connection_errors += 1
+                    keep = False
+                else:
+                    phase.busy += busy_wait is not None
+                    if busy_wait is None:
+                        phase.latencies.append(time.perf_counter() - start)
+                        phase.by_kind.setdefault(request.kind, []).append(phase.latencies[-1])
+                        phase.requests += 1
+                        phase.statuses[status] += 1
+                if not keep or fresh:
+                    if connection is not None:
+                        connection[1].close()
+                    connection = None
+                if busy_wait is None:
+                    break
+                await asyncio.sleep(busy_wait * (1.0 + random.random()))
     finally:
         if connection is not None:
             connection[1].close()
 
 
-def _mix(client: str, profile_id: int) -> Iterator[Request]:
+def _mix(client: str, offset: int, profile_id: int) -> Iterator[Request]:
     """Client ``client``'s rounds: suggest, read one, list, upload a new profile, upload a stored one."""
     stored = Request("stored", "POST", "/api/v1/profiles", json.dumps(_profile()).encode())
-    for upload in itertools.count():
-        yield Request("suggest", "GET", SUGGEST_PATH)
-        yield Request("get", "GET", f"/api/v1/profiles/{profile_id}")
-        yield Request("list", "GET", "/api/v1/profiles?limit=20")
-        yield Request("new", "POST", "/api/v1/profiles", json.dumps(_profile(f"bench:{client}-{upload}")).encode())
-        yield stored
+    rounds = (
+        [
+            Request("suggest", "GET", SUGGEST_PATH),
+            Request("get", "GET", f"/api/v1/profiles/{profile_id}"),
+            Request("list", "GET", "/api/v1/profiles?limit=20"),
+            Request("new", "POST", "/api/v1/profiles", json.dumps(_profile(f"bench:{client}-{upload}")).encode()),
+            stored,
+        ]
+        for upload in itertools.count()
+    )
+    # Each client starts its rounds at another kind, so that every kind is asked from the first second.
+    skip = offset % 5
+    for round_ in rounds:
+        yield from round_[skip:]
+        skip = 0
 
 
 async def _run_phase(
@@ -221,7 +245,7 @@ async def _run_phase(
         if name == "suggest":
             return itertools.repeat(Request("suggest", "GET", SUGGEST_PATH))
         # Distinct per phase and client, so that a "new" upload is new (warm-up phases included).
-        return _mix(f"{tag}-c{client}", profile_id)
+        return _mix(f"{tag}-c{client}", client, profile_id)
 
     # Fresh connections in the mix only: the bare and suggest phases keep the old ratio's meaning.
     def fresh(client: int) -> bool:

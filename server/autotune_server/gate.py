@@ -18,14 +18,17 @@ but the database to finish. The gate's threads have their own limiter with ``slo
 the pool's connections (``Settings`` checks it), so no thread ever waits for a connection and a pool
 timeout can only mean the database itself is slow or gone, which is what ``database_unavailable`` says.
 
-Requests beyond the slots wait on the event loop (a coroutine each, no thread, no connection). When
-``queue_limit`` requests already wait, or one has waited ``queue_seconds``, it is answered 503
-``server_busy`` with ``Retry-After``: the load is shed before a client's own timeout runs out, and
+Requests beyond the slots wait on the event loop (a coroutine each, no thread, no connection). A
+request is answered 503 ``server_busy`` with ``Retry-After`` when ``queue_limit`` requests already
+wait, when the wait it would face (those waiting x the recent time a request holds a slot / slots,
+Little's law) is over ``queue_seconds``, or when it has waited ``queue_seconds`` all the same. So the
+load is shed at once, while the client has time to retry, rather than after it waited in vain; and
 nothing was processed, so a retry of any method is safe (the client retries it within its timeout).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -37,13 +40,17 @@ from autotune_server.db import COMMITTED
 from autotune_server.errors import DomainError, ServerBusy
 from autotune_server.outage import OutageMonitor
 
-__all__ = ["BUSY_RETRY_AFTER_SECONDS", "DatabaseGate"]
+__all__ = ["BUSY_RETRY_AFTER_SECONDS", "HOLD_SMOOTHING", "DatabaseGate"]
 
 T = TypeVar("T")
 
 BUSY_RETRY_AFTER_SECONDS = 1
 """What a busy 503 asks a client to wait: a saturated server drains its queue in about a second or
 two (the client lengthens it by a random fraction, so that the shed crowd does not return at once)."""
+
+HOLD_SMOOTHING = 0.05
+"""Weight of the newest request in the running mean of how long a request holds a slot (about the
+last 20 requests count)."""
 
 
 class DatabaseGate:
@@ -78,6 +85,7 @@ class DatabaseGate:
         self._admission = anyio.CapacityLimiter(slots)
         self._threads = anyio.CapacityLimiter(slots)
         self.shed = 0
+        self.hold_seconds = 0.0
 
     @property
     def waiting(self) -> int:
@@ -88,6 +96,10 @@ class DatabaseGate:
     def busy(self) -> int:
         """Slots in use now."""
         return int(self._admission.borrowed_tokens)
+
+    def expected_wait_seconds(self) -> float:
+        """How long a request arriving now would wait for a slot, from the recent holding times."""
+        return self.waiting * self.hold_seconds / self.slots
 
     async def run(self, work: Callable[[Session], T], *, shed: bool = True) -> T:
         """``work(session)`` in a thread of the gate, the session closed before this returns.
@@ -102,10 +114,11 @@ class DatabaseGate:
             What ``work`` returned.
 
         Raises:
-            ServerBusy: the queue is full, or the wait for a slot passed ``queue_seconds`` (503).
+            ServerBusy: no slot is free and the queue is full or its expected wait is over
+                ``queue_seconds``, or the wait for a slot passed ``queue_seconds`` (503).
             Whatever ``work`` raises (database errors become 503/507/500 in the error handlers).
         """
-        if shed and self.waiting >= self.queue_limit:
+        if shed and self._admission.available_tokens < 1 and self._queue_full():
             self._shed()
         if shed:
             with anyio.move_on_after(self.queue_seconds) as waited:
@@ -114,17 +127,24 @@ class DatabaseGate:
                 self._shed()
         else:
             await self._admission.acquire()
+        started = time.monotonic()
         try:
             return await anyio.to_thread.run_sync(self._in_session, work, limiter=self._threads)
         finally:
             self._admission.release()
+            # On the event loop, one request at a time: no lock needed.
+            self.hold_seconds += HOLD_SMOOTHING * (time.monotonic() - started - self.hold_seconds)
+
+    def _queue_full(self) -> bool:
+        return self.waiting >= self.queue_limit or self.expected_wait_seconds() > self.queue_seconds
 
     def _shed(self) -> None:
         self.shed += 1
+        expected = self.expected_wait_seconds()
         raise ServerBusy(
-            f"the server is busy ({self.waiting} requests waiting for its {self.slots} database slots): "
-            f"nothing was done; try again in {BUSY_RETRY_AFTER_SECONDS} s",
-            details={"waiting": self.waiting, "slots": self.slots},
+            f"the server is busy ({self.waiting} requests waiting for its {self.slots} database slots, about "
+            f"{expected:.1f} s of queue): nothing was done; try again in {BUSY_RETRY_AFTER_SECONDS} s",
+            details={"waiting": self.waiting, "slots": self.slots, "expected_wait_seconds": round(expected, 3)},
             headers={"Retry-After": str(BUSY_RETRY_AFTER_SECONDS)},
         )
 
