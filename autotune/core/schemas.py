@@ -11,9 +11,15 @@ import warnings
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from autotune.core import units
+from autotune.core.policy_names import (
+    MAX_POLICY_NAME_LENGTH,
+    POLICY_NAMES,
+    POLICY_PATTERN,
+    canonical_wire_policy,
+)
 from autotune.core.split import UnevenPlanWarning, micro_batches_text, split
 
 __all__ = [
@@ -52,10 +58,14 @@ Strategy = Literal["ddp", "fsdp"]
 # Where a profile's figures come from: real trials on the device, or fake-tensor trials only.
 SOURCES = ("measured", "estimate")
 Source = Literal["measured", "estimate"]
-# Activation checkpointing (autotune/measure/policies.py): no block, every other block, every block
-# recomputes its forward in the backward.
-ACTIVATION_CHECKPOINTING = ("none", "every-2", "full")
-ActivationCheckpointing = Literal["none", "every-2", "full"]
+# Activation checkpointing (autotune/measure/policies.py): the named policies (none, every-2, full, op), and
+# beyond them any every-K and op:OP/OP/... (autotune/core/policy_names.py's grammar). The wire keeps the
+# canonical spelling: profiles are matched by it.
+ACTIVATION_CHECKPOINTING = POLICY_NAMES
+# canonical (run before the pattern) says in one line why a name is refused, where the pattern would print itself.
+ActivationCheckpointing = Annotated[
+    str, Field(pattern=POLICY_PATTERN, max_length=MAX_POLICY_NAME_LENGTH), BeforeValidator(canonical_wire_policy)
+]
 # What a recommendation optimizes: the largest micro-batch that fits (the fewest steps), or samples
 # per second among the policies that hold the target.
 OBJECTIVES = ("memory", "throughput")

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from autotune.core.errors import TaskError
-from autotune.core.schemas import ACTIVATION_CHECKPOINTING, PRECISIONS, TagValue
+from autotune.core.policy_names import canonical_policy
+from autotune.core.schemas import PRECISIONS, TagValue
 
 __all__ = [
     "DTYPES",
@@ -109,8 +110,9 @@ class ProbeTask:
         shard_classes: the block classes ``--strategy fsdp`` shards one by one; None shards every
             child of every nn.ModuleList in the model.
         activation_checkpointing: the memory policy of the trials (autotune/measure/policies.py):
-            "none", "every-2" (every other block recomputes its forward) or "full" (every block);
-            the blocks are the ones ``--strategy fsdp`` shards.
+            "none", "every-K" (every K-th block recomputes its forward, K >= 2), "full" (every block),
+            "op" (op-level, torchtitan's rule) or "op:OP/OP/..." (op-level, saving the named ops'
+            outputs); the blocks are the ones ``--strategy fsdp`` shards.
         seq_len: the sequence length this task's batches are made at, for a sequence-aware task
             (one whose ``batch`` takes a ``seq_len`` keyword: ``batch(m, seq_len=L)``) bound to one
             length by :meth:`at_length`; None otherwise.
@@ -142,11 +144,10 @@ class ProbeTask:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise TaskError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise TaskError(
-                f"activation checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
-                f"got {self.activation_checkpointing!r}"
-            )
+        try:  # the canonical spelling, as profiles record it (the ops of op:... are checked when applied)
+            self.activation_checkpointing = canonical_policy(self.activation_checkpointing)
+        except ValueError as exc:
+            raise TaskError(f"activation checkpointing: {exc}") from None
         if not callable(self.model) or not callable(self.batch):
             raise TaskError("ProbeTask needs callables for model and batch")
         if self.weights_dtype not in DTYPES:

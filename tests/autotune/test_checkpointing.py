@@ -12,7 +12,16 @@ from torch import nn
 from autotune.core.errors import TaskError
 from autotune.measure.meters import CpuMeter
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.policies import POLICIES, apply_policy, wrapped_blocks
+from autotune.measure.policies import (
+    POLICIES,
+    BlockCheckpointing,
+    NoCheckpointing,
+    OpCheckpointing,
+    apply_policy,
+    check_policy,
+    policy_for,
+    wrapped_blocks,
+)
 from autotune.measure.strategies import make_strategy
 from autotune.measure.trial import TrialRunner
 from autotune.orchestrate.probe import ProbeConfig, probe
@@ -48,19 +57,56 @@ def test_every_2_wraps_every_other_block_and_full_every_block() -> None:
     assert wrapped_blocks("every-2", 3) == [0, 2]
 
 
+@pytest.mark.parametrize(("policy", "marked"), [("every-3", [0, 3]), ("every-5", [0]), ("op", [0, 1, 2, 3])])
+def test_every_k_wraps_the_first_block_and_every_kth_after_it_and_op_every_block(
+    policy: str, marked: list[int]
+) -> None:
+    model = GPT(TINY)
+    assert apply_policy(model, policy, None) == len(marked)
+    assert [i for i, b in enumerate(model.blocks) if getattr(b, "_autotune_checkpointed", False)] == marked
+    assert wrapped_blocks(policy, 4) == marked
+
+
+def test_policies_are_objects_with_canonical_names() -> None:
+    assert policy_for("every-2") == BlockCheckpointing(2) and policy_for("full") == BlockCheckpointing(1)
+    assert policy_for("none") == NoCheckpointing()
+    assert policy_for("op:aten.addmm.default/mm/addmm") == OpCheckpointing(("addmm", "mm"))
+    assert policy_for("op").name == "op" and "mm" in policy_for("op").saved_ops  # type: ignore[attr-defined]
+    # A task's policy is kept in its canonical spelling: the profile records it, /suggest matches it.
+    assert tiny("op:aten.mm/aten.addmm").activation_checkpointing == "op:addmm/mm"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("every-1", "'every-1' checkpoints every block: that is full (every-K needs K >= 2)"),
+        ("every-x", "'every-x': K of every-K must be a whole number from 2 to 9999"),
+        ("every-02", "'every-02': write K without leading zeros (every-2)"),
+        ("op:", "'op:': name the ops after the colon (op:mm/addmm), or write op for torchtitan's list"),
+        ("op:foo", "'op:foo': unknown op 'foo': this torch"),
+        ("op:mm/aten.mm.nope", "unknown op 'aten.mm.nope'"),
+        ("half", "unknown policy 'half': choose from none, every-K (K from 2 to 9999), full, op, or op:OP/OP/..."),
+    ],
+)
+def test_a_bad_policy_name_is_one_line_saying_the_rule(name: str, message: str) -> None:
+    with pytest.raises(TaskError) as caught:
+        check_policy(name)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_checkpointing_keeps_the_gradients() -> None:
     batch = make_task(TINY).batch(3)
     grads = []
-    for policy in POLICIES:
+    for policy in (*POLICIES, "every-3", "op:addmm/mm"):
         torch.manual_seed(0)
         model = GPT(TINY)
         apply_policy(model, policy, None)
         make_task(TINY).compute_loss(model, batch).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert torch.allclose(grads[0], grads[1]) and torch.allclose(grads[0], grads[2])
+    assert all(torch.allclose(grads[0], other) for other in grads[1:])
 
 
-@pytest.mark.parametrize("policy", ["every-2", "full"])
+@pytest.mark.parametrize("policy", ["every-2", "every-3", "full", "op", "op:addmm/mm"])
 def test_fake_peaks_equal_the_cpu_meter_under_checkpointing(policy: str) -> None:
     task = tiny(policy)
     sizes = (2, 6)
@@ -97,15 +143,16 @@ def test_each_policy_finds_its_own_exact_m_max_against_real_trials() -> None:
             runner.close()
         found[policy] = m
     assert found["none"] < found["every-2"] < found["full"]
+    assert found["none"] < found["op"]
 
 
 def test_the_policy_is_left_out_of_the_fingerprint() -> None:
     # Profiles of one setup under several policies share it; the profile's column tells them apart.
-    assert task_fingerprint(tiny("full")) == task_fingerprint(tiny())
+    assert task_fingerprint(tiny("full")) == task_fingerprint(tiny()) == task_fingerprint(tiny("op:mm"))
 
 
 def test_an_unknown_policy_is_one_line() -> None:
-    with pytest.raises(TaskError, match=r"must be one of none, every-2, full, got 'half'"):
+    with pytest.raises(TaskError, match=r"^activation checkpointing: unknown policy 'half': choose from none, every-K"):
         tiny("half")
 
 
