@@ -20,7 +20,7 @@ from autotune.core.policy_names import (
     POLICY_PATTERN,
     canonical_wire_policy,
 )
-from autotune.core.split import UnevenPlanWarning, micro_batches_text, split
+from autotune.core.split import DEFAULT_PLAN_POLICY, PlanPolicy, UnevenPlanWarning, micro_batches_text, split
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
@@ -31,9 +31,11 @@ __all__ = [
     "STRATEGIES",
     "Device",
     "DeviceContext",
+    "FINGERPRINT_PATTERN",
     "Fit",
     "LongestSeqLen",
     "MAX_SEQ_LEN",
+    "MAX_SUGGEST_TARGET_BATCH",
     "MicroBatchCount",
     "Observation",
     "Plan",
@@ -41,6 +43,7 @@ __all__ = [
     "Profile",
     "Source",
     "Strategy",
+    "SuggestQuery",
     "Suggestion",
     "Surface",
     "TagValue",
@@ -487,3 +490,66 @@ class Suggestion(_Model):
             "gradient_accumulation_steps": steps,
             "train_batch_size": effective,
         }
+
+
+# A profile's fingerprint as /suggest and the profile list take it: hex, as autotune.tasks.fingerprint writes it.
+FINGERPRINT_PATTERN = r"^[0-9a-f]{16,128}$"
+# Effective batches beyond this cannot be represented in a Plan once rounded to the nearest plan.
+MAX_SUGGEST_TARGET_BATCH = 2**40 - 2**30
+
+
+class SuggestQuery(BaseModel):
+    """GET /suggest's query: one job's setup and what it asks for, in one place.
+
+    The server reads it as its query model (FastAPI validates it and writes it into OpenAPI), keeps its
+    answers under it (frozen: hashable, the cache key), and computes from it; ``TunerClient.suggest``
+    sends it. A new dimension of the question is one field here. Unknown query parameters are ignored
+    (a newer client's question still reaches an older server), as they were before this model.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    fingerprint: Annotated[str, Field(pattern=FINGERPRINT_PATTERN)]
+    device_name: Annotated[str, Field(min_length=1, max_length=256)]
+    target_batch: Annotated[
+        int | None,
+        Field(ge=1, le=MAX_SUGGEST_TARGET_BATCH, description="sequences (samples) per update; or target_tokens"),
+    ] = None
+    seq_len: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=MAX_SEQ_LEN,
+            description="the job's sequence length (required for a sequence-aware setup; a length nobody "
+            "measured is predicted from the memory surface that covers it)",
+        ),
+    ] = None
+    target_tokens: Annotated[
+        int | None,
+        Field(ge=1, le=2**50, description="tokens per update instead of target_batch (needs seq_len)"),
+    ] = None
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    budget_bytes: Annotated[int | None, Field(gt=0, le=MAX_BYTES)] = None
+    headroom: Annotated[float | None, Field(ge=0, lt=1)] = None
+    strategy: Annotated[
+        Strategy, Field(description="ddp (every rank holds the whole model) or fsdp (sharded over world_size)")
+    ] = "ddp"
+    plan: Annotated[
+        PlanPolicy,
+        Field(
+            description="balanced (the fewest steps: micro-batches within one of each other, listed in "
+            "micro_batches) or divisor (equal micro-batches)"
+        ),
+    ] = DEFAULT_PLAN_POLICY
+    # The memory policy: its grammar and canonical spelling are ActivationCheckpointing's (above).
+    activation_checkpointing: Annotated[
+        ActivationCheckpointing,
+        Field(description="the job's memory policy: none, every-2 or full (objective memory answers from it)"),
+    ] = "none"
+    objective: Annotated[
+        Objective,
+        Field(
+            description="memory (the job's policy, the fewest steps) or throughput (the stored policy whose "
+            "plan is timed fastest; the answer says which)"
+        ),
+    ] = "memory"

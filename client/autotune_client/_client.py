@@ -22,7 +22,7 @@ from typing import Any
 import httpx2 as httpx
 
 from autotune.core.capacity import Capacity
-from autotune.core.schemas import DeviceContext, Observation, Profile, Suggestion
+from autotune.core.schemas import DeviceContext, Observation, Profile, Suggestion, SuggestQuery
 from autotune_client._constants import (
     API_PREFIX,
     BUSY_ERROR_CODE,
@@ -252,35 +252,22 @@ class TunerClient:
             UnprocessableEntityError: e.g. target_batch < world_size, or an unknown strategy.
             AutotuneClientError: an fsdp job asked a server that does not know strategies.
         """
-        params: dict[str, Any] = {"fingerprint": fingerprint, "world_size": world_size, "device_name": device_name}
-        if target_batch is not None:
-            params["target_batch"] = target_batch
-        if target_tokens is not None:
-            params["target_tokens"] = target_tokens
-        if budget_bytes is not None:
-            params["budget_bytes"] = budget_bytes
-        if headroom is not None:
-            params["headroom"] = headroom
-        if strategy != "ddp":  # the default is left out: a server from before strategies answers as before
-            params["strategy"] = strategy
-        if plan != "balanced":  # likewise; a server from before balanced plans answers equal ones anyway
-            params["plan"] = plan
-        if activation_checkpointing != "none":  # likewise: a server from before policies knows only none
-            params["activation_checkpointing"] = activation_checkpointing
-        if objective != "memory":
-            params["objective"] = objective
-        if seq_len is not None:
-            params["seq_len"] = seq_len
-        body = self._request("GET", "/suggest", params=params).json()
+        # The keywords are SuggestQuery's fields; the server validates them (a bad one is its 422, as ever).
+        return self._suggest_query(SuggestQuery.model_construct(**{k: v for k, v in locals().items() if k != "self"}))
+
+    def _suggest_query(self, query: SuggestQuery) -> Suggestion:
+        """GET /suggest with ``query`` (``suggest``'s keywords as the model; ``autotune_client.suggest`` builds
+        it too)."""
+        body = self._request("GET", "/suggest", params=_suggest_params(query)).json()
         if not isinstance(body, dict):
             raise AutotuneClientError(f"the server answered /suggest with {type(body).__name__}, not an object")
         # A newer server may add fields: an older client keeps what it knows instead of failing.
         known = {key: value for key, value in body.items() if key in Suggestion.model_fields}
-        if body.get("strategy", "ddp") != strategy:
+        if body.get("strategy", "ddp") != query.strategy:
             # A server from before strategies ignores the parameter and would answer an fsdp job
             # from a ddp profile as if it were measured.
             raise AutotuneClientError(
-                f"the server answered /suggest for strategy {body.get('strategy', 'ddp')!r}, not {strategy!r}: "
+                f"the server answered /suggest for strategy {body.get('strategy', 'ddp')!r}, not {query.strategy!r}: "
                 "upgrade it to one that knows strategies"
             )
         return Suggestion.model_validate(known)
@@ -453,3 +440,10 @@ def _id_of(response: httpx.Response) -> int:
     raise AutotuneClientError(
         f"{response.request.method} {response.request.url.path}: the server's answer carries no id"
     )
+
+
+def _suggest_params(query: SuggestQuery) -> dict[str, Any]:
+    """The query string of GET /suggest: world_size always (every server reads it), the required fields, and
+    every other field only away from its default, so that a server from before that field (strategies,
+    balanced plans, memory policies, objectives, lengths) answers as it always did."""
+    return {"world_size": query.world_size} | query.model_dump(exclude_defaults=True, warnings=False)

@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.core import units
 from autotune.core.plan import PLAN_POLICIES
-from autotune.core.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, STRATEGIES, Profile, Suggestion, TagValue
+from autotune.core.schemas import (
+    ACTIVATION_CHECKPOINTING,
+    OBJECTIVES,
+    STRATEGIES,
+    Profile,
+    Suggestion,
+    SuggestQuery,
+    TagValue,
+)
 from autotune_client._client import TunerClient
 from autotune_client._constants import DEFAULT_TIMEOUT_SECONDS, ENV_URL
 from autotune_client._distributed import DECISION_SLACK_SECONDS, in_process_group, one_decision
@@ -327,18 +335,7 @@ def _ask(
         notes.append(_warn(f"no tuner server configured (${ENV_URL} unset): probing locally, nothing is stored"))
         return None, None
     try:
-        answer = tuner.suggest(
-            fingerprint=job.fingerprint,
-            target_batch=job.target_batch,
-            world_size=job.world_size,
-            device_name=job.device_name,
-            budget_bytes=job.budget_bytes,
-            strategy=call.strategy,
-            plan=call.plan,
-            activation_checkpointing=call.activation_checkpointing,
-            objective=call.objective,
-            seq_len=call.seq_len,
-        )
+        answer = tuner._suggest_query(_query(call, job))
         return answer, None
     except NotFoundError:
         if not call.probe_if_missing:
@@ -349,6 +346,23 @@ def _ask(
             raise
         notes.append(_warn(f"tuner unavailable ({exc}): probing locally, the profile is not uploaded"))
         return None, None
+
+
+def _query(call: _Call, job: _Job) -> SuggestQuery:
+    """What the store is asked: the job as resolved (the target in sequences), the call's choices as given
+    (validated by ``_validated``; the server validates the rest)."""
+    return SuggestQuery.model_construct(
+        fingerprint=job.fingerprint,
+        device_name=job.device_name,
+        target_batch=job.target_batch,
+        world_size=job.world_size,
+        budget_bytes=job.budget_bytes,
+        seq_len=call.seq_len,
+        strategy=call.strategy,
+        plan=call.plan,
+        activation_checkpointing=call.activation_checkpointing,
+        objective=call.objective,
+    )
 
 
 def _probe(call: _Call, job: _Job, notes: list[str]) -> Profile:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -15,29 +16,30 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy
 from autotune.core.schemas import (
+    FINGERPRINT_PATTERN,
     MAX_SEQ_LEN,
+    MAX_WORLD_SIZE,
     ActivationCheckpointing,
     DeviceContext,
-    Objective,
     Observation,
     Profile,
     Source,
     Strategy,
     Suggestion,
+    SuggestQuery,
 )
 from autotune_server import drift, repository
+from autotune_server.candidates import Lookup
 from autotune_server.consistency import consistent_lookup, require_consistent
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import GateDep, ReadAccess, WriteAccess
 from autotune_server.errors import ContextNotMeasured, ErrorBody
 from autotune_server.gate import DatabaseGate
 from autotune_server.outage import DATABASE_ERRORS, STALE_HEADER, Failure, classify
-from autotune_server.repository import Lookup
 from autotune_server.storable import check_storable
-from autotune_server.suggest import LookupCache
 from autotune_server.suggest import compute as compute_suggestion
+from autotune_server.suggest_cache import LookupCache
 from autotune_server.wire import ObservationPage, ProfilePage, ProfileRef, StoredObservation, StoredProfile
 
 __all__ = ["API_PREFIX", "MAX_PAGE_SIZE", "router", "use_docstring_summaries"]
@@ -46,11 +48,6 @@ API_PREFIX = "/api/v1"
 MAX_PAGE_SIZE = 500
 # Ids are 32-bit on every database; a larger one cannot exist, and must not reach PostgreSQL as an overflow.
 MAX_ID = 2**31 - 1
-MAX_WORLD_SIZE = 2**20  # as autotune.core.schemas bounds Plan.world_size
-# Effective batches beyond this cannot be represented in a Plan once rounded to the nearest plan.
-MAX_TARGET_BATCH = 2**40 - 2**30
-
-FINGERPRINT_PATTERN = r"^[0-9a-f]{16,128}$"
 
 
 # Every route that reads or writes the store can meet an outage or a full queue: 503 (with
@@ -321,107 +318,32 @@ _REMEMBERED_HEADERS = {
         **_errors(401, 403, 404, 422),
     },
 )
-async def suggest(
-    _reader: ReadAccess,
-    request: Request,
-    fingerprint: Annotated[str, Query(pattern=FINGERPRINT_PATTERN)],
-    device_name: Annotated[str, Query(min_length=1, max_length=256)],
-    target_batch: Annotated[
-        int | None, Query(ge=1, le=MAX_TARGET_BATCH, description="sequences (samples) per update; or target_tokens")
-    ] = None,
-    seq_len: Annotated[
-        int | None,
-        Query(
-            ge=1,
-            le=MAX_SEQ_LEN,
-            description="the job's sequence length (required for a sequence-aware setup; a length nobody "
-            "measured is predicted from the memory surface that covers it)",
-        ),
-    ] = None,
-    target_tokens: Annotated[
-        int | None,
-        Query(ge=1, le=2**50, description="tokens per update instead of target_batch (needs seq_len)"),
-    ] = None,
-    world_size: Annotated[int, Query(ge=1, le=MAX_WORLD_SIZE)] = 1,
-    budget_bytes: Annotated[int | None, Query(gt=0, le=2**60)] = None,
-    headroom: Annotated[float | None, Query(ge=0, lt=1)] = None,
-    strategy: Annotated[
-        Strategy, Query(description="ddp (every rank holds the whole model) or fsdp (sharded over world_size)")
-    ] = "ddp",
-    plan: Annotated[
-        PlanPolicy,
-        Query(
-            description="balanced (the fewest steps: micro-batches within one of each other, listed in "
-            "micro_batches) or divisor (equal micro-batches)"
-        ),
-    ] = DEFAULT_PLAN_POLICY,
-    activation_checkpointing: Annotated[
-        ActivationCheckpointing,
-        Query(description="the job's memory policy: none, every-2 or full (objective memory answers from it)"),
-    ] = "none",
-    objective: Annotated[
-        Objective,
-        Query(
-            description="memory (the job's policy, the fewest steps) or throughput (the stored policy whose "
-            "plan is timed fastest; the answer says which)"
-        ),
-    ] = "memory",
-) -> Response:
+async def suggest(_reader: ReadAccess, request: Request, query: Annotated[SuggestQuery, Query()]) -> Response:
     """The plan for a job: measured on this device model, else predicted, else estimated, else 404."""
     # The hot path of a sweep's start: async, no thread-pool hop at all on a cached answer; on a miss,
     # one hop for the database (shared by concurrent misses) and one for the plan arithmetic, which
     # never runs on the event loop. The Suggestion is serialized once here instead of re-validated
-    # by the response model.
+    # by the response model. The query itself (frozen, hashable) keys the finished answers.
     state = request.app.state
     cache = state.suggest_cache
-    answer_key = (
-        fingerprint,
-        device_name,
-        target_batch,
-        world_size,
-        budget_bytes,
-        headroom,
-        strategy,
-        plan,
-        activation_checkpointing,
-        objective,
-        seq_len,
-        target_tokens,
-    )
-    body = cache.get_answer(answer_key)
+    body = cache.get_answer(query)
     if body is None:
-        key = (fingerprint, device_name)
+        key = (query.fingerprint, query.device_name)
         found = cache.get(key)
         remembered: _Remembered | None = None
         if found is None:
             found, remembered = await _lookup_or_remembered(cache, key, state)
-        body = await run_in_threadpool(
-            _answer,
-            found,
-            fingerprint=fingerprint,
-            device_name=device_name,
-            target_batch=target_batch,
-            world_size=world_size,
-            budget_bytes=budget_bytes,
-            headroom=headroom,
-            strategy=strategy,
-            plan_policy=plan,
-            activation_checkpointing=activation_checkpointing,
-            objective=objective,
-            seq_len=seq_len,
-            target_tokens=target_tokens,
-            server_url=lambda: str(request.base_url).rstrip("/"),
-        )
+        body = await run_in_threadpool(_answer, found, query, lambda: str(request.base_url).rstrip("/"))
         if remembered is not None:
             return _remembered_answer(body, remembered)
-        cache.put_answer(answer_key, body)
+        cache.put_answer(query, body)
     return Response(body, media_type="application/json")
 
 
-def _answer(found: Lookup, **query: Any) -> bytes:
+def _answer(found: Lookup, query: SuggestQuery, server_url: Callable[[], str]) -> bytes:
     # In a worker thread: the plan arithmetic and the serialization are CPU work that must not stall
     # the event loop (domain errors propagate to the route, and from there to the error handlers).
-    return compute_suggestion(found, **query).model_dump_json().encode()
+    return compute_suggestion(found, query, server_url=server_url).model_dump_json().encode()
 
 
 async def _single_flight(cache: LookupCache, key: tuple[str, str], state: Any) -> Lookup:

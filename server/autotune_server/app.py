@@ -33,7 +33,7 @@ from autotune_server.middleware import AllowMiddleware, BodyLimitMiddleware
 from autotune_server.migrate import head_revision
 from autotune_server.outage import OutageMonitor, RememberedLookups
 from autotune_server.settings import Settings
-from autotune_server.suggest import LookupCache
+from autotune_server.suggest_cache import LookupCache
 
 __all__ = ["PAGES_MODULE", "create_app"]
 

@@ -18,9 +18,9 @@ from sqlalchemy import Connection, select
 
 from autotune.core.consistency import Problem, profile_problems
 from autotune.core.schemas import Profile
+from autotune_server.candidates import Lookup, lookup
 from autotune_server.errors import InconsistentProfileError
 from autotune_server.models import ProfileRow
-from autotune_server.repository import Lookup, lookup
 
 __all__ = [
     "MAX_LOOKUP_ROUNDS",
@@ -107,7 +107,7 @@ def inconsistent_ids(conn: Connection, ids: set[int]) -> set[int]:
 
 
 def consistent_lookup(conn: Connection, fingerprint: str, device_name: str) -> Lookup:
-    """``repository.lookup`` without the stored profiles that fail the checks.
+    """``candidates.lookup`` without the stored profiles that fail the checks.
 
     A newest profile that fails is passed over for the next newest; ``Lookup.skipped`` names the
     ones passed over, for the suggestion's warnings.

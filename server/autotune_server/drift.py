@@ -21,7 +21,7 @@ probe peak raised by the drift is within the limit, and says so: "3 jobs observe
 the probe at m = 26; answering 25". An observation at a micro-batch the profile never measured,
 with no fit to compare with, is stored and left out of the drift (the POST answer says so).
 
-Pure arithmetic on what ``repository.lookup`` read; torch-free, like the rest of the server.
+Pure arithmetic on what ``candidates.lookup`` read; torch-free, like the rest of the server.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 from autotune.core.plan import micro_batch_for_limit
 from autotune.core.schemas import Fit, Observation, Profile
+from autotune_server.candidates import Candidate
 from autotune_server.convert import fit_of
 from autotune_server.errors import BudgetTooSmall, ObservationMismatch
 from autotune_server.models import ObservationRow, ProfileRow
-from autotune_server.repository import Candidate
 
 __all__ = [
     "QUANTILE",

@@ -26,7 +26,7 @@ from typing import NamedTuple
 from autotune.core.schemas import DeviceContext, Fit
 from autotune.core.units import format_bytes as human_bytes
 from autotune.core.units import limit_bytes_unrounded
-from autotune_server.repository import Candidate
+from autotune_server.candidates import Candidate
 
 __all__ = ["EstimateTrial", "Rederived", "TrialFigure", "for_candidate", "rederive"]
 

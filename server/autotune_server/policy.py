@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from autotune.core.recommend import Option, recommend, samples_per_second
 from autotune.core.schemas import Suggestion
+from autotune_server.candidates import Candidate, Lookup
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
-from autotune_server.repository import Candidate, Lookup
 
 __all__ = ["fastest", "for_policy", "policies", "policy_not_found"]
 

@@ -20,8 +20,8 @@ from dataclasses import replace
 
 from autotune.core.plan import TargetError, target_in_sequences
 from autotune.core.surface import PeakSurface
+from autotune_server.candidates import Candidate, Lookup
 from autotune_server.errors import InvalidPlanRequest, NoProfileForSuggestion
-from autotune_server.repository import Candidate, Lookup
 
 __all__ = [
     "at_length",

@@ -24,86 +24,30 @@ trials and m_max are re-derived with that figure before anything else (``measure
 answer says so.
 
 The work is split for speed, since /suggest is what hundreds of jobs call at the start of a sweep:
-``repository.lookup`` reads the database (a few small indexed queries, no ORM objects) and its result
-is cached per (fingerprint, device) for a second; ``compute`` is pure arithmetic on that result.
+``candidates.lookup`` reads the database (a few small indexed queries, no ORM objects) and its result
+is cached per (fingerprint, device) for a second (``autotune_server.suggest_cache``); ``compute`` is
+pure arithmetic on that result.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 from sqlalchemy import Connection
 
 from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy, in_tokens, micro_batch_for_limit, plan
-from autotune.core.schemas import Plan, Suggestion
+from autotune.core.schemas import Plan, Suggestion, SuggestQuery
 from autotune.core.units import limit_bytes_unrounded
 from autotune_server import drift, measured_context, policy, sequence
+from autotune_server.candidates import Candidate, Lookup
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
-from autotune_server.repository import Candidate, Lookup
 
-__all__ = ["LookupCache", "compute", "suggest"]
+__all__ = ["compute", "suggest"]
 
 # What a suggestion rests on: a measurement of this kind of job, a prediction from another kind or
 # device model, or an estimate (fake-tensor trials).
 Label = Literal["measured", "predicted", "estimated"]
-
-
-class LookupCache:
-    """Lookups per (fingerprint, device), and finished answers per full query, for ``ttl_seconds``.
-
-    Cleared by any write in this process; other worker processes' uploads become visible within the
-    TTL. That is the trade for the start of a sweep, when hundreds of jobs ask the same question
-    within seconds, while a profile is uploaded once and then read many times.
-    """
-
-    def __init__(self, ttl_seconds: float, max_entries: int = 10_000) -> None:
-        self.ttl_seconds = ttl_seconds
-        self.max_entries = max_entries
-        self._lookups: dict[tuple[str, str], tuple[float, Lookup]] = {}
-        self._answers: dict[tuple[object, ...], tuple[float, bytes]] = {}
-        # Lookups being read right now, so that concurrent misses share one query (event loop only).
-        self.inflight: dict[tuple[str, str], asyncio.Future[Lookup]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, str]) -> Lookup | None:
-        """The cached lookup, if fresh."""
-        entry = self._lookups.get(key)
-        if entry is None or entry[0] < time.monotonic():
-            return None
-        return entry[1]
-
-    def put(self, key: tuple[str, str], value: Lookup) -> None:
-        """Remember a lookup (no-op with a TTL of 0)."""
-        self._store(self._lookups, key, value)
-
-    def get_answer(self, key: tuple[object, ...]) -> bytes | None:
-        """The cached JSON of a suggestion for exactly these query parameters, if fresh."""
-        entry = self._answers.get(key)
-        if entry is None or entry[0] < time.monotonic():
-            return None
-        return entry[1]
-
-    def put_answer(self, key: tuple[object, ...], body: bytes) -> None:
-        """Remember a suggestion's JSON (no-op with a TTL of 0)."""
-        self._store(self._answers, key, body)
-
-    def _store(self, table: dict[Any, tuple[float, Any]], key: Any, value: Any) -> None:
-        if self.ttl_seconds <= 0:
-            return
-        with self._lock:
-            if len(table) >= self.max_entries:
-                table.clear()  # crude but bounded; a sweep touches few keys
-            table[key] = (time.monotonic() + self.ttl_seconds, value)
-
-    def clear(self) -> None:
-        """Forget everything (after any write in this process)."""
-        with self._lock:
-            self._lookups.clear()
-            self._answers.clear()
 
 
 def _plan(
@@ -271,26 +215,22 @@ def _predicted_peak(c: Candidate, micro_batch: int) -> int:
 
 def _measured(
     c: Candidate,
-    *,
+    query: SuggestQuery,
     target_batch: int,
-    world_size: int,
-    budget_bytes: int | None,
-    headroom: float | None,
-    strategy: str = "ddp",
+    *,
     label: Label = "measured",
     warnings: list[str] | None = None,
-    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
 ) -> Suggestion:
     """The answer from c's own trials (``label`` says what they are to this job: see ``compute``)."""
     warnings = list(warnings or [])
-    mismatch = _strategy_warning(c, strategy, world_size)
+    mismatch = _strategy_warning(c, query.strategy, query.world_size)
     if mismatch is not None:
         warnings.append(mismatch)
     m_max = c.max_micro_batch
-    used_budget = budget_bytes if budget_bytes is not None else c.budget_bytes
-    if budget_bytes is not None or headroom is not None:
-        used_headroom = headroom if headroom is not None else c.headroom
-        field = "budget_bytes" if budget_bytes is not None else "headroom"
+    used_budget = query.budget_bytes if query.budget_bytes is not None else c.budget_bytes
+    if query.budget_bytes is not None or query.headroom is not None:
+        used_headroom = query.headroom if query.headroom is not None else c.headroom
+        field = "budget_bytes" if query.budget_bytes is not None else "headroom"
         limit = limit_bytes_unrounded(used_budget, used_headroom)
         measured_limit = limit_bytes_unrounded(c.budget_bytes, c.headroom)
         limit_text = _limit_text(used_budget, used_headroom)
@@ -306,12 +246,10 @@ def _measured(
                     limit,
                     limit_text=limit_text,
                     field=field,
+                    query=query,
                     target_batch=target_batch,
-                    world_size=world_size,
                     budget_bytes=used_budget,
                     warnings=warnings,
-                    strategy=strategy,
-                    policy=policy,
                 )
             warnings.append(
                 f"the limit of {int(limit)} bytes ({limit_text}) is below the {int(measured_limit)} "
@@ -325,7 +263,7 @@ def _measured(
                 f"({limit_text}) may fit a larger micro-batch than the measured {m_max}: probe again "
                 "with it to use it"
             )
-    job_headroom = headroom if headroom is not None else c.headroom
+    job_headroom = query.headroom if query.headroom is not None else c.headroom
     m_max = drift.within_drift(c, m_max, limit_bytes_unrounded(used_budget, job_headroom), warnings)
     if c.oom_at is not None and c.oom_at <= m_max:
         capped = _round_down(c.oom_at - 1, c.multiple_of)
@@ -336,7 +274,7 @@ def _measured(
             )
         m_max = capped
         warnings.append(f"a job reported an out-of-memory error at micro-batch {c.oom_at}: capped at {m_max}")
-    chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
+    chosen = _plan(m_max, target_batch, query.world_size, c.multiple_of, query.plan)
     peak = next((p for m, p, fits, oom in c.trials if m == chosen.micro_batch and fits and not oom), None)
     return _suggestion(
         c,
@@ -347,31 +285,27 @@ def _measured(
         peak=peak,
         budget_bytes=used_budget,
         warnings=warnings,
-        strategy=strategy,
+        strategy=query.strategy,
     )
 
 
 def _from_surface(
     c: Candidate,
+    query: SuggestQuery,
+    target_batch: int,
     seq_len: int,
     *,
     lengths: list[int],
-    target_batch: int,
-    world_size: int,
-    budget_bytes: int | None,
-    headroom: float | None,
-    strategy: str,
     label: Label,
     warnings: list[str],
-    policy: PlanPolicy,
 ) -> Suggestion:
     """The answer at a length nobody measured, from the peak surface of c's probe (which covers it)."""
     warnings = list(warnings)
-    mismatch = _strategy_warning(c, strategy, world_size)
+    mismatch = _strategy_warning(c, query.strategy, query.world_size)
     if mismatch is not None:
         warnings.append(mismatch)
-    used_budget = budget_bytes if budget_bytes is not None else c.budget_bytes
-    used_headroom = headroom if headroom is not None else c.headroom
+    used_budget = query.budget_bytes if query.budget_bytes is not None else c.budget_bytes
+    used_headroom = query.headroom if query.headroom is not None else c.headroom
     limit = limit_bytes_unrounded(used_budget, used_headroom)
     m_max = sequence.surface_max(c, seq_len, limit)
     if m_max < 1:
@@ -385,7 +319,7 @@ def _from_surface(
         f"predicted from the memory surface of profile {c.id}: seq_len {seq_len} was not measured (measured: "
         f"{', '.join(map(str, lengths))}); probe with --seq-len {seq_len} for a measured figure"
     )
-    chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
+    chosen = _plan(m_max, target_batch, query.world_size, c.multiple_of, query.plan)
     return _suggestion(
         c,
         chosen,
@@ -395,7 +329,7 @@ def _from_surface(
         peak=sequence.surface_peak(c, chosen.micro_batch, seq_len),
         budget_bytes=used_budget,
         warnings=warnings,
-        strategy=strategy,
+        strategy=query.strategy,
     )
 
 
@@ -405,12 +339,10 @@ def _fallback_prediction(
     *,
     limit_text: str,
     field: str,
+    query: SuggestQuery,
     target_batch: int,
-    world_size: int,
     budget_bytes: int,
     warnings: list[str],
-    strategy: str = "ddp",
-    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
 ) -> Suggestion:
     """No measured size of c is within a stricter limit: c's own fit, marked as a prediction (an
     estimate stays one)."""
@@ -439,7 +371,7 @@ def _fallback_prediction(
                 f"a job reported an out-of-memory error at micro-batch {c.oom_at} with profile {c.id}",
                 field="fingerprint",
             )
-    chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
+    chosen = _plan(m_max, target_batch, query.world_size, c.multiple_of, query.plan)
     warnings.append(
         f"no measured micro-batch of profile {c.id} peaks within {int(limit)} bytes ({limit_text}): "
         f"predicted from its memory fit, not measured; probe with this budget to be sure"
@@ -453,45 +385,36 @@ def _fallback_prediction(
         peak=_predicted_peak(c, chosen.micro_batch),
         budget_bytes=budget_bytes,
         warnings=warnings,
-        strategy=strategy,
+        strategy=query.strategy,
     )
 
 
 def _predicted(
-    c: Candidate,
-    *,
-    device_name: str,
-    target_batch: int,
-    world_size: int,
-    budget_bytes: int,
-    headroom: float | None,
-    strategy: str = "ddp",
-    warnings: list[str] | None = None,
-    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
+    c: Candidate, query: SuggestQuery, target_batch: int, budget_bytes: int, *, warnings: list[str] | None = None
 ) -> Suggestion:
-    used_headroom = headroom if headroom is not None else c.headroom
+    used_headroom = query.headroom if query.headroom is not None else c.headroom
     limit = limit_bytes_unrounded(budget_bytes, used_headroom)
     m_max = _predicted_max(c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes")
-    chosen = _plan(m_max, target_batch, world_size, c.multiple_of, policy)
+    chosen = _plan(m_max, target_batch, query.world_size, c.multiple_of, query.plan)
     what = "estimated" if c.estimate else "measured"
     warnings = [
         *(warnings or []),
         f"predicted from the memory fit {what} on {c.device_name} (profile {c.id}), not measured "
-        f"on {device_name}: probe on {device_name} to be sure",
+        f"on {query.device_name}: probe on {query.device_name} to be sure",
     ]
-    mismatch = _strategy_warning(c, strategy, world_size)
+    mismatch = _strategy_warning(c, query.strategy, query.world_size)
     if mismatch is not None:
         warnings.append(mismatch)
     return _suggestion(
         c,
         chosen,
         source="estimated" if c.estimate else "predicted",
-        device_name=device_name,
+        device_name=query.device_name,
         m_max=m_max,
         peak=_predicted_peak(c, chosen.micro_batch),
         budget_bytes=budget_bytes,
         warnings=warnings,
-        strategy=strategy,
+        strategy=query.strategy,
     )
 
 
@@ -507,44 +430,24 @@ def _best(
     return rank, best
 
 
-def compute(
-    found: Lookup,
-    *,
-    fingerprint: str,
-    device_name: str,
-    target_batch: int | None = None,
-    world_size: int = 1,
-    budget_bytes: int | None = None,
-    headroom: float | None = None,
-    strategy: str = "ddp",
-    server_url: str | Callable[[], str] = "URL",
-    plan_policy: PlanPolicy = DEFAULT_PLAN_POLICY,
-    activation_checkpointing: str = "none",
-    objective: str = "memory",
-    seq_len: int | None = None,
-    target_tokens: int | None = None,
-) -> Suggestion:
-    """The plan for a job from what ``lookup`` found (pure).
+def compute(found: Lookup, query: SuggestQuery, *, server_url: str | Callable[[], str] = "URL") -> Suggestion:
+    """The plan for the job ``query`` asks about, from what ``lookup`` found (pure).
 
     Args:
-        found: the lookup for (fingerprint, device_name).
-        target_batch: effective batch T; world_size: data-parallel replicas D (for fsdp, the N
-            ranks the model is sharded over).
-        budget_bytes, headroom: the job's memory budget; needed for a prediction from another device.
-            A headroom without a budget applies to the measured profile's own budget.
-        strategy: "ddp" or "fsdp", how the job holds the model (see the module docstring for which
-            profiles answer which job).
+        found: the lookup for (query.fingerprint, query.device_name).
+        query: the job (``autotune.core.schemas.SuggestQuery``, whose fields say what each means):
+            target_batch T (or target_tokens with seq_len); world_size D (for fsdp, the N ranks the
+            model is sharded over); budget_bytes and headroom, needed for a prediction from another
+            device (a headroom without a budget applies to the measured profile's own budget);
+            strategy (see the module docstring for which profiles answer which job); plan
+            (``autotune.core.plan.plan``'s policy); activation_checkpointing, the job's memory policy
+            (with objective "memory" only profiles measured under it answer); objective "throughput"
+            (the stored policy whose plan is timed fastest answers, and the Suggestion says which
+            policy it needs: autotune_server.policy); seq_len (a sequence-aware setup answers from its
+            profile at that length, else from the memory surface that covers it:
+            autotune_server.sequence).
         server_url: this server's URL (or a function giving it, only called for the 404), quoted in
             the how-to-probe advice of the 404.
-        plan_policy: "balanced" (default: the fewest steps, micro-batches within one of each other)
-            or "divisor" (equal micro-batches), see ``autotune.core.plan.plan``.
-        activation_checkpointing: the job's memory policy (none, every-2, full): only profiles
-            measured under it answer (``objective="memory"``).
-        objective: "memory" (default) or "throughput": the stored policy whose plan is timed
-            fastest answers, and the Suggestion says which policy it needs (autotune_server.policy).
-        seq_len: the job's sequence length: a sequence-aware setup answers from its profile at that
-            length, else from the memory surface that covers it (autotune_server.sequence).
-        target_tokens: tokens per update instead of target_batch (needs seq_len): planned in sequences.
 
     Profiles the lookup passed over (``found.skipped``: they contradict their own trials) never
     answer; the suggestion says they were passed over.
@@ -559,125 +462,88 @@ def compute(
             that would need more accumulation steps than ``autotune.core.plan`` allows) (422).
         BudgetTooSmall: not even one sample (or multiple_of) fits the given budget (422).
     """
-    target_batch, token_note = sequence.target_batch_for(target_batch, target_tokens, seq_len, world_size)
-    query: dict[str, Any] = {
-        "fingerprint": fingerprint,
-        "device_name": device_name,
-        "target_batch": target_batch,
-        "seq_len": seq_len,
-        "world_size": world_size,
-        "budget_bytes": budget_bytes,
-        "headroom": headroom,
-        "strategy": strategy,
-        "server_url": server_url,
-        "plan_policy": plan_policy,
-    }
-    if objective == "throughput":
+    target_batch, token_note = sequence.target_batch_for(
+        query.target_batch, query.target_tokens, query.seq_len, query.world_size
+    )
+    if query.objective == "throughput":
+        # Each stored policy's memory answer for the target in sequences, then the fastest of them.
+        in_sequences = query.model_copy(update={"target_batch": target_batch, "target_tokens": None})
         answer = policy.fastest(
             found,
-            lambda one, name: compute(one, **query, activation_checkpointing=name),
-            device_name=device_name,
-            world_size=world_size,
+            lambda one, name: compute(
+                one,
+                in_sequences.model_copy(update={"objective": "memory", "activation_checkpointing": name}),
+                server_url=server_url,
+            ),
+            device_name=query.device_name,
+            world_size=query.world_size,
         )
-        return in_tokens(answer, seq_len, target_tokens, token_note)
-    missing = policy.policy_not_found(found, activation_checkpointing, fingerprint, device_name)
+        return in_tokens(answer, query.seq_len, query.target_tokens, token_note)
+    missing = policy.policy_not_found(found, query.activation_checkpointing, query.fingerprint, query.device_name)
     if missing is not None:
         raise missing
-    found = policy.for_policy(found, activation_checkpointing)
-    answer = _compute(found, **query)
-    answer.activation_checkpointing = activation_checkpointing  # type: ignore[assignment]
-    return in_tokens(answer, seq_len, target_tokens, token_note)
+    found = policy.for_policy(found, query.activation_checkpointing)
+    answer = _compute(found, query, target_batch, server_url)
+    answer.activation_checkpointing = query.activation_checkpointing
+    return in_tokens(answer, query.seq_len, query.target_tokens, token_note)
 
 
-def _compute(
-    found: Lookup,
-    *,
-    fingerprint: str,
-    device_name: str,
-    target_batch: int,
-    world_size: int,
-    budget_bytes: int | None,
-    headroom: float | None,
-    strategy: str,
-    server_url: str | Callable[[], str],
-    plan_policy: PlanPolicy,
-    seq_len: int | None = None,
-) -> Suggestion:
+def _compute(found: Lookup, query: SuggestQuery, target_batch: int, server_url: str | Callable[[], str]) -> Suggestion:
     """``compute`` for the profiles of one memory policy."""
-    at = sequence.at_length(found, seq_len, fingerprint=fingerprint)
-    if seq_len is not None and at is not found and not at.here and not at.elsewhere:
+    at = sequence.at_length(found, query.seq_len, fingerprint=query.fingerprint)
+    if query.seq_len is not None and at is not found and not at.here and not at.elsewhere:
         # Nothing measured at this length: the newest surface of this device model that covers it.
         for source in ("measured", "estimate"):
-            covering = tuple(c for c in sequence.covering(found, seq_len) if c.source == source)
-            best = _best(covering, strategy, world_size)
+            covering = tuple(c for c in sequence.covering(found, query.seq_len) if c.source == source)
+            best = _best(covering, query.strategy, query.world_size)
             if best is not None:
                 c = best[1]
                 answer = _from_surface(
                     c,
-                    seq_len,
+                    query,
+                    target_batch,
+                    query.seq_len,
                     lengths=sequence.measured_lengths(found),
-                    target_batch=target_batch,
-                    world_size=world_size,
-                    budget_bytes=budget_bytes,
-                    headroom=headroom,
-                    strategy=strategy,
                     label="estimated" if c.estimate else "predicted",
-                    warnings=[_estimate_warning(c, device_name)] if c.estimate else [],
-                    policy=plan_policy,
+                    warnings=[_estimate_warning(c, query.device_name)] if c.estimate else [],
                 )
                 return _with_skipped(found, answer)
-        raise sequence.not_measured(found, seq_len, fingerprint=fingerprint, device_name=device_name)
+        raise sequence.not_measured(found, query.seq_len, fingerprint=query.fingerprint, device_name=query.device_name)
     found = at
     for source in ("measured", "estimate"):
-        here = _best(tuple(c for c in found.here if c.source == source), strategy, world_size)
+        here = _best(tuple(c for c in found.here if c.source == source), query.strategy, query.world_size)
         elsewhere = (
             _best(
                 tuple(c for c in found.elsewhere if c.source == source and c.fit is not None),
-                strategy,
-                world_size,
+                query.strategy,
+                query.world_size,
             )
-            if budget_bytes is not None
+            if query.budget_bytes is not None
             else None
         )
         if here is not None and (elsewhere is None or here[0][0] <= elsewhere[0][0]):
             (kind, _), c = here
-            warnings = [_estimate_warning(c, device_name)] if c.estimate else []
+            warnings = [_estimate_warning(c, query.device_name)] if c.estimate else []
             c = _with_measured_context(c, warnings)
             answer = _measured(
                 c,
-                target_batch=target_batch,
-                world_size=world_size,
-                budget_bytes=budget_bytes,
-                headroom=headroom,
-                strategy=strategy,
+                query,
+                target_batch,
                 label="estimated" if c.estimate else ("measured" if kind == 0 else "predicted"),
                 warnings=warnings,
-                policy=plan_policy,
             )
             return _with_skipped(found, answer)
-        if elsewhere is not None and budget_bytes is not None:
+        if elsewhere is not None and query.budget_bytes is not None:
             c = elsewhere[1]
             answer = _predicted(
                 c,
-                device_name=device_name,
-                target_batch=target_batch,
-                world_size=world_size,
-                budget_bytes=budget_bytes,
-                headroom=headroom,
-                strategy=strategy,
-                warnings=[_estimate_warning(c, device_name)] if c.estimate else [],
-                policy=plan_policy,
+                query,
+                target_batch,
+                query.budget_bytes,
+                warnings=[_estimate_warning(c, query.device_name)] if c.estimate else [],
             )
             return _with_skipped(found, answer)
-    raise _not_found(
-        found,
-        fingerprint=fingerprint,
-        device_name=device_name,
-        budget_bytes=budget_bytes,
-        strategy=strategy,
-        world_size=world_size,
-        server_url=server_url() if callable(server_url) else server_url,
-    )
+    raise _not_found(found, query, server_url() if callable(server_url) else server_url)
 
 
 def _with_skipped(found: Lookup, answer: Suggestion) -> Suggestion:
@@ -694,39 +560,30 @@ def _kind_text(c: Candidate) -> str:
     return f"{c.strategy} at world size {c.world_size}" + (" (estimate)" if c.estimate else "")
 
 
-def _not_found(
-    found: Lookup,
-    *,
-    fingerprint: str,
-    device_name: str,
-    budget_bytes: int | None,
-    strategy: str,
-    world_size: int,
-    server_url: str,
-) -> NoProfileForSuggestion:
-    usable = [c for c in found.elsewhere if _rank(c, strategy, world_size) is not None]
+def _not_found(found: Lookup, query: SuggestQuery, server_url: str) -> NoProfileForSuggestion:
+    usable = [c for c in found.elsewhere if _rank(c, query.strategy, query.world_size) is not None]
     other_devices = sorted({c.device_name for c in usable})
     probe = f"autotune probe TASK --server {server_url}" + (
-        f" --strategy fsdp --world-size {world_size}" if strategy == "fsdp" else ""
+        f" --strategy fsdp --world-size {query.world_size}" if query.strategy == "fsdp" else ""
     )
-    if other_devices and budget_bytes is None:
+    if other_devices and query.budget_bytes is None:
         message = (
-            f"no profile of fingerprint {fingerprint} on {device_name!r}; profiles exist on "
+            f"no profile of fingerprint {query.fingerprint} on {query.device_name!r}; profiles exist on "
             f"{', '.join(repr(d) for d in other_devices)}: pass budget_bytes for a prediction from "
-            f"their memory fit, or probe on {device_name!r}"
+            f"their memory fit, or probe on {query.device_name!r}"
         )
     else:
         message = (
-            f"no profile of fingerprint {fingerprint} on {device_name!r}"
+            f"no profile of fingerprint {query.fingerprint} on {query.device_name!r}"
             + (" and none elsewhere with a memory fit" if other_devices else "")
             + f": probe it on that device with `{probe}`"
         )
     # Profiles that exist but never answer this job: an fsdp rank held a smaller shard than the job's.
-    unusable = sorted({_kind_text(c) for c in found.here if _rank(c, strategy, world_size) is None})
+    unusable = sorted({_kind_text(c) for c in found.here if _rank(c, query.strategy, query.world_size) is None})
     if unusable:
         message += (
-            f"; the profiles on {device_name!r} ({', '.join(unusable)}) do not answer a {strategy} job at "
-            f"world size {world_size}: each of their ranks held a smaller share of the model than this "
+            f"; the profiles on {query.device_name!r} ({', '.join(unusable)}) do not answer a {query.strategy} job at "
+            f"world size {query.world_size}: each of their ranks held a smaller share of the model than this "
             "job's ranks will"
         )
     return NoProfileForSuggestion(
@@ -734,11 +591,11 @@ def _not_found(
         field="fingerprint",
         details={
             "looked_for": {
-                "fingerprint": fingerprint,
-                "device_name": device_name,
-                "budget_bytes": budget_bytes,
-                "strategy": strategy,
-                "world_size": world_size,
+                "fingerprint": query.fingerprint,
+                "device_name": query.device_name,
+                "budget_bytes": query.budget_bytes,
+                "strategy": query.strategy,
+                "world_size": query.world_size,
             },
             "devices_with_profiles": other_devices,
             "how_to_probe": f"AUTOTUNE_TOKEN=... {probe}",
@@ -746,10 +603,9 @@ def _not_found(
     )
 
 
-def suggest(conn: Connection, **kwargs: object) -> Suggestion:
-    """``compute(consistent_lookup(conn, fingerprint, device_name), **kwargs)``, uncached (for scripts
-    and tests)."""
+def suggest(conn: Connection, query: SuggestQuery, *, server_url: str = "URL") -> Suggestion:
+    """``compute(consistent_lookup(conn, query.fingerprint, query.device_name), query)``, uncached (for
+    scripts and tests)."""
     from autotune_server.consistency import consistent_lookup
 
-    found = consistent_lookup(conn, str(kwargs["fingerprint"]), str(kwargs["device_name"]))
-    return compute(found, **kwargs)  # type: ignore[arg-type]
+    return compute(consistent_lookup(conn, query.fingerprint, query.device_name), query, server_url=server_url)

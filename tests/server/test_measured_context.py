@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autotune.core.schemas import DeviceContext, Fit
+from autotune_server.candidates import Candidate
 from autotune_server.measured_context import EstimateTrial, TrialFigure, for_candidate, rederive
-from autotune_server.repository import Candidate
 
 MiB = 1 << 20
 H200 = "NVIDIA H200"
