@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from autotune.core.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES
+from autotune.core.schemas import OBJECTIVES
 
 __all__ = [
     "add_objective_option",
@@ -22,21 +22,36 @@ __all__ = [
     "for_each_policy",
     "policies_of",
     "policy_list",
+    "policy_name",
     "recommendation",
     "with_policies",
 ]
 
 
 def policy_list(text: str) -> list[str]:
-    """``"none,full"`` -> ``["none", "full"]`` (any subset of none, every-2, full, without repeats)."""
-    names = [part.strip() for part in text.split(",")]
-    bad = [name for name in names if name not in ACTIVATION_CHECKPOINTING]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {', '.join(map(repr, bad))}: choose from {', '.join(ACTIVATION_CHECKPOINTING)} "
-            "(a comma list: none,every-2,full)"
-        )
+    """``"none,every-4,op"`` -> ``["none", "every-4", "op"]``: policies in their canonical spelling
+    (``autotune.core.policy_names``), without repeats; an op of ``op:OP/...`` must exist in this torch."""
+    from autotune.core.errors import TaskError
+    from autotune.measure.policies import check_policy
+
+    names = []
+    for part in text.split(","):
+        try:
+            names.append(check_policy(part.strip()))
+        except TaskError as exc:
+            raise argparse.ArgumentTypeError(f"{exc}; a comma list probes several: none,every-2,op") from None
     return list(dict.fromkeys(names))
+
+
+def policy_name(text: str) -> str:
+    """One policy in its canonical spelling, by the grammar alone (torch-free: what ``autotune suggest``
+    asks the server about)."""
+    from autotune.core.policy_names import canonical_policy
+
+    try:
+        return canonical_policy(text.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_policy_option(p: argparse.ArgumentParser) -> None:
@@ -46,8 +61,11 @@ def add_policy_option(p: argparse.ArgumentParser) -> None:
         type=policy_list,
         default=None,
         metavar="POLICIES",
-        help="activation checkpointing policies to probe, one profile each: none (default), every-2 "
-        "(every other block), full (every block), or a comma list (none,every-2,full)",
+        help="activation checkpointing policies to probe, one profile each: none (default), every-K (the "
+        "first block and every K-th after it, K >= 2: every-2 is every other block), full (every block), op "
+        "(every block op by op, torchtitan's rule: matmul and attention outputs kept, every second matmul "
+        "and the rest recomputed), op:OP/OP/... (op-level, keeping the named ops' outputs: op:mm/addmm), "
+        "or a comma list (none,every-2,op)",
     )
 
 

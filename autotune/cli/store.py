@@ -14,7 +14,8 @@ from autotune.cli.common import (
     size,
     world_size,
 )
-from autotune.core.schemas import ACTIVATION_CHECKPOINTING, OBJECTIVES, SOURCES, STRATEGIES
+from autotune.cli.policies import policy_name
+from autotune.core.schemas import OBJECTIVES, SOURCES, STRATEGIES
 
 __all__ = ["add_parsers", "run_profiles", "run_suggest"]
 
@@ -33,9 +34,10 @@ def add_parsers(sub: Any) -> None:
     add_strategy_and_plan_options(g)
     g.add_argument(
         "--ac",
-        choices=ACTIVATION_CHECKPOINTING,
+        type=policy_name,
         default="none",
-        help="the job's activation checkpointing policy (default none): objective memory answers from its profiles",
+        help="the job's activation checkpointing policy (default none; every-K, full, op, op:OP/OP/... as "
+        "probe's --ac): objective memory answers from its profiles",
     )
     g.add_argument(
         "--objective",

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MicroBatchCount, Plan, Profile, Throughput
+from autotune.core.policy_names import recomputation_key
+from autotune.core.schemas import MicroBatchCount, Plan, Profile, Throughput
 
 __all__ = ["Option", "option_for", "options_text", "recommend", "samples_per_second", "update_seconds"]
 
@@ -102,15 +103,15 @@ def option_for(profile: Profile) -> Option:
     )
 
 
-def _policy_rank(policy: str) -> int:
-    known = ACTIVATION_CHECKPOINTING
-    return known.index(policy) if policy in known else len(known)
+def _policy_rank(policy: str) -> tuple[float, int]:
+    return recomputation_key(policy)
 
 
 def recommend(options: Sequence[Option], objective: str = "throughput") -> Option:
     """The best option: the most samples per second (timed ones before untimed), or for
     ``objective="memory"`` the fewest accumulation steps and the largest micro-batch; the least
-    recomputation (none, every-2, full) among equals.
+    recomputation (none, every-K with the larger K first, op, full: ``policy_names.recomputation_key``)
+    among equals.
 
     >>> fast = Option("none", 10, ((10, 3),), 3, 50.0)
     >>> slow = Option("full", 30, ((30, 1),), 1, 40.0)

@@ -544,7 +544,10 @@ class SuggestQuery(BaseModel):
     # The memory policy: its grammar and canonical spelling are ActivationCheckpointing's (above).
     activation_checkpointing: Annotated[
         ActivationCheckpointing,
-        Field(description="the job's memory policy: none, every-2 or full (objective memory answers from it)"),
+        Field(
+            description="the job's memory policy: none, every-K (K >= 2), full, op or op:OP/OP/... "
+            "(objective memory answers from it)"
+        ),
     ] = "none"
     objective: Annotated[
         Objective,

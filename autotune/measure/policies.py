@@ -205,7 +205,7 @@ def policy_for(name: str) -> MemoryPolicy:
     try:
         parsed = parse_policy(name)
     except ValueError as exc:
-        raise TaskError(f"activation checkpointing: {exc}") from None
+        raise TaskError(str(exc)) from None
     if parsed.kind == "none":
         return NoCheckpointing()
     if parsed.kind == "op":
@@ -213,7 +213,7 @@ def policy_for(name: str) -> MemoryPolicy:
             try:
                 resolve_op(op)
             except TaskError as exc:
-                raise TaskError(f"activation checkpointing {name!r}: {exc}") from None
+                raise TaskError(f"{name!r}: {exc}") from None
         return OpCheckpointing(parsed.ops)
     return BlockCheckpointing(parsed.every)
 

@@ -233,7 +233,7 @@ class TunerClient:
                 ``world_size`` ranks: one rank's memory depends on it, so the store matches it).
             plan: "balanced" (the fewest steps; micro-batches within one of each other, listed in
                 ``micro_batches``) or "divisor" (equal micro-batches).
-            activation_checkpointing: the job's memory policy ("none", "every-2", "full"); with
+            activation_checkpointing: the job's memory policy ("none", "every-K", "full", "op", ...); with
                 ``objective="memory"`` only profiles measured under it answer.
             objective: "memory" (default) or "throughput": the stored policy whose plan was timed
                 fastest answers, and ``Suggestion.activation_checkpointing`` says which the job needs.

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.core import units
 from autotune.core.plan import PLAN_POLICIES
+from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import (
-    ACTIVATION_CHECKPOINTING,
     OBJECTIVES,
     STRATEGIES,
     Profile,
@@ -170,8 +170,10 @@ def suggest(
             Suggestion's ``activation_checkpointing`` says which (``as_hf_training_args`` turns on
             ``gradient_checkpointing`` for "full"). A local probe times its plan under
             ``activation_checkpointing``.
-        activation_checkpointing: the job's memory policy: "none" (default), "every-2" or "full"
-            (every block of the model's ``nn.ModuleList`` recomputes its forward in the backward).
+        activation_checkpointing: the job's memory policy: "none" (default), "every-K" (every K-th block of
+            the model's ``nn.ModuleList`` recomputes its forward in the backward, K >= 2), "full" (every
+            block), "op" (every block op by op, torchtitan's rule) or "op:OP/OP/..." (the named ops' outputs
+            kept; autotune.core.policy_names).
         seq_len: a sequence-aware job's sequence length (the example's dimensions equal to it are
             the length): the store answers from its profile at that length, or predicts it from the
             memory surface of a probe over lengths (``autotune probe --seq-len``). The answer also
@@ -263,11 +265,10 @@ def _validated(call: _Call) -> tuple[int, str | None]:
         raise AutotuneClientError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {call.plan!r}")
     if call.objective not in OBJECTIVES:
         raise AutotuneClientError(f"objective must be one of {', '.join(OBJECTIVES)}, got {call.objective!r}")
-    if call.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-        raise AutotuneClientError(
-            f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
-            f"got {call.activation_checkpointing!r}"
-        )
+    try:
+        canonical_policy(call.activation_checkpointing)
+    except ValueError as exc:
+        raise AutotuneClientError(f"activation_checkpointing: {exc}") from None
     return target_batch, token_note
 
 

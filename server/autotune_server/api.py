@@ -168,7 +168,8 @@ async def list_profiles(
     world_size: Annotated[int | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
     source: Annotated[Source | None, Query(description="measured or estimate")] = None,
     activation_checkpointing: Annotated[
-        ActivationCheckpointing | None, Query(description="none, every-2 or full")
+        ActivationCheckpointing | None,
+        Query(description="none, every-K (K >= 2), full, op or op:OP/OP/... (canonical spelling matched)"),
     ] = None,
     seq_len: Annotated[
         int | None, Query(ge=1, le=MAX_SEQ_LEN, description="a sequence-aware setup's sequence length")

@@ -50,7 +50,7 @@ class TableQuery:
 
     ``text`` matches task, fingerprint and device name as a case-insensitive substring; ``device``,
     ``precision``, ``strategy`` (ddp, fsdp), ``source`` (measured, estimate) and ``policy`` (none,
-    every-2, full) are exact; empty
+    every-K, full, op, op:OP/...) are exact; empty
     means "any". ``sort`` is one of :data:`SORT_KEYS`; ascending
     age means newest first, as a person reads an "age" column.
     """
@@ -60,7 +60,7 @@ class TableQuery:
     precision: str = ""
     strategy: str = ""
     source: str = ""
-    # The memory policy (activation checkpointing: none, every-2, full).
+    # The memory policy (activation checkpointing: none, every-K, full, op, op:OP/...), canonical.
     policy: str = ""
     # A sequence-aware profile's length (None: any profile, with a length or without).
     seq_len: int | None = None

@@ -26,6 +26,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from autotune.core.policy_names import MAX_POLICY_NAME_LENGTH
+
 __all__ = ["Base", "ObservationRow", "ProfileRow", "TrialRow", "utcnow"]
 
 NAMING_CONVENTION = {
@@ -95,10 +97,11 @@ class ProfileRow(Base):
     non_monotone: Mapped[bool] = mapped_column(Boolean, server_default=false())
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # Third wave: the length of a sequence-aware task (null otherwise) and the pieces of its memory
-    # surface over (m, L); the checkpointing policy (none | every-2 | full); the timed run.
+    # surface over (m, L); the checkpointing policy (none | every-K | full | op | op:OP/..., canonical: 0004
+    # widened it to MAX_POLICY_NAME_LENGTH for op lists); the timed run.
     seq_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
     surface: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    activation_checkpointing: Mapped[str] = mapped_column(String(16), server_default="none")
+    activation_checkpointing: Mapped[str] = mapped_column(String(MAX_POLICY_NAME_LENGTH), server_default="none")
     throughput: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     fit_fixed_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
     fit_bytes_per_sample: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from autotune.core.plan import micro_batches_text
+from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
 from autotune.core.units import format_bytes as human_bytes
 from autotune_server.api import API_PREFIX, MAX_ID
@@ -229,6 +230,14 @@ def _text(value: str | None) -> str:
     return (value or "").replace("\x00", "").strip()[:MAX_FILTER_CHARS]
 
 
+def _policy_or_any(text: str) -> str:
+    """A policy name in its canonical spelling (every-K, op:OP/... too), or "" (any) for what is not one."""
+    try:
+        return canonical_policy(text) if text else ""
+    except ValueError:
+        return ""
+
+
 def parse_table_query(params: dict[str, str]) -> TableQuery:
     """The table query of a page's GET parameters, lenient as a page should be.
 
@@ -249,7 +258,7 @@ def parse_table_query(params: dict[str, str]) -> TableQuery:
         precision=precision if precision in PRECISIONS else "",
         strategy=strategy if strategy in STRATEGIES else "",
         source=source if source in SOURCES else "",
-        policy=policy if policy in ACTIVATION_CHECKPOINTING else "",
+        policy=_policy_or_any(policy),
         seq_len=_seq_len_or_none(params.get("seq_len")),
         sort=sort if sort in SORT_KEYS else DEFAULT_SORT,
         descending=params.get("order") == "desc",
@@ -426,6 +435,7 @@ _POLICY_STYLE: dict[str, dict[str, Any]] = {
     "none": {"color": "#1f6fb2", "symbol": "circle"},
     "every-2": {"color": "#b45309", "symbol": "diamond"},
     "full": {"color": "#15803d", "symbol": "square"},
+    "op": {"color": "#7c3aed", "symbol": "triangle-up"},
 }
 
 

@@ -1,10 +1,12 @@
 """The memory-policy dimension of /suggest: which profiles answer a job's checkpointing policy, and
 ``objective=throughput``, which policy's plan holds the target with the most samples per second.
 
-A setup's profiles under each policy (none, every-2, full) share one fingerprint (the policy is not
-part of it) and differ in ``profiles.activation_checkpointing``; the lookup keeps the newest of each
-kind per policy. ``objective=memory`` (the default) answers from the profiles of the job's own
-policy only: a profile measured with checkpointing would overstate what fits a job without it.
+A setup's profiles under each policy (none, every-K, full, op, op:OP/...) share one fingerprint (the
+policy is not part of it) and differ in ``profiles.activation_checkpointing``, which holds the canonical
+spelling (``autotune.core.policy_names``; the query's is made canonical too, so equality matches); the
+lookup keeps the newest of each kind per policy. ``objective=memory`` (the default) answers from the
+profiles of the job's own policy only: a profile measured with checkpointing would overstate what fits a
+job without it.
 ``objective=throughput`` asks the memory answer of every stored policy and returns the one whose
 plan is timed fastest (``autotune.core.recommend`` prices it from the profile's timed runs), saying the
 policy it needs; timed answers before untimed ones, the least recomputation among equals.

@@ -54,8 +54,8 @@ def test_an_unknown_policy_is_one_line() -> None:
     done = autotune("probe", "examples/mlp.py:task", "--device", "cpu", "--budget", "2MiB", "--ac", "none,half")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "autotune: error: argument --ac: unknown policy 'half': choose from none, every-2, full "
-        "(a comma list: none,every-2,full)"
+        "autotune: error: argument --ac: unknown policy 'half': choose from none, every-K (K from 2 to 9999), "
+        "full, op, or op:OP/OP/... (op names, e.g. op:mm/addmm); a comma list probes several: none,every-2,op"
     ]
 
 

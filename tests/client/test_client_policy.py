@@ -50,7 +50,8 @@ def test_a_local_probe_runs_under_the_jobs_policy_and_times_its_plan() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"objective": "speed"}, "objective must be one of memory, throughput"),
-     ({"activation_checkpointing": "half"}, "activation_checkpointing must be one of none, every-2, full")],
+     ({"activation_checkpointing": "half"}, "activation_checkpointing: unknown policy 'half': choose from none"),
+     ({"activation_checkpointing": "every-1"}, "every-1' checkpoints every block: that is full")],
 )  # fmt: skip
 def test_bad_policy_arguments_are_one_line_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(AutotuneClientError, match=match):
