@@ -90,7 +90,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     ("args", "message"),
     [
         ([], "needs a budget"),
-        (["--budget", "0"], "must be positive"),
+        (["--budget", "0"], "is less than one byte"),
         (["--budget", "8MiB", "--strategy", "fsdp"], "at least 2"),
     ],
 )
