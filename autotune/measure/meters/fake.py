@@ -109,6 +109,7 @@ _NEVER_NON_FINITE = (_aten.isnan.default, _aten.isinf.default, _aten.isposinf.de
 _SCALAR_COMPARISONS = tuple(getattr(_aten, name).Scalar for name in ("eq", "ne", "lt", "le", "gt", "ge"))
 # x == x and x != x: the NaN idiom (isfinite's other half).
 _SELF_COMPARISONS = (_aten.eq.Tensor, _aten.ne.Tensor)
+_FINITENESS_CHECKS = frozenset((*_NEVER_NON_FINITE, *_SCALAR_COMPARISONS, *_SELF_COMPARISONS))
 # GradScaler's unscale finds no inf or NaN in the gradients: found_inf keeps the value it was made with.
 _FINDS_NONE = (_aten._amp_foreach_non_finite_check_and_unscale_.default,)
 
@@ -223,16 +224,11 @@ def _finite_answer(func: Any, args: Any, out: Any) -> torch.Tensor | None:
 
 def _written(func: Any, args: Any, kwargs: Any) -> list[FakeTensor]:
     """The fake tensors func writes to (its schema's ``Tensor(a!)`` arguments)."""
-    schema = func._schema
-    positional = [arg for arg in schema.arguments if not arg.kwarg_only]
     written: list[FakeTensor] = []
-    for index, arg in enumerate(schema.arguments):
+    for index, arg in enumerate(func._schema.arguments):  # positional ones first, as args holds them
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
-        if arg in positional and index < len(args):
-            value = args[index]
-        else:
-            value = kwargs.get(arg.name)
+        value = args[index] if not arg.kwarg_only and index < len(args) else kwargs.get(arg.name)
         written.extend(item for item in tree_flatten(value)[0] if isinstance(item, FakeTensor))
     return written
 
@@ -370,7 +366,7 @@ class _FakeCountingMode(_LiveStorageMode):
         elif func in _FINDS_NONE:
             pass  # found_inf keeps its value; the gradients it scaled carry none
         elif (
-            args
+            func in _FINITENESS_CHECKS
             and isinstance(args[0], FakeTensor)
             and args[0] not in self.values
             and ((healthy := _finite_answer(func, args, out)) is not None)
