@@ -18,26 +18,49 @@ specifications per compute capability; the rest from each card's data sheet, cit
 What is measured and what is not: the H200's NVML memory and its memory outside the caching allocator
 were measured by this project (``../shared/gpu-runs/2026-11-30-h200-gpu_check.log``). Every other
 figure is the vendor's data sheet or a public listing of ``nvidia-smi`` and
-``torch.cuda.get_device_properties`` output, not measured here; a figure with no source is None.
+``torch.cuda.get_device_properties`` output, not measured here; a figure with no source is None, and
+an entry whose figure is assumed says which in ``Card.assumed``.
+
+Memory is NVML's total in MiB as ``nvidia-smi --query-gpu=memory.total`` lists it with the 5xx drivers
+(the V100s listed 16160 / 32510 MiB under older drivers, 16384 / 32768 MiB now), never the marketing GB:
+an "80 GB" H100 reports 81559 MiB, a "94 GB" H100 NVL 95830 MiB, a "96 GB" GH200 97871 MiB.
+
+The memory outside the caching allocator is measured on the H200 only; every other card takes the H200's
+figure as a stand-in (:func:`outside_allocator_stand_in` says why and what differs).
+
+A card the catalog lacks is described by its name and memory (``--gpu NAME --gpu-memory 96GiB``):
+:func:`unlisted_card` takes everything else from the catalog's closest card and records which.
+
+    >>> card = unlisted_card("NVIDIA H100 96GB HBM3", 96 * 2**30)
+    >>> card.compute_capability, card.sm_count, card.assumed_from
+    ((9, 0), 132, 'h100-96gb')
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 __all__ = [
+    "ALIASES",
     "ARCHITECTURES",
     "CARDS",
     "OUTSIDE_ALLOCATOR",
     "Architecture",
     "Card",
     "OutsideAllocator",
+    "closest_card",
     "known_names",
     "lookup",
     "outside_allocator",
+    "outside_allocator_stand_in",
+    "resolve_card",
+    "unlisted_card",
 ]
 
 MiB = 2**20
+KiB = 2**10
 
 
 @dataclass(frozen=True)
@@ -66,11 +89,13 @@ class Architecture:
 ARCHITECTURES = {
     arch.compute_capability: arch
     for arch in (
-        Architecture((7, 5), 1024, 16, 64 * 1024, 64 * 1024, 0),
-        Architecture((8, 0), 2048, 32, 164 * 1024, 163 * 1024, 1024),
-        Architecture((8, 6), 1536, 16, 100 * 1024, 99 * 1024, 1024),
-        Architecture((8, 9), 1536, 24, 100 * 1024, 99 * 1024, 1024),
-        Architecture((9, 0), 2048, 32, 228 * 1024, 227 * 1024, 1024),
+        Architecture((7, 0), 2048, 32, 96 * KiB, 96 * KiB, 0),  # Volta
+        Architecture((7, 5), 1024, 16, 64 * KiB, 64 * KiB, 0),  # Turing
+        Architecture((8, 0), 2048, 32, 164 * KiB, 163 * KiB, 1024),  # Ampere, A100
+        Architecture((8, 6), 1536, 16, 100 * KiB, 99 * KiB, 1024),  # Ampere, GA10x
+        Architecture((8, 9), 1536, 24, 100 * KiB, 99 * KiB, 1024),  # Ada
+        Architecture((9, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024),  # Hopper
+        Architecture((10, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024),  # Blackwell, B200
     )
 }
 
@@ -91,6 +116,9 @@ class Card:
         l2_cache_bytes: L2 cache.
         memory_bus_width_bits: the memory interface.
         source: where the card's figures come from, in a line.
+        assumed: what of the entry has no source and is assumed, in a line (None: every figure has one).
+        assumed_from: for a card the catalog lacks (:func:`unlisted_card`), the catalog card whose
+            architecture, SMs, L2 and bus it takes; None for the catalog's own cards.
     """
 
     short_name: str
@@ -102,6 +130,8 @@ class Card:
     l2_cache_bytes: int
     memory_bus_width_bits: int
     source: str
+    assumed: str | None = None
+    assumed_from: str | None = None
 
     @property
     def architecture(self) -> Architecture:
@@ -118,8 +148,16 @@ class Card:
         figure where one is known, else NVML's (a bound from above, by the driver's reservation)."""
         return self.cuda_total_bytes if self.cuda_total_bytes is not None else self.memory_bytes
 
+    @property
+    def resident_threads(self) -> int:
+        """The threads the card can hold at once (SMs x threads per SM)."""
+        return self.sm_count * self.architecture.max_threads_per_sm
+
+
+_NVSMI = "NVML {} MiB from public nvidia-smi listings"
 
 # Fields in order: short name, NVML name, NVML memory, totalGlobalMem, capability, SMs, L2, bus width, source.
+# The cards of the first catalog first (the order `autotune gpus` lists and errors name them in), then the rest.
 CARDS: tuple[Card, ...] = (
     Card(
         "h100", "NVIDIA H100 80GB HBM3", 81559 * MiB, 81089 * MiB, (9, 0), 132, 50 * MiB, 5120,
@@ -171,7 +209,88 @@ CARDS: tuple[Card, ...] = (
         "NVIDIA T4 data sheet and Turing architecture white paper (40 SMs, 4 MB L2, 256-bit GDDR6); "
         "NVML 15360 MiB and total_memory 15109 MiB from public listings",
     ),
+    Card(
+        "h100-nvl", "NVIDIA H100 NVL", 95830 * MiB, None, (9, 0), 132, 50 * MiB, 6144,
+        "NVIDIA H100 Tensor Core GPU data sheet (H100 NVL: 94 GB HBM3, 3.9 TB/s) and architecture white paper "
+        "(GH100, 50 MB L2); " + _NVSMI.format(95830),
+        assumed="132 SMs and the 6144-bit bus (six HBM3 stacks, 94 of 96 GB enabled) from public listings, "
+        "not the data sheet",
+    ),
+    Card(
+        "h100-96gb", "NVIDIA H100 96GB", 97871 * MiB, None, (9, 0), 132, 50 * MiB, 6144,
+        "the H100 of Meta's Grand Teton hosts that torchtitan's benchmarks ran on (torchtitan docs/performance.md: "
+        "96 GB HBM2e, 2.4 TB/s, 500 W); no NVIDIA H100 data sheet lists 96 GB: the one that does is the "
+        "NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3), whose NVML figure this entry takes",
+        assumed="the NVML name and memory: the memory is the GH200 96 GB's 97871 MiB (the same six 16 GB stacks), "
+        "the name a placeholder no card is known to report; SMs, L2 and bus as the H100 SXM5 with six stacks",
+    ),
+    Card(
+        "gh200", "NVIDIA GH200 480GB", 97871 * MiB, None, (9, 0), 132, 60 * MiB, 6144,
+        "NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3 with 480 GB LPDDR5X; 132 SMs); "
+        + _NVSMI.format(97871) + " (the HBM only: the Grace memory is the host's)",
+        assumed="L2 60 MB as the H200's public listing (the GH100 die's full L2)",
+    ),
+    Card(
+        "b200", "NVIDIA B200", 183359 * MiB, None, (10, 0), 148, 126 * MiB, 8192,
+        "NVIDIA DGX B200 data sheet (1,440 GB HBM3e over 8 GPUs: 180 GB each, 8 TB/s) and the Blackwell "
+        "architecture technical brief; " + _NVSMI.format(183359),
+        assumed="148 SMs, 126 MB L2 and the 8192-bit bus from public listings of torch's device properties, "
+        "not the data sheet",
+    ),    Card(
+        "a100-pcie-80gb", "NVIDIA A100 80GB PCIe", 81920 * MiB, None, (8, 0), 108, 40 * MiB, 5120,
+        "NVIDIA A100 Tensor Core GPU data sheet and architecture white paper (PCIe 80 GB: 108 SMs, 40 MB L2, "
+        "5120-bit HBM2e); " + _NVSMI.format(81920),
+    ),
+    Card(
+        "a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", 40960 * MiB, None, (8, 0), 108, 40 * MiB, 5120,
+        "NVIDIA A100 Tensor Core GPU data sheet and architecture white paper (PCIe 40 GB: 108 SMs, 40 MB L2, "
+        "5120-bit HBM2); " + _NVSMI.format(40960),
+    ),
+    Card(
+        "rtx-3090", "NVIDIA GeForce RTX 3090", 24576 * MiB, None, (8, 6), 82, 6 * MiB, 384,
+        "NVIDIA Ampere GA102 GPU architecture white paper (GeForce RTX 3090: 82 SMs, 6 MB L2, 384-bit GDDR6X); "
+        + _NVSMI.format(24576),
+    ),
+    # Volta: NVIDIA Tesla V100 GPU Accelerator data sheet (SXM2 and PCIe: 16 or 32 GB HBM2, 80 SMs), Volta
+    # architecture white paper (6 MB L2, 4096-bit HBM2).
+    Card(
+        "v100-16gb", "Tesla V100-SXM2-16GB", 16384 * MiB, None, (7, 0), 80, 6 * MiB, 4096,
+        "NVIDIA Tesla V100 data sheet and Volta architecture white paper (SXM2 16 GB: 80 SMs, 6 MB L2, 4096-bit "
+        "HBM2); " + _NVSMI.format(16384) + " (drivers 570-580; older drivers list 16160 MiB)",
+    ),
+    Card(
+        "v100-32gb", "Tesla V100-SXM2-32GB", 32768 * MiB, None, (7, 0), 80, 6 * MiB, 4096,
+        "NVIDIA Tesla V100 data sheet and Volta architecture white paper (SXM2 32 GB: 80 SMs, 6 MB L2, 4096-bit "
+        "HBM2); " + _NVSMI.format(32768) + " (drivers 570-580; older drivers list 32510 MiB)",
+    ),
+    Card(
+        "v100-pcie-16gb", "Tesla V100-PCIE-16GB", 16384 * MiB, None, (7, 0), 80, 6 * MiB, 4096,
+        "NVIDIA Tesla V100 data sheet and Volta architecture white paper (PCIe 16 GB: 80 SMs, 6 MB L2, 4096-bit "
+        "HBM2); " + _NVSMI.format(16384) + " (drivers 575-580)",
+    ),
+    Card(
+        "v100-pcie-32gb", "Tesla V100-PCIE-32GB", 32768 * MiB, None, (7, 0), 80, 6 * MiB, 4096,
+        "NVIDIA Tesla V100 data sheet and Volta architecture white paper (PCIe 32 GB: 80 SMs, 6 MB L2, 4096-bit "
+        "HBM2); " + _NVSMI.format(32768) + " (drivers 575-580; older drivers list 32510 MiB)",
+    ),
 )
+
+# Other names people write for a catalog card (lower case, spaces as in _normalise).
+ALIASES: dict[str, str] = {
+    "h100-sxm": "h100",
+    "h100-80gb": "h100",
+    "h100-sxm-80gb": "h100",
+    "h100-96gb-hbm2e": "h100-96gb",
+    "a100-sxm-80gb": "a100-80gb",
+    "a100-sxm-40gb": "a100-40gb",
+    "v100-sxm2-16gb": "v100-16gb",
+    "v100-sxm2-32gb": "v100-32gb",
+    "4090": "rtx-4090",
+    "3090": "rtx-3090",
+    "geforce rtx 4090": "rtx-4090",
+    "geforce rtx 3090": "rtx-3090",
+    "grace hopper": "gh200",
+}
 
 
 @dataclass(frozen=True)
@@ -206,6 +325,8 @@ OUTSIDE_ALLOCATOR: dict[tuple[str, str, str], OutsideAllocator] = {
         "its boundary, so it adds the figure there",
     ),
 }
+# The one card the memory outside the allocator was measured on: every other card's stand-in.
+_MEASURED_OUTSIDE = ("h200", "2.11", "13.0")
 
 
 def _normalise(name: str) -> str:
@@ -216,6 +337,8 @@ _BY_NAME: dict[str, Card] = {}
 for _card in CARDS:
     _BY_NAME[_normalise(_card.short_name)] = _card
     _BY_NAME[_normalise(_card.nvml_name)] = _card
+for _alias, _short in ALIASES.items():
+    _BY_NAME[_normalise(_alias)] = _BY_NAME[_short]
 
 
 def known_names() -> list[str]:
@@ -224,7 +347,7 @@ def known_names() -> list[str]:
 
 
 def lookup(name: str) -> Card:
-    """The card called name: a short name (``h100``) or the name NVML reports
+    """The card called name: a short name (``h100``), an alias (``h100-sxm``) or the name NVML reports
     (``NVIDIA H100 80GB HBM3``), in any case.
 
     Raises:
@@ -232,10 +355,12 @@ def lookup(name: str) -> Card:
 
     >>> lookup("A100-80GB").nvml_name
     'NVIDIA A100-SXM4-80GB'
-    >>> lookup("v100")  # doctest: +ELLIPSIS
+    >>> lookup("H100-SXM").short_name
+    'h100'
+    >>> lookup("p100")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: unknown card 'v100': known cards are h100, h100-pcie, h200, a100-80gb, ..., t4
+    ValueError: unknown card 'p100': known cards are h100, h100-pcie, h200, ..., v100-pcie-32gb
     """
     card = _BY_NAME.get(_normalise(name))
     if card is None:
@@ -260,3 +385,157 @@ def outside_allocator(card: Card | str, torch_version: str, cuda_version: str) -
     """
     short = lookup(card).short_name if isinstance(card, str) else card.short_name
     return OUTSIDE_ALLOCATOR.get((short, _major_minor(torch_version), _major_minor(cuda_version)))
+
+
+def outside_allocator_stand_in(card: Card) -> OutsideAllocator:
+    """The figure outside the allocator an estimate assumes for a card nothing was measured on: the H200's,
+    said to be a stand-in, with what differs on this card.
+
+    What the figure holds: the CUDA context (the driver's own allocations, among them the local memory it
+    keeps for every thread the card can hold at once, which grows with SMs x threads per SM), the kernel
+    modules torch loads lazily as shapes need them (SASS for this architecture: sizes differ per compute
+    capability) and cuBLAS's and cuDNN's handles. None of it is published per card, and only the H200 was
+    measured here, so the H200's figure stands in; the source line names the card's resident threads
+    against the H200's, the part known to scale with the card.
+
+    >>> stand_in = outside_allocator_stand_in(lookup("v100-16gb"))
+    >>> stand_in.bytes // 2**20, stand_in.measured
+    (876, False)
+    >>> "163840 resident threads against the H200's 270336" in stand_in.source
+    True
+    """
+    measured = OUTSIDE_ALLOCATOR[_MEASURED_OUTSIDE]
+    h200 = lookup(_MEASURED_OUTSIDE[0])
+    if card.short_name == h200.short_name:
+        return measured
+    return OutsideAllocator(
+        bytes=measured.bytes,
+        low_bytes=measured.low_bytes,
+        high_bytes=measured.high_bytes,
+        measured=False,
+        source=(
+            f"assumed: the H200's figure (torch {_MEASURED_OUTSIDE[1]}, CUDA {_MEASURED_OUTSIDE[2]}), not measured "
+            f"on a {card.short_name}: the context and the modules differ per card (compute capability "
+            f"{card.capability} against the H200's 9.0, and {card.resident_threads} resident threads against the "
+            f"H200's {h200.resident_threads}, each with the driver's per-thread local memory)"
+        ),
+    )
+
+
+# The words in a card's name that say its family, and the family's name (the catalog's short names start with it).
+_FAMILY_WORDS: dict[str, tuple[str, ...]] = {
+    "v100": ("v100", "v100s"),
+    "t4": ("t4",),
+    "a100": ("a100", "a800"),
+    "a10g": ("a10g", "a10"),
+    "rtx-3090": ("3090", "3090 ti"),
+    "l4": ("l4",),
+    "l40s": ("l40s", "l40"),
+    "rtx-4090": ("4090", "4090 d"),
+    "h100": ("h100", "h800"),
+    "gh200": ("gh200",),
+    "h200": ("h200",),
+    "b200": ("b200",),
+}
+
+
+def _family(name: str) -> str | None:
+    """The catalog family a card's name belongs to (``"NVIDIA H100 96GB"`` -> ``"h100"``), or None."""
+    text = _normalise(name)
+    for family, words in _FAMILY_WORDS.items():
+        if any(re.search(rf"(?<![0-9a-z]){re.escape(word)}(?![0-9a-z])", text) for word in words):
+            return family
+    return None
+
+
+def _family_of(card: Card) -> str:
+    return max((family for family in _FAMILY_WORDS if card.short_name.startswith(family)), key=len)
+
+
+def closest_card(name: str, memory_bytes: int) -> Card:
+    """The catalog card whose semantics a card called name with memory_bytes takes: among the cards of the
+    family its name names (``H100 96GB`` -> the H100s), of the form its name says (PCIe or not: the SMs
+    differ), the one whose memory is nearest.
+
+    Raises:
+        ValueError: a name of no family the catalog knows, in one line naming the families.
+
+    >>> closest_card("NVIDIA A100 80GB PCIe (MIG 3g.40gb)", 40 * 2**30).short_name
+    'a100-pcie-40gb'
+    >>> closest_card("Tesla V100S-PCIE-32GB", 32 * 2**30).short_name
+    'v100-pcie-32gb'
+    """
+    family = _family(name)
+    if family is None:
+        raise ValueError(
+            f"card {name!r}: no catalog family in its name, so no architecture to assume (families: "
+            f"{', '.join(_FAMILY_WORDS)}); name one of them in it, e.g. 'H100 96GB'"
+        )
+    pcie = "pcie" in _normalise(name)
+    members = [card for card in CARDS if _family_of(card) == family]
+    return min(
+        members,
+        key=lambda card: (("pcie" in card.short_name) != pcie, abs(card.memory_bytes - memory_bytes)),
+    )
+
+
+def unlisted_card(name: str, memory_bytes: int) -> Card:
+    """A card the catalog lacks, by its name and memory (``--gpu NAME --gpu-memory 96GiB``): the memory as
+    given, read as NVML's total and as CUDA's ``total_memory``; compute capability, SMs, L2 and bus from
+    :func:`closest_card`, recorded in ``assumed_from`` and ``assumed`` so a datasheet can say which
+    architecture was assumed.
+
+    Raises:
+        ValueError: memory_bytes not positive, or a name of no family the catalog knows.
+
+    >>> card = unlisted_card("RTX 4090 D", 24 * 2**30)
+    >>> card.short_name, card.compute_capability, card.memory_bytes // 2**20, card.assumed_from
+    ('rtx-4090-d', (8, 9), 24576, 'rtx-4090')
+    """
+    if memory_bytes <= 0:
+        raise ValueError(f"card {name!r}: memory must be positive, got {memory_bytes} bytes")
+    like = closest_card(name, memory_bytes)
+    short = re.sub(r"[^0-9a-z]+", "-", _normalise(name).removeprefix("nvidia ")).strip("-")
+    if short in _BY_NAME:  # never the short name of a catalog card it is not
+        short = f"{short}-{memory_bytes // MiB}mib"
+    return dataclasses.replace(
+        like,
+        short_name=short,
+        nvml_name=" ".join(name.split()),
+        memory_bytes=memory_bytes,
+        cuda_total_bytes=None,
+        source=f"not in the catalog: the name and {memory_bytes // MiB} MiB as given",
+        assumed=(
+            f"the architecture of the catalog's {like.short_name} ({like.nvml_name}: compute capability "
+            f"{like.capability}, {like.sm_count} SMs, L2 and bus); the memory given is read as NVML's and CUDA's total"
+        ),
+        assumed_from=like.short_name,
+    )
+
+
+def resolve_card(name: str, memory_bytes: int | None = None) -> Card:
+    """The card ``--gpu NAME [--gpu-memory BYTES]`` names: the catalog's card without a memory; with one, the
+    catalog's card where the memory is its own, else the card described by name and memory
+    (:func:`unlisted_card`: a 96 GB H100 is not the 80 GB one).
+
+    Raises:
+        ValueError: an unknown name without a memory (one line listing the known cards), or what
+            :func:`unlisted_card` raises.
+
+    >>> resolve_card("h100").short_name
+    'h100'
+    >>> card = resolve_card("h100", 64 * 2**30)
+    >>> card.nvml_name, card.short_name, card.assumed_from
+    ('NVIDIA H100 80GB HBM3 with 64 GiB', 'h100-80gb-hbm3-with-64-gib', 'h100')
+    >>> resolve_card("NVIDIA H100 NVL", 95830 * 2**20).short_name
+    'h100-nvl'
+    """
+    if memory_bytes is None:
+        return lookup(name)
+    known = _BY_NAME.get(_normalise(name))
+    if known is not None and memory_bytes in (known.memory_bytes, known.cuda_total_bytes):
+        return known
+    if known is None:
+        return unlisted_card(name, memory_bytes)
+    # The catalog's name with another memory: a card of that name the catalog does not describe.
+    return unlisted_card(f"{known.nvml_name} with {memory_bytes / 2**30:g} GiB", memory_bytes)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from autotune.core import units
-from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, lookup, outside_allocator
+from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, lookup, outside_allocator, outside_allocator_stand_in
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.schemas import Device, Fit, Profile, Trial
 from autotune.core.units import format_bytes
@@ -64,10 +64,10 @@ def context_bytes_for(
                 f"{format_bytes(figure.bytes)} outside the allocator, measured with torch {torch_mm} and CUDA "
                 f"{cuda_mm}, not {torch_version} and {cuda_version} (--context-bytes to say otherwise)"
             )
-    stand_in = next(iter(OUTSIDE_ALLOCATOR.values()))
+    stand_in = outside_allocator_stand_in(card)
     return stand_in.bytes, (
         f"{format_bytes(stand_in.bytes)} outside the allocator: not measured on a {card.short_name}; the H200's "
-        "figure stands in (--context-bytes to say otherwise)"
+        f"figure stands in ({stand_in.source}; --context-bytes to say otherwise)"
     )
 
 
