@@ -14,7 +14,18 @@ _POLICY_TEXT = {
     "none": "none",
     "every-2": "every-2 (every other block recomputes its forward)",
     "full": "full (every block recomputes its forward)",
+    "op": "op (every block op by op, torchtitan's rule: matmul and attention outputs kept, every second matmul "
+    "and the rest recomputed)",
 }
+
+
+def _policy_text(policy: str) -> str:
+    if policy in _POLICY_TEXT:
+        return _POLICY_TEXT[policy]
+    if policy.startswith("every-"):
+        k = policy.removeprefix("every-")
+        return f"{policy} (the first block and every {k}th after it recompute their forward)"
+    return f"{policy} (every block op by op, keeping the outputs of {policy.removeprefix('op:').replace('/', ', ')})"
 
 
 def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
@@ -75,7 +86,7 @@ def datasheet(profile: Profile) -> str:
         f"  precision        {profile.precision}",
         *finetune_lines(profile),
         f"  strategy         {strategy_text(profile)}",
-        f"  checkpointing    {_POLICY_TEXT.get(profile.activation_checkpointing, profile.activation_checkpointing)}",
+        f"  checkpointing    {_policy_text(profile.activation_checkpointing)}",
         f"  source           {profile.source}"
         + (" (fake-tensor trials only, not a measurement on the device)" if profile.source == "estimate" else ""),
         f"  budget           {format_bytes(profile.budget_bytes)} (headroom {profile.headroom:.0%}, "

@@ -471,8 +471,16 @@ class Suggestion(_Model):
         """
         micro, steps, _ = self.equal_plan(warn="transformers' Trainer")
         args: dict[str, int | bool] = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": steps}
-        if self.activation_checkpointing == "full":  # the Trainer checkpoints every layer or none
+        if self.activation_checkpointing != "none":  # the Trainer checkpoints every layer or none
             args["gradient_checkpointing"] = True
+        if self.activation_checkpointing not in ("none", "full"):
+            # Every layer holds no more than the plan's policy does: the plan still fits, with more recomputation.
+            warnings.warn(
+                f"transformers' Trainer checkpoints every layer or none: gradient_checkpointing=True (every "
+                f"layer) stands in for {self.activation_checkpointing!r}, which holds more; the plan fits, "
+                "recomputing more than it needs",
+                stacklevel=2,
+            )
         return args
 
     def as_lightning(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from autotune.core.errors import TaskError
+from autotune.core.schemas import Suggestion
 from autotune.measure.meters import CpuMeter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.policies import (
@@ -162,3 +163,14 @@ def test_full_on_a_model_without_blocks_names_shard_classes() -> None:
         probe(task, ProbeConfig(device="cpu", budget_bytes=1 << 20))
     assert "\n" not in str(caught.value)
     assert apply_policy(nn.Linear(2, 2), "none", None) == 0
+
+
+def test_the_hf_trainer_checkpoints_every_layer_for_a_policy_it_cannot_express() -> None:
+    plan = {"micro_batch": 4, "accumulation_steps": 2, "world_size": 1, "effective_batch": 8, "target_batch": 8}
+    plan |= {"exact": True, "max_micro_batch": 4, "source": "measured"}
+    full = Suggestion.model_validate({**plan, "activation_checkpointing": "full"})
+    assert full.as_hf_training_args()["gradient_checkpointing"] is True
+    op = Suggestion.model_validate({**plan, "activation_checkpointing": "op"})
+    # Every layer holds less than op does: the plan still fits, and the warning says what stands in for op.
+    with pytest.warns(UserWarning, match=r"gradient_checkpointing=True \(every layer\) stands in for 'op'"):
+        assert op.as_hf_training_args()["gradient_checkpointing"] is True
