@@ -119,8 +119,9 @@ def test_fake_peaks_equal_the_cpu_meter_under_checkpointing(policy: str) -> None
     assert fake[1][1] - fake[0][1] < plain[1][1] - plain[0][1]  # type: ignore[operator]
 
 
-def test_fake_equals_real_under_full_checkpointing_with_fsdp() -> None:
-    task = tiny("full")
+@pytest.mark.parametrize("policy", ["full", "op:addmm/mm"])
+def test_fake_equals_real_under_checkpointing_with_fsdp(policy: str) -> None:
+    task = tiny(policy)
     strategy = make_strategy("fsdp", 2)
     with strategy.process_group(torch.device("cpu")):
         fake = peaks(task, FakeMeter(UNBOUNDED), (2, 4), strategy)
