@@ -26,22 +26,27 @@ Covered (each with its conditions in its docstring): the mem-efficient attention
 (``mem_eff_attention/kernel_backward.h``, ``kernel_forward.h``, ``attention_backward.cu``,
 ``attention.cu``), flash attention's backward (``flash_attn/flash_api.cpp``: ``mha_bwd``), cuDNN
 attention's backward (the cudnn-frontend SDPA backward node's workspace), the embedding's backward
-(``Embedding.cu``, ``EmbeddingBackwardKernel.cu``) and layer norm's backward (``layer_norm_kernel.cu``).
-Not covered, and so not in any figure: cuDNN convolution workspaces (chosen per shape by cuDNN's
-heuristics: not knowable without the library), the split reductions' buffers of ``Reduce.cuh`` (a few KiB
-to a few MiB), cuDNN's own engine workspace for attention, and compute capabilities below 8.0.
-Torch-free, on the floor beside allocator.py.
+(``Embedding.cu``, ``EmbeddingBackwardKernel.cu``), layer norm's backward (``layer_norm_kernel.cu``), and
+cuDNN's convolution workspaces as a stated bound for a job run with cuDNN's workspace cap
+(``native/cudnn/Conv_v8.cpp``: not a size cuDNN would choose, which only its heuristics know; see
+:func:`convolution_workspace`). Not covered, and so not in any figure: those workspaces without the cap,
+the split reductions' buffers of ``Reduce.cuh`` (a few KiB to a few MiB), cuDNN's own engine workspace for
+attention, and compute capabilities below 8.0. Torch-free, on the floor beside allocator.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "FREE",
     "Step",
     "efficient_attention_backward",
     "efficient_attention_forward",
+    "CONV_WORKSPACE_CAP_VARIABLE",
+    "DEFAULT_CONV_WORKSPACE_CAP_BYTES",
+    "conv_workspace_cap_bytes",
+    "convolution_workspace",
     "cudnn_attention_backward",
     "embedding_dense_backward",
     "flash_attention_backward",
@@ -62,6 +67,16 @@ LAYER_NORM_BLOCK_X = 32
 LAYER_NORM_MAX_GRID = 64 * 1024 // 2
 # kernel_forward.h: kAlignLSE, the logsumexp's padding of the query length.
 LSE_ALIGN = 32
+# cuDNN's cap on the workspace of the convolution engines it offers, in MiB (PyTorch's "CUDA Environment
+# Variables" page lists it beside CUBLAS_WORKSPACE_CONFIG: the workspace cuDNN may take per allocation).
+CONV_WORKSPACE_CAP_VARIABLE = "CUDNN_CONV_WSCAP_DBG"
+# Where the job's environment sets no cap, no bound holds and none is assumed: the workspace is left out of
+# the figure and the estimate says so. A constant bound assumed without the cap is no use: the one workspace
+# measured here scales with the batch (the CNN example on the H200 of 2026-11-30: a few MiB at m = 1, at
+# least 379 MiB at m = 1153, where the card's figure crossed the 1843 MiB limit and the replay without
+# workspaces reads 1464 MiB), and a constant one in every convolution answers m = 1760 at 256 MiB and m = 71
+# at 512 MiB (a cached workspace split by an activation, then a second segment) where the card held 1152.
+DEFAULT_CONV_WORKSPACE_CAP_BYTES: int | None = None
 
 
 def peak_bytes(steps: Sequence[Step]) -> int:
@@ -326,3 +341,51 @@ def layer_norm_backward(
         steps.append(("dbeta_blocks", size))
     steps += [(name, FREE) for name, _ in reversed(steps)]
     return steps
+
+
+def conv_workspace_cap_bytes(environ: Mapping[str, str]) -> int | None:
+    """The cap on each cuDNN convolution's workspace in bytes: cuDNN's ``CUDNN_CONV_WSCAP_DBG`` (MiB) where
+    the environment sets it to a whole number, else :data:`DEFAULT_CONV_WORKSPACE_CAP_BYTES` (None: no cap).
+
+    >>> conv_workspace_cap_bytes({"CUDNN_CONV_WSCAP_DBG": "256"})
+    268435456
+    >>> conv_workspace_cap_bytes({}) is None
+    True
+    """
+    text = environ.get(CONV_WORKSPACE_CAP_VARIABLE, "").strip()
+    if text.isdigit():
+        return int(text) * 2**20
+    return DEFAULT_CONV_WORKSPACE_CAP_BYTES
+
+
+def convolution_workspace(cudnn_calls: int, *, cap_bytes: int) -> list[Step]:
+    """The workspaces of a convolution op that runs on cuDNN, one per cuDNN call in order (the forward: one;
+    ``convolution_backward``: grad_input, then grad_weight, each that its output mask asks for), each at
+    the stated bound ``cap_bytes`` and freed before the next.
+
+    What PyTorch's non-benchmark path does (``run_single_conv`` in native/cudnn/Conv_v8.cpp, PyTorch 2.11 -
+    2.13; ``torch.backends.cudnn.benchmark`` is off by default): it builds the plan of cuDNN's top heuristic
+    engine config (``CUDNN_HEUR_MODE_INSTANT``) and ``run_conv_plan`` asks the caching allocator for
+    ``plan.getWorkspaceSize()`` bytes, with no cap of PyTorch's own; where the allocator raises
+    ``OutOfMemoryError`` (or the plan fails) it tries the heuristics' other configs in order, then cuDNN's
+    fallback list, and only past all of them fails. Only the benchmark path bounds the workspace, by the
+    largest block the allocator could give (``get_available_workspace``: ``cacheInfo``). Conv_v7.cpp (with
+    ``TORCH_CUDNN_V8_API_DISABLED=1``) does the same over cuDNN's algorithm list. So the workspace is what
+    the top engine asks whenever the allocator can give it, a size cuDNN's heuristics choose per shape and
+    card: no rule gives it without the library (which does not start under the emulation: ``cudnnCreate``
+    fails on the stand-in driver). The one cap that holds is cuDNN's own, ``CUDNN_CONV_WSCAP_DBG``; this
+    rule gives each call that cap, an upper bound for a job run with it (not checked on a card here).
+
+    Two calls under a 512 MiB cap: the backward's grad_input, then grad_weight, one workspace at a time:
+
+    >>> steps = convolution_workspace(2, cap_bytes=512 * 2**20)
+    >>> steps
+    [('workspace', 536870912), ('workspace', -1), ('workspace', 536870912), ('workspace', -1)]
+    >>> peak_bytes(steps) // 2**20
+    512
+    >>> convolution_workspace(1, cap_bytes=0)
+    []
+    """
+    if cap_bytes <= 0:
+        return []
+    return [step for _ in range(cudnn_calls) for step in (("workspace", cap_bytes), ("workspace", FREE))]

@@ -169,9 +169,6 @@ def reserved_search(
     finally:
         runner.close()
         found.warnings.extend(runner.warnings)
-    for what in sorted(meter.unmodelled):
-        found.warnings.append(
-            f"the figure leaves out {what}: no rule gives them, and the card's figure can be much higher "
-            "(the CNN example on the H200 of 2026-11-30: m_max 1152 at 2 GiB, where this estimate answers 2048)"
-        )
+    # Each a sentence of autotune/measure/meters/temporaries.py: what no rule gives, or the bound a rule states.
+    found.warnings.extend(sorted(meter.unmodelled))
     return found

@@ -10,6 +10,7 @@ allocation trace right after the op's outputs. Ops without a rule have no tempor
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,17 +29,24 @@ EFFICIENT_MAX_BATCH = (1 << 16) - 1
 
 @dataclass(frozen=True)
 class KernelFacts:
-    """What the rules read of the device: compute capability and streaming multiprocessors."""
+    """What the rules read of the device: compute capability and streaming multiprocessors; and of the
+    process: the bound on each cuDNN convolution's workspace, and whether its environment set it."""
 
     capability: tuple[int, int]
     sm_count: int
+    # cuDNN's CUDNN_CONV_WSCAP_DBG in bytes, None where the job sets none (then no bound holds).
+    conv_workspace_cap_bytes: int | None = None
 
 
 def kernel_facts(device: torch.device) -> KernelFacts:
     """The facts of a CUDA device as this process's torch reports them (the emulated card's, under the
-    emulation)."""
+    emulation), with cuDNN's workspace cap from this process's environment (the job's, in the child)."""
     props = torch.cuda.get_device_properties(device)
-    return KernelFacts(capability=(int(props.major), int(props.minor)), sm_count=int(props.multi_processor_count))
+    return KernelFacts(
+        capability=(int(props.major), int(props.minor)),
+        sm_count=int(props.multi_processor_count),
+        conv_workspace_cap_bytes=rules.conv_workspace_cap_bytes(os.environ),
+    )
 
 
 def _deterministic() -> bool:
@@ -149,6 +157,42 @@ def _layer_norm_backward(args: tuple[Any, ...], facts: KernelFacts) -> list[Step
     )
 
 
+_CUDNN_BACKENDS = ("Cudnn", "CudnnTranspose")
+
+
+def _on_cudnn(inputs: Any, weight: Any, args: tuple[Any, ...], bias_sizes: Any) -> bool:
+    """Whether the real op would run on cuDNN: the backend ATen's own selection picks for these tensors and
+    options (``torch._C._select_conv_backend``, which reads shapes, dtypes and the cuDNN flags only)."""
+    stride, padding, dilation, transposed, output_padding, groups = args
+    try:
+        backend = torch._C._select_conv_backend(
+            inputs, weight, None, stride, padding, dilation, transposed, output_padding, groups, bias_sizes
+        )
+    except (RuntimeError, TypeError):  # a case ATen's selection refuses: the op itself will say so
+        return False
+    return backend.name in _CUDNN_BACKENDS
+
+
+def _convolution(args: tuple[Any, ...], facts: KernelFacts) -> list[Step]:
+    # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    inputs, weight = args[0], args[1]
+    cap = facts.conv_workspace_cap_bytes
+    if cap is None or not _on_cudnn(inputs, weight, tuple(args[3:9]), None):
+        return []
+    return rules.convolution_workspace(1, cap_bytes=cap)
+
+
+def _convolution_backward(args: tuple[Any, ...], facts: KernelFacts) -> list[Step]:
+    # (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+    #  output_mask): cuDNN runs grad_input's and grad_weight's convolutions, each its own workspace
+    inputs, weight, mask = args[1], args[2], args[10]
+    cap = facts.conv_workspace_cap_bytes
+    if cap is None or not _on_cudnn(inputs, weight, tuple(args[4:10]), args[3]):
+        return []
+    calls = int(bool(mask[0])) + int(bool(mask[1]))
+    return rules.convolution_workspace(calls, cap_bytes=cap)
+
+
 _RULES: dict[Any, Callable[[tuple[Any, ...], KernelFacts], list[Step]]] = {
     aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
     aten._efficient_attention_backward.default: _efficient_backward_direct,
@@ -157,19 +201,40 @@ _RULES: dict[Any, Callable[[tuple[Any, ...], KernelFacts], list[Step]]] = {
     aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
     aten.embedding_dense_backward.default: _embedding_backward,
     aten.native_layer_norm_backward.default: _layer_norm_backward,
+    aten.convolution.default: _convolution,
+    aten.convolution_backward.default: _convolution_backward,
 }
 
 
-# Ops whose CUDA kernels take scratch space that no rule gives, and what it is: an estimate that ran one
-# says its figure leaves that out.
-_CONV_WORKSPACES = "cuDNN convolution workspaces (cuDNN's heuristics choose an algorithm, and its workspace, per shape)"
-UNMODELLED: dict[Any, str] = {
-    aten.convolution.default: _CONV_WORKSPACES,
-    aten.convolution_backward.default: _CONV_WORKSPACES,
-}
+# Ops whose CUDA kernels take scratch space that no rule gives, and what it is, or whose rule states a bound
+# rather than a size: an estimate that ran one says so, in the sentence given here for the op.
+UNMODELLED: dict[Any, str] = {}
+_BOUNDED = (aten.convolution.default, aten.convolution_backward.default)
 
-def unmodelled(func: Any) -> str | None:
-    """What func's CUDA kernel takes that no rule here gives, None where nothing (or a rule covers it)."""
+
+def _conv_workspace_sentence(facts: KernelFacts | None) -> str:
+    cap = facts.conv_workspace_cap_bytes if facts is not None else rules.conv_workspace_cap_bytes(os.environ)
+    variable = rules.CONV_WORKSPACE_CAP_VARIABLE
+    if cap is not None:
+        mib = cap // 2**20
+        return (
+            f"the figure gives each cuDNN convolution a workspace of {mib} MiB, the cap the job's {variable}={mib} "
+            "sets: a bound, not the size cuDNN's heuristics choose per shape"
+        )
+    return (
+        "the figure leaves out cuDNN convolution workspaces: cuDNN's heuristics choose their size per shape, and "
+        "PyTorch takes what the top engine asks wherever the allocator can give it, with no cap of its own, so the "
+        "card's figure can be much higher (the CNN example on the H200 of 2026-11-30: at least 379 MiB of them at "
+        f"m = 1153, m_max 1152 at 2 GiB where this estimate answers 2048); run the job and the estimate with "
+        f"{variable}=N (cuDNN's cap, MiB) for a figure that bounds them at N MiB each"
+    )
+
+
+def unmodelled(func: Any, facts: KernelFacts | None = None) -> str | None:
+    """What an estimate that ran func must say of its kernel's temporaries, as one sentence: what no rule
+    gives, or the bound a rule states instead of a size; None where nothing (a rule gives the size)."""
+    if func in _BOUNDED:
+        return _conv_workspace_sentence(facts)
     return UNMODELLED.get(func)
 
 
