@@ -52,8 +52,16 @@ def is_sqlite(url: str | URL) -> bool:
 def ensure_sqlite_parent(url: str | URL) -> None:
     """Create the folder of a SQLite file (the default ./var/autotune.db must work out of the box)."""
     parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return
+    database = parsed.database
+    if database.startswith("file:"):
+        # A URI filename (?uri=true): the path is after "file:" and before the query, as SQLite reads it;
+        # taken as a plain path it would create a folder called "file:" in the working directory.
+        database = database.removeprefix("file:").split("?", 1)[0]
+        if database in ("", ":memory:"):
+            return
+    Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
 
 def make_engine(
