@@ -2,6 +2,15 @@
 
 Above both kinds of task it loads (``task``'s ProbeTask and ``hf``'s builders), so that neither of them
 imports the other's module to dispatch.
+
+A task file's folder is importable while the file loads, as ``python file.py`` makes it: ``from model
+import GPT`` in a task file next to ``model.py`` finds it. The folder goes first on ``sys.path`` for the
+import and the call of the task's factory, then leaves it again, so that it does not stay on the path of
+every later import of the process. Modules the file imported from its folder are then dropped from
+``sys.modules`` (the task's objects keep them alive): a second task file elsewhere with its own
+``model.py`` gets its own, not the first one's. A module already imported (``torch``, ``autotune``) is never
+shadowed by a file of the same name in the folder, as in Python itself; a module first imported inside the
+task's ``model()`` or ``batch()`` at trial time is not found there: import it at the file's top.
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from autotune.core.errors import TaskError
@@ -49,14 +60,16 @@ def load_task(spec: str) -> ProbeTask:
             raise TaskError(f"cannot import {module_part!r} as Python (from {spec!r})")
         module = importlib.util.module_from_spec(mod_spec)
         sys.modules[mod_name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except SystemExit as exc:  # sys.exit() at import would end autotune itself, silently with 0
-            sys.modules.pop(mod_name, None)
-            raise _exited(spec, f"importing {module_part!r}", exc) from None
-        except Exception as exc:  # the user's module failed at import: say where, in one line
-            sys.modules.pop(mod_name, None)
-            raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+        with _folder_importable(path.resolve().parent):
+            try:
+                mod_spec.loader.exec_module(module)
+            except SystemExit as exc:  # sys.exit() at import would end autotune itself, silently with 0
+                sys.modules.pop(mod_name, None)
+                raise _exited(spec, f"importing {module_part!r}", exc) from None
+            except Exception as exc:  # the user's module failed at import: say where, in one line
+                sys.modules.pop(mod_name, None)
+                raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+            return _task_from(module, spec, module_part, attr)
     else:
         try:
             module = importlib.import_module(module_part)
@@ -66,6 +79,11 @@ def load_task(spec: str) -> ProbeTask:
             raise _exited(spec, f"importing {module_part!r}", exc) from None
         except Exception as exc:
             raise TaskError(f"importing {module_part!r} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+    return _task_from(module, spec, module_part, attr)
+
+
+def _task_from(module: object, spec: str, module_part: str, attr: str) -> ProbeTask:
+    """The module's ``attr``: a ProbeTask, or a zero-argument callable returning one (called here)."""
     if not hasattr(module, attr):
         raise TaskError(f"{module_part!r} has no attribute {attr!r} (from {spec!r})")
     obj = getattr(module, attr)
@@ -79,6 +97,39 @@ def load_task(spec: str) -> ProbeTask:
     if not isinstance(obj, ProbeTask):
         raise TaskError(f"{spec!r} is a {type(obj).__name__}, not a ProbeTask or a callable returning one")
     return dataclasses.replace(obj, source=spec)
+
+
+@contextmanager
+def _folder_importable(folder: Path) -> Iterator[None]:
+    """``folder`` first on sys.path while the task file loads (``python file.py``'s rule), then off it,
+    with the modules imported from it out of sys.modules (see the module docstring for why)."""
+    entry = str(folder)
+    before = set(sys.modules)
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
+        # Only packages that were new to the process: a submodule of autotune or torch imported for the
+        # first time here stays (the folder may hold the project itself, and a second copy of its classes
+        # would fail every isinstance check).
+        for name in set(sys.modules) - before:
+            top = name.partition(".")[0]
+            if top not in before and not top.startswith("_autotune_task_") and _lies_in(sys.modules.get(name), folder):
+                sys.modules.pop(name, None)
+
+
+def _lies_in(module: object, folder: Path) -> bool:
+    file = getattr(module, "__file__", None)
+    if not file:
+        return False
+    try:
+        return Path(file).resolve().is_relative_to(folder)
+    except (OSError, ValueError):
+        return False
 
 
 def _exited(spec: str, doing: str, exc: SystemExit) -> TaskError:

@@ -52,6 +52,52 @@ def test_bad_attributes(task_file: Path, suffix: str, message: str) -> None:
         load_task(f"{task_file}{suffix}")
 
 
+MODEL_FILE = """
+import torch
+
+WIDTH = {width}
+
+class GPT(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, WIDTH)
+
+    def forward(self, x):
+        return self.head(x)
+"""
+
+TRAIN_FILE = """
+import torch
+from model import GPT  # the sibling file, as `python train.py` finds it
+from autotune import ProbeTask
+
+task = ProbeTask(name="two-files", model=GPT, batch=lambda m: torch.zeros(m, 4))
+"""
+
+
+def _two_file_task(folder: Path, width: int) -> Path:
+    folder.mkdir()
+    (folder / "model.py").write_text(MODEL_FILE.format(width=width))
+    (folder / "train.py").write_text(TRAIN_FILE)
+    return folder / "train.py"
+
+
+def test_a_task_file_imports_its_siblings(tmp_path: Path) -> None:
+    import sys
+
+    path_before = list(sys.path)
+    first = load_task(f"{_two_file_task(tmp_path / 'a', 3)}:task")
+    # A second folder with its own model.py gets its own, not the first one's cached module.
+    second = load_task(f"{_two_file_task(tmp_path / 'b', 5)}:task")
+    for task, width in ((first, 3), (second, 5)):
+        model = task.model()
+        loss = task.compute_loss(model, task.batch(2))
+        loss.backward()
+        assert model.head.weight.grad is not None and model.head.out_features == width
+    assert sys.path == path_before  # the folder was on the path for the import only
+    assert "model" not in sys.modules
+
+
 def test_missing_file_and_module() -> None:
     with pytest.raises(TaskError, match="task file 'nowhere/job.py' not found"):
         load_task("nowhere/job.py:task")
