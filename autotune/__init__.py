@@ -2,7 +2,9 @@
 
 The map (each package's ``__init__`` says what lives there and what it may import; arrows point down):
 
-    cli/  fleet/         commands and Ray tasks; the only packages that import the server and the client
+    cli/                 the commands; the only package that imports the server
+      |
+    fleet/               Ray tasks, a probe or a card's estimate each; the client for the sink's uploads
       |
     orchestrate/         probe, estimate, lengths, multi, a card's estimate: device(s) -> search -> plan -> Profile
       |
@@ -37,9 +39,9 @@ _PUBLIC = {
     "ProbeTask": "autotune.tasks.task",
     "load_task": "autotune.tasks.load",
     "probe": "autotune.orchestrate.probe",
-    "ProbeConfig": "autotune.orchestrate.probe",
+    "ProbeConfig": "autotune.orchestrate.config",
     "estimate": "autotune.orchestrate.estimate",
-    "EstimateConfig": "autotune.orchestrate.estimate",
+    "EstimateConfig": "autotune.orchestrate.config",
     "probe_lengths": "autotune.orchestrate.lengths",
     "estimate_lengths": "autotune.orchestrate.lengths",
     "Accumulator": "autotune.loop.accumulate",

@@ -77,7 +77,7 @@ def run_case(directory: Path, name: str) -> dict[str, Any]:
     task = load_task(with_options(f"hf:{directory}", **CASES[name])).at_length(SEQ_LEN)
     started = time.perf_counter()
     profile = estimate(
-        task, EstimateConfig(budget_bytes=BUDGET_BYTES, device_kind="cuda", precision="bf16", target_batch=256)
+        task, EstimateConfig.of(budget_bytes=BUDGET_BYTES, device_kind="cuda", precision="bf16", target_batch=256)
     )
     seconds = time.perf_counter() - started
     m_max = profile.max_micro_batch

@@ -43,7 +43,7 @@ def main() -> None:
     (where / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
     started = time.perf_counter()
     task = load_task(f"hf:{where}").at_length(args.seq_len)
-    config = EstimateConfig(
+    config = EstimateConfig.of(
         budget_bytes=80 * GiB, device_kind="cuda", precision="bf16", strategy="fsdp", world_size=8, target_batch=64
     )
     try:

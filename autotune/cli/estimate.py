@@ -6,12 +6,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.cli.common import check_seq_len_options, non_negative_int, positive_int_list, size, task_spec
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
-from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of, moe_routing_of
+from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of, moe_routing_of, setup_of
 from autotune.core.units import limit_bytes
+
+if TYPE_CHECKING:
+    from autotune.orchestrate.config import DeviceKind, EstimateConfig
 
 __all__ = ["add_parsers", "run_estimate"]
 
@@ -68,7 +71,7 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
 def measured_context(config: Any, args: argparse.Namespace) -> Any:
     """With --gpu and --server but no --context-bytes: the memory outside the allocator the store has
     measured on that card (its real CUDA trials), where it has; the catalog's figure otherwise."""
-    if config.gpu is None or config.context_bytes is not None or not args.server:
+    if config.card is None or config.context_bytes is not None or not args.server:
         return config
     import dataclasses
 
@@ -95,30 +98,23 @@ def estimate_config(
     *,
     budget_bytes: int | None,
     gpu: str | None,
-    device_kind: str = "cuda",
+    device_kind: DeviceKind = "cuda",
     device_name: str | None = None,
     micro_batches: Sequence[int] = (),
-) -> Any:
+) -> EstimateConfig:
     """The EstimateConfig of the estimate flags in args (`autotune estimate`'s, and `autotune fleet --gpu`'s
-    per card and budget), with a card's name and memory where gpu names one."""
-    from autotune.orchestrate.estimate import EstimateConfig
+    per card and budget): the probe's setup as `autotune probe` reads it, and the card gpu names, looked up
+    here once (its name and memory where they are not given)."""
+    from autotune.orchestrate.config import EstimateConfig
 
-    return EstimateConfig(
-        budget_bytes=budget_bytes,
+    return EstimateConfig.of(
+        **{**setup_of(args), "budget_bytes": budget_bytes},
+        gpu=gpu,
         device_kind=device_kind,
         device_name=device_name,
-        headroom=args.headroom,
-        target_batch=args.target_batch,
-        world_size=args.world_size,
-        strategy=args.strategy,
-        max_micro_batch=args.max_micro_batch,
-        multiple_of=args.multiple_of,
-        precision=args.precision,
-        plan_policy=args.plan,
-        gpu=gpu,
         context_bytes=args.context_bytes,
         micro_batches=tuple(micro_batches),
-    ).on_card()
+    )
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -146,16 +142,16 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
     from autotune.orchestrate.estimate import estimate
 
     lengths = lengths_of(task, args)
-    assert config.budget_bytes is not None  # validate() refused None
-    limit = limit_bytes(config.budget_bytes, args.headroom)
-    target = config.device_name if config.gpu else args.device_kind
+    assert config.probe.budget_bytes is not None  # validate() refused None
+    limit = limit_bytes(config.probe.budget_bytes, args.headroom)
+    target = config.device_name if config.card else args.device_kind
     print(f"estimating {task.name} for {target} with fake tensors ...", file=sys.stderr)
 
     def progress(trial: Any) -> None:
         print(trial_line(trial, limit), file=sys.stderr, flush=True)
 
     def run(t: Any, c: Any) -> list[Any]:
-        if lengths and c.gpu is not None:  # every length's emulated search in one child
+        if lengths and c.card is not None:  # every length's emulated search in one child
             from autotune.orchestrate.estimate import estimate_for_card_at_lengths
 
             return estimate_for_card_at_lengths(t, c, lengths, on_trial=progress)

@@ -107,10 +107,11 @@ def check_policies(task: Any, policies: Sequence[str | None]) -> None:
 def for_each_policy(
     task: Any, config: Any, policies: Sequence[str | None], run: Callable[[Any, Any], Any]
 ) -> list[Any]:
-    """``run(task, config)`` once per policy, the config's ``activation_checkpointing`` set to it."""
+    """``run(task, config)`` once per policy, the config's ``activation_checkpointing`` set to it (a
+    ProbeConfig's, or an EstimateConfig's probe's: ``with_setup``)."""
     check_policies(task, policies)
     return [
-        run(task, config if policy is None else dataclasses.replace(config, activation_checkpointing=policy))
+        run(task, config if policy is None else config.with_setup(activation_checkpointing=policy))
         for policy in policies
     ]
 
@@ -122,7 +123,7 @@ def with_policies(pairs: Sequence[Any], policies: Sequence[str | None]) -> list[
     out: list[Any] = []
     for pair in pairs:
         for policy in policies:
-            config = dataclasses.replace(pair.config, activation_checkpointing=policy)
+            config = pair.config.with_setup(activation_checkpointing=policy)
             out.append(dataclasses.replace(pair, index=len(out), config=config))
     return out
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -41,6 +40,7 @@ __all__ = [
     "lengths_of",
     "run_probe",
     "run_verify",
+    "setup_of",
 ]
 
 
@@ -97,32 +97,22 @@ def moe_load_factor(text: str) -> float:
 
 
 def moe_routing_of(task: Any, args: argparse.Namespace) -> tuple[Any, float | None]:
-    """The routing the fake trials of task run under (a context) and what its profiles say (None: dense).
+    """The routing the fake trials of task run under (a context) and what its profiles say (None: dense),
+    by --moe-load-factor (autotune/orchestrate/routing.py); recorded in args for emit_profile(s).
 
     Raises:
         CliError: --moe-load-factor on a dense model, or above experts / top_k (every token on one expert).
     """
-    from autotune.measure.meters.fake import experts_of, moe_routing
-    from autotune.measure.trial import build_on_meta
+    from autotune.core.errors import TaskError
+    from autotune.orchestrate.routing import moe_routing_for
 
-    asked = getattr(args, "moe_load_factor", None)
     args.moe_load_factor_used = None  # what emit_profile(s) write into the profiles
-    meta = build_on_meta(task) if asked is not None or task.model is not None else None
-    found = experts_of(meta) if meta is not None else None
-    del meta
-    if found is None:
-        if asked is not None:
-            raise CliError(f"--moe-load-factor {asked:g}: {task.name} is a dense model (no experts to route)")
-        return contextlib.nullcontext(), None
-    experts, top_k = found
-    factor = 1.0 if asked is None else asked
-    if factor > experts / top_k:
-        raise CliError(
-            f"--moe-load-factor {factor:g}: with {experts} experts and top-{top_k} routing the busiest expert "
-            f"gets at most {experts / top_k:g} x a fair share (every token)"
-        )
+    try:
+        routing, factor = moe_routing_for(task, getattr(args, "moe_load_factor", None))
+    except TaskError as exc:
+        raise CliError(str(exc)) from None
     args.moe_load_factor_used = factor
-    return moe_routing(factor), factor
+    return routing, factor
 
 
 def _with_routing(profile: Any, args: argparse.Namespace) -> Any:
@@ -130,26 +120,34 @@ def _with_routing(profile: Any, args: argparse.Namespace) -> Any:
     return profile if factor is None else profile.model_copy(update={"moe_load_factor": factor})
 
 
+def setup_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The ProbeConfig fields the setup options give (:func:`add_setup_options`): the one place the flags
+    become the job's setup, for a probe (:func:`config_from_args`), an estimate and the fleet's pairs."""
+    return {
+        "budget_bytes": args.budget,
+        "headroom": args.headroom,
+        "target_batch": args.target_batch,
+        "world_size": args.world_size,
+        "max_micro_batch": args.max_micro_batch,
+        "multiple_of": args.multiple_of,
+        "precision": args.precision,
+        "strategy": args.strategy,
+        "plan_policy": args.plan,
+    }
+
+
 def config_from_args(args: argparse.Namespace, device: str) -> Any:
     """The ProbeConfig the probe options describe, on device."""
-    from autotune.orchestrate.probe import ProbeConfig
+    from autotune.orchestrate.config import ProbeConfig
 
     return ProbeConfig(
         device=device,
-        budget_bytes=args.budget,
-        headroom=args.headroom,
-        target_batch=args.target_batch,
-        world_size=args.world_size,
-        max_micro_batch=args.max_micro_batch,
-        multiple_of=args.multiple_of,
-        precision=args.precision,
-        strategy=args.strategy,
         presearch=args.presearch,
-        plan_policy=args.plan,
         throughput=getattr(args, "throughput", False),
         seq_lens=tuple(getattr(args, "seq_len", None) or ()),
         max_seq_len=getattr(args, "max_seq_len", None),
         target_tokens=getattr(args, "target_tokens", None),
+        **setup_of(args),
     )
 
 

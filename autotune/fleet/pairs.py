@@ -66,7 +66,7 @@ class Pair:
         on: the accelerator kind (``H100``) or the device (``cpu``, ``cuda``) it runs on.
         accelerator: the Ray accelerator type it asks for, None for any GPU or the CPU.
         config: the probe's config (a ``ProbeConfig``: device, budget and probe's other options), or an
-            estimate pair's ``EstimateConfig`` (the card in ``gpu``, its memory as the default budget).
+            estimate pair's ``EstimateConfig`` (the card in ``card``, its memory as the default budget).
         estimate: set on an estimate pair (``--gpu``), None on a probe pair.
     """
 
@@ -84,8 +84,13 @@ class Pair:
         return self.estimate is None and str(getattr(self.config, "device", "")).startswith("cuda")
 
     @property
+    def setup(self) -> Any:
+        """The job's setup: the probe's ProbeConfig, or an estimate's ``config.probe``."""
+        return getattr(self.config, "probe", self.config)
+
+    @property
     def budget_bytes(self) -> int | None:
-        return getattr(self.config, "budget_bytes", None)
+        return getattr(self.setup, "budget_bytes", None)
 
     @property
     def budget_label(self) -> str:
@@ -94,7 +99,7 @@ class Pair:
 
     @property
     def label(self) -> str:
-        policy = getattr(self.config, "activation_checkpointing", None)
+        policy = getattr(self.setup, "activation_checkpointing", None)
         return f"{self.spec} on {self.on}, budget {self.budget_label}" + (f", ac {policy}" if policy else "")
 
     def ray_options(self, max_retries: int) -> dict[str, Any]:

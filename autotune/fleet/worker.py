@@ -8,7 +8,6 @@ that Ray shipped to it. Ray itself is imported only here, under Ray, to reach th
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import time
@@ -151,11 +150,11 @@ def _use_cuda_python(driver_python: str | None) -> None:
 
 
 def _moe_routing(task: Any, asked: float | None) -> tuple[Any, float | None]:
-    """The routing of autotune estimate (cli/probe.moe_routing_of): by ``asked``, else balanced, for a
+    """The routing of autotune estimate (autotune/orchestrate/routing.py): by ``asked``, else balanced, for a
     mixture of experts; none for a dense model."""
-    from autotune.cli.probe import moe_routing_of
+    from autotune.orchestrate.routing import moe_routing_for
 
-    return moe_routing_of(task, argparse.Namespace(moe_load_factor=asked))
+    return moe_routing_for(task, asked)
 
 
 def _estimate(task: Any, config: Any, seq_lens: tuple[int, ...]) -> list[Any]:

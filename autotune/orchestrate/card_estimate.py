@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from autotune.core import units
-from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, lookup, outside_allocator, outside_allocator_stand_in
+from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, outside_allocator, outside_allocator_stand_in
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.schemas import Device, Fit, Profile, Trial
 from autotune.core.units import format_bytes
+from autotune.orchestrate.config import EstimateConfig
 from autotune.orchestrate.estimated import estimated_profile
 from autotune.tasks.task import ProbeTask
 
@@ -27,22 +28,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from autotune.emulation.card_search import CardSearch
-    from autotune.orchestrate.estimate import EstimateConfig
 
-__all__ = ["EmulationUnavailable", "card_of", "context_bytes_for", "estimate_on_card", "estimate_on_card_lengths"]
+__all__ = ["EmulationUnavailable", "context_bytes_for", "estimate_on_card", "estimate_on_card_lengths"]
 
 
 class EmulationUnavailable(AutotuneError):
     """The card cannot be emulated here (no CUDA build of torch, a runtime the emulation does not cover,
     a child that died or hung): the estimate runs with CPU semantics and says why, in this one line."""
-
-
-def card_of(name: str) -> Card:
-    """The catalog's card called name; AutotuneError (one line listing the known ones) for another."""
-    try:
-        return lookup(name)
-    except ValueError as exc:
-        raise AutotuneError(f"--gpu: {exc}") from None
 
 
 def context_bytes_for(
@@ -74,7 +66,7 @@ def context_bytes_for(
 def estimate_on_card(
     task: ProbeTask, config: EstimateConfig, *, on_trial: Callable[[Trial], None] | None = None
 ) -> Profile:
-    """The estimate for config.gpu by emulated CUDA fake trials.
+    """The estimate for config.card by emulated CUDA fake trials.
 
     Raises:
         EmulationUnavailable: the card cannot be emulated here (the caller estimates with CPU semantics).
@@ -93,7 +85,7 @@ def estimate_on_card_lengths(
     *,
     on_trial: Callable[[Trial], None] | None = None,
 ) -> list[Profile]:
-    """The estimate at each length for config.gpu, in one child process (one torch import, one task
+    """The estimate at each length for config.card, in one child process (one torch import, one task
     load; each length's search starts from the last one's answer, scaled by the lengths); a length where
     nothing fits is named in the others' warnings.
 
@@ -114,9 +106,9 @@ def _on_card(
     from autotune.emulation.card_search import search_on_card
     from autotune.emulation.runner import CudaTorchMissing, find_cuda_python
 
-    assert config.gpu is not None and config.budget_bytes is not None
-    card = card_of(config.gpu)
-    task = config.applied_to(task)  # the child gets the precision and policy by name, from the task
+    setup, card = config.probe, config.card
+    assert card is not None and setup.budget_bytes is not None
+    task = setup.applied_to(task)  # the child gets the precision and policy by name, from the task
     if task.source is None:
         raise AutotuneError(
             f"--gpu runs the fake trials of task {task.name!r} in a process of its own, which loads it from its "
@@ -130,7 +122,7 @@ def _on_card(
     outside, outside_source = context_bytes_for(
         card, config.context_bytes, cuda_torch.torch_version, cuda_torch.cuda_version, config.context_source
     )
-    limit_bytes = units.limit_bytes(config.budget_bytes, config.headroom)
+    limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
     if outside >= limit_bytes:
         raise CannotFitError(
             f"the {format_bytes(outside)} outside the allocator on a {card.short_name} leave nothing of the "
@@ -143,12 +135,12 @@ def _on_card(
             limit_bytes=limit_bytes,
             outside_bytes=outside,
             seq_lens=seq_lens,
-            strategy=config.strategy,
-            world_size=config.world_size,
+            strategy=setup.strategy,
+            world_size=setup.world_size,
             precision=task.precision,
             activation_checkpointing=task.activation_checkpointing,
-            max_micro_batch=config.max_micro_batch,
-            multiple_of=config.multiple_of,
+            max_micro_batch=setup.max_micro_batch,
+            multiple_of=setup.multiple_of,
             extra_sizes=config.micro_batches,
         )
     except EmulationError as exc:
@@ -161,7 +153,7 @@ def _on_card(
     device = Device(
         kind="cuda",
         name=card.nvml_name,
-        total_bytes=config.budget_bytes,
+        total_bytes=setup.budget_bytes,
         torch_version=cuda_torch.torch_version,
         cuda_version=cuda_torch.cuda_version,
         compute_capability=card.capability,
@@ -175,12 +167,12 @@ def _on_card(
             if on_trial is not None:
                 on_trial(trial)
         if found.no_fit:
-            at = next((t for t in trials if t.micro_batch == config.multiple_of), None)
+            at = next((t for t in trials if t.micro_batch == setup.multiple_of), None)
             read = at is not None and not at.oom
             figure = f" reads {format_bytes(at.peak_bytes)}" if read and at is not None else " does not fit the card"
             where = "" if seq_len is None else f" at seq_len {seq_len}"
             nothing_fits.append(
-                f"micro-batch {config.multiple_of} of {task.name}{where} on an emulated {card.short_name}{figure} "
+                f"micro-batch {setup.multiple_of} of {task.name}{where} on an emulated {card.short_name}{figure} "
                 f"(reserved + {format_bytes(outside)} outside the allocator), over the limit of "
                 f"{format_bytes(limit_bytes)}"
             )

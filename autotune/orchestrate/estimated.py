@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import autotune
 from autotune.core.consistency import check_profile
 from autotune.core.plan import nonnegative_fit
 from autotune.core.schemas import Device, Fit, Profile, Trial
-from autotune.orchestrate.probe import plan_for
+from autotune.orchestrate.config import EstimateConfig
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.task import ProbeTask
-
-if TYPE_CHECKING:
-    from autotune.orchestrate.estimate import EstimateConfig
 
 __all__ = ["DDP_BUCKETS_LEFT_OUT", "estimated_profile", "non_monotone_sizes"]
 
@@ -47,10 +43,11 @@ def estimated_profile(
 ) -> Profile:
     """The estimate's Profile, checked as the store would check it (``source: estimate``; the plan for
     config's target; DDP's buckets said to be left out where there are replicas)."""
-    assert config.budget_bytes is not None
-    if config.strategy == "ddp" and config.world_size > 1:
+    setup = config.probe
+    assert setup.budget_bytes is not None
+    if setup.strategy == "ddp" and setup.world_size > 1:
         warnings.append(DDP_BUCKETS_LEFT_OUT)
-    the_plan = plan_for(max_micro_batch, config.as_probe_config(), warnings)
+    the_plan = setup.plan_for(max_micro_batch, warnings)
     above = non_monotone_sizes(trials)
     if above:
         # The caching allocator's staircase is not monotone in m: a size past the first one over the limit
@@ -61,20 +58,20 @@ def estimated_profile(
             f"{max_micro_batch} is the largest below it, so every size up to it fits"
         )
     profile = Profile(
-        fingerprint=task_fingerprint(task, strategy=config.strategy, world_size=config.world_size),
+        fingerprint=task_fingerprint(task, strategy=setup.strategy, world_size=setup.world_size),
         task=task.name,
         device=device,
         devices=[device],
-        precision=task.precision,  # type: ignore[arg-type]
+        precision=task.precision,
         tags=dict(task.tags),
-        budget_bytes=config.budget_bytes,
-        headroom=config.headroom,
+        budget_bytes=setup.budget_bytes,
+        headroom=setup.headroom,
         max_micro_batch=max_micro_batch,
-        micro_batch_cap=config.max_micro_batch,
-        multiple_of=config.multiple_of,
-        world_size=config.world_size,
-        strategy=config.strategy,  # type: ignore[arg-type]
-        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
+        micro_batch_cap=setup.max_micro_batch,
+        multiple_of=setup.multiple_of,
+        world_size=setup.world_size,
+        strategy=setup.strategy,
+        activation_checkpointing=task.activation_checkpointing,
         source="estimate",
         seq_len=task.seq_len,
         plan=the_plan,

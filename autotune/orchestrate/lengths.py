@@ -20,7 +20,6 @@ and the longest length is not searched; the profiles say so.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -37,6 +36,7 @@ from autotune.core.surface import PeakSurface
 from autotune.measure.meters import make_meter, resolve_device
 from autotune.measure.strategies import Strategy, make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
+from autotune.orchestrate.config import EstimateConfig, ProbeConfig
 from autotune.search.boundary import NoFitError
 from autotune.search.lanes import FakeLanes, Point, spare_cores
 from autotune.search.presearch import (
@@ -122,13 +122,14 @@ def _presearched(found: SurfaceSearch, seq_len: int, limit_bytes: int, cap: int,
 
 
 def _confirmations(
-    found: SurfaceSearch, lengths: Sequence[int], *, config: Any, limit_bytes: int, cap: int
+    found: SurfaceSearch, lengths: Sequence[int], *, config: ProbeConfig, limit_bytes: int, cap: int
 ) -> list[Point]:
     """The fake trials an estimate will ask for once the surface has spoken, where every one of them
     agrees with it: each length's m_max and one step past it (or multiple_of where nothing fits),
     less those the surface traced, and the longest length's guess and one past it."""
     assert found.surface is not None
     step, budget = config.multiple_of, config.budget_bytes
+    assert budget is not None  # an estimate's setup: validate() refused None
     points: list[Point] = []
     for seq_len in lengths:
         known = {t.micro_batch for t in found.trials.get(seq_len, []) if t.fake and not t.oom}
@@ -266,7 +267,7 @@ class _Lengths:
     device: torch.device
     limit_bytes: int
     fake_limit: int
-    config: Any
+    config: ProbeConfig  # the setup (an estimate's config.probe)
     on_trial: Callable[[Trial], None] | None
     fakes: FakeTrials | None = None
 
@@ -442,21 +443,17 @@ def _over_lengths(
     return run
 
 
-def _checked(task: ProbeTask, config: Any, lengths: Sequence[int]) -> ProbeTask:
+def _checked(task: ProbeTask, config: ProbeConfig | EstimateConfig, lengths: Sequence[int]) -> ProbeTask:
     """The run's configuration and lengths checked, and the task as the config sets it up (the
     surface's trials too, not only each length's, run at its precision and memory policy)."""
     config.validate()
     check_lengths(task, lengths)
-    if config.precision is not None and config.precision != task.precision:
-        task = dataclasses.replace(task, precision=config.precision)
-    if config.activation_checkpointing is not None:
-        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
-    return task
+    return config.applied_to(task)
 
 
 def probe_lengths(
     task: ProbeTask,
-    config: Any,
+    config: ProbeConfig,
     lengths: Sequence[int],
     *,
     max_seq_len: int | None = None,
@@ -487,7 +484,7 @@ def probe_lengths(
 
         def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
             # One length's probe: its target in sequences, and no lengths of its own.
-            at_config = dataclasses.replace(config, target_batch=target, target_tokens=None, seq_lens=())
+            at_config = config.with_setup(target_batch=target, target_tokens=None, seq_lens=())
             return probe_with_meter(task_at, meter, at_config, on_trial=on_trial, presearched=presearched)
 
         runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy)
@@ -529,7 +526,7 @@ def probe_lengths(
 
 def estimate_lengths(
     task: ProbeTask,
-    config: Any,
+    config: EstimateConfig,
     lengths: Sequence[int],
     *,
     max_seq_len: int | None = None,
@@ -547,15 +544,16 @@ def estimate_lengths(
     from autotune.orchestrate.estimate import estimate, estimate_device_type
 
     task = _checked(task, config, lengths)
-    assert config.budget_bytes is not None  # validate() refused None
-    limit_bytes = units.limit_bytes(config.budget_bytes, config.headroom)
+    setup = config.probe
+    assert setup.budget_bytes is not None  # validate() refused None
+    limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
     device_type, _ = estimate_device_type(config.device_kind)
-    strategy = make_strategy(config.strategy, config.world_size)
+    strategy = make_strategy(setup.strategy, setup.world_size)
     held = fake_strategy(strategy)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
 
     def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
-        at_config = dataclasses.replace(config, target_batch=target)
+        at_config = config.with_setup(target_batch=target)
         if presearched is None:
             return estimate(task_at, at_config, on_trial=on_trial, fakes=fakes)
         # The surface's trials at this length are this estimate's own fake trials: not run twice.
@@ -569,10 +567,10 @@ def estimate_lengths(
         )
 
     def trial_at(task_at: ProbeTask) -> Trial:
-        trial, _ = fakes.run(task_at, config.multiple_of, budget_bytes=budget_bytes, limit_bytes=limit_bytes)
+        trial, _ = fakes.run(task_at, setup.multiple_of, budget_bytes=budget_bytes, limit_bytes=limit_bytes)
         return trial
 
-    budget_bytes = config.budget_bytes
+    budget_bytes = setup.budget_bytes
     # One fake model and meter for the whole run, in one process group held around it: the surface,
     # every length's confirmations and the longest length's search run on it (a 7B model takes
     # seconds to build and its dispatch cache a trial to warm).
@@ -582,8 +580,8 @@ def estimate_lengths(
                 task,
                 spare_cores() if workers is None else workers,
                 device_type=device_type,
-                strategy=config.strategy,
-                world_size=config.world_size,
+                strategy=setup.strategy,
+                world_size=setup.world_size,
                 device_name=device_name,
                 hold=hold_lane_model,
             )
@@ -598,7 +596,7 @@ def estimate_lengths(
                 device=torch.device(device_type),
                 limit_bytes=limit_bytes,
                 fake_limit=limit_bytes,
-                config=config,
+                config=setup,
                 on_trial=on_trial,
                 fakes=fakes,
             )
@@ -617,5 +615,5 @@ def estimate_lengths(
         # Outside the held group: the shortest length's own estimate diagnoses what the job needs.
         raise _nothing_fits(
             nothing,
-            lambda seq_len: estimate(task.at_length(seq_len), dataclasses.replace(config, target_batch=None)),
+            lambda seq_len: estimate(task.at_length(seq_len), config.with_setup(target_batch=None)),
         ) from None

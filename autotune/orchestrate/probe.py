@@ -6,11 +6,9 @@ profile.max_micro_batch, profile.plan
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,97 +16,28 @@ from torch import nn
 import autotune
 from autotune.core import units
 from autotune.core.consistency import check_profile
-from autotune.core.errors import AutotuneError, BudgetError, DeviceError, TaskError
-from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, nonnegative_fit, plan
-from autotune.core.schemas import PRECISIONS, STRATEGIES, Fit, Plan, Profile, Trial
+from autotune.core.errors import DeviceError, TaskError
+from autotune.core.plan import nonnegative_fit
+from autotune.core.schemas import Fit, Profile, Trial
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
-from autotune.measure.policies import check_policy
 from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.throughput import timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
+from autotune.orchestrate.config import ProbeConfig
 from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "ProbeConfig", "plan_for", "probe", "probe_with_meter"]
+# ProbeConfig lives in autotune/orchestrate/config.py (the config family); imported here too, where the
+# callers of the probe have always found it.
+__all__ = ["BATCHNORM_SMALL_MICRO_BATCH", "probe", "probe_with_meter"]
 
 # Below this many samples per micro-batch, BatchNorm's batch statistics get noisy enough to change
 # training; accumulation does not help them because BatchNorm never sees the whole group.
 BATCHNORM_SMALL_MICRO_BATCH = 16
-
-
-@dataclass(frozen=True)
-class ProbeConfig:
-    """What to probe and under which budget (the CLI flags of `autotune probe`)."""
-
-    device: str = "auto"
-    budget_bytes: int | None = None
-    headroom: float = 0.10
-    target_batch: int | None = None
-    world_size: int = 1
-    max_micro_batch: int = 4096
-    multiple_of: int = 1
-    precision: str | None = None
-    strategy: str = "ddp"
-    # Find the boundary with fake-tensor trials first, then confirm it with real ones.
-    presearch: bool = True
-    # One model per probe, reused across trials (False: a fresh model per trial, as before; the
-    # benchmarks compare the two).
-    reuse_model: bool = True
-    # How the plan splits the target batch: "balanced" (fewest steps, uneven micro-batches) or "divisor".
-    plan_policy: str = "balanced"
-    # The memory policy (none, every-2, full): None keeps the task's own activation_checkpointing.
-    activation_checkpointing: str | None = None
-    # After the search, time updates at m_max and at the plan's sizes (autotune/measure/throughput.py).
-    throughput: bool = False
-    # A sequence-aware task's lengths, one profile each (autotune/orchestrate/lengths.py: probe_lengths); the cap
-    # of the search for the longest length at m = multiple_of; tokens per update instead of
-    # target_batch. The fleet's workers read them here; `autotune probe` passes them itself too.
-    seq_lens: tuple[int, ...] = ()
-    max_seq_len: int | None = None
-    target_tokens: int | None = None
-
-    def validate(self) -> None:
-        if not 0 <= self.headroom < 1:
-            raise BudgetError(f"headroom must be in [0, 1), got {self.headroom}")
-        if self.budget_bytes is not None and self.budget_bytes <= 0:
-            raise BudgetError(f"budget must be positive, got {self.budget_bytes} bytes")
-        for name in ("world_size", "max_micro_batch", "multiple_of"):
-            value = getattr(self, name)
-            if value < 1:
-                raise AutotuneError(f"{name.replace('_', '-')} must be a positive integer, got {value}")
-        if self.multiple_of > self.max_micro_batch:
-            raise AutotuneError(f"multiple-of {self.multiple_of} is larger than max-micro-batch {self.max_micro_batch}")
-        if self.target_batch is not None:
-            if self.target_batch < 1:
-                raise AutotuneError(f"target-batch must be a positive integer, got {self.target_batch}")
-            if self.target_batch > MAX_TARGET_BATCH:
-                raise AutotuneError(f"target-batch {self.target_batch} is larger than {MAX_TARGET_BATCH}")
-            if self.target_batch < self.world_size:
-                raise AutotuneError(
-                    f"target-batch {self.target_batch} is smaller than world-size {self.world_size}: "
-                    "every replica needs at least one sample per update"
-                )
-        if self.strategy not in STRATEGIES:
-            raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        if self.strategy == "fsdp" and self.world_size < 2:
-            raise AutotuneError(
-                f"--strategy fsdp needs --world-size of at least 2 (got {self.world_size}): "
-                "one rank holding the whole model is --strategy ddp"
-            )
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise AutotuneError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.plan_policy not in PLAN_POLICIES:
-            raise AutotuneError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {self.plan_policy!r}")
-        if self.activation_checkpointing is not None:
-            check_policy(self.activation_checkpointing)
-        if self.target_tokens is not None and self.target_batch is not None:
-            raise AutotuneError("give target-batch (sequences) or target-tokens (tokens), not both")
-        if self.target_tokens is not None and not self.seq_lens:
-            raise AutotuneError("target-tokens needs seq-len: tokens are planned in sequences of a length")
 
 
 def _has_batchnorm(task: ProbeTask) -> bool:
@@ -118,28 +47,6 @@ def _has_batchnorm(task: ProbeTask) -> bool:
     except Exception:
         model = task.model()
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
-def plan_for(m_max: int, config: ProbeConfig, warnings: list[str]) -> Plan | None:
-    """The plan of config's target batch at m_max (None without a target), appending to warnings
-    what a datasheet must say: no plan reaches the target, the plan is not exact, m_max is the cap."""
-    the_plan = None
-    if config.target_batch:
-        try:
-            the_plan = plan(
-                m_max,
-                config.target_batch,
-                config.world_size,
-                multiple_of=config.multiple_of,
-                policy=config.plan_policy,  # type: ignore[arg-type]
-            )
-        except ValueError as exc:  # the measurement stands even where no plan reaches the target
-            warnings.append(f"no plan: {exc}")
-    if the_plan is not None and not the_plan.exact:
-        warnings.append(the_plan.note)
-    if m_max >= config.max_micro_batch:
-        warnings.append(f"micro-batch reached the cap {config.max_micro_batch}: more may fit")
-    return the_plan
 
 
 def _guide(fake: FakeSearch, real: SearchResult) -> Fit | None:
@@ -247,8 +154,7 @@ def _reserved_hint(
             budget_bytes=meter.budget_bytes,
             limit_bytes=limit_bytes,
             outside_bytes=meter.unseen_bytes(),
-            workspace_bytes=[cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))]
-            * CUBLAS_HANDLES,
+            workspace_bytes=[cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))] * CUBLAS_HANDLES,
             strategy=strategy,
             max_micro_batch=config.max_micro_batch,
             multiple_of=config.multiple_of,
@@ -282,10 +188,7 @@ def probe_with_meter(
             f"task {task.name!r} is sequence-aware (its batch takes seq_len=): probe it at its lengths with "
             "--seq-len L1,L2,... (autotune.orchestrate.lengths.probe_lengths), or bind one with task.at_length(L)"
         )
-    if config.precision is not None and config.precision != task.precision:
-        task = dataclasses.replace(task, precision=config.precision)
-    if config.activation_checkpointing is not None:
-        task = dataclasses.replace(task, activation_checkpointing=config.activation_checkpointing)
+    task = config.applied_to(task)
     started = time.perf_counter()
     strategy = make_strategy(config.strategy, config.world_size)
     fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size)
@@ -324,7 +227,7 @@ def probe_with_meter(
     if predicted is not None and predicted != m_max:
         what = RESERVED_PREDICTION if meter.device.type == "cuda" else "the fake pre-search predicted max micro-batch"
         warnings.append(f"{what} {predicted}; the real trials found {m_max}")
-    the_plan = plan_for(m_max, config, warnings)
+    the_plan = config.plan_for(m_max, warnings)
     chosen = the_plan.micro_batch if the_plan else m_max
     if chosen < BATCHNORM_SMALL_MICRO_BATCH and _has_batchnorm(task):
         warnings.append(
@@ -338,7 +241,7 @@ def probe_with_meter(
         task=task.name,
         device=device,
         devices=[device],
-        precision=task.precision,  # type: ignore[arg-type]
+        precision=task.precision,
         tags=dict(task.tags),
         budget_bytes=meter.budget_bytes,
         headroom=config.headroom,
@@ -346,8 +249,8 @@ def probe_with_meter(
         micro_batch_cap=config.max_micro_batch,
         multiple_of=config.multiple_of,
         world_size=config.world_size,
-        strategy=config.strategy,  # type: ignore[arg-type]
-        activation_checkpointing=task.activation_checkpointing,  # type: ignore[arg-type]
+        strategy=config.strategy,
+        activation_checkpointing=task.activation_checkpointing,
         seq_len=task.seq_len,
         non_monotone=decrease is not None,
         expandable_segments=meter.expandable_segments(),

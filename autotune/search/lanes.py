@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from autotune.core.schemas import Precision
 from autotune.measure.meters.fake import current_load_factor
 
 __all__ = ["SLOW_BUILD_SECONDS", "SLOW_TRIAL_SECONDS", "FakeLanes", "LaneSetup", "Point", "spare_cores"]
@@ -59,7 +60,7 @@ class LaneSetup:
     """What a worker needs to hold the run's fake model: everything picklable."""
 
     spec: str
-    precision: str
+    precision: Precision
     activation_checkpointing: str
     device_type: str
     strategy: str

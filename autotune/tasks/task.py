@@ -26,7 +26,7 @@ from torch import nn
 
 from autotune.core.errors import TaskError
 from autotune.core.policy_names import canonical_policy
-from autotune.core.schemas import PRECISIONS, TagValue
+from autotune.core.schemas import PRECISIONS, Precision, TagValue
 
 __all__ = [
     "DTYPES",
@@ -132,7 +132,7 @@ class ProbeTask:
     batch: BatchFactory
     loss: LossFn | None = None
     optimizer: OptimizerFactory | None = None
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     tags: dict[str, TagValue] = field(default_factory=dict)
     loss_sum: LossSumFn | None = None
     shard_classes: tuple[type[nn.Module], ...] | None = None

@@ -12,7 +12,7 @@ import contextlib
 import copy
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from autotune.core.schemas import Profile, Suggestion, TagValue
 from autotune_client._distributed import local_probe_starting
@@ -21,6 +21,8 @@ from autotune_client.errors import AutotuneClientError
 if TYPE_CHECKING:
     from torch import nn
 
+    from autotune.core.plan import PlanPolicy
+    from autotune.core.schemas import Precision, Strategy
     from autotune.tasks.task import LossFn, OptimizerFactory
 
 __all__ = ["cpu_copy", "probe_locally", "rng_preserved", "suggestion_from_profile", "timed_rate"]
@@ -110,7 +112,7 @@ def probe_locally(
         batch=batch_fn,
         loss=loss,
         optimizer=optimizer,
-        precision=precision,
+        precision=cast("Precision", precision),  # ProbeTask refuses another in one line
         tags=tags,
     )
     config = ProbeConfig(
@@ -118,8 +120,9 @@ def probe_locally(
         budget_bytes=budget_bytes,
         target_batch=target_batch,
         world_size=world_size,
-        strategy=strategy,
-        plan_policy=plan_policy,
+        # suggest() refused any other than ProbeConfig's Literals (autotune_client/_suggest.py: _validated).
+        strategy=cast("Strategy", strategy),
+        plan_policy=cast("PlanPolicy", plan_policy),
         activation_checkpointing=activation_checkpointing,
         throughput=throughput,
     )

@@ -75,10 +75,10 @@ def test_probe_offers_fsdp_ac_and_a_budget_that_really_fit() -> None:
     assert no_fit.static_bytes < no_fit.limit_bytes < no_fit.peak_bytes
     # What the line offers fits when asked for (estimates: no memory spent checking).
     task = load_task("examples/gpt.py:task")
-    sharded = estimate(task, EstimateConfig(budget_bytes=3 * MiB, device_kind="cpu", strategy="fsdp", world_size=2))
+    sharded = estimate(task, EstimateConfig.of(budget_bytes=3 * MiB, device_kind="cpu", strategy="fsdp", world_size=2))
     assert sharded.max_micro_batch >= 1
     checkpointed = estimate(
-        task, EstimateConfig(budget_bytes=3 * MiB, device_kind="cpu", activation_checkpointing="full")
+        task, EstimateConfig.of(budget_bytes=3 * MiB, device_kind="cpu", activation_checkpointing="full")
     )
     assert checkpointed.max_micro_batch >= 1
     assert no_fit.budget_needed_bytes is not None

@@ -21,7 +21,7 @@ MiB = 1 << 20
 
 
 def test_an_estimate_on_cpu_semantics_equals_the_probe_and_is_labelled() -> None:
-    config = EstimateConfig(budget_bytes=24 * MiB, device_kind="cpu", target_batch=256)
+    config = EstimateConfig.of(budget_bytes=24 * MiB, device_kind="cpu", target_batch=256)
     estimated = estimate(gpt.task, config)
     measured = probe(gpt.task, ProbeConfig(device="cpu", budget_bytes=24 * MiB, target_batch=256))
     assert estimated.source == "estimate" and measured.source == "measured"
@@ -35,7 +35,7 @@ def test_an_estimate_on_cpu_semantics_equals_the_probe_and_is_labelled() -> None
 
 
 def test_an_fsdp_estimate_matches_the_fsdp_probe() -> None:
-    config = EstimateConfig(budget_bytes=24 * MiB, device_kind="cpu", strategy="fsdp", world_size=4)
+    config = EstimateConfig.of(budget_bytes=24 * MiB, device_kind="cpu", strategy="fsdp", world_size=4)
     estimated = estimate(gpt.task, config)
     measured = probe(gpt.task, ProbeConfig(device="cpu", budget_bytes=24 * MiB, strategy="fsdp", world_size=4))
     assert (estimated.strategy, estimated.world_size) == ("fsdp", 4)
@@ -44,7 +44,7 @@ def test_an_fsdp_estimate_matches_the_fsdp_probe() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-semantics warning of a CPU-only torch")
 def test_a_cuda_estimate_without_cuda_says_it_used_cpu_semantics() -> None:
-    config = EstimateConfig(budget_bytes=24 * MiB, device_kind="cuda", device_name="NVIDIA H100 80GB HBM3")
+    config = EstimateConfig.of(budget_bytes=24 * MiB, device_kind="cuda", device_name="NVIDIA H100 80GB HBM3")
     estimated = estimate(gpt.task, config)
     assert estimated.device.kind == "cuda" and estimated.device.name == "NVIDIA H100 80GB HBM3"
     assert any("CPU semantics" in w for w in estimated.warnings)
@@ -61,7 +61,7 @@ def test_a_model_that_cannot_be_built_on_meta_is_built_fake_with_a_warning() -> 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.body(x)
 
-    estimated = estimate(linear_task(model=NeedsData), EstimateConfig(budget_bytes=MiB, device_kind="cpu"))
+    estimated = estimate(linear_task(model=NeedsData), EstimateConfig.of(budget_bytes=MiB, device_kind="cpu"))
     assert estimated.max_micro_batch > 1
     assert any("could not be built on the meta device (in NeedsData)" in w for w in estimated.warnings)
 
@@ -69,10 +69,10 @@ def test_a_model_that_cannot_be_built_on_meta_is_built_fake_with_a_warning() -> 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (EstimateConfig(budget_bytes=None), "needs a budget"),
-        (EstimateConfig(budget_bytes=0), "must be positive"),
-        (EstimateConfig(budget_bytes=MiB, strategy="fsdp", world_size=1), "at least 2"),
-        (EstimateConfig(budget_bytes=MiB, device_kind="tpu"), "device kind"),
+        (EstimateConfig.of(budget_bytes=None), "needs a budget"),
+        (EstimateConfig.of(budget_bytes=0), "must be positive"),
+        (EstimateConfig.of(budget_bytes=MiB, strategy="fsdp", world_size=1), "at least 2"),
+        (EstimateConfig.of(budget_bytes=MiB, device_kind="tpu"), "device kind"),
     ],
 )
 def test_bad_estimate_configs_are_refused(config: EstimateConfig, message: str) -> None:

@@ -119,7 +119,7 @@ def test_fp16_fake_trials_equal_the_real_trial_and_the_allocator_at_m_max_and_pa
     assert truth[m_max] <= limit < truth[m_max + 1]
     # The estimate (fake trials only) finds the same boundary: with the optimizer's state left out it was above.
     estimated = estimate(
-        task, EstimateConfig(budget_bytes=BUDGET_BYTES, device_kind="cpu", headroom=HEADROOM, target_batch=256)
+        task, EstimateConfig.of(budget_bytes=BUDGET_BYTES, device_kind="cpu", headroom=HEADROOM, target_batch=256)
     )
     assert estimated.max_micro_batch == m_max
 

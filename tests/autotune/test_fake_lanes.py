@@ -56,7 +56,7 @@ def test_trials_on_a_worker_give_the_same_estimate_as_trials_here(
 ) -> None:
     task = load_task(SPEC)
     assert task.source == SPEC
-    config = EstimateConfig(budget_bytes=64 * MiB, device_kind="cpu", strategy=strategy, world_size=world)
+    config = EstimateConfig.of(budget_bytes=64 * MiB, device_kind="cpu", strategy=strategy, world_size=world)
     here = estimate_lengths(task, config, LENGTHS, max_seq_len=1024, workers=0)
     assert lanes_always["came_back"] == 0
     beside = estimate_lengths(task, config, LENGTHS, max_seq_len=1024, workers=1)
@@ -66,7 +66,7 @@ def test_trials_on_a_worker_give_the_same_estimate_as_trials_here(
 
 def test_a_worker_that_cannot_start_leaves_every_trial_to_this_process(lanes_always: dict[str, int]) -> None:
     task = load_task(SPEC)
-    config = EstimateConfig(budget_bytes=64 * MiB, device_kind="cpu")
+    config = EstimateConfig.of(budget_bytes=64 * MiB, device_kind="cpu")
     here = estimate_lengths(task, config, LENGTHS, max_seq_len=1024, workers=0)
     # The worker loads the task from its spec: one that does not load kills the worker at its start.
     broken = dataclasses.replace(task, source="examples/no_such_file.py:task")
@@ -79,7 +79,7 @@ def test_a_task_built_in_python_runs_every_trial_here(lanes_always: dict[str, in
     from examples.gpt import task_seq
 
     assert task_seq.source is None  # nothing another process could load it from
-    config = EstimateConfig(budget_bytes=64 * MiB, device_kind="cpu")
+    config = EstimateConfig.of(budget_bytes=64 * MiB, device_kind="cpu")
     estimate_lengths(task_seq, config, LENGTHS[:2], max_seq_len=512, workers=1)
     assert lanes_always == {"came_back": 0, "failed": 0}
 

@@ -200,7 +200,7 @@ def test_fine_tuning_tasks_are_exact_against_the_allocator_at_m_max_and_past_it(
     assert at_max - peaks[m_max] == past_max - peaks[m_max + 1] == KEPT_NUMBERS_BYTES[kind]
     estimated = estimate(
         task,
-        EstimateConfig(
+        EstimateConfig.of(
             budget_bytes=budget, device_kind="cpu", target_batch=64, strategy=strategy, world_size=world_size
         ),
     )

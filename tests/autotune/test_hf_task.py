@@ -128,7 +128,7 @@ def test_estimate_equals_probe_on_the_cpu(tmp_path: Path) -> None:
     # does per length); Llama by the CLI below; all three, at two lengths each: bench/hf_estimate.py.
     task = load_task(f"hf:{write_config(tmp_path, 'gpt2')}").at_length(32)
     measured = probe(task, ProbeConfig(device="cpu", budget_bytes=4 * MiB, target_batch=64))
-    estimated = estimate(task, EstimateConfig(budget_bytes=4 * MiB, device_kind="cpu", target_batch=64))
+    estimated = estimate(task, EstimateConfig.of(budget_bytes=4 * MiB, device_kind="cpu", target_batch=64))
     assert 2 <= measured.max_micro_batch < 64  # the budget binds: the recipe batch does not fit whole
     assert estimated.max_micro_batch == measured.max_micro_batch
     assert estimated.peak_at(estimated.max_micro_batch) == measured.peak_at(measured.max_micro_batch)

@@ -98,7 +98,7 @@ def test_probe_uses_the_presearch_and_is_exact_against_the_allocator(tmp_path: P
     assert at_max <= limit < past_max
     peaks = {t.micro_batch: t.peak_bytes for t in real}
     assert peaks[m_max] == at_max and peaks[m_max + 1] == past_max
-    estimated = estimate(task, EstimateConfig(budget_bytes=budget, device_kind="cpu", target_batch=64))
+    estimated = estimate(task, EstimateConfig.of(budget_bytes=budget, device_kind="cpu", target_batch=64))
     assert estimated.max_micro_batch == m_max
     fake_at_max = [t.peak_bytes for t in estimated.trials if t.micro_batch == m_max]
     assert fake_at_max and fake_at_max[0] == peaks[m_max]

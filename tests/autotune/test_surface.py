@@ -144,7 +144,7 @@ def test_an_estimate_over_lengths_equals_the_probe_on_the_cpu(over_lengths: Leng
     from autotune.orchestrate.estimate import EstimateConfig
 
     task = make_seq_task(SMALL)
-    estimated = estimate_lengths(task, EstimateConfig(budget_bytes=8 * MiB, device_kind="cpu"), [64, 128, 256])
+    estimated = estimate_lengths(task, EstimateConfig.of(budget_bytes=8 * MiB, device_kind="cpu"), [64, 128, 256])
     measured = over_lengths
     assert [p.max_micro_batch for p in estimated.profiles] == [p.max_micro_batch for p in measured.profiles]
     assert all(p.source == "estimate" and all(t.fake for t in p.trials) for p in estimated.profiles)
@@ -252,7 +252,7 @@ def test_an_estimate_says_which_length_does_not_fit_and_diagnoses_a_run_where_no
     from autotune.orchestrate.estimate import EstimateConfig
 
     task = make_seq_task(SMALL)
-    config = EstimateConfig(budget_bytes=8 * MiB, device_kind="cpu", strategy=strategy, world_size=world)
+    config = EstimateConfig.of(budget_bytes=8 * MiB, device_kind="cpu", strategy=strategy, world_size=world)
     run = estimate_lengths(task, config, [64, 4096])
     assert [p.seq_len for p in run.profiles] == [64] and list(run.no_fit) == [4096]
     assert any("at seq_len 4096 not even micro-batch 1 fits" in w for w in run.profiles[0].warnings)

@@ -114,7 +114,7 @@ def test_estimate_usage_errors_are_one_line_and_exit_2_before_any_cluster_time(
 
 def _estimate_pairs(cards: list[str], budgets: list[int | None]) -> list[Pair]:
     def config_for(card: str, budget: int | None) -> EstimateConfig:
-        return EstimateConfig(budget_bytes=budget, gpu=card, max_micro_batch=8).on_card()
+        return EstimateConfig.of(budget_bytes=budget, gpu=card, max_micro_batch=8)
 
     return make_pairs(
         [GPT], accelerators=None, device=None, cards=cards, budgets=budgets, config_for=config_for,
@@ -126,7 +126,7 @@ def test_an_estimate_pair_asks_ray_for_one_cpu_and_no_gpu_with_the_cards_memory_
     assert parse_cards(" H100,nvidia a100-sxm4-80gb ,h100") == ["h100", "a100-80gb"]
     h100, a100 = _estimate_pairs(parse_cards("h100,a100-80gb"), [None])
     assert h100.ray_options(3) == {"num_cpus": 1, "max_retries": 3} and not h100.needs_gpu
-    assert (h100.on, h100.accelerator, h100.config.gpu) == ("h100 (emulated)", None, "h100")
+    assert (h100.on, h100.accelerator, h100.config.card.short_name) == ("h100 (emulated)", None, "h100")
     assert h100.budget_bytes == lookup("h100").device_total_bytes
     assert a100.budget_bytes == lookup("a100-80gb").memory_bytes  # no CUDA figure known: NVML's
     assert h100.label == f"{GPT} on h100 (emulated), budget {h100.budget_label}"

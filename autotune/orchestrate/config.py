@@ -1,0 +1,243 @@
+"""The configs of a probe and of an estimate: one family (docs/design.md, "The waves' decisions").
+
+``ProbeConfig`` is the job's setup and how it is measured, typed with ``core``'s ``Literal``s;
+``EstimateConfig`` *contains* one (``probe``) and adds what only an estimate has: the device by kind,
+the card (looked up once, here), the memory outside its allocator and the sizes to try. A new
+dimension of the job is one field of ``ProbeConfig``: the CLI, the fleet and the library build both
+configs from it, and ``applied_to`` sets it on the task.
+
+    probe_config = ProbeConfig(device="cpu", budget_bytes=32 << 20, target_batch=256)
+    estimate_config = EstimateConfig.of(gpu="h100", strategy="fsdp", world_size=8)
+    estimate_config.probe.budget_bytes  # the card's memory: no --budget given
+
+Torch-free but for the memory policy's check (``autotune.measure.policies``, imported when a policy
+is given), so the CLI builds a config before it imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from autotune.core.cards import Card, lookup
+from autotune.core.errors import AutotuneError, BudgetError
+from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, plan
+from autotune.core.schemas import PRECISIONS, STRATEGIES, Plan, Precision, Strategy
+
+if TYPE_CHECKING:
+    from autotune.tasks.task import ProbeTask
+
+__all__ = ["DEVICE_KINDS", "DeviceKind", "EstimateConfig", "ProbeConfig", "card_of"]
+
+DEVICE_KINDS = ("cpu", "cuda")
+DeviceKind = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """What to probe and under which budget (the CLI flags of `autotune probe`); an estimate's setup too."""
+
+    device: str = "auto"
+    budget_bytes: int | None = None
+    headroom: float = 0.10
+    target_batch: int | None = None
+    world_size: int = 1
+    max_micro_batch: int = 4096
+    multiple_of: int = 1
+    precision: Precision | None = None
+    strategy: Strategy = "ddp"
+    # Find the boundary with fake-tensor trials first, then confirm it with real ones.
+    presearch: bool = True
+    # One model per probe, reused across trials (False: a fresh model per trial, as before; the
+    # benchmarks compare the two).
+    reuse_model: bool = True
+    # How the plan splits the target batch: "balanced" (fewest steps, uneven micro-batches) or "divisor".
+    plan_policy: PlanPolicy = "balanced"
+    # The memory policy (none, every-K, full, op, op:OPS: autotune/core/policy_names.py, an open grammar, so
+    # a string): None keeps the task's own activation_checkpointing.
+    activation_checkpointing: str | None = None
+    # After the search, time updates at m_max and at the plan's sizes (autotune/measure/throughput.py).
+    throughput: bool = False
+    # A sequence-aware task's lengths, one profile each (autotune/orchestrate/lengths.py: probe_lengths); the cap
+    # of the search for the longest length at m = multiple_of; tokens per update instead of
+    # target_batch. The fleet's workers read them here; `autotune probe` passes them itself too.
+    seq_lens: tuple[int, ...] = ()
+    max_seq_len: int | None = None
+    target_tokens: int | None = None
+
+    def validate(self) -> None:
+        if not 0 <= self.headroom < 1:
+            raise BudgetError(f"headroom must be in [0, 1), got {self.headroom}")
+        if self.budget_bytes is not None and self.budget_bytes <= 0:
+            raise BudgetError(f"budget must be positive, got {self.budget_bytes} bytes")
+        for name in ("world_size", "max_micro_batch", "multiple_of"):
+            value = getattr(self, name)
+            if value < 1:
+                raise AutotuneError(f"{name.replace('_', '-')} must be a positive integer, got {value}")
+        if self.multiple_of > self.max_micro_batch:
+            raise AutotuneError(f"multiple-of {self.multiple_of} is larger than max-micro-batch {self.max_micro_batch}")
+        if self.target_batch is not None:
+            if self.target_batch < 1:
+                raise AutotuneError(f"target-batch must be a positive integer, got {self.target_batch}")
+            if self.target_batch > MAX_TARGET_BATCH:
+                raise AutotuneError(f"target-batch {self.target_batch} is larger than {MAX_TARGET_BATCH}")
+            if self.target_batch < self.world_size:
+                raise AutotuneError(
+                    f"target-batch {self.target_batch} is smaller than world-size {self.world_size}: "
+                    "every replica needs at least one sample per update"
+                )
+        # The Literals type the fields for the code; a caller's string is still checked here, in one line.
+        if self.strategy not in STRATEGIES:
+            raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy == "fsdp" and self.world_size < 2:
+            raise AutotuneError(
+                f"--strategy fsdp needs --world-size of at least 2 (got {self.world_size}): "
+                "one rank holding the whole model is --strategy ddp"
+            )
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise AutotuneError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.plan_policy not in PLAN_POLICIES:
+            raise AutotuneError(f"plan must be one of {', '.join(PLAN_POLICIES)}, got {self.plan_policy!r}")
+        if self.activation_checkpointing is not None:
+            from autotune.measure.policies import check_policy
+
+            check_policy(self.activation_checkpointing)
+        if self.target_tokens is not None and self.target_batch is not None:
+            raise AutotuneError("give target-batch (sequences) or target-tokens (tokens), not both")
+        if self.target_tokens is not None and not self.seq_lens:
+            raise AutotuneError("target-tokens needs seq-len: tokens are planned in sequences of a length")
+
+    def applied_to(self, task: ProbeTask) -> ProbeTask:
+        """task with the precision and the memory policy asked for, where they are given: the one place
+        a config changes the task (probe, estimate, a card's estimate and a run over lengths call it)."""
+        if self.precision is not None and self.precision != task.precision:
+            task = dataclasses.replace(task, precision=self.precision)
+        if self.activation_checkpointing is not None:
+            task = dataclasses.replace(task, activation_checkpointing=self.activation_checkpointing)
+        return task
+
+    def with_setup(self, **changes: Any) -> ProbeConfig:
+        """This config with some of its fields changed (EstimateConfig.with_setup changes its probe's)."""
+        return dataclasses.replace(self, **changes)
+
+    def plan_for(self, m_max: int, warnings: list[str]) -> Plan | None:
+        """The plan of the target batch at m_max (None without a target), appending to warnings what a
+        datasheet must say: no plan reaches the target, the plan is not exact, m_max is the cap."""
+        the_plan = None
+        if self.target_batch:
+            try:
+                the_plan = plan(
+                    m_max, self.target_batch, self.world_size, multiple_of=self.multiple_of, policy=self.plan_policy
+                )
+            except ValueError as exc:  # the measurement stands even where no plan reaches the target
+                warnings.append(f"no plan: {exc}")
+        if the_plan is not None and not the_plan.exact:
+            warnings.append(the_plan.note)
+        if m_max >= self.max_micro_batch:
+            warnings.append(f"micro-batch reached the cap {self.max_micro_batch}: more may fit")
+        return the_plan
+
+
+def card_of(name: str) -> Card:
+    """The catalog's card called name; AutotuneError (one line listing the known ones) for another."""
+    try:
+        return lookup(name)
+    except ValueError as exc:
+        raise AutotuneError(f"--gpu: {exc}") from None
+
+
+@dataclass(frozen=True)
+class EstimateConfig:
+    """The flags of `autotune estimate`: the probe's setup (``probe``; its ``device`` is not read), the
+    device by kind, and for a card of the catalog the card itself.
+
+    A card fills what is not given, once, here: the budget (its memory) and the device's name (NVML's).
+    Build one from flat keywords with :meth:`of`.
+    """
+
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    device_kind: DeviceKind = "cuda"
+    device_name: str | None = None
+    # A card of the catalog (autotune/core/cards.py): its name, budget and CUDA semantics, by emulated fake
+    # trials (autotune/orchestrate/card_estimate.py).
+    card: Card | None = None
+    # Memory outside the caching allocator (the CUDA context): None takes the catalog's figure; where
+    # it came from when not from --context-bytes (the store's measurements: autotune/cli/estimate.py).
+    context_bytes: int | None = None
+    context_source: str | None = None
+    # Sizes estimated besides the search's (their trials in the profile): "will m = 32 fit?".
+    micro_batches: tuple[int, ...] = ()
+    # Why the card could not be emulated, where a run over lengths found out already: CPU semantics then.
+    emulation_failed: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.card is None:
+            return
+        if self.probe.budget_bytes is None:
+            object.__setattr__(self, "probe", self.probe.with_setup(budget_bytes=self.card.device_total_bytes))
+        if self.device_name is None:
+            object.__setattr__(self, "device_name", self.card.nvml_name)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        gpu: str | None = None,
+        device_kind: DeviceKind = "cuda",
+        device_name: str | None = None,
+        context_bytes: int | None = None,
+        context_source: str | None = None,
+        micro_batches: tuple[int, ...] = (),
+        emulation_failed: str | None = None,
+        **setup: Any,
+    ) -> EstimateConfig:
+        """The config from flat keywords: ``setup`` is ProbeConfig's fields, ``gpu`` a card's name.
+
+            EstimateConfig.of(budget_bytes=80 << 30, strategy="fsdp", world_size=8)
+
+        Raises:
+            AutotuneError: gpu names no card of the catalog (one line listing the known ones).
+            TypeError: a keyword that is no field of either config.
+        """
+        return cls(
+            probe=ProbeConfig(**setup),
+            device_kind=device_kind,
+            device_name=device_name,
+            card=card_of(gpu) if gpu is not None else None,
+            context_bytes=context_bytes,
+            context_source=context_source,
+            micro_batches=tuple(micro_batches),
+            emulation_failed=emulation_failed,
+        )
+
+    def with_setup(self, **changes: Any) -> EstimateConfig:
+        """This config with some of its probe's fields changed (the policy, the target at one length)."""
+        return dataclasses.replace(self, probe=self.probe.with_setup(**changes))
+
+    def applied_to(self, task: ProbeTask) -> ProbeTask:
+        return self.probe.applied_to(task)
+
+    def validate(self) -> None:
+        card = self.card
+        if card is not None:
+            if self.device_kind != "cuda":
+                raise AutotuneError(
+                    f"--gpu {card.short_name} names a CUDA card: it cannot go with --device-kind {self.device_kind}"
+                )
+            if self.context_bytes is not None and not 0 <= self.context_bytes < card.device_total_bytes:
+                raise AutotuneError(
+                    f"--context-bytes must be at least 0 and below the {card.short_name}'s memory "
+                    f"({card.device_total_bytes} bytes), got {self.context_bytes}"
+                )
+        elif self.context_bytes is not None:
+            raise AutotuneError("--context-bytes applies to an estimate for a card: name it with --gpu")
+        if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in self.micro_batches):
+            raise AutotuneError(f"--micro-batches must be positive integers, got {list(self.micro_batches)}")
+        if self.probe.budget_bytes is None:
+            raise BudgetError("estimate needs a budget: pass --budget (for example --budget 80GiB)")
+        if self.probe.budget_bytes <= 0:
+            raise BudgetError(f"budget must be positive, got {self.probe.budget_bytes} bytes")
+        if self.device_kind not in DEVICE_KINDS:
+            raise AutotuneError(f"device kind must be one of {', '.join(DEVICE_KINDS)}, got {self.device_kind!r}")
+        self.probe.validate()
