@@ -192,7 +192,10 @@ class ProbeTask:
         return factory(params)
 
     def compute_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        loss = (self.loss or default_loss)(model, batch)
+        try:
+            loss = (self.loss or default_loss)(model, batch)
+        except _ForwardNeedsMore as exc:  # the default loss could not call the model: say which task
+            raise TaskError(f"task {self.name!r}: {exc}") from None
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TaskError(f"loss(model, batch) of task {self.name!r} must return a scalar tensor, got {shape}")
@@ -208,10 +211,49 @@ def _takes_seq_len(batch: Callable[..., Any]) -> bool:
     return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
+class _ForwardNeedsMore(TaskError):
+    """The model's forward has required arguments the default loss does not pass (targets, say)."""
+
+
 def _call_model(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    return model(inputs)
+    args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
+    missing = _missing_arguments(model, args, kwargs)
+    if missing:
+        # Called anyway it fails with a TypeError at every micro-batch, which reads like a model that
+        # cannot train on one sample; what is missing is a loss that passes the targets.
+        raise _ForwardNeedsMore(
+            f"{type(model).__name__}.forward needs {', '.join(missing)}, which the default loss does not pass "
+            "(it calls model(inputs) on an (inputs, targets) pair, model(**batch) on a dict): give the task a "
+            "loss that passes them (loss=lambda model, batch: model(*batch) where forward returns the loss)"
+        )
+    return model(*args, **kwargs)
+
+
+def _missing_arguments(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """The required parameters of the model's forward that (args, kwargs) leaves unbound."""
+    inner: Any = model
+    while True:  # through DDP's and torch.compile's wrappers to the user's forward
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            inner = inner.module
+        elif type(inner).__name__ == "OptimizedModule" and isinstance(getattr(inner, "_orig_mod", None), nn.Module):
+            inner = inner._orig_mod
+        else:
+            break
+    try:
+        signature = inspect.signature(inner.forward)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature, or too many arguments: the call itself will say
+        return []
+    required = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+    return [
+        name
+        for name, param in signature.parameters.items()
+        if param.kind in required and param.default is param.empty and name not in bound.arguments
+    ]
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:

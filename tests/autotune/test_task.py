@@ -98,6 +98,39 @@ def test_a_task_file_imports_its_siblings(tmp_path: Path) -> None:
     assert "model" not in sys.modules
 
 
+NEEDS_TARGETS = """
+import torch
+from autotune import ProbeTask
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, targets):
+        return torch.nn.functional.cross_entropy(self.head(x), targets)
+
+task = ProbeTask(name="needs-targets", model=Net, batch=lambda m: (torch.randn(m, 8), torch.randint(0, 4, (m,))))
+"""
+
+
+def test_default_loss_on_a_model_that_needs_targets_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from autotune.cli import main
+
+    path = tmp_path / "job.py"
+    path.write_text(NEEDS_TARGETS)
+    code = main(["probe", f"{path}:task", "--device", "cpu", "--budget", "64MiB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("autotune: error: task 'needs-targets': Net.forward needs targets")
+    assert "loss=lambda model, batch: model(*batch)" in err[-1]
+    assert "BatchNorm" not in err[-1]
+    # The loss it names trains the model.
+    task = load_task(f"{path}:task")
+    named = ProbeTask(name="x", model=task.model, batch=task.batch, loss=lambda model, batch: model(*batch))
+    assert named.compute_loss(named.model(), named.batch(2)).dim() == 0
+
+
 def test_missing_file_and_module() -> None:
     with pytest.raises(TaskError, match="task file 'nowhere/job.py' not found"):
         load_task("nowhere/job.py:task")
