@@ -3,7 +3,6 @@ over lengths built on it, and the fall-back paths where it cannot be had."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -258,7 +257,7 @@ def test_an_estimate_says_which_length_does_not_fit_and_diagnoses_a_run_where_no
     assert any("at seq_len 4096 not even micro-batch 1 fits" in w for w in run.profiles[0].warnings)
     if strategy == "fsdp":  # the diagnosis after a held fake process group (ddp holds none; 10 s)
         with pytest.raises(CannotFitError, match=r"^at seq_len 64: "):
-            estimate_lengths(task, dataclasses.replace(config, budget_bytes=MiB // 8), [64, 128])
+            estimate_lengths(task, config.with_setup(budget_bytes=MiB // 8), [64, 128])
 
 
 def test_a_probe_where_no_length_fits_gives_the_shortest_lengths_diagnosis() -> None:
