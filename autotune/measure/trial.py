@@ -1,7 +1,8 @@
 """One trial: the steady state of an accumulating job at micro-batch m, measured on one device.
 
 The model (built once per probe, see TrialRunner) and a fresh optimizer, 2 micro-batches
-forward+backward accumulating, optimizer step, zero_grad(set_to_none=True), 2 more micro-batches,
+forward+backward accumulating, optimizer step, zero_grad (set_to_none=True, or False for a task whose
+``zero_grad`` is "keep": the gradients then stay allocated into the next forward), 2 more micro-batches,
 a second step. Each micro-batch is made just before its forward and dropped after its backward.
 The peak over all of it is the figure.
 
@@ -15,7 +16,7 @@ import gc
 import importlib
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -46,7 +47,6 @@ __all__ = [
 MICRO_BATCHES_PER_STEP = 2
 OPTIMIZER_STEPS = 2
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -185,24 +185,17 @@ def _require_module(task: ProbeTask, model: Any) -> None:
         raise TaskError(f"model() of task {task.name!r} returned {type(model).__name__}, not an nn.Module")
 
 
-def _autocast(task: ProbeTask, device: torch.device) -> AbstractContextManager[Any]:
-    dtype = _AUTOCAST_DTYPES.get(task.precision)
-    if dtype is None:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, model: nn.Module) -> None:
     """The measured work. Everything it creates (optimizer and its state, batches, activations)
     lives in this frame and dies with it; the model's gradients are dropped by the caller."""
     device = meter.device
-    optimizer = task.make_optimizer(model.parameters())
+    optimizer = task.make_optimizer(model)
     scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
     for _ in range(OPTIMIZER_STEPS):
         for index in range(MICRO_BATCHES_PER_STEP):
             with strategy.sync(model, last=index == MICRO_BATCHES_PER_STEP - 1):
                 batch = make_batch(task, micro_batch, device)
-                with _autocast(task, device):
+                with strategy.autocast(task.precision, device):
                     loss = task.compute_loss(model, batch) / MICRO_BATCHES_PER_STEP
                 if scaler is not None:
                     scaler.scale(loss).backward()
@@ -215,7 +208,7 @@ def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, 
             scaler.update()
         else:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
         meter.checkpoint(STEP)
 
 
@@ -424,7 +417,7 @@ def measure_weights(task: ProbeTask, meter: Meter) -> int | None:
 
     def static() -> None:
         model = build_model(task, meter)
-        optimizer = task.make_optimizer(model.parameters())
+        optimizer = task.make_optimizer(model)
         for param in model.parameters():
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)

@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.tasks.task import OptimizerFactory, ProbeTask, default_optimizer
+from autotune.tasks.optimizers import optimizer_factory
+from autotune.tasks.task import OptimizerFactory, ProbeTask, default_optimizer, takes_model
 
 __all__ = [
+    "LIBRARY_MEMORY_OPTIONS",
     "MEMORY_RELEVANT_OPTIONS",
     "SEQ_DIM",
     "describe_setup",
@@ -33,6 +35,23 @@ __all__ = [
 # Optimizer options that change how much state it keeps or how it steps (foreach/fused change the
 # step's temporaries). Learning rates, betas and the like do not change memory.
 MEMORY_RELEVANT_OPTIONS = ("amsgrad", "foreach", "fused", "capturable", "centered", "nesterov")
+# The low-bit and factored optimizers' own options that change their state's bytes, read from the
+# optimizer's defaults, its attributes (torchao keeps block_size on the optimizer) or bitsandbytes' ``args``.
+# None is in torch.optim's defaults, so torch's optimizers digest as they did.
+LIBRARY_MEMORY_OPTIONS = (
+    "optim_bits",
+    "min_8bit_size",
+    "block_wise",
+    "is_paged",
+    "block_size",
+    "bf16_stochastic_round",
+    "beta1",
+    "scale_parameter",
+    "relative_step",
+)
+# Libraries whose optimizer classes share a name with another's (bitsandbytes' and torchao's AdamW8bit,
+# transformers' and torch's Adafactor) and differ in memory: the digest names the library for these.
+_OPTIMIZER_LIBRARIES = ("bitsandbytes", "torchao", "transformers")
 
 
 def _class_name(obj: Any) -> str:
@@ -94,11 +113,25 @@ def sequence_signature(task: ProbeTask) -> Any:
     return _masked(short, long)
 
 
-def _optimizer(factory: OptimizerFactory | None) -> dict[str, Any]:
+def _library_option(optimizer: torch.optim.Optimizer, key: str) -> Any:
+    if key in optimizer.defaults:
+        return optimizer.defaults[key]
+    args = getattr(optimizer, "args", None)  # bitsandbytes keeps optim_bits, min_8bit_size, ... there
+    if args is not None and hasattr(args, key):
+        return getattr(args, key)
+    return getattr(optimizer, key, None)
+
+
+def _optimizer(asked: OptimizerFactory | str | None, model: nn.Module) -> dict[str, Any]:
     # A throwaway parameter: building the optimizer on the real model would be harmless, but the
-    # class and its defaults are all the digest needs.
-    probe_param = nn.Parameter(torch.zeros(1))
-    optimizer = (factory or default_optimizer)([probe_param])
+    # class and its defaults are all the digest needs. A factory that takes the model (its parameter
+    # groups by name) gets the model the digest was built from (meta: no state is made before a step).
+    given: OptimizerFactory | str = asked or default_optimizer
+    factory: OptimizerFactory = optimizer_factory(given) if isinstance(given, str) else given
+    if takes_model(factory):
+        optimizer = factory(model)
+    else:
+        optimizer = factory([nn.Parameter(torch.zeros(1))])
     options: dict[str, Any] = {}
     for key in MEMORY_RELEVANT_OPTIONS:
         if key in optimizer.defaults:
@@ -106,7 +139,14 @@ def _optimizer(factory: OptimizerFactory | None) -> dict[str, Any]:
     momentum = optimizer.defaults.get("momentum")
     if momentum is not None:  # SGD/RMSprop keep a momentum buffer only when momentum != 0
         options["momentum_buffer"] = bool(momentum)
-    return {"class": _class_name(optimizer), "options": options}
+    library = type(optimizer).__module__.partition(".")[0]
+    if library not in _OPTIMIZER_LIBRARIES:
+        return {"class": _class_name(optimizer), "options": options}
+    for key in LIBRARY_MEMORY_OPTIONS:
+        value = _library_option(optimizer, key)
+        if value is not None:
+            options[key] = _plain(value)
+    return {"class": _class_name(optimizer), "library": library, "options": options}
 
 
 def _plain(value: Any) -> Any:
@@ -119,7 +159,7 @@ def describe_setup(
     model: nn.Module,
     example_batch: Any,
     *,
-    optimizer: OptimizerFactory | None = None,
+    optimizer: OptimizerFactory | str | None = None,
     precision: str = "fp32",
     tags: Mapping[str, Any] | None = None,
     seq_len: int | None = None,
@@ -139,7 +179,7 @@ def describe_setup(
         "modules": _modules(model),
         "tensors": _tensors(model),
         "input": signature,
-        "optimizer": _optimizer(optimizer),
+        "optimizer": _optimizer(optimizer, model),
         "precision": precision,
         "tags": {str(k): _plain(v) for k, v in sorted((tags or {}).items())},
         "torch": f"{major}.{minor}",
@@ -154,7 +194,7 @@ def fingerprint_model(
     model: nn.Module,
     example_batch: Any,
     *,
-    optimizer: OptimizerFactory | None = None,
+    optimizer: OptimizerFactory | str | None = None,
     precision: str = "fp32",
     tags: Mapping[str, Any] | None = None,
     seq_len: int | None = None,
@@ -165,7 +205,8 @@ def fingerprint_model(
     Args:
         model: the model instance (its device does not matter; its dtypes do).
         example_batch: a batch of one sample (the leading batch dimension is dropped).
-        optimizer: the optimizer factory (None: AdamW, the probe's default).
+        optimizer: the optimizer factory, or a spec ``NAME[:key=value,...]`` (autotune/tasks/optimizers.py);
+            None: AdamW, the probe's default.
         precision: "fp32", "bf16" or "fp16".
         tags: the task's free-form tags.
         seq_len: for a sequence-aware job, its sequence length: the fingerprint leaves it out
@@ -209,6 +250,11 @@ def task_fingerprint(task: ProbeTask, *, strategy: str = "ddp", world_size: int 
     tags: dict[str, Any] = dict(task.tags)
     if strategy != "ddp":
         tags["autotune.strategy"] = f"{strategy}x{world_size}"
+    if strategy == "fsdp":
+        # How fsdp holds a job changed (issue 33, item 5): bf16 is FSDP2's MixedPrecisionPolicy without
+        # autocast, and the last block stays unsharded after forward. Every fsdp profile stored before
+        # measured the old layout (and bf16 then meant autocast on top), so none may answer the new one.
+        tags["autotune.fsdp_layout"] = "torchtitan"
     if task.sequence_aware:
         signature = sequence_signature(task)
         return fingerprint_model(

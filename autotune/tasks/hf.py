@@ -20,8 +20,10 @@ PATH is a ``config.json`` or a directory holding one; nothing is downloaded and 
   ``pixel_values`` (m, channels, image_size, image_size) and ``labels`` (m,), ``batch(m)``;
 - loss: the model's own ``output.loss``; ``loss_sum`` multiplies it back by the count it averaged
   over (m x (L - 1) shifted labels for a causal LM), so ``autotune verify`` normalizes groups exactly;
-- optimizer: AdamW (the probe's default) unless ``?optimizer=NAME`` (a ``torch.optim`` class, or
-  ``package.module.Class``) and/or ``?lr=X`` say otherwise;
+- optimizer: AdamW (the probe's default) unless ``?optimizer=SPEC`` (``NAME[:key=value,...]``: a
+  ``torch.optim`` class, ``package.module.Class`` or a recipe, ``adafactor``, ``adamw8bit``, ``adamw4bit``;
+  autotune/tasks/optimizers.py) and/or ``?lr=X`` say otherwise; ``?zero_grad=keep`` keeps the gradients
+  allocated between steps (``zero_grad(set_to_none=False)``);
 - LoRA (``?lora_rank=R``, with ``lora_alpha`` (default 2R), ``lora_targets`` (comma list; default
   peft's own for the model type) and ``lora_dropout`` (default 0)): ``peft.get_peft_model`` over the
   model, with the peft task type of its family, so the base is frozen (no gradients, no optimizer
@@ -32,7 +34,7 @@ PATH is a ``config.json`` or a directory holding one; nothing is downloaded and 
 - name: the config's ``model_type``, the family when not a causal LM, its parameter count, e.g.
   ``llama-15M``, ``bert-seq-cls-4.4M``, ``llama-1.2B-lora16-bf16``.
 
-The CLI's ``--optimizer``, ``--lr``, ``--hf-class``, ``--lora-*`` and ``--weights-dtype`` write these
+The CLI's ``--optimizer``, ``--lr``, ``--zero-grad``, ``--hf-class``, ``--lora-*`` and ``--weights-dtype`` write these
 options into the spec (:func:`with_options`), so that the spec alone rebuilds the task in another
 process (``--device all``, fleet workers, estimate lanes). The class and family (when not a causal LM)
 and the LoRA options are tags of the task, so they enter the fingerprint; the weights' dtype is the
@@ -44,7 +46,6 @@ Importing this module imports neither torch nor transformers; :func:`hf_task` im
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import warnings
 from collections.abc import Callable, Iterable
@@ -74,7 +75,17 @@ __all__ = [
 ]
 
 HF_PREFIX = "hf:"
-_OPTIONS = ("optimizer", "lr", "class", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "weights_dtype")
+_OPTIONS = (
+    "optimizer",
+    "lr",
+    "class",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "lora_dropout",
+    "weights_dtype",
+    "zero_grad",
+)
 _LORA_OPTIONS = ("lora_alpha", "lora_targets", "lora_dropout")
 # The spec's option -> the CLI flag that writes it (for messages that name what the user typed).
 _FLAGS = {
@@ -86,6 +97,7 @@ _FLAGS = {
     "lora_targets": "--lora-targets",
     "lora_dropout": "--lora-dropout",
     "weights_dtype": "--weights-dtype",
+    "zero_grad": "--zero-grad",
 }
 WEIGHTS_DTYPES = ("fp32", "bf16", "fp16")
 # A ValueError of transformers can run to thousands of characters (every model type it knows).
@@ -168,6 +180,7 @@ def with_options(
     lora_targets: str | None = None,
     lora_dropout: float | None = None,
     weights_dtype: str | None = None,
+    zero_grad: str | None = None,
 ) -> str:
     """The ``hf:`` spec with the options written into it (``hf:PATH?optimizer=SGD&lr=0.01&lora_rank=16``).
 
@@ -183,14 +196,25 @@ def with_options(
         "lora_targets": lora_targets,
         "lora_dropout": None if lora_dropout is None else _number_text(lora_dropout),
         "weights_dtype": weights_dtype,
+        # The default writes nothing: the spec (and the task's name) stay what they were.
+        "zero_grad": None if zero_grad in (None, "none") else zero_grad,
     }
     given = {key: value for key, value in asked.items() if value is not None}
     if not given:
         return spec
     if not is_hf_spec(spec):
         flags = " and ".join(_FLAGS[key] for key in given)
-        whose = "optimizer is its own" if set(given) <= {"optimizer", "lr"} else "model and optimizer are its own"
-        hint = " (a ProbeTask sets weights_dtype= itself)" if "weights_dtype" in given else ""
+        whose = (
+            "optimizer is its own"
+            if set(given) <= {"optimizer", "lr", "zero_grad"}
+            else "model and optimizer are its own"
+        )
+        if "zero_grad" in given:
+            hint = " (a ProbeTask sets zero_grad= itself)"
+        elif "weights_dtype" in given:
+            hint = " (a ProbeTask sets weights_dtype= itself)"
+        else:
+            hint = ""
         raise TaskError(f"{flags} apply to hf: tasks; {spec!r} is a ProbeTask, whose {whose}{hint}")
     path, options = _split(spec)
     options.update(given)
@@ -243,6 +267,9 @@ def load_hf_spec(spec: str) -> ProbeTask:
     weights_dtype = options.get("weights_dtype", "fp32")
     if weights_dtype not in WEIGHTS_DTYPES:
         raise TaskError(f"--weights-dtype {weights_dtype!r}: one of {', '.join(WEIGHTS_DTYPES)}")
+    zero_grad = options.get("zero_grad", "none")
+    if zero_grad not in ("none", "keep"):
+        raise TaskError(f"--zero-grad {zero_grad!r}: one of none, keep")
     return hf_task(
         path,
         optimizer=options.get("optimizer"),
@@ -250,6 +277,7 @@ def load_hf_spec(spec: str) -> ProbeTask:
         hf_class=options.get("class"),
         lora=_lora_of(options, spec),
         weights_dtype=weights_dtype,
+        zero_grad=zero_grad,
     )
 
 
@@ -334,31 +362,14 @@ def parameter_count_text(count: int) -> str:
     return str(count)
 
 
-def _optimizer_factory(name: str | None, lr: float | None) -> OptimizerFactory | None:
-    """None (the probe's AdamW) when nothing is asked; else a factory, tried once on a throwaway parameter."""
-    import torch
+def _optimizer_factory(spec: str | None, lr: float | None) -> OptimizerFactory | None:
+    """None (the probe's AdamW) when nothing is asked; else the spec's factory (autotune/tasks/optimizers.py),
+    built once on a throwaway parameter so that a refusal comes before any trial."""
+    from autotune.tasks.optimizers import optimizer_factory
 
-    if name is None and lr is None:
+    if spec is None and lr is None:
         return None
-    name = name or "AdamW"
-    if "." in name:
-        module_name, _, class_name = name.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name, None)
-        except ImportError as exc:
-            raise TaskError(f"optimizer {name!r}: cannot import {module_name!r}: {_reason(exc)}") from None
-    else:
-        known = {key.lower(): value for key, value in vars(torch.optim).items() if isinstance(value, type)}
-        cls = known.get(name.lower())
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TaskError(f"optimizer {name!r} is not a torch.optim.Optimizer class (e.g. AdamW, SGD, or module.Class)")
-    optimizer_class: Any = cls  # a subclass of Optimizer, whose own __init__ takes lr
-    factory: OptimizerFactory = optimizer_class if lr is None else functools.partial(optimizer_class, lr=lr)
-    try:
-        factory([torch.nn.Parameter(torch.zeros(1))])
-    except Exception as exc:
-        raise TaskError(f"optimizer {name!r} cannot be built with lr={lr}: {_reason(exc)}") from None
-    return factory
+    return optimizer_factory(spec or "AdamW", lr=lr)
 
 
 def _check_length(seq_len: int, max_positions: int | None, least: int) -> None:
@@ -567,17 +578,20 @@ def hf_task(
     hf_class: str | None = None,
     lora: LoraOptions | None = None,
     weights_dtype: str = "fp32",
+    zero_grad: str = "none",
 ) -> ProbeTask:
     """A ProbeTask for the model that a Hugging Face config describes.
 
     Args:
         path: a ``config.json``, or a directory holding one.
-        optimizer: a ``torch.optim`` class name (``"SGD"``) or ``"package.module.Class"``; None is AdamW.
+        optimizer: an optimizer spec ``NAME[:key=value,...]`` (``"SGD"``, ``"AdamW:fused=true"``,
+            ``"package.module.Class"``, ``"adamw8bit"``: autotune/tasks/optimizers.py); None is AdamW.
         lr: the learning rate given to the optimizer; None leaves the optimizer's default.
         hf_class: a transformers model class name; None is the config's ``architectures`` or, without
             one, the causal LM.
         lora: LoRA over the model (peft); None trains every parameter.
         weights_dtype: "fp32", "bf16" or "fp16": the dtype the model is built (and held) in.
+        zero_grad: "none" (``set_to_none=True``) or "keep" (the gradients stay allocated between steps).
 
     Returns:
         The task; ``task.batch(m, seq_len=L)`` needs a length (but for an image classifier's).
@@ -663,4 +677,5 @@ def hf_task(
         tags=tags,
         shard_classes=shard_classes,
         weights_dtype=weights_dtype,
+        zero_grad=zero_grad,
     )

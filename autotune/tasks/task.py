@@ -27,15 +27,18 @@ from torch import nn
 from autotune.core.errors import TaskError
 from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import PRECISIONS, Precision, TagValue
+from autotune.tasks.optimizers import SpecOptimizer, optimizer_factory
 
 __all__ = [
     "DTYPES",
+    "ZERO_GRAD_MODES",
     "LossFn",
     "LossSumFn",
     "ModelFactory",
     "OptimizerFactory",
     "ProbeTask",
     "default_loss",
+    "takes_model",
     "weights_dtype_refusal",
 ]
 
@@ -43,13 +46,20 @@ ModelFactory = Callable[[], nn.Module]
 # batch(m) or, for a sequence-aware task, batch(m, seq_len=L).
 BatchFactory = Callable[..., Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# factory(model.parameters()), or factory(model) when its first parameter is named ``model`` (see
+# :func:`takes_model`): configure_optimizers-style parameter groups.
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # loss_sum(model, batch) -> (summed loss, count of supervised elements): what exact accumulation needs.
 LossSumFn = Callable[[nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor"]]
 
 
 # The weights' dtypes a task can hold its model in (``ProbeTask.weights_dtype``).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What ``optimizer.zero_grad`` does after each step: "none" (set_to_none=True, PyTorch's default: the gradients
+# are freed until the next backward makes them) or "keep" (set_to_none=False: zeroed in place, held all the time).
+ZERO_GRAD_MODES = ("none", "keep")
+# The tags the task writes itself (a user's own tags of these names would be replaced).
+_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad")
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,19 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+def takes_model(factory: Callable[..., Any]) -> bool:
+    """Whether an optimizer factory takes the model rather than its parameters: its first parameter is
+    named ``model`` (``def configure_optimizers(model): ...``). A name, not a trial call: an optimizer
+    class called with a module fails only when it iterates it, and a factory given parameters where it
+    wanted the model fails deep inside the user's code; any other name (``params``, ``ps``) gets
+    ``model.parameters()``, as every factory did before."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a C callable without a signature: a class of parameters
+        return False
+    return bool(parameters) and parameters[0].name == "model"
+
+
 @dataclass
 class ProbeTask:
     """One job setup to probe.
@@ -102,7 +125,11 @@ class ProbeTask:
         batch: batch(m) returns one micro-batch of m samples: a tensor or a nested
             dict/tuple/list of tensors, made on the CPU; the probe moves it to the device.
         loss: loss(model, batch) -> scalar tensor; None uses :func:`default_loss`.
-        optimizer: factory taking the parameters; None is AdamW.
+        optimizer: a factory taking the parameters, or the model when its first parameter is named
+            ``model`` (:func:`takes_model`: parameter groups by name, as nanoGPT's configure_optimizers);
+            or a spec ``NAME[:key=value,...]`` (autotune/tasks/optimizers.py: ``"AdamW:fused=true"``,
+            ``"adafactor"``, ``"adamw8bit"``); None is AdamW. A spec that says more than a class name is
+            the tag ``optimizer_spec`` (the profile carries it).
         precision: "fp32", "bf16" (autocast) or "fp16" (autocast with GradScaler).
         tags: free-form facts that change memory (seq_len, checkpointing, ...); they enter the fingerprint.
         loss_sum: optional loss_sum(model, batch) -> (summed loss, supervised count), used by
@@ -122,6 +149,8 @@ class ProbeTask:
             optimizer state following (a bf16 fine-tune); ``model()`` runs with torch's default dtype
             set to it. Distinct from ``precision`` (autocast over the weights). Not fp32: the tag
             ``weights_dtype`` says it (the fingerprint and the profile carry it).
+        zero_grad: "none" (``zero_grad(set_to_none=True)``, PyTorch's default) or "keep"
+            (``set_to_none=False``: the gradients stay allocated between steps); "keep" is the tag ``zero_grad``.
 
     A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
     the length out, and each profile records it.
@@ -131,7 +160,7 @@ class ProbeTask:
     model: ModelFactory
     batch: BatchFactory
     loss: LossFn | None = None
-    optimizer: OptimizerFactory | None = None
+    optimizer: OptimizerFactory | str | None = None
     precision: Precision = "fp32"
     tags: dict[str, TagValue] = field(default_factory=dict)
     loss_sum: LossSumFn | None = None
@@ -140,6 +169,7 @@ class ProbeTask:
     seq_len: int | None = None
     source: str | None = None
     weights_dtype: str = "fp32"
+    zero_grad: str = "none"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -160,9 +190,17 @@ class ProbeTask:
         # dataclasses.replace hands the wrapped factory back: unwrap it, then wrap for this dtype.
         factory = self.model.factory if isinstance(self.model, _BuiltIn) else self.model
         self.model = factory if self.weights_dtype == "fp32" else _BuiltIn(factory, self.weights_dtype)
-        tags = {key: value for key, value in self.tags.items() if key != "weights_dtype"}
+        if self.zero_grad not in ZERO_GRAD_MODES:
+            raise TaskError(f"zero_grad must be one of {', '.join(ZERO_GRAD_MODES)}, got {self.zero_grad!r}")
+        if isinstance(self.optimizer, str):
+            self.optimizer = optimizer_factory(self.optimizer, flag="optimizer")
+        tags = {key: value for key, value in self.tags.items() if key not in _OWN_TAGS}
         if self.weights_dtype != "fp32":
             tags["weights_dtype"] = self.weights_dtype
+        if isinstance(self.optimizer, SpecOptimizer) and not self.optimizer.spec.bare_class:
+            tags["optimizer_spec"] = self.optimizer.spec.text
+        if self.zero_grad != "none":
+            tags["zero_grad"] = self.zero_grad
         if tags != self.tags:
             self.tags = tags
 
@@ -187,9 +225,25 @@ class ProbeTask:
             raise TaskError(f"sequence length must be a positive integer, got {seq_len!r}")
         return dataclasses.replace(self, batch=functools.partial(self.batch, seq_len=seq_len), seq_len=seq_len)
 
-    def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        factory = self.optimizer or default_optimizer
-        return factory(params)
+    def make_optimizer(self, model: nn.Module | Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """The task's optimizer over ``model`` (its parameters, or the model itself for a factory that
+        takes it: :func:`takes_model`). Given parameters only, a factory that takes the model is refused.
+
+        Raises:
+            TaskError: a factory that takes the model was given parameters.
+        """
+        factory: OptimizerFactory | str = self.optimizer or default_optimizer
+        assert not isinstance(factory, str)  # __post_init__ made a spec a factory
+        if takes_model(factory):
+            if not isinstance(model, nn.Module):
+                raise TaskError(f"the optimizer of task {self.name!r} takes the model; it was given parameters")
+            return factory(model)
+        return factory(model.parameters() if isinstance(model, nn.Module) else model)
+
+    @property
+    def zero_grad_to_none(self) -> bool:
+        """What ``optimizer.zero_grad(set_to_none=...)`` gets after each step."""
+        return self.zero_grad == "none"
 
     def compute_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         try:

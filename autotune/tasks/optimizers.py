@@ -1,0 +1,245 @@
+"""Optimizer specs: ``NAME[:key=value,...]``, what ``--optimizer`` and ``ProbeTask(optimizer="...")`` take.
+
+    torch.optim.AdamW:fused=true     AdamW:foreach=false     SGD:momentum=0.9
+    adafactor                        adamw8bit               adamw4bit:block_size=64
+
+NAME is a ``torch.optim`` class (any case), ``package.module.Class``, or one of the recipes people name:
+
+- ``adafactor``: transformers' ``Adafactor`` with the HF Trainer's settings for ``optim="adafactor"``
+  (``scale_parameter=False, relative_step=False``, ``warmup_init=False``, lr 5e-5, TrainingArguments'
+  default; transformers' ``trainer_optimizer._get_adafactor``). transformers' class, not
+  ``torch.optim.Adafactor``: it is what a Trainer job runs, and the two differ in memory (transformers'
+  steps a bf16 parameter through an fp32 copy, keeps no first moment without ``beta1``);
+  ``torch.optim.Adafactor`` is still there by its class name;
+- ``adamw8bit``: bitsandbytes' ``AdamW8bit`` (the Trainer's ``adamw_bnb_8bit``, the 8-bit Adam of the HF
+  single-GPU guide): blockwise 8-bit moments, fp32 state for tensors under ``min_8bit_size`` (4096) elements;
+- ``adamw4bit``: torchao's ``AdamW4bit`` (the Trainer's ``adamw_torch_4bit``; bitsandbytes has no 4-bit
+  states). torchao's 8-bit one is ``torchao.optim.AdamW8bit`` by name.
+
+Values are typed: ``true``/``false``, ``none``, integers, numbers; nothing else (an optimizer's memory
+options are flags and sizes). Keys are checked against the class's signature before any work.
+
+:func:`parse_optimizer_spec` imports nothing (the CLI checks a spec before it imports torch);
+:func:`optimizer_factory` imports the class.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from autotune.core.errors import TaskError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "OPTIMIZER_RECIPES",
+    "OptimizerSpec",
+    "SpecOptimizer",
+    "optimizer_factory",
+    "parse_optimizer_spec",
+]
+
+OptionValue = bool | int | float | None
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """A named optimizer: the class (module, name), the settings it is built with, the library and
+    how to get it."""
+
+    module: str
+    class_name: str
+    settings: dict[str, OptionValue] = field(default_factory=dict)
+    install: str = "pip install 'autotune[hf]'"
+
+    @property
+    def library(self) -> str:
+        return self.module.partition(".")[0]
+
+
+OPTIMIZER_RECIPES = {
+    "adafactor": _Recipe(
+        "transformers.optimization",
+        "Adafactor",
+        {"scale_parameter": False, "relative_step": False, "warmup_init": False, "lr": 5e-5},
+    ),
+    "adamw8bit": _Recipe("bitsandbytes.optim", "AdamW8bit"),
+    "adamw4bit": _Recipe("torchao.optim", "AdamW4bit"),
+}
+
+
+def _value_text(value: OptionValue) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A parsed spec: the name as written and its options in the order given."""
+
+    name: str
+    options: tuple[tuple[str, OptionValue], ...] = ()
+
+    @property
+    def text(self) -> str:
+        """The canonical spelling (``AdamW:fused=true``), what an hf: spec and the task's tag carry."""
+        if not self.options:
+            return self.name
+        return self.name + ":" + ",".join(f"{key}={_value_text(value)}" for key, value in self.options)
+
+    @property
+    def recipe(self) -> _Recipe | None:
+        return OPTIMIZER_RECIPES.get(self.name.lower())
+
+    @property
+    def bare_class(self) -> bool:
+        """A class name and nothing else: what ``--optimizer`` took before specs (its fingerprint is the
+        class's, with no tag, so that profiles stored then still match)."""
+        return not self.options and self.recipe is None
+
+
+def _typed(flag: str, key: str, text: str) -> OptionValue:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    try:
+        return int(lowered)
+    except ValueError:
+        pass
+    try:
+        number = float(lowered)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise TaskError(f"{flag}: {key}={text!r}: a value is true, false, none, an integer or a finite number")
+    return number
+
+
+def parse_optimizer_spec(text: str, *, flag: str = "--optimizer") -> OptimizerSpec:
+    """``NAME[:key=value,...]`` parsed, values typed; no import.
+
+    >>> parse_optimizer_spec("torch.optim.AdamW:fused=true,eps=1e-6").options
+    (('fused', True), ('eps', 1e-06))
+
+    Raises:
+        TaskError: one line naming the flag, the key and the rule (no name, a key without ``=``, a key
+            given twice, a value that is not true/false/none/an integer/a number).
+    """
+    name, _, rest = text.strip().partition(":")
+    name = name.strip()
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise TaskError(f"{flag} {text!r}: NAME[:key=value,...] with NAME a class (AdamW, module.Class) or a recipe")
+    options: list[tuple[str, OptionValue]] = []
+    for item in rest.split(",") if rest.strip() else ():
+        key, equals, value = item.partition("=")
+        key = key.strip()
+        if not equals or not key.isidentifier() or not value.strip():
+            raise TaskError(f"{flag} {text!r}: option {item.strip()!r} is not key=value")
+        if key in dict(options):
+            raise TaskError(f"{flag} {text!r}: option {key} is given twice")
+        options.append((key, _typed(flag, key, value)))
+    return OptimizerSpec(name, tuple(options))
+
+
+class SpecOptimizer:
+    """The optimizer factory of a spec: ``factory(params)`` builds ``cls(params, **kwargs)``.
+
+    ``spec`` says what was asked (the task's tag and the hf: spec carry ``spec.text``)."""
+
+    def __init__(self, spec: OptimizerSpec, cls: type[torch.optim.Optimizer], kwargs: dict[str, OptionValue]):
+        self.spec, self.cls, self.kwargs = spec, cls, kwargs
+
+    def __call__(self, params: Iterable[Any]) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"SpecOptimizer({self.spec.text!r})"
+
+
+def _import_class(spec: OptimizerSpec, flag: str) -> type[Any]:
+    import torch
+
+    recipe = spec.recipe
+    if recipe is not None:
+        module_name, class_name = recipe.module, recipe.class_name
+    elif "." in spec.name:
+        module_name, _, class_name = spec.name.rpartition(".")
+    else:
+        known = {key.lower(): value for key, value in vars(torch.optim).items() if isinstance(value, type)}
+        cls = known.get(spec.name.lower())
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TaskError(
+                f"{flag} {spec.name!r} is not a torch.optim.Optimizer class (e.g. AdamW, SGD, or module.Class) "
+                f"nor a recipe ({', '.join(OPTIMIZER_RECIPES)})"
+            )
+        return cls
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or a library that fails while loading (a missing native part)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        hint = f" ({recipe.install})" if recipe is not None else ""
+        raise TaskError(f"{flag} {spec.name}: cannot import {module_name}: {first}{hint}") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TaskError(f"{flag} {spec.name!r}: {module_name}.{class_name} is not a torch.optim.Optimizer class")
+    return cls
+
+
+def _check_keys(spec: OptimizerSpec, cls: type[Any], kwargs: dict[str, OptionValue], flag: str) -> None:
+    try:
+        parameters = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a class without a readable signature: its own error will say
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return
+    known = [name for name, p in parameters.items() if name != "params" and p.kind is not p.VAR_POSITIONAL]
+    for key in kwargs:
+        if key not in known:
+            raise TaskError(
+                f"{flag} {spec.text}: {cls.__name__} takes no option {key!r} (it takes {', '.join(known)})"
+            )
+
+
+def optimizer_factory(
+    spec: str | OptimizerSpec, *, lr: float | None = None, flag: str = "--optimizer"
+) -> SpecOptimizer:
+    """The factory a spec names, built once on a throwaway parameter so that a refusal comes now.
+
+    Args:
+        spec: ``NAME[:key=value,...]`` or a parsed one.
+        lr: the learning rate (``--lr``); the spec's own ``lr=`` wins over it.
+        flag: the flag the messages name.
+
+    Raises:
+        TaskError: one line: the spec's grammar, an unknown class or recipe, a library that does not
+            import here (with the cause and how to install it), an option the class does not take, or
+            the class refusing the options.
+    """
+    import torch
+
+    parsed = parse_optimizer_spec(spec, flag=flag) if isinstance(spec, str) else spec
+    cls = _import_class(parsed, flag)
+    kwargs: dict[str, OptionValue] = dict(parsed.recipe.settings) if parsed.recipe is not None else {}
+    if lr is not None:
+        kwargs["lr"] = lr
+    kwargs.update(parsed.options)
+    _check_keys(parsed, cls, dict(parsed.options), flag)
+    factory = SpecOptimizer(parsed, cls, kwargs)
+    try:
+        factory([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        given = ", ".join(f"{key}={_value_text(value)}" for key, value in kwargs.items()) or "its defaults"
+        raise TaskError(f"{flag} {parsed.text}: {cls.__name__} cannot be built with {given}: {first}") from None
+    return factory
