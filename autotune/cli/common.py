@@ -223,10 +223,17 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     and the fine-tuning options (:func:`add_finetune_options`)."""
     p.add_argument(
         "--optimizer",
-        metavar="CLASS",
-        help="hf: tasks: a torch.optim class (AdamW, SGD, ...) or package.module.Class (default AdamW)",
+        metavar="NAME[:key=value,...]",
+        help="hf: tasks: a torch.optim class (AdamW, SGD, ...), package.module.Class or a recipe (adafactor, "
+        "adamw8bit, adamw4bit), with options: AdamW:fused=true (default AdamW; autotune/tasks/optimizers.py)",
     )
     p.add_argument("--lr", type=finite_positive, metavar="LR", help="hf: tasks: the optimizer's learning rate")
+    p.add_argument(
+        "--zero-grad",
+        choices=("none", "keep"),
+        help="hf: tasks: what zero_grad does after each step: none (set_to_none=True, the default) or keep "
+        "(set_to_none=False: the gradients stay allocated between steps)",
+    )
     add_finetune_options(p)
 
 
@@ -283,7 +290,13 @@ def task_spec(spec: str, args: argparse.Namespace) -> str:
             "--weights-dtype fp16 with --precision fp16: GradScaler cannot unscale fp16 gradients; "
             "hold fp16 weights with --precision fp32 (or bf16)"
         )
-    return with_options(spec, optimizer=getattr(args, "optimizer", None), lr=getattr(args, "lr", None), **finetune)
+    return with_options(
+        spec,
+        optimizer=getattr(args, "optimizer", None),
+        lr=getattr(args, "lr", None),
+        zero_grad=getattr(args, "zero_grad", None),
+        **finetune,
+    )
 
 
 class Parser(argparse.ArgumentParser):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,12 +19,14 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from autotune.cli import main
 from autotune.core.errors import TaskError
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.optimizers import optimizer_factory, parse_optimizer_spec
 from examples.gpt import GPT, GPTConfig, make_task
 from tests.autotune._allocator_truth import allocator_peak_bytes
+from tests.autotune._hf_configs import write_config
 
 MiB = 1 << 20
 TINY = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=2)
@@ -204,3 +208,32 @@ def test_each_option_is_exact_against_the_allocator_at_m_max_and_past_it(spec: s
     assert at_max <= limit < past_max
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake}
     assert (peaks[m_max], peaks[m_max + 1]) == (at_max, past_max)
+
+
+def test_cli_writes_the_spec_and_zero_grad_into_the_hf_spec_and_refuses_bad_ones_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = f"hf:{write_config(tmp_path, 'llama')}"
+    common = ["--device", "cpu", "--no-throughput", "--seq-len", "16", "--budget", "4MiB", "--target-batch", "8"]
+    assert main(["probe", spec, *common, "--json"]) == 0
+    (plain,) = json.loads(capsys.readouterr().out)
+    assert main(["probe", spec, *common, "--json", "--optimizer", "adamw8bit", "--zero-grad", "keep"]) == 0
+    (low_bit,) = json.loads(capsys.readouterr().out)
+    assert (low_bit["tags"]["optimizer_spec"], low_bit["tags"]["zero_grad"]) == ("adamw8bit", "keep")
+    assert "optimizer_spec" not in plain["tags"] and low_bit["fingerprint"] != plain["fingerprint"]
+    refusals = {
+        "--optimizer AdamW:fusd=true": "AdamW takes no option 'fusd'",
+        "--optimizer AdamW:fused": "option 'fused' is not key=value",
+        "--zero-grad sometimes": "invalid choice: 'sometimes'",
+    }
+    for flags, message in refusals.items():
+        try:
+            code = main(["probe", spec, *common, *flags.split()])
+        except SystemExit as exc:  # argparse's own refusal (a choice)
+            code = exc.code
+        assert code == 2
+        err = capsys.readouterr().err
+        # One line, no traceback (torch's import-time log lines may come before it).
+        assert "Traceback" not in err and any(message in line for line in err.splitlines())
+    assert main(["probe", "examples/mlp.py:task", "--device", "cpu", "--budget", "8MiB", "--zero-grad", "keep"]) == 2
+    assert "a ProbeTask sets zero_grad= itself" in capsys.readouterr().err
