@@ -107,7 +107,7 @@ def test_checkpointing_keeps_the_gradients() -> None:
     assert all(torch.allclose(grads[0], other) for other in grads[1:])
 
 
-@pytest.mark.parametrize("policy", ["every-2", "every-3", "full", "op", "op:addmm/mm"])
+@pytest.mark.parametrize("policy", ["every-2", "full", "op", "op:addmm/mm"])
 def test_fake_peaks_equal_the_cpu_meter_under_checkpointing(policy: str) -> None:
     task = tiny(policy)
     sizes = (2, 6)
