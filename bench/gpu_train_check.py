@@ -14,7 +14,8 @@ import torch
 
 from autotune.core.units import format_bytes
 from autotune.measure.meters import CudaMeter
-from autotune.measure.trial import _autocast, build_model, make_batch, run_trial
+from autotune.measure.strategies import Replicated
+from autotune.measure.trial import build_model, make_batch, run_trial
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.load import load_task
 
@@ -40,7 +41,7 @@ def train_steps(spec: str, meter: CudaMeter, micro_batch: int) -> tuple[int, flo
         for _ in range(STEPS):
             for _ in range(ACCUMULATION_STEPS):
                 batch = make_batch(task, micro_batch, meter.device)
-                with _autocast(task, meter.device):
+                with Replicated(1).autocast(task.precision, meter.device):
                     loss = task.compute_loss(model, batch) / ACCUMULATION_STEPS
                 (scaler.scale(loss) if scaler else loss).backward()
                 del batch, loss

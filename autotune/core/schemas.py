@@ -52,8 +52,10 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-PRECISIONS = ("fp32", "bf16", "fp16")
-Precision = Literal["fp32", "bf16", "fp16"]
+# bf16: autocast under ddp; under fsdp FSDP2's MixedPrecisionPolicy alone (torchtitan's way, no autocast).
+# bf16-autocast: autocast on top of that policy under fsdp (accelerate's way); autocast alone under ddp.
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-autocast")
+Precision = Literal["fp32", "bf16", "fp16", "bf16-autocast"]
 TagValue = str | int | float | bool
 # What one device holds: ddp (every replica the whole model) or fsdp (FSDP2, 1/N of it per rank).
 STRATEGIES = ("ddp", "fsdp")

@@ -10,8 +10,13 @@ model the way the job does, and say which micro-batches synchronise gradients.
   fake process group of size N: ``fully_shard`` really shards (each rank holds 1/N of parameters,
   gradients and optimizer state), the collectives do nothing, and the buffers FSDP allocates for
   them are real. Each repeated block (a child of an ``nn.ModuleList``, or the task's
-  ``shard_classes``) is a unit, then the root. Under bf16/fp16 the units get FSDP2's
-  ``MixedPrecisionPolicy`` (parameters in the low precision, gradients reduced in fp32). Gradients
+  ``shard_classes``) is a unit, then the root, as torchtitan's ``apply_fsdp`` wraps a llama: the last
+  block is not resharded after forward (backward all-gathers it first, so freeing it would only gather
+  it again at once), every other block is; FSDP2 keeps the root unsharded after forward by itself.
+  Precision as torchtitan runs it: under ``bf16`` the units get FSDP2's ``MixedPrecisionPolicy``
+  (parameters cast to bf16 when gathered, gradients reduced in fp32) and there is no autocast, FSDP2's
+  documented way; ``bf16-autocast`` adds autocast on top of that policy (accelerate's way, and what
+  ``bf16`` meant here before). fp16 keeps the policy and autocast (with GradScaler). Gradients
   are reduce-scattered after every micro-batch, as torchtitan does by default: accumulating
   unsharded gradients (``set_requires_gradient_sync(False)``) would hold a whole unsharded copy per
   unit and defeat the point of sharding.
@@ -34,7 +39,7 @@ from autotune.tasks.task import ProbeTask
 __all__ = ["FSDP_MIN_TORCH", "Replicated", "Sharded", "Strategy", "make_strategy", "shard_units"]
 
 FSDP_MIN_TORCH = "2.6"
-_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-autocast": torch.bfloat16, "fp16": torch.float16}
 
 
 class Strategy(ABC):
@@ -56,6 +61,18 @@ class Strategy(ABC):
     def sync(self, model: nn.Module, last: bool) -> AbstractContextManager[Any]:
         """Entered around each micro-batch; ``last`` is the group's last micro-batch."""
         return nullcontext()
+
+    def autocast_dtype(self, precision: str) -> torch.dtype | None:
+        """The dtype the forward runs under autocast in, or None for no autocast: every low precision
+        autocasts under ddp (the weights stay fp32)."""
+        return _LOW_PRECISION.get(precision)
+
+    def autocast(self, precision: str, device: torch.device) -> AbstractContextManager[Any]:
+        """The autocast context a forward runs in at ``precision`` (a null one where there is none)."""
+        dtype = self.autocast_dtype(precision)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=device.type, dtype=dtype)
 
     @property
     def describes_replicas(self) -> bool:
@@ -158,6 +175,13 @@ class Sharded(Strategy):
     def describes_replicas(self) -> bool:
         return False
 
+    def autocast_dtype(self, precision: str) -> torch.dtype | None:
+        # bf16 under FSDP2 is the MixedPrecisionPolicy alone: the units compute in bf16 because their
+        # gathered parameters are bf16 (torchtitan); bf16-autocast and fp16 add autocast on top.
+        if precision == "bf16":
+            return None
+        return super().autocast_dtype(precision)
+
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
         _, _, fake_store = _fsdp_api()
@@ -194,8 +218,10 @@ class Sharded(Strategy):
         kwargs: dict[str, Any] = {"mesh": self._mesh}
         if low is not None:
             kwargs["mp_policy"] = mixed_precision_policy(param_dtype=low, reduce_dtype=torch.float32)
-        for unit in units:
-            fully_shard(unit, **kwargs)
+        for index, unit in enumerate(units):
+            # torchtitan's default: the last block stays unsharded after forward (it is the first one
+            # backward needs; resharding it would all-gather it again at once).
+            fully_shard(unit, reshard_after_forward=index < len(units) - 1, **kwargs)
         fully_shard(model, **kwargs)
         return model
 

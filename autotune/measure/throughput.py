@@ -27,7 +27,7 @@ from autotune.core.schemas import MicroBatchCount, Plan, Throughput
 from autotune.measure.meters import Meter
 from autotune.measure.oom import is_oom
 from autotune.measure.strategies import Strategy
-from autotune.measure.trial import _autocast, build_model, build_on_meta, make_batch
+from autotune.measure.trial import build_model, build_on_meta, make_batch
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
@@ -67,7 +67,7 @@ def _forward_backward(
     _synchronize(device)
     started = clock()
     with strategy.sync(model, last=last):
-        with _autocast(task, device):
+        with strategy.autocast(task.precision, device):
             loss = task.compute_loss(model, batch)
         (scaler.scale(loss) if scaler is not None else loss).backward()
     _synchronize(device)

@@ -7,7 +7,7 @@ import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +23,7 @@ from autotune.core.schemas import (
     ActivationCheckpointing,
     DeviceContext,
     Observation,
+    Precision,
     Profile,
     Source,
     Strategy,
@@ -163,7 +164,7 @@ async def list_profiles(
     fingerprint: Annotated[str | None, Query(pattern=FINGERPRINT_PATTERN)] = None,
     task: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
     device_name: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
-    precision: Literal["fp32", "bf16", "fp16"] | None = None,
+    precision: Precision | None = None,
     strategy: Annotated[Strategy | None, Query(description="ddp or fsdp")] = None,
     world_size: Annotated[int | None, Query(ge=1, le=MAX_WORLD_SIZE)] = None,
     source: Annotated[Source | None, Query(description="measured or estimate")] = None,

@@ -82,7 +82,7 @@ class ProfileRow(Base):
     device_name: Mapped[str] = mapped_column(String(256))
     device: Mapped[dict[str, Any]] = mapped_column(JSON)
     devices: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
-    precision: Mapped[str] = mapped_column(String(8))
+    precision: Mapped[str] = mapped_column(String(16))  # "bf16-autocast" is 13
     tags: Mapped[dict[str, Any]] = mapped_column(JSON)
     budget_bytes: Mapped[int] = mapped_column(BigInteger)
     headroom: Mapped[float] = mapped_column(Float)

@@ -120,6 +120,73 @@ def test_bf16_units_compute_in_bf16_under_the_mixed_precision_policy() -> None:
     assert seen and set(seen) == {torch.bfloat16}
 
 
+def test_bf16_under_fsdp_is_the_mixed_precision_policy_without_autocast() -> None:
+    """bf16: no autocast (torchtitan's way); bf16-autocast: autocast on top (accelerate's); ddp autocasts both."""
+    for precision, strategy_name, world_size, autocast in [
+        ("bf16", "fsdp", 2, False),
+        ("bf16-autocast", "fsdp", 2, True),
+        ("bf16", "ddp", 1, True),
+        ("bf16-autocast", "ddp", 1, True),
+    ]:
+        seen: list[tuple[torch.dtype, bool]] = []
+        task = gpt.make_task(precision=precision)
+        strategy = make_strategy(strategy_name, world_size)
+        meter = CpuMeter(UNBOUNDED)
+        with strategy.process_group(meter.device):
+            runner = TrialRunner(task, meter, limit_bytes=UNBOUNDED, strategy=strategy)
+            model = runner._ensure_model()
+            assert model is not None
+
+            def hook(module: nn.Module, args: object, seen: list[tuple[torch.dtype, bool]] = seen) -> None:
+                seen.append((module.weight.dtype, torch.is_autocast_enabled("cpu")))  # type: ignore[arg-type]
+
+            model.blocks[0].qkv.register_forward_pre_hook(hook)  # type: ignore[index]
+            runner(2)
+            runner.close()
+        assert seen and {on for _, on in seen} == {autocast}, (precision, strategy_name)
+        # The units compute in bf16 under fsdp because the policy gathers them in bf16; ddp's weights stay fp32.
+        assert {dtype for dtype, _ in seen} == {torch.bfloat16 if strategy_name == "fsdp" else torch.float32}
+
+
+def _spawn_mixed_precision_truth(world_size: int, micro_batches: list[int], tmp_path: Path) -> dict[int, list[int]]:
+    from tests.autotune import _fsdp_mp_truth
+
+    out = tmp_path / "mp-truth"
+    out.mkdir()
+    try:
+        mp.spawn(
+            _fsdp_mp_truth.run,
+            args=(world_size, str(out / "rendezvous"), str(out), micro_batches),
+            nprocs=world_size,
+            join=True,
+        )
+    except ProcessException as exc:
+        errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
+        pytest.fail(f"the {world_size}-process job failed: {exc}\n{errors}")
+    return {int(m): peaks for m, peaks in json.loads((out / "rank0.json").read_text()).items()}
+
+
+def test_fsdp_bf16_is_exact_against_the_allocator_of_fully_shard_with_the_policy(tmp_path: Path) -> None:
+    """m_max and m_max + 1 of fsdp x 2 at bf16 against rank 0 of two real processes, the GPT wrapped the
+    ordinary way (fully_shard(mp_policy=MixedPrecisionPolicy(bf16, fp32)), the last block kept after
+    forward, no autocast) and counted by the allocator itself (tests/autotune/_fsdp_mp_truth.py). Real
+    collectives make a run's peak vary above a floor (that file says by how much and why): the probe is the
+    floor, byte for byte, and no run is below it."""
+    task = gpt.make_task(precision="bf16")
+    budget = 3_200_000  # m_max of a few samples on the 2-layer GPT
+    config = ProbeConfig(device="cpu", budget_bytes=budget, strategy="fsdp", world_size=2)
+    measured = probe(task, config)
+    m_max = measured.max_micro_batch
+    assert 2 <= m_max < 16
+    runs = _spawn_mixed_precision_truth(2, [m_max, m_max + 1], tmp_path)
+    peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake}
+    print(f"fsdp x2 bf16: m_max {m_max}; probe {peaks[m_max]}, {peaks.get(m_max + 1)}; real runs {runs}")
+    floor = {m: min(figures) for m, figures in runs.items()}
+    assert peaks[m_max] == floor[m_max]
+    assert peaks[m_max + 1] == floor[m_max + 1]
+    assert floor[m_max] <= measured.limit_bytes < floor[m_max + 1]
+
+
 def test_a_model_without_blocks_is_refused_in_one_line_unless_the_task_names_them() -> None:
     with pytest.raises(TaskError, match="no block to shard.*shard_classes"):
         fake_group_peak(2, 2, linear_task())
