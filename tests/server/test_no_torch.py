@@ -84,5 +84,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
         "autotune.core.surface",
         # Bytes as people read them: the dashboard and the answers' notes write them as the CLI does.
         "autotune.core.units",
+        # The memory policies' names: the grammar /suggest validates and the canonical spelling it matches.
+        "autotune.core.policy_names",
     }
     assert set(result["autotune_modules"]) <= allowed
