@@ -39,12 +39,13 @@ def _no_group() -> Iterator[None]:
 
 
 def _sharded(model: nn.Module, block_classes: tuple[type[nn.Module], ...], mesh: Any) -> nn.Module:
-    """The FSDP2 recipe as its docs give it: every block, then the root."""
+    """The FSDP2 recipe as torchtitan's apply_fsdp writes it: every block, the last one not resharded after
+    forward (backward gathers it first), then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    for module in list(model.modules()):
-        if isinstance(module, block_classes) and module is not model:
-            fully_shard(module, mesh=mesh)
+    blocks = [module for module in model.modules() if isinstance(module, block_classes) and module is not model]
+    for index, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, reshard_after_forward=index < len(blocks) - 1)
     fully_shard(model, mesh=mesh)
     return model
 
