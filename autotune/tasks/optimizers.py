@@ -14,7 +14,9 @@ NAME is a ``torch.optim`` class (any case), ``package.module.Class``, or one of 
 - ``adamw8bit``: bitsandbytes' ``AdamW8bit`` (the Trainer's ``adamw_bnb_8bit``, the 8-bit Adam of the HF
   single-GPU guide): blockwise 8-bit moments, fp32 state for tensors under ``min_8bit_size`` (4096) elements;
 - ``adamw4bit``: torchao's ``AdamW4bit`` (the Trainer's ``adamw_torch_4bit``; bitsandbytes has no 4-bit
-  states). torchao's 8-bit one is ``torchao.optim.AdamW8bit`` by name.
+  states). Refused for now, as is every ``torchao.optim`` class (:data:`_UNMEASURABLE`): torchao steps each
+  parameter through ``torch.compile(fullgraph=True)``, and under the probe's meters (dispatch modes that count
+  every storage, real or fake) dynamo compiles no frame, so the step fails ("found no compiled frames").
 
 Values are typed: ``true``/``false``, ``none``, integers, numbers; nothing else (an optimizer's memory
 options are flags and sizes). Keys are checked against the class's signature before any work.
@@ -196,6 +198,15 @@ def _import_class(spec: OptimizerSpec, flag: str) -> type[Any]:
     return cls
 
 
+# Libraries whose optimizers cannot step under the probe's meters, and why (one line each).
+_UNMEASURABLE = {
+    "torchao": (
+        "torchao's low-bit optimizers step through torch.compile(fullgraph=True), which compiles no frame under "
+        "the probe's meters (dispatch modes that count every storage): the step fails; bitsandbytes' adamw8bit runs"
+    ),
+}
+
+
 def _check_keys(spec: OptimizerSpec, cls: type[Any], kwargs: dict[str, OptionValue], flag: str) -> None:
     try:
         parameters = inspect.signature(cls).parameters
@@ -230,6 +241,9 @@ def optimizer_factory(
 
     parsed = parse_optimizer_spec(spec, flag=flag) if isinstance(spec, str) else spec
     cls = _import_class(parsed, flag)
+    why = _UNMEASURABLE.get(cls.__module__.partition(".")[0])
+    if why is not None:
+        raise TaskError(f"{flag} {parsed.text}: {why}")
     kwargs: dict[str, OptionValue] = dict(parsed.recipe.settings) if parsed.recipe is not None else {}
     if lr is not None:
         kwargs["lr"] = lr
