@@ -148,7 +148,7 @@ def test_bf16_under_fsdp_is_the_mixed_precision_policy_without_autocast() -> Non
         assert {dtype for dtype, _ in seen} == {torch.bfloat16 if strategy_name == "fsdp" else torch.float32}
 
 
-def _spawn_mixed_precision_truth(world_size: int, micro_batches: list[int], tmp_path: Path) -> dict[int, list[int]]:
+def _spawn_mixed_precision_truth(world_size: int, floors: dict[int, int], tmp_path: Path) -> dict[int, list[int]]:
     from tests.autotune import _fsdp_mp_truth
 
     out = tmp_path / "mp-truth"
@@ -156,7 +156,7 @@ def _spawn_mixed_precision_truth(world_size: int, micro_batches: list[int], tmp_
     try:
         mp.spawn(
             _fsdp_mp_truth.run,
-            args=(world_size, str(out / "rendezvous"), str(out), micro_batches),
+            args=(world_size, str(out / "rendezvous"), str(out), floors),
             nprocs=world_size,
             join=True,
         )
@@ -178,10 +178,11 @@ def test_fsdp_bf16_is_exact_against_the_allocator_of_fully_shard_with_the_policy
     measured = probe(task, config)
     m_max = measured.max_micro_batch
     assert 2 <= m_max < 16
-    runs = _spawn_mixed_precision_truth(2, [m_max, m_max + 1], tmp_path)
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake}
+    runs = _spawn_mixed_precision_truth(2, {m_max: peaks[m_max], m_max + 1: peaks[m_max + 1]}, tmp_path)
     print(f"fsdp x2 bf16: m_max {m_max}; probe {peaks[m_max]}, {peaks.get(m_max + 1)}; real runs {runs}")
     floor = {m: min(figures) for m, figures in runs.items()}
+    assert all(figures[-1] == floor[m] for m, figures in runs.items())  # the runs stop at the floor
     assert peaks[m_max] == floor[m_max]
     assert peaks[m_max + 1] == floor[m_max + 1]
     assert floor[m_max] <= measured.limit_bytes < floor[m_max + 1]
