@@ -137,6 +137,16 @@ def test_list_filters_by_each_lookup_key(client: TestClient) -> None:
     assert count(precision="bf16", fingerprint=FINGERPRINT) == 3
 
 
+def test_bf16_autocast_is_stored_and_listed_as_a_precision_of_its_own(client: TestClient) -> None:
+    """bf16-autocast (under fsdp: FSDP2's policy with autocast on top) is 13 characters: stored whole."""
+    _upload(client, profile_payload(seed=1, strategy="fsdp", world_size=2))
+    _upload(client, profile_payload(seed=2, strategy="fsdp", world_size=2, precision="bf16-autocast"))
+    listed = client.get(PROFILES, params={"precision": "bf16-autocast"})
+    assert listed.status_code == 200, listed.text
+    assert [item["precision"] for item in listed.json()["items"]] == ["bf16-autocast"]
+    assert client.get(PROFILES, params={"precision": "bf16-mixed"}).status_code == 422
+
+
 def test_list_filters_by_strategy_world_size_and_source(client: TestClient) -> None:
     ddp = _upload(client, profile_payload(seed=1))
     fsdp_8 = _upload(client, profile_payload(seed=2, strategy="fsdp", world_size=8))
