@@ -64,7 +64,7 @@ def exit_code_of(exc: BaseException) -> ExitCode:
     except ImportError:  # the client's package is not installed (the service image's torch-free install is)
         AutotuneClientError = None  # type: ignore[assignment,misc]  # noqa: N806
     if AutotuneClientError is not None and isinstance(exc, AutotuneClientError):
-        from autotune_client.cli import exit_code_for as client_exit_code
+        from autotune.cli.client_commands import exit_code_for as client_exit_code
 
         return client_exit_code(exc)
     if isinstance(exc, CliError):

@@ -270,7 +270,7 @@ def emit_profiles(profiles: list[Any], args: argparse.Namespace, *, as_array: bo
         for profile in profiles:
             print(datasheet(profile), file=sys.stderr if args.json else sys.stdout)
     if args.server:
-        from autotune_client.cli import upload_profile
+        from autotune.cli.client_commands import upload_profile
 
         token = os.environ.get("AUTOTUNE_TOKEN")
         for profile in profiles:
@@ -293,7 +293,7 @@ def emit_profile(profile: Any, args: argparse.Namespace) -> int:
     else:
         print(datasheet(profile))
     if args.server:
-        from autotune_client.cli import upload_profile
+        from autotune.cli.client_commands import upload_profile
 
         profile_id = upload_profile(profile, server=args.server, token=os.environ.get("AUTOTUNE_TOKEN"))
         print(f"uploaded as profile {profile_id} to {args.server}", file=sys.stderr)

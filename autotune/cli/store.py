@@ -64,7 +64,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_suggest(args: argparse.Namespace) -> int:
-    from autotune_client.cli import suggest_command
+    from autotune.cli.client_commands import suggest_command
 
     if (args.target_batch is None) == (args.target_tokens is None):
         raise CliError("give --target-batch (sequences per update) or --target-tokens (tokens per update)")
@@ -89,12 +89,12 @@ def run_suggest(args: argparse.Namespace) -> int:
 
 
 def run_profiles(args: argparse.Namespace) -> int:
-    from autotune_client.cli import profiles_command
+    from autotune.cli.client_commands import profiles_command
 
     if args.action == "upload":
         from pathlib import Path
 
-        from autotune_client.cli import upload_directory
+        from autotune.cli.client_commands import upload_directory
 
         if args.profile_id is None:
             raise CliError("profiles upload needs a directory of JSON profiles (what autotune fleet kept)")

@@ -77,7 +77,7 @@ class TrialError(AutotuneError):
 def exit_code_for(exc: BaseException) -> ExitCode:
     """The exit status of an error of the probe's: NO_FIT for CannotFitError, USAGE for another
     AutotuneError (the user's to fix), FAILED for anything else. The client's errors have their own
-    rule (``autotune_client.cli.exit_code_for``), which the CLI applies first."""
+    rule (``autotune.cli.client_commands.exit_code_for``), which the CLI applies first."""
     if isinstance(exc, CannotFitError):
         return ExitCode.NO_FIT
     if isinstance(exc, AutotuneError):

@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 
 import autotune
+import autotune_client
 
 ROOT = Path(autotune.__file__).parent
+# The client package lives beside autotune/ (client/autotune_client); the layering covers it too.
+CLIENT_ROOT = Path(autotune_client.__file__).parent
+ROOTS = {"autotune": ROOT, "autotune_client": CLIENT_ROOT}
 PUBLIC_MODULES = [
     "autotune",
     "autotune.tasks.load",
@@ -51,6 +55,7 @@ PUBLIC_MODULES = [
     "autotune.cli.probe",
     "autotune.cli.service",
     "autotune.cli.store",
+    "autotune.cli.client_commands",
     "autotune.cli.fleet",
     "autotune.fleet",
     "autotune.fleet.pairs",
@@ -106,7 +111,7 @@ def test_nothing_but_the_fleet_command_imports_ray() -> None:
 
 
 def _autotune_imports(path: Path, *, lazy: bool) -> set[str]:
-    """The autotune modules a file imports at module level, and inside functions too when ``lazy``
+    """The autotune and autotune_client modules a file imports at module level, and inside functions too when ``lazy``
     (imports under ``if TYPE_CHECKING:`` are for the type checker alone and left out)."""
     tree = ast.parse(path.read_text())
     typing_only = {
@@ -119,25 +124,26 @@ def _autotune_imports(path: Path, *, lazy: bool) -> set[str]:
     for node in ast.walk(tree) if lazy else tree.body:
         if id(node) in typing_only:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "autotune":
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ROOTS:
             # `from autotune.cli import probe` imports the submodule autotune.cli.probe, not only the package.
-            package = ROOT.parent / node.module.replace(".", "/")
+            package = ROOTS[node.module.split(".")[0]].parent / node.module.replace(".", "/")
             subs = {a.name for a in node.names if (package / f"{a.name}.py").is_file() or (package / a.name).is_dir()}
             found |= {f"{node.module}.{name}" for name in subs}
             if len(subs) < len(node.names):
                 found.add(node.module)
         elif isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "autotune"}
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] in ROOTS}
     return found
 
 
 def _module_graph(*, lazy: bool) -> dict[str, set[str]]:
-    root = Path(autotune.__file__).parent
+    """Every module of autotune and of autotune_client -> the modules of either that it imports."""
     graph: dict[str, set[str]] = {}
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        graph[name] = _autotune_imports(path, lazy=lazy)
+    for root in ROOTS.values():
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root.parent).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            graph[name] = _autotune_imports(path, lazy=lazy)
     return graph
 
 
@@ -151,13 +157,19 @@ FLOORS = {
     "search": 3,
     "emulation": 3,
     "orchestrate": 4,
-    "fleet": 5,
-    "cli": 6,
+    "fleet": 6,
+    "cli": 7,
 }
+# autotune_client, beside autotune/, sits between them: it imports autotune.core at import and, lazily for the
+# local probe, tasks, measure and orchestrate; the fleet (the sink's uploads) and the CLI's commands
+# (autotune/cli/client_commands.py) import it.
+CLIENT_FLOOR = 5
 
 
 def _floor(module: str) -> int | None:
     parts = module.split(".")
+    if parts[0] == "autotune_client":
+        return CLIENT_FLOOR
     return FLOORS.get(parts[1]) if len(parts) > 1 else None
 
 
@@ -178,6 +190,29 @@ def test_arrows_point_down_only() -> None:
     entries = {p.stem for p in Path(autotune.__file__).parent.iterdir() if p.name != "__pycache__"}
     assert entries == set(FLOORS) | {"__init__"}
     assert len(FLOORS) + 1 <= 12  # at most 12 entries at the top of autotune/
+
+
+def test_the_client_and_autotune_meet_only_where_the_floors_say() -> None:
+    """autotune_client imports no module of the CLI or the fleet (its command code is autotune.cli's,
+    autotune/cli/client_commands.py: it once lived in the client package, a circle with the CLI),
+    and of autotune only the CLI and the fleet import the client."""
+    graph = _module_graph(lazy=True)
+    client_up = sorted(
+        (module, imported)
+        for module, imports in graph.items()
+        if module.split(".")[0] == "autotune_client"
+        for imported in imports
+        if imported.startswith(("autotune.cli", "autotune.fleet"))
+    )
+    assert client_up == []
+    client_users = {
+        module
+        for module, imports in graph.items()
+        if module.split(".")[0] == "autotune" and any(i.split(".")[0] == "autotune_client" for i in imports)
+    }
+    assert client_users, "no autotune module imports autotune_client: the check reads nothing"
+    assert {m for m in client_users if _floor(m) not in (FLOORS["cli"], FLOORS["fleet"])} == set()
+    assert "autotune.cli.client_commands" in client_users
 
 
 def test_the_torch_free_floor_imports_only_itself() -> None:

@@ -48,20 +48,20 @@ def test_ddp_over_several_replicas_is_named() -> None:
 def test_profiles_ls_passes_the_new_filters(
     argv: list[str], expected: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import autotune_client.cli
+    from autotune.cli import client_commands
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(autotune_client.cli, "profiles_command", lambda **kwargs: seen.update(kwargs) or 0)
+    monkeypatch.setattr(client_commands, "profiles_command", lambda **kwargs: seen.update(kwargs) or 0)
     args = build_parser().parse_args(argv)
     assert args.run(args) == 0
     assert seen["filters"] == expected
 
 
 def test_suggest_passes_the_strategy_and_refuses_an_unknown_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autotune_client.cli
+    from autotune.cli import client_commands
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(autotune_client.cli, "suggest_command", lambda **kwargs: seen.update(kwargs) or 0)
+    monkeypatch.setattr(client_commands, "suggest_command", lambda **kwargs: seen.update(kwargs) or 0)
     base = ["suggest", "--fingerprint", "ab" * 32, "--target-batch", "64", "--device-name", "cpu"]
     args = build_parser().parse_args([*base, "--strategy", "fsdp", "--world-size", "8"])
     assert args.run(args) == 0 and (seen["strategy"], seen["world_size"]) == ("fsdp", 8)

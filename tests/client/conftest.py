@@ -23,7 +23,7 @@ def in_process_server(
     pytest.importorskip("fastapi", reason="the server extra is not installed")
     from fastapi.testclient import TestClient
 
-    import autotune_client.cli
+    from autotune.cli import client_commands
     from autotune_client import TunerClient
     from autotune_server import Settings, create_app
 
@@ -41,6 +41,6 @@ def in_process_server(
             kwargs.setdefault("base_url", IN_PROCESS_URL)
             return TunerClient(**kwargs, http_client=http)
 
-        monkeypatch.setattr(autotune_client.cli, "TunerClient", make)
+        monkeypatch.setattr(client_commands, "TunerClient", make)
         yield make
         http.close()

@@ -9,10 +9,7 @@ from typing import Any
 
 import pytest
 
-from autotune.core.errors import ExitCode
-from autotune.core.schemas import Suggestion
-from autotune_client import AuthenticationError, PermissionDeniedError
-from autotune_client.cli import (
+from autotune.cli.client_commands import (
     EXIT_NOT_FOUND,
     EXIT_OK,
     format_suggestion,
@@ -20,6 +17,9 @@ from autotune_client.cli import (
     suggest_command,
     upload_profile,
 )
+from autotune.core.errors import ExitCode
+from autotune.core.schemas import Suggestion
+from autotune_client import AuthenticationError, PermissionDeniedError
 from tests.client._factories import FINGERPRINT, make_profile, make_suggestion
 from tests.client.conftest import IN_PROCESS_URL, WRITE_TOKEN
 
@@ -241,8 +241,8 @@ def test_profiles_ls_shows_strategy_world_size_and_source(in_process_server: Cal
 
 
 def test_profiles_show_puts_the_stores_warnings_first() -> None:
+    from autotune.cli.client_commands import _describe
     from autotune_client._models import StoredProfile
-    from autotune_client.cli import _describe
 
     stored = StoredProfile(id=7, profile=make_profile(), warnings=["this stored profile contradicts itself"])
     text = _describe(stored)

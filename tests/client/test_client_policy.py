@@ -59,8 +59,8 @@ def test_bad_policy_arguments_are_one_line_errors(kwargs: dict, match: str) -> N
 
 
 def test_the_suggest_command_asks_by_throughput_and_says_the_policy(in_process_server: Callable[..., Any]) -> None:
+    from autotune.cli.client_commands import EXIT_OK, suggest_command, upload_profile
     from autotune.core.schemas import Throughput
-    from autotune_client.cli import EXIT_OK, suggest_command, upload_profile
     from tests.client._factories import make_profile
     from tests.client.conftest import IN_PROCESS_URL, WRITE_TOKEN
 

@@ -15,7 +15,6 @@ import autotune_client._constants
 import autotune_client._models
 import autotune_client._observer
 import autotune_client._suggest
-import autotune_client.cli
 import autotune_client.errors
 from autotune.core.errors import AutotuneError
 
@@ -26,7 +25,6 @@ MODULES = [
     autotune_client._constants,
     autotune_client._models,
     autotune_client._suggest,
-    autotune_client.cli,
     autotune_client.errors,
     autotune_client._observer,
 ]
@@ -46,14 +44,21 @@ def test_all_names_exist_and_are_documented(module: object) -> None:
 def test_all_lists_every_public_definition_of_the_package() -> None:
     public = {n for n in dir(autotune_client) if not n.startswith("_")}
     # Subpackages a test (or a job) imported become attributes of the package; they are not definitions.
-    submodules = {"cli", "errors", "integrations"}
+    submodules = {"errors", "integrations"}
     assert public - submodules - {"annotations"} == set(autotune_client.__all__)
 
 
 def test_importing_the_client_does_not_import_torch() -> None:
-    code = "import sys, autotune_client, autotune_client.cli; print('torch' in sys.modules)"
+    code = "import sys, autotune_client; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_importing_the_client_does_not_import_the_cli() -> None:
+    """The command code is autotune.cli's (autotune/cli/client_commands.py); the client sits below it."""
+    code = "import sys, autotune_client; print(sorted(m for m in sys.modules if m.startswith('autotune.cli')))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_the_error_tree() -> None:

@@ -1,4 +1,6 @@
-"""The client's side of the ``autotune`` command line; ``autotune.cli`` wires these to its parser.
+"""The commands that talk to the profile store through ``autotune_client``; ``autotune.cli.store`` and
+``autotune.cli.probe`` wire these to the parser. They live in the CLI, not in the client package, so that
+the client imports nothing of the CLI (the datasheet and the trial lines are ``autotune.cli.report``'s).
 
     autotune suggest --server URL --fingerprint F --target-batch T --world-size D --device-name N
                      [--strategy ddp|fsdp] [--json]
