@@ -50,7 +50,9 @@ def _sharded(model: nn.Module, block_classes: tuple[type[nn.Module], ...], mesh:
     return model
 
 
-def _steps(task: Any, micro_batch: int, mesh: Any, build: Callable[[], nn.Module] | None) -> None:
+def _steps(
+    task: Any, micro_batch: int, mesh: Any, build: Callable[[], nn.Module] | None, set_to_none: bool
+) -> None:
     """2 micro-batches forward and backward, an AdamW step, zero_grad; twice (docs/design.md, "The trial")."""
     model = task.model() if build is None else build()
     if mesh is not None:
@@ -64,12 +66,17 @@ def _steps(task: Any, micro_batch: int, mesh: Any, build: Callable[[], nn.Module
             loss.backward()
             del batch, loss
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
     del model, optimizer
 
 
 def allocator_peak_bytes(
-    task: Any, micro_batch: int, *, world_size: int = 1, model: Callable[[], nn.Module] | None = None
+    task: Any,
+    micro_batch: int,
+    *,
+    world_size: int = 1,
+    model: Callable[[], nn.Module] | None = None,
+    set_to_none: bool = True,
 ) -> int:
     """The CPU allocator's peak of live bytes over an ordinary build and two accumulated steps at micro_batch.
 
@@ -77,14 +84,15 @@ def allocator_peak_bytes(
     sharded one by one, then the root). model: the model built the ordinary way, written out by the test
     (``get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(...))``,
     ``from_config(config, dtype=torch.bfloat16)``); None calls the task's own factory. Its optimizer gets
-    ``model.parameters()``, frozen ones included, as a training script passes them.
+    ``model.parameters()``, frozen ones included, as a training script passes them. set_to_none: False for a
+    job that keeps its gradients between steps (``zero_grad(set_to_none=False)``).
     """
     # Cyclic garbage of an earlier run (FSDP2's) freed inside the profile makes the count come out low (a
     # block of unknown size to the profiler): collect it before the profile starts.
     gc.collect()
     with _fake_group(world_size) if world_size > 1 else _no_group() as mesh:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            _steps(task, micro_batch, mesh, model)
+            _steps(task, micro_batch, mesh, model, set_to_none)
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
     live = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):

@@ -7,7 +7,6 @@ constructor, not the project's spec."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from autotune.cli import main
 from autotune.core.errors import TaskError
@@ -135,31 +133,6 @@ def test_a_factory_named_model_gets_the_model_and_one_of_params_its_parameters()
     assert measured.max_micro_batch >= 1
 
 
-def _kept_allocator_peak_bytes(task: Any, micro_batch: int, optimizer: Callable[[Any], torch.optim.Optimizer]) -> int:
-    """The allocator's peak of the ordinary loop with ``zero_grad(set_to_none=False)`` (the truth module's loop
-    sets them to None): the model's factory, 2 micro-batches, a step, zero_grad; twice."""
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = task.model()
-        model.train()
-        opt = optimizer(model.parameters())
-        for _ in range(2):
-            for _ in range(2):
-                batch = task.batch(micro_batch)
-                loss = task.compute_loss(model, batch) / 2
-                loss.backward()
-                del batch, loss
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-        del model, opt
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def _adafactor(params: Any) -> torch.optim.Optimizer:
     from transformers.optimization import Adafactor
 
@@ -201,10 +174,8 @@ def test_each_option_is_exact_against_the_allocator_at_m_max_and_past_it(spec: s
         shard_classes=None,
         make_optimizer=ORDINARY[spec],
     )
-    if zero_grad == "keep":
-        at_max, past_max = (_kept_allocator_peak_bytes(ordinary, m, ORDINARY[spec]) for m in (m_max, m_max + 1))
-    else:
-        at_max, past_max = (allocator_peak_bytes(ordinary, m) for m in (m_max, m_max + 1))
+    keep = zero_grad == "keep"
+    at_max, past_max = (allocator_peak_bytes(ordinary, m, set_to_none=not keep) for m in (m_max, m_max + 1))
     assert at_max <= limit < past_max
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake}
     assert (peaks[m_max], peaks[m_max + 1]) == (at_max, past_max)
