@@ -46,7 +46,7 @@ TEST_WORKERS ?= 2
 test: install system-deps $(CUDA_VENV)/.installed
 	$(PY) -m ruff check autotune server client tests bench examples
 	$(PY) -m mypy
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 bench: install
 	$(PY) bench/search_table.py

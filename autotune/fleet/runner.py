@@ -210,8 +210,12 @@ def _submit(ray: Any, pairs: list[Pair], board: Any, max_retries: int) -> dict[A
 
 def _cancel(ray: Any, refs: dict[Any, int], progress: Progress) -> int:
     """Cancel every unfinished task, the pending ones first (so that none of them takes the CPU or
-    GPU that a killed running one frees); a running one's worker is killed (``force``)."""
-    order = sorted(refs, key=lambda ref: progress.rows[refs[ref]].state == "running")
+    GPU that a killed running one frees); a running one's worker is killed (``force``).
+
+    A task's "running" reaches the board after it has started, so at Ctrl-C a started task may
+    still read as pending: among tasks of one state the last submitted go first, since Ray grants
+    resources in submission order and the last are the ones most likely still waiting."""
+    order = sorted(refs, key=lambda ref: (progress.rows[refs[ref]].state == "running", -refs[ref]))
     for ref in order:
         try:
             ray.cancel(ref, force=True)
