@@ -53,6 +53,13 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
         "its memory as the default budget, and CUDA semantics by an emulated card",
     )
     e.add_argument(
+        "--gpu-memory",
+        type=size,
+        metavar="BYTES",
+        help="with --gpu: the card's memory (e.g. 96GiB), for a card the catalog lacks or one with other memory "
+        "(H100 NVL at 96GB): the architecture is the closest catalog card's, which the datasheet names",
+    )
+    e.add_argument(
         "--context-bytes",
         type=size,
         metavar="BYTES",
@@ -110,6 +117,7 @@ def estimate_config(
     return EstimateConfig.of(
         **{**setup_of(args), "budget_bytes": budget_bytes},
         gpu=gpu,
+        gpu_memory=getattr(args, "gpu_memory", None),
         device_kind=device_kind,
         device_name=device_name,
         context_bytes=args.context_bytes,

@@ -37,6 +37,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_server(args)
     _check_output(args)
     _check_micro_batches(args)
+    _check_gpu_memory(args)
     _check_budget_on_cards(args)
     _check_database_url(args)
     _check_verify_sizes(args)
@@ -122,6 +123,20 @@ def _check_micro_batches(args: argparse.Namespace) -> None:
             raise CliError(f"--micro-batches {m}: not a multiple of --multiple-of {multiple}")
 
 
+def _check_gpu_memory(args: argparse.Namespace) -> None:
+    """--gpu-memory: the memory of the card --gpu names, and a card whose architecture can be placed."""
+    gpu_memory = getattr(args, "gpu_memory", None)
+    if gpu_memory is None:
+        return
+    gpu = getattr(args, "gpu", None)
+    if not gpu:
+        raise CliError(
+            f"--gpu-memory {format_bytes(gpu_memory)} is the memory of the card --gpu names: give --gpu NAME"
+        )
+    if gpu_memory <= 0:
+        raise CliError(f"--gpu-memory {gpu_memory}: a card's memory is above 0 bytes")
+
+
 def _check_budget_on_cards(args: argparse.Namespace) -> None:
     """A budget is what the job may hold of its card: above the card's memory it is refused where the card is
     known (--gpu, a catalog card's --device-name, a CUDA device of this machine)."""
@@ -147,15 +162,18 @@ def _budgets(args: argparse.Namespace) -> list[int]:
 
 def _known_cards(args: argparse.Namespace) -> Iterable[tuple[str, int]]:
     """(name, memory in bytes) of each card the command's budget is for, where it is known."""
-    from autotune.core.cards import lookup
+    from autotune.core.cards import lookup, resolve_card
 
     command = getattr(args, "command", None)
     gpu = getattr(args, "gpu", None)
+    gpu_memory = getattr(args, "gpu_memory", None)
     if gpu:  # estimate: a name; fleet: the list card_list made
         for name in [gpu] if isinstance(gpu, str) else gpu:
             try:
-                card = lookup(name)
-            except ValueError:
+                card = resolve_card(name, gpu_memory)
+            except ValueError as exc:
+                if gpu_memory is not None:  # a name no family of the catalog matches: no architecture to take
+                    raise CliError(f"--gpu {name!r} --gpu-memory {format_bytes(gpu_memory)}: {exc}") from None
                 continue  # the estimate's own line names the known cards
             yield card.short_name, card.device_total_bytes
         return

@@ -150,6 +150,8 @@ def _on_card(
         f"under torch {cuda_torch.torch_version}, reserved bytes by the caching allocator's model, "
         f"plus {outside_source}"
     )
+    # --gpu NAME --gpu-memory: a card the catalog lacks, with the architecture it was given.
+    unlisted = [f"{card.nvml_name} is {card.source}; assumed: {card.assumed}"] if card.assumed_from else []
     device = Device(
         kind="cuda",
         name=card.nvml_name,
@@ -188,7 +190,7 @@ def _on_card(
             max_micro_batch=found.max_micro_batch,
             trials=trials,
             fit=Fit.model_validate(found.fit) if found.fit else None,
-            warnings=[semantics, *found.warnings, *nothing_fits],
+            warnings=[semantics, *unlisted, *found.warnings, *nothing_fits],
             started=started,
             torch_version=cuda_torch.torch_version,
         )

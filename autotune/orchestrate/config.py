@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from autotune.core.cards import Card, lookup
+from autotune.core.cards import Card, resolve_card
 from autotune.core.errors import AutotuneError, BudgetError
 from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, plan
 from autotune.core.schemas import PRECISIONS, STRATEGIES, Plan, Precision, Strategy
@@ -57,6 +57,8 @@ class ProbeConfig:
     # The memory policy (none, every-K, full, op, op:OPS: autotune/core/policy_names.py, an open grammar, so
     # a string): None keeps the task's own activation_checkpointing.
     activation_checkpointing: str | None = None
+    # A torch.compile mode the trials run the model compiled in (docs/compile.md); None keeps the task's own.
+    compile: str | None = None
     # After the search, time updates at m_max and at the plan's sizes (autotune/measure/throughput.py).
     throughput: bool = False
     # A sequence-aware task's lengths, one profile each (autotune/orchestrate/lengths.py: probe_lengths); the cap
@@ -113,8 +115,12 @@ class ProbeConfig:
         a config changes the task (probe, estimate, a card's estimate and a run over lengths call it)."""
         if self.precision is not None and self.precision != task.precision:
             task = dataclasses.replace(task, precision=self.precision)
-        if self.activation_checkpointing is not None:
-            task = dataclasses.replace(task, activation_checkpointing=self.activation_checkpointing)
+        if self.activation_checkpointing is not None or self.compile is not None:
+            task = dataclasses.replace(
+                task,
+                activation_checkpointing=self.activation_checkpointing or task.activation_checkpointing,
+                compile=self.compile or task.compile,
+            )
         return task
 
     def with_setup(self, **changes: Any) -> ProbeConfig:
@@ -139,12 +145,15 @@ class ProbeConfig:
         return the_plan
 
 
-def card_of(name: str) -> Card:
-    """The catalog's card called name; AutotuneError (one line listing the known ones) for another."""
+def card_of(name: str, memory_bytes: int | None = None) -> Card:
+    """The card ``--gpu NAME [--gpu-memory BYTES]`` names: the catalog's card called name, or with a memory
+    one the catalog lacks (or a catalog card with other memory), its architecture the closest catalog
+    card's (autotune.core.cards.resolve_card); AutotuneError in one line for a name it cannot place."""
     try:
-        return lookup(name)
+        return resolve_card(name, memory_bytes)
     except ValueError as exc:
-        raise AutotuneError(f"--gpu: {exc}") from None
+        flag = "--gpu" if memory_bytes is None else "--gpu/--gpu-memory"
+        raise AutotuneError(f"{flag}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -184,6 +193,7 @@ class EstimateConfig:
         cls,
         *,
         gpu: str | None = None,
+        gpu_memory: int | None = None,
         device_kind: DeviceKind = "cuda",
         device_name: str | None = None,
         context_bytes: int | None = None,
@@ -192,19 +202,23 @@ class EstimateConfig:
         emulation_failed: str | None = None,
         **setup: Any,
     ) -> EstimateConfig:
-        """The config from flat keywords: ``setup`` is ProbeConfig's fields, ``gpu`` a card's name.
+        """The config from flat keywords: ``setup`` is ProbeConfig's fields, ``gpu`` a card's name and
+        ``gpu_memory`` its memory in bytes where the catalog lacks the card (or it has other memory).
 
             EstimateConfig.of(budget_bytes=80 << 30, strategy="fsdp", world_size=8)
 
         Raises:
-            AutotuneError: gpu names no card of the catalog (one line listing the known ones).
+            AutotuneError: gpu names no card of the catalog and no memory is given (one line listing the
+                known ones), or a name of no family the catalog knows.
             TypeError: a keyword that is no field of either config.
         """
+        if gpu_memory is not None and gpu is None:
+            raise AutotuneError("--gpu-memory is the memory of the card --gpu names: give --gpu NAME with it")
         return cls(
             probe=ProbeConfig(**setup),
             device_kind=device_kind,
             device_name=device_name,
-            card=card_of(gpu) if gpu is not None else None,
+            card=card_of(gpu, gpu_memory) if gpu is not None else None,
             context_bytes=context_bytes,
             context_source=context_source,
             micro_batches=tuple(micro_batches),
