@@ -4,23 +4,30 @@ The truth for ``--strategy fsdp --precision bf16``, sharing no code with the pro
 way, each block then the root wrapped by ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``, the last block with ``reshard_after_forward=False`` (torchtitan's ``apply_fsdp``), no
 autocast; 2 micro-batches forward and backward, an AdamW step, zero_grad, twice. The peak is the CPU
-allocator's own count (torch.profiler's memory events summed in order), rank 0's written to a file.
+allocator's own running total of allocated bytes, rank 0's written to a file; one run per size.
 
-Each size runs until a run peaks at or below the figure asked about, at most MAX_REPEATS times: with real
-collectives the peak varies from run to run (seen: +0, +199,936,
-+347,904 and +443,904 bytes at m = 4, all on the main thread; 199,936 bytes is one block's unsharded fp32
-gradient, the reduce-scatter's input, held longer or shorter, most likely as gloo completes it), and every run
-can reach the same floor, the order in which each collective is done when issued (about one run in three
-reaches it here). That floor is what one process with a fake group measures; every run is reported, and the
-test asserts the floor is reached and no run is below it.
+Why the allocator's total and not the sum of the profiler's memory events: the profiler records the
+allocations and frees made on the threads it profiles. gloo's worker thread sometimes drops the last reference
+to a tensor (a reduce-scatter's input, one block's unsharded fp32 gradient: 199,936 bytes on the 2-layer GPT),
+and that free is no event, so the events' sum stays high for the rest of the run (+0 to +495,872 bytes seen,
+run to run). c10's CPU allocator keeps a total of what it handed out and got back, and each ``[memory]`` event
+carries it (``total_allocated``); but it counts only on profiled threads too, unless the flag
+``caffe2_report_cpu_memory_usage`` is on (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter::New/Delete).
+With the flag on from the rank's start, every thread's frees come off the total when they happen, and the
+largest total over the run's events, less the total before its first, is the same in every run: what one
+process with a fake group measures. (A peak made by an allocation on gloo's own thread would not be seen at
+an event of a profiled thread; the probe does not model one either.)
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
+import os
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,15 +35,21 @@ from torch.profiler import ProfilerActivity, profile
 
 from examples import gpt
 
-MAX_REPEATS = 16
 
-
-def run(rank: int, world_size: int, rendezvous: str, out_dir: str, floors: dict[int, int]) -> None:
+def run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int]) -> None:
     try:
-        _run(rank, world_size, rendezvous, out_dir, floors)
+        count_every_thread()
+        _run(rank, world_size, rendezvous, out_dir, sizes)
     except BaseException:
         Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
         raise
+
+
+def count_every_thread() -> None:
+    """Turn on c10's flag caffe2_report_cpu_memory_usage: the CPU allocator counts every thread's allocations
+    and frees in its total, not only the profiled threads' (no Python API sets a c10 flag; libc10 exports it)."""
+    library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
 def _steps(mesh: object, micro_batch: int) -> None:
@@ -62,38 +75,36 @@ def _steps(mesh: object, micro_batch: int) -> None:
     del model, optimizer
 
 
+def _cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
+    """(time, bytes allocated or freed, the allocator's total after it) of each CPU memory event, in order."""
+    found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            found.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    return sorted(found)
+
+
 def _peak_bytes(mesh: object, micro_batch: int) -> int:
     gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _steps(mesh, micro_batch)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
+    events = _cpu_allocations(prof)
+    _, first_bytes, first_total = events[0]
+    before = first_total - first_bytes
+    return max(total for _, _, total in events) - before
 
 
-def _runs(mesh: object, micro_batch: int, floor: int) -> list[int]:
-    """Peaks of runs at micro_batch until one is at or below floor (every rank runs as many: rank 0 decides)."""
-    peaks: list[int] = []
-    while len(peaks) < MAX_REPEATS:
-        peaks.append(_peak_bytes(mesh, micro_batch))
-        done = torch.tensor([int(peaks[-1] <= floor)])
-        dist.broadcast(done, src=0)
-        if done.item():
-            break
-    return peaks
-
-
-def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, floors: dict[int, int]) -> None:
+def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world_size,))
-        peaks = {m: _runs(mesh, m, floor) for m, floor in floors.items()}
+        peaks = {m: _peak_bytes(mesh, m) for m in sizes}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): p for m, p in peaks.items()}))
     finally:
         dist.destroy_process_group()
