@@ -24,6 +24,7 @@ __all__ = [
     "ExitCode",
     "Parser",
     "add_finetune_options",
+    "add_mesh_options",
     "add_seq_len_options",
     "add_strategy_and_plan_options",
     "check_seq_len_options",
@@ -31,6 +32,7 @@ __all__ = [
     "exit_code_of",
     "finite_positive",
     "headroom",
+    "mesh_of",
     "micro_batch_cap",
     "non_negative_int",
     "port",
@@ -156,6 +158,34 @@ def add_strategy_and_plan_options(p: argparse.ArgumentParser) -> None:
         default="balanced",
         help="balanced (default: the fewest steps, micro-batches within one of each other, "
         "e.g. 6x26 + 4x25 = 256) or divisor (equal micro-batches, e.g. 16x16)",
+    )
+
+
+def add_mesh_options(p: argparse.ArgumentParser) -> None:
+    """--tp, --pp, --pp-schedule, --pp-microbatches, --pp-virtual-stages, --cp: the job's mesh (autotune/core/mesh.py).
+    --world-size counts every rank; the data-parallel replicas are W / (tp x pp x cp)."""
+    from autotune.core.mesh import PP_SCHEDULES
+
+    g = p.add_argument_group("mesh", "model parallelism: the figures are one rank's; D = world size / (tp x pp x cp)")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (default 1)")
+    g.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b", help="the pipeline's schedule (default 1f1b)")
+    g.add_argument("--pp-microbatches", type=positive_int, help="K: micro-batches per step (default: the plan's)")
+    g.add_argument("--pp-virtual-stages", type=positive_int, help="V: model chunks per rank (interleaved-1f1b)")
+    g.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks (default 1)")
+
+
+def mesh_of(args: argparse.Namespace) -> Any:
+    """The Mesh the mesh options give (the trivial one where a command has none)."""
+    from autotune.core.mesh import Mesh
+
+    return Mesh(
+        tp=getattr(args, "tp", 1),
+        pp=getattr(args, "pp", 1),
+        cp=getattr(args, "cp", 1),
+        pp_schedule=getattr(args, "pp_schedule", "1f1b"),
+        pp_microbatches=getattr(args, "pp_microbatches", None),
+        pp_virtual_stages=getattr(args, "pp_virtual_stages", None),
     )
 
 

@@ -12,12 +12,14 @@ from typing import Any
 from autotune.cli.common import (
     EXIT_FAILED,
     CliError,
+    add_mesh_options,
     add_seq_len_options,
     add_strategy_and_plan_options,
     add_task_options,
     check_seq_len_options,
     finite_positive,
     headroom,
+    mesh_of,
     micro_batch_cap,
     positive_int,
     seq_len,
@@ -61,11 +63,14 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=size, help="bytes or 800MiB / 24GiB (required on cpu)")
     p.add_argument("--headroom", type=headroom, default=0.10, help="fraction kept free (default 0.10)")
     p.add_argument("--target-batch", type=positive_int, help="effective batch T to plan for")
-    p.add_argument("--world-size", type=world_size, default=1, help="data-parallel replicas D")
+    p.add_argument(
+        "--world-size", type=world_size, default=1, help="ranks W (data-parallel replicas D = W / (tp x pp x cp))"
+    )
     p.add_argument("--max-micro-batch", type=micro_batch_cap, default=4096)
     p.add_argument("--multiple-of", type=positive_int, default=1)
     p.add_argument("--precision", choices=PRECISIONS, help="override the task's precision")
     add_strategy_and_plan_options(p)
+    add_mesh_options(p)
     add_policy_option(p)
     add_task_options(p)
     add_seq_len_options(p)
@@ -132,6 +137,7 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
         "multiple_of": args.multiple_of,
         "precision": args.precision,
         "strategy": args.strategy,
+        "mesh": mesh_of(args),
         "plan_policy": args.plan,
     }
 

@@ -188,11 +188,19 @@ def _monotone_problems(profile: Profile, deciding: list[tuple[int, Trial]], limi
     ]
 
 
+def _m_max_for(profile: Profile, steps: int) -> int:
+    """The m_max an update of steps micro-batches is held to: a single step's (A = 1, measured by trials of
+    its own: Profile.single_step) where there is one, else the accumulating job's."""
+    if steps == 1 and profile.single_step is not None:
+        return max(profile.single_step.max_micro_batch, profile.max_micro_batch)
+    return profile.max_micro_batch
+
+
 def _plan_problems(profile: Profile) -> list[Problem]:
     plan = profile.plan
     if plan is None:
         return []
-    m_max, unit = profile.max_micro_batch, profile.multiple_of
+    m_max, unit = _m_max_for(profile, plan.accumulation_steps), profile.multiple_of
     problems = []
     sizes = [size for size, _ in plan.micro_batches]
     if plan.micro_batch > m_max:
@@ -301,8 +309,9 @@ def _throughput_problems(profile: Profile) -> list[Problem]:
         if profile.source == "estimate":
             problems.append(Problem(where, "an estimate (fake-tensor trials only) cannot have been timed"))
         sizes = [size for size, _ in timing.micro_batches]
-        if max(sizes) > profile.max_micro_batch:
-            above = f"size {max(sizes)} is above max_micro_batch {profile.max_micro_batch}"
+        m_max = _m_max_for(profile, sum(count for _, count in timing.micro_batches))
+        if max(sizes) > m_max:
+            above = f"size {max(sizes)} is above max_micro_batch {m_max}"
             problems.append(Problem(f"{where}.micro_batches", above))
         samples = timing.world_size * sum(size * count for size, count in timing.micro_batches)
         expected = samples / timing.seconds_per_update

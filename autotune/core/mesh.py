@@ -41,6 +41,13 @@ def _positive(value: object, flag: str) -> int:
     return value
 
 
+def _integer(text: str, key: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise AutotuneError(f"mesh: {key}={text!r} is not an integer") from None
+
+
 @dataclass(frozen=True)
 class Mesh:
     """The parallel degrees of a job besides data parallelism, and its pipeline's schedule.
@@ -161,6 +168,26 @@ class Mesh:
         mesh = cls(**data)
         mesh.validate()
         return mesh
+
+    def label(self) -> str:
+        """The mesh in one short text, as the fingerprint's tag and /suggest's ``mesh`` parameter carry it:
+        ``tp=2,pp=2,pp_schedule=1f1b`` ('' for the trivial mesh); :meth:`parse` reads it back."""
+        return ",".join(f"{key}={value}" for key, value in self.as_dict().items())
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """The mesh :meth:`label` wrote ('' is the trivial one).
+
+        Raises:
+            AutotuneError: a part that is not KEY=VALUE, an unknown key, or a mesh no job runs.
+        """
+        data: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise AutotuneError(f"mesh: {part!r} is not KEY=VALUE (e.g. tp=2,pp=2)")
+            data[key.strip()] = value.strip() if key.strip() == "pp_schedule" else _integer(value, key)
+        return cls.from_dict(data)
 
     def describe(self) -> str:
         """One line for a datasheet: 'tp 2 x pp 2 (1f1b, K 8)', 'no model parallelism' for the trivial mesh."""

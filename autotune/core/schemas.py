@@ -11,7 +11,7 @@ import warnings
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from autotune.core import units
 from autotune.core.policy_names import (
@@ -85,6 +85,18 @@ NonNegBytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 PosBytes = Annotated[int, Field(gt=0, le=MAX_BYTES)]
 MicroBatch = Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]
 ShortText = Annotated[str, Field(max_length=256)]
+
+
+def _valid_mesh(value: dict[str, int | str]) -> dict[str, int | str]:
+    """A mesh as Mesh.as_dict writes it (its refusal as a validation error)."""
+    from autotune.core.errors import AutotuneError
+    from autotune.core.mesh import Mesh
+
+    try:
+        Mesh.from_dict(value)
+    except (AutotuneError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
+    return value
 
 
 class _Model(BaseModel):
@@ -270,6 +282,10 @@ class Profile(_Model):
     world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
     # fsdp: the figures are rank 0's of world_size ranks, and answer only for that world size.
     strategy: Strategy = "ddp"
+    # The job's mesh (autotune/core/mesh.py, Mesh.as_dict: tp, pp, cp, the pipeline's schedule): the figures are
+    # one rank's of it, world_size counts every rank and the plan's D is world_size / (tp x pp x cp). None: no
+    # model parallelism.
+    mesh: Annotated[dict[ShortText, int | str], Field(max_length=8), AfterValidator(_valid_mesh)] | None = None
     # estimate: fake trials only (`autotune estimate`); a measurement always wins over it.
     source: Source = "measured"
     # The memory policy the trials ran under; every policy has its own profile and m_max.

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.mesh import Mesh
 from autotune.core.schemas import STRATEGIES
 from autotune.tasks.task import ProbeTask
 
@@ -226,8 +227,15 @@ class Sharded(Strategy):
         return model
 
 
-def make_strategy(name: str, world_size: int) -> Strategy:
-    """The strategy called name ("ddp" or "fsdp") at world_size."""
+def make_strategy(name: str, world_size: int, mesh: Mesh | None = None) -> Strategy:
+    """The strategy called name ("ddp" or "fsdp") at world_size; with a mesh of tp > 1, rank 0 of its
+    tensor-parallel group (autotune/measure/tensor_parallel.py), name then over the data-parallel replicas."""
+    if mesh is not None and not mesh.trivial:
+        if mesh.pp > 1 or mesh.cp > 1:
+            raise AutotuneError(f"--pp and --cp are not measured yet (asked: {mesh.describe()})")
+        from autotune.measure.tensor_parallel import TensorParallel
+
+        return TensorParallel(world_size, mesh, inner=name)
     if name == "ddp":
         return Replicated(world_size)
     if name == "fsdp":

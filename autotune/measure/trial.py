@@ -6,6 +6,11 @@ forward+backward accumulating, optimizer step, zero_grad (set_to_none=True, or F
 a second step. Each micro-batch is made just before its forward and dropped after its backward.
 The peak over all of it is the figure.
 
+A job that does not accumulate (A = 1) runs the same cycle with one micro-batch per step (``accumulation=1``):
+its second forward holds the optimizer state but no gradients (they were set to None after the first step),
+so its peak is lower by up to one gradient set. The probe measures that case as trials of its own where the
+target can be met without accumulating (autotune/orchestrate/probe.py).
+
 An OOM is a result: everything the trial held is released before this function returns, and
 the next measurement is as clean as a fresh process's. Any other error stops the probe.
 """
@@ -185,18 +190,26 @@ def _require_module(task: ProbeTask, model: Any) -> None:
         raise TaskError(f"model() of task {task.name!r} returned {type(model).__name__}, not an nn.Module")
 
 
-def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, model: nn.Module) -> None:
-    """The measured work. Everything it creates (optimizer and its state, batches, activations)
-    lives in this frame and dies with it; the model's gradients are dropped by the caller."""
+def _cycle(
+    task: ProbeTask,
+    meter: Meter,
+    micro_batch: int,
+    strategy: Strategy,
+    model: nn.Module,
+    accumulation: int = MICRO_BATCHES_PER_STEP,
+) -> None:
+    """The measured work: OPTIMIZER_STEPS steps of ``accumulation`` micro-batches each. Everything it creates
+    (optimizer and its state, batches, activations) lives in this frame and dies with it; the model's
+    gradients are dropped by the caller."""
     device = meter.device
     optimizer = task.make_optimizer(model)
     scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
     for _ in range(OPTIMIZER_STEPS):
-        for index in range(MICRO_BATCHES_PER_STEP):
-            with strategy.sync(model, last=index == MICRO_BATCHES_PER_STEP - 1):
+        for index in range(accumulation):
+            with strategy.sync(model, last=index == accumulation - 1):
                 batch = make_batch(task, micro_batch, device)
                 with strategy.autocast(task.precision, device):
-                    loss = task.compute_loss(model, batch) / MICRO_BATCHES_PER_STEP
+                    loss = task.compute_loss(model, batch) / accumulation
                 if scaler is not None:
                     scaler.scale(loss).backward()
                 else:
@@ -213,10 +226,15 @@ def _cycle(task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, 
 
 
 def _fresh_cycle(
-    task: ProbeTask, meter: Meter, micro_batch: int, strategy: Strategy, meta_model: nn.Module | None
+    task: ProbeTask,
+    meter: Meter,
+    micro_batch: int,
+    strategy: Strategy,
+    meta_model: nn.Module | None,
+    accumulation: int = MICRO_BATCHES_PER_STEP,
 ) -> None:
     model = strategy.wrap(build_model(task, meter, meta_model), task, meter.device)
-    _cycle(task, meter, micro_batch, strategy, model)
+    _cycle(task, meter, micro_batch, strategy, model, accumulation)
 
 
 def run_trial(
@@ -227,6 +245,7 @@ def run_trial(
     limit_bytes: int,
     strategy: Strategy | None = None,
     model: nn.Module | None = None,
+    accumulation: int = MICRO_BATCHES_PER_STEP,
 ) -> Trial:
     """Measure one trial at micro_batch.
 
@@ -239,6 +258,8 @@ def run_trial(
             must be entered.
         model: a model built by ``build_model`` and wrapped by the strategy, reused across trials
             (see :class:`TrialRunner`); None builds a fresh one inside the measured span.
+        accumulation: micro-batches per optimizer step (2: an accumulating job; 1: a job that does not
+            accumulate, whose forwards never hold a gradient set).
 
     Returns:
         A Trial; ``oom`` when the budget was crossed, ``fits`` when the peak is within limit_bytes.
@@ -255,9 +276,9 @@ def run_trial(
     try:
         with meter.measure():
             if model is None:
-                _fresh_cycle(task, meter, micro_batch, strategy, meta_model)
+                _fresh_cycle(task, meter, micro_batch, strategy, meta_model, accumulation)
             else:
-                _cycle(task, meter, micro_batch, strategy, model)
+                _cycle(task, meter, micro_batch, strategy, model, accumulation)
     except TaskError:
         meter.release()
         raise
@@ -353,10 +374,13 @@ class TrialRunner:
         limit_bytes: int,
         strategy: Strategy | None = None,
         reuse_model: bool = True,
+        accumulation: int = MICRO_BATCHES_PER_STEP,
     ) -> None:
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
         self.strategy = strategy or Replicated(1)
         self.reuse_model = reuse_model
+        # Micro-batches per step of every trial (1: the job that does not accumulate, see run_trial).
+        self.accumulation = accumulation
         self.warnings: list[str] = []
         self._model: nn.Module | None = None
 
@@ -394,6 +418,7 @@ class TrialRunner:
                 limit_bytes=self.limit_bytes,
                 strategy=self.strategy,
                 model=model,
+                accumulation=self.accumulation,
             )
             del_model = trial.oom
             return trial

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from autotune.core.cards import Card, resolve_card
 from autotune.core.errors import AutotuneError, BudgetError
+from autotune.core.mesh import Mesh
 from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, plan
 from autotune.core.schemas import PRECISIONS, STRATEGIES, Plan, Precision, Strategy
 
@@ -67,6 +68,9 @@ class ProbeConfig:
     seq_lens: tuple[int, ...] = ()
     max_seq_len: int | None = None
     target_tokens: int | None = None
+    # The job's mesh (autotune/core/mesh.py): tensor, pipeline and context parallel degrees; world_size counts
+    # every rank, and the plan's D is the data-parallel replicas W / (tp x pp x cp).
+    mesh: Mesh = Mesh()
 
     def validate(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -92,6 +96,13 @@ class ProbeConfig:
         # The Literals type the fields for the code; a caller's string is still checked here, in one line.
         if self.strategy not in STRATEGIES:
             raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        self.mesh.validate(self.world_size)
+        if self.strategy == "fsdp" and not self.mesh.trivial and self.mesh.data_parallel(self.world_size) < 2:
+            raise AutotuneError(
+                f"--strategy fsdp shards over the data-parallel replicas, and --world-size {self.world_size} over "
+                f"{self.mesh.describe()} leaves {self.mesh.data_parallel(self.world_size)}: use --strategy ddp or a "
+                "larger --world-size"
+            )
         if self.strategy == "fsdp" and self.world_size < 2:
             raise AutotuneError(
                 f"--strategy fsdp needs --world-size of at least 2 (got {self.world_size}): "
@@ -123,6 +134,11 @@ class ProbeConfig:
             )
         return task
 
+    @property
+    def data_parallel(self) -> int:
+        """D: the data-parallel replicas the plan holds T = m x A x D over (world_size over the mesh)."""
+        return self.mesh.data_parallel(self.world_size)
+
     def with_setup(self, **changes: Any) -> ProbeConfig:
         """This config with some of its fields changed (EstimateConfig.with_setup changes its probe's)."""
         return dataclasses.replace(self, **changes)
@@ -134,7 +150,7 @@ class ProbeConfig:
         if self.target_batch:
             try:
                 the_plan = plan(
-                    m_max, self.target_batch, self.world_size, multiple_of=self.multiple_of, policy=self.plan_policy
+                    m_max, self.target_batch, self.data_parallel, multiple_of=self.multiple_of, policy=self.plan_policy
                 )
             except ValueError as exc:  # the measurement stands even where no plan reaches the target
                 warnings.append(f"no plan: {exc}")

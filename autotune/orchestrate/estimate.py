@@ -95,7 +95,7 @@ def estimate(
     device_type, semantics = estimate_device_type(config.device_kind)
     warnings.extend([semantics] if semantics else [])
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
-    strategy = make_strategy(setup.strategy, setup.world_size)
+    strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
     no_fit: NoFitError | None = None
     # A shared fake model lives in its caller's process group; a model of its own needs one.

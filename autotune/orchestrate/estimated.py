@@ -58,7 +58,7 @@ def estimated_profile(
             f"{max_micro_batch} is the largest below it, so every size up to it fits"
         )
     profile = Profile(
-        fingerprint=task_fingerprint(task, strategy=setup.strategy, world_size=setup.world_size),
+        fingerprint=task_fingerprint(task, strategy=setup.strategy, world_size=setup.world_size, mesh=setup.mesh),
         task=task.name,
         device=device,
         devices=[device],
@@ -71,6 +71,7 @@ def estimated_profile(
         multiple_of=setup.multiple_of,
         world_size=setup.world_size,
         strategy=setup.strategy,
+        mesh=setup.mesh.as_dict() or None,
         activation_checkpointing=task.activation_checkpointing,
         source="estimate",
         seq_len=task.seq_len,

@@ -480,7 +480,7 @@ def probe_lengths(
     meter = make_meter(resolve_device(config.device), config.budget_bytes)
     try:
         limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
-        strategy = make_strategy(config.strategy, config.world_size)
+        strategy = make_strategy(config.strategy, config.world_size, config.mesh)
 
         def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
             # One length's probe: its target in sequences, and no lengths of its own.
@@ -548,7 +548,7 @@ def estimate_lengths(
     assert setup.budget_bytes is not None  # validate() refused None
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
     device_type, _ = estimate_device_type(config.device_kind)
-    strategy = make_strategy(setup.strategy, setup.world_size)
+    strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
     held = fake_strategy(strategy)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
 

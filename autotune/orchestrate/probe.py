@@ -190,8 +190,8 @@ def probe_with_meter(
         )
     task = config.applied_to(task)
     started = time.perf_counter()
-    strategy = make_strategy(config.strategy, config.world_size)
-    fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size)
+    strategy = make_strategy(config.strategy, config.world_size, config.mesh)
+    fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size, mesh=config.mesh)
     limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
     warnings: list[str] = []
 
@@ -250,6 +250,7 @@ def probe_with_meter(
         multiple_of=config.multiple_of,
         world_size=config.world_size,
         strategy=config.strategy,
+        mesh=config.mesh.as_dict() or None,
         activation_checkpointing=task.activation_checkpointing,
         seq_len=task.seq_len,
         non_monotone=decrease is not None,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.core.mesh import Mesh
 from autotune.tasks.optimizers import optimizer_factory
 from autotune.tasks.task import OptimizerFactory, ProbeTask, default_optimizer, takes_model
 
@@ -239,7 +240,7 @@ def _build_for_fingerprint(task: ProbeTask) -> nn.Module:
         return task.model()
 
 
-def task_fingerprint(task: ProbeTask, *, strategy: str = "ddp", world_size: int = 1) -> str:
+def task_fingerprint(task: ProbeTask, *, strategy: str = "ddp", world_size: int = 1, mesh: Mesh | None = None) -> str:
     """The fingerprint of a ProbeTask: its model, batch(1), optimizer, precision and tags; under
     ``fsdp`` the strategy and the world size too, since each rank's memory depends on them (a ddp
     fingerprint stays what it was, so that profiles stored before strategies still match). A
@@ -255,6 +256,10 @@ def task_fingerprint(task: ProbeTask, *, strategy: str = "ddp", world_size: int 
         # autocast, and the last block stays unsharded after forward. Every fsdp profile stored before
         # measured the old layout (and bf16 then meant autocast on top), so none may answer the new one.
         tags["autotune.fsdp_layout"] = "torchtitan"
+    if mesh is not None and not mesh.trivial:
+        # One rank of a mesh holds its share of the model: each mesh is its own setup. The trivial mesh
+        # adds nothing, so every fingerprint from before meshes stays what it was.
+        tags["autotune.mesh"] = mesh.label()
     if task.sequence_aware:
         signature = sequence_signature(task)
         return fingerprint_model(

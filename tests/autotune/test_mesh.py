@@ -74,3 +74,14 @@ def test_the_trivial_mesh_records_nothing_and_every_mesh_round_trips() -> None:
     assert Mesh(tp=2, pp=2, pp_microbatches=8).describe() == "tp 2 x pp 2 (1f1b, K 8)"
     with pytest.raises(AutotuneError, match="unknown field"):
         Mesh.from_dict({"ep": 2})
+
+
+def test_the_label_reads_back_and_the_trivial_mesh_is_the_empty_label() -> None:
+    assert Mesh().label() == "" and Mesh.parse("") == Mesh()
+    mesh = Mesh(tp=2, pp=2, pp_schedule="gpipe", pp_microbatches=4)
+    assert mesh.label() == "tp=2,pp=2,pp_schedule=gpipe,pp_microbatches=4"
+    assert Mesh.parse(mesh.label()) == mesh
+    with pytest.raises(AutotuneError, match="not KEY=VALUE"):
+        Mesh.parse("tp2")
+    with pytest.raises(AutotuneError, match="not an integer"):
+        Mesh.parse("tp=two")

@@ -1,0 +1,238 @@
+"""Tensor parallelism (``--tp N``): one rank of a tensor-parallel group, measured in one process.
+
+As ``--strategy fsdp`` does, one process answers for rank 0 of the job's W ranks through a fake process
+group of size W: the device mesh is ``(dp, tp)`` with ``dp = D = W / tp`` (autotune/core/mesh.py), the model
+is parallelized over the ``tp`` dimension with DTensor's ``parallelize_module`` (each rank really holds its
+shard of every planned weight, its gradient and its optimizer state, and the activations between a
+column-wise and a row-wise layer are the rank's share of the heads or of the MLP's width), the collectives do
+nothing and the buffers they return are real. Under ``--strategy fsdp`` each block, then the root, is then
+sharded over the ``dp`` dimension (FSDP2 on a 2-D mesh, torchtitan's ``apply_fsdp`` after ``apply_tp``).
+
+The plan. For a task that gives ``tp_plan`` (module name patterns, ``*`` for a block's index, to a style),
+that one; for an ``hf:`` task, the plan transformers applies with ``from_pretrained(tp_plan="auto")``: the
+model's own ``_tp_plan`` (the config's ``base_model_tp_plan`` under the base model's prefix, and the
+class's, e.g. ``lm_head: colwise_gather_output``). The styles are transformers' names, translated to
+PyTorch's ParallelStyles:
+
+    colwise                 ColwiseParallel()                              (output sharded on the last dim)
+    rowwise                 RowwiseParallel()                              (output all-reduced)
+    colwise_gather_output   ColwiseParallel(output_layouts=Replicate())    (the LM head's logits gathered)
+    rowwise_split_input     RowwiseParallel(input_layouts=Replicate())
+    embedding_rowwise       RowwiseParallel(input_layouts=Replicate())     (vocabulary-parallel embedding)
+    sequence_parallel       SequenceParallel()
+    replicate               nothing: every rank holds the whole module
+
+A style this does not translate (packed and expert-parallel ones) is refused in one line, as is a model
+with no plan, and a model whose heads or key-value heads tp does not divide.
+
+What is assumed: every rank of the tp group holds the same shapes (the divisibility checks make it so), so
+rank 0 is the most loaded; under ``--strategy ddp`` with D > 1 the DDP buckets over the ``dp`` dimension
+are not counted (the figures are the tp rank's without them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.mesh import Mesh
+from autotune.measure.strategies import Sharded, Strategy, _fsdp_api
+from autotune.tasks.task import ProbeTask
+
+__all__ = ["TP_STYLES", "TensorParallel", "check_tp_plan", "tp_plan_of"]
+
+TP_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "embedding_rowwise",
+    "sequence_parallel",
+    "replicate",
+)
+# The config attributes that count heads, as the families spell them.
+_HEAD_KEYS = (("num_attention_heads", "heads"), ("num_key_value_heads", "key-value heads"), ("n_head", "heads"))
+
+
+def _style(name: str, where: str) -> Any:
+    """PyTorch's ParallelStyle for a style of transformers' vocabulary (None for replicate)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name in ("colwise_gather_output", "colwise_rep"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if name in ("rowwise_split_input", "rowwise_rep", "embedding_rowwise"):
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "sequence_parallel":
+        return SequenceParallel()
+    if name == "replicate":
+        return None
+    raise TaskError(
+        f"--tp: the tensor-parallel style {name!r} of {where} is not one this measures "
+        f"({', '.join(TP_STYLES)}, or a torch ParallelStyle in the task's tp_plan)"
+    )
+
+
+def tp_plan_of(model: nn.Module, task: ProbeTask) -> Mapping[str, Any] | None:
+    """The plan the job applies: the task's ``tp_plan``, else the model's own (transformers' ``_tp_plan``
+    of the instance, which holds the config's ``base_model_tp_plan`` under the base model's prefix), else
+    None."""
+    given = getattr(task, "tp_plan", None)
+    if given:
+        return dict(given)
+    own = getattr(model, "_tp_plan", None)
+    if isinstance(own, Mapping) and own:
+        return dict(own)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if isinstance(base, Mapping) and base:
+        prefix = getattr(model, "base_model_prefix", "")
+        if prefix and hasattr(model, prefix):
+            return {f"{prefix}.{key}": value for key, value in base.items()}
+        return dict(base)
+    return None
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    # "model.layers.*.mlp.up_proj": a star stands for one name (a block's index), as in transformers' plans.
+    return re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
+
+
+def _resolved(model: nn.Module, plan: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Each module the plan names, with its ParallelStyle (replicated ones left out)."""
+    patterns = [(key, _pattern(key), value) for key, value in plan.items()]
+    styles: dict[str, Any] = {}
+    matched: set[str] = set()
+    for name, _ in model.named_modules():
+        for key, pattern, value in patterns:
+            if name and pattern.match(name):
+                matched.add(key)
+                style = _style(value, f"{key} in {where}") if isinstance(value, str) else value
+                if style is not None:
+                    styles[name] = style
+                break
+    if not styles:
+        raise TaskError(f"--tp: the tensor-parallel plan of {where} names no module of the model ({', '.join(plan)})")
+    return styles
+
+
+def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int, where: str) -> None:
+    """Refuse a tp that does not divide the heads, the key-value heads or a planned layer's sharded width."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    config: Any = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key, what in _HEAD_KEYS:
+        value = getattr(text_config, key, None)
+        if isinstance(value, int) and value % tp:
+            raise TaskError(f"--tp {tp} does not divide the {value} {what} of {where} ({key})")
+    modules = dict(model.named_modules())
+    for name, style in styles.items():
+        module = modules[name]
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        if isinstance(style, ColwiseParallel):
+            dim = 0
+        elif isinstance(style, RowwiseParallel):
+            dim = 1 if isinstance(module, nn.Linear) else 0
+        else:
+            continue
+        if weight.shape[dim] % tp:
+            raise TaskError(f"--tp {tp} does not divide {name}'s sharded width {weight.shape[dim]} in {where}")
+
+
+def check_tp_plan(model: nn.Module, task: ProbeTask, tp: int) -> dict[str, Any]:
+    """The model's tensor-parallel plan as PyTorch's ParallelStyles by module name, checked for tp.
+
+    Raises:
+        TaskError: no plan (neither the task's ``tp_plan`` nor the model's own), a style this does not
+            measure, a plan that names no module, or heads, key-value heads or a sharded width tp does not
+            divide (one line each).
+    """
+    where = f"{type(model).__name__} of task {task.name!r}"
+    plan = tp_plan_of(model, task)
+    if not plan:
+        raise TaskError(
+            f"--tp {tp}: {where} has no tensor-parallel plan: give the task one (ProbeTask(tp_plan={{...}})) "
+            "or use an hf: config whose model ships one (base_model_tp_plan)"
+        )
+    styles = _resolved(model, plan, where)
+    _check_divisible(model, styles, tp, where)
+    return styles
+
+
+class TensorParallel(Strategy):
+    """Rank 0 of W: the model parallelized over tp ranks, then (``inner`` fsdp) sharded over the D replicas."""
+
+    def __init__(self, world_size: int, mesh: Mesh, *, inner: str = "ddp", device_mesh: Any = None) -> None:
+        super().__init__(world_size)
+        replicas = mesh.data_parallel(world_size)
+        if inner == "fsdp" and replicas < 2:
+            raise AutotuneError(
+                f"--strategy fsdp with --tp {mesh.tp} needs at least 2 data-parallel replicas: --world-size "
+                f"{world_size} / --tp {mesh.tp} is {replicas} (use --strategy ddp, or a larger --world-size)"
+            )
+        self.name = inner
+        self.mesh = mesh
+        self.replicas = replicas
+        self.inner = inner
+        # A (dp, tp) mesh of a real process group (one process per rank): the rank is measured as it is.
+        self._given_mesh = device_mesh
+        self._device_mesh: Any = device_mesh
+
+    @property
+    def describes_replicas(self) -> bool:
+        return False
+
+    def autocast_dtype(self, precision: str) -> torch.dtype | None:
+        if self.inner == "fsdp" and precision == "bf16":
+            return None  # FSDP2's MixedPrecisionPolicy alone, as Sharded runs it
+        return super().autocast_dtype(precision)
+
+    @contextmanager
+    def process_group(self, device: torch.device) -> Iterator[Any]:
+        _, _, fake_store = _fsdp_api()
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self._given_mesh is not None:
+            yield self._given_mesh.get_group("tp")
+            return
+        if dist.is_initialized():
+            raise AutotuneError(
+                "--tp probes rank 0 of N through a fake process group, and a process group is already "
+                "initialized in this process: probe before init_process_group, or from `autotune probe`"
+            )
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
+        try:
+            self._device_mesh = init_device_mesh(
+                device.type, (self.replicas, self.mesh.tp), mesh_dim_names=("dp", "tp")
+            )
+            yield dist.group.WORLD
+        finally:
+            self._device_mesh = None
+            dist.destroy_process_group()
+
+    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        styles = check_tp_plan(model, task, self.mesh.tp)
+        # src_data_rank=None: each rank keeps its own initial shard (no scatter from rank 0), as a job
+        # that loads its weights afterwards does; the shapes, and so the memory, are the same.
+        parallelize_module(model, self._device_mesh["tp"], styles, src_data_rank=None)
+        if self.inner == "fsdp":
+            Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
+        return model

@@ -1,0 +1,121 @@
+"""A job that does not accumulate (A = 1; issue 33, item 8): one micro-batch, then the step. Its forwards hold
+no gradient set, so it fits more than the accumulating job the probe's ordinary trial measures; where the
+target can be met in one step (or there is no target) the probe measures that case by trials of its own and
+the plan uses it.
+
+The truth is the CPU allocator's own count (torch.profiler's memory events, summed in order) of the model
+built and trained the ordinary way with one micro-batch per step, written out below with no project code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from functools import cache
+
+import pytest
+from torch.profiler import ProfilerActivity, profile
+
+from autotune.cli.report import datasheet
+from autotune.core.consistency import profile_problems
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.task import ProbeTask
+from examples.gpt import GPTConfig, make_task
+from tests.autotune._allocator_truth import allocator_peak_bytes
+
+TINY = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=2)
+TASK = make_task(TINY)
+# The size the budget is set at: between the single step's peak and the accumulating job's there.
+M = 16
+
+
+def single_step_peak_bytes(task: ProbeTask, micro_batch: int) -> int:
+    """The CPU allocator's peak over the model built by its factory and two ordinary steps of one micro-batch."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = task.model()
+        model.train()
+        optimizer = task.make_optimizer(model.parameters())
+        for _ in range(2):
+            batch = task.batch(micro_batch)
+            loss = task.compute_loss(model, batch)
+            loss.backward()
+            del batch, loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del model, optimizer
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@cache
+def budget() -> int:
+    """A budget the single step at M fits and the accumulating job at M does not (one gradient set apart)."""
+    single, accumulating = single_step_peak_bytes(TASK, M), allocator_peak_bytes(TASK, M)
+    assert single < accumulating
+    return (single + accumulating) // 2
+
+
+def _config(**changes: object) -> ProbeConfig:
+    return dataclasses.replace(
+        ProbeConfig(device="cpu", budget_bytes=budget(), headroom=0, max_micro_batch=64), **changes
+    )
+
+
+def test_without_a_target_the_single_step_is_measured_and_exact_against_the_allocator() -> None:
+    profile_ = probe(TASK, _config())
+    single = profile_.single_step
+    assert single is not None and single.cap == 64
+    m_max = single.max_micro_batch
+    assert m_max == M and profile_.max_micro_batch < M  # one micro-batch more than the accumulating job
+    at_max, past_max = single_step_peak_bytes(TASK, m_max), single_step_peak_bytes(TASK, m_max + 1)
+    assert at_max <= budget() < past_max
+    peaks = {t.micro_batch: t.peak_bytes for t in single.trials}
+    assert peaks[m_max] == at_max and peaks[m_max + 1] == past_max
+    assert profile_.plan is None and not profile_problems(profile_)
+    assert "without accumulation (A = 1: one micro-batch, then the step) micro-batch 16 fits" in datasheet(profile_)
+
+
+def test_a_target_met_in_one_step_is_planned_without_accumulation() -> None:
+    profile_ = probe(TASK, _config(target_batch=M))
+    assert profile_.single_step is not None and profile_.single_step.cap == M
+    plan = profile_.plan
+    assert plan is not None and (plan.micro_batch, plan.accumulation_steps, plan.exact) == (M, 1, True)
+    assert profile_.max_micro_batch < M and not profile_problems(profile_)
+    assert any(f"target {M} is met without accumulation (A = 1)" in w for w in profile_.warnings)
+
+
+def test_a_target_one_step_cannot_hold_accumulates() -> None:
+    profile_ = probe(TASK, _config(target_batch=M + 1))
+    single = profile_.single_step
+    assert single is not None and single.max_micro_batch == M and single.cap == M + 1
+    plan = profile_.plan
+    assert plan is not None and plan.accumulation_steps >= 2 and plan.micro_batch <= profile_.max_micro_batch
+    assert any("the plan accumulates" in w for w in profile_.warnings)
+
+
+def test_no_single_step_search_where_it_cannot_change_the_answer() -> None:
+    # A target the accumulating trial already holds in one step: that trial, a gradient set heavier, bounds it.
+    below = probe(TASK, _config(target_batch=4))
+    assert below.single_step is None and below.plan is not None and below.plan.accumulation_steps == 1
+    # Gradients kept between steps: a single step's forward holds them too.
+    keep = probe(dataclasses.replace(TASK, zero_grad="keep"), _config())
+    assert keep.single_step is None
+
+
+@pytest.mark.parametrize("micro_batch", [1, 7])
+def test_the_single_step_trial_is_the_ordinary_one_micro_batch_loop(micro_batch: int) -> None:
+    """The trial itself, away from any boundary: byte for byte the allocator's count."""
+    from autotune.measure.meters.cpu import CpuMeter
+    from autotune.measure.trial import TrialRunner
+
+    runner = TrialRunner(TASK, CpuMeter(1 << 30), limit_bytes=1 << 30, accumulation=1, reuse_model=False)
+    try:
+        trial = runner(micro_batch)
+    finally:
+        runner.close()
+    assert trial.peak_bytes == single_step_peak_bytes(TASK, micro_batch)
