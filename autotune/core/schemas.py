@@ -41,6 +41,7 @@ __all__ = [
     "Plan",
     "Precision",
     "Profile",
+    "SingleStep",
     "Source",
     "Strategy",
     "SuggestQuery",
@@ -264,6 +265,22 @@ class Surface(_Model):
         return self
 
 
+class SingleStep(_Model):
+    """A job that does not accumulate (A = 1: one micro-batch, then the step): measured by trials of its own,
+    whose forwards hold no gradient set (autotune/measure/trial.py), so it fits up to one gradient set more
+    than the accumulating job of ``Profile.max_micro_batch``. Measured where the target can be met without
+    accumulating (no target, or target / world size above the accumulating m_max and within the cap).
+
+    ``max_micro_batch`` is the largest size whose single-step trial fits, searched up to ``cap`` (the
+    profile's cap, or the target's size per replica: larger sizes would not be run without accumulating).
+    ``trials`` are those single-step trials, apart from the profile's (accumulating) ones.
+    """
+
+    max_micro_batch: MicroBatch
+    cap: MicroBatch
+    trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
+
+
 class Profile(_Model):
     """The datasheet of one job setup on one device model (docs/design.md, "Contracts")."""
 
@@ -308,6 +325,8 @@ class Profile(_Model):
     expandable_segments: bool | None = None
     reserved_gap_bytes: NonNegBytes | None = None
     plan: Plan | None = None
+    # A = 1 (no accumulation), where it applies: a plan with one step per update may use its m_max.
+    single_step: SingleStep | None = None
     trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
     fit: Fit | None = None
     trial_count: Annotated[int, Field(ge=0, le=10_000)] = 0

@@ -17,8 +17,8 @@ import autotune
 from autotune.core import units
 from autotune.core.consistency import check_profile
 from autotune.core.errors import DeviceError, TaskError
-from autotune.core.plan import nonnegative_fit
-from autotune.core.schemas import Fit, Profile, Trial
+from autotune.core.plan import nonnegative_fit, plan
+from autotune.core.schemas import Fit, Profile, SingleStep, Trial
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
 from autotune.measure.strategies import Replicated, Strategy, make_strategy
@@ -126,6 +126,85 @@ def _search(
     return result, fake, hint if fake is not None and fake.trials else None
 
 
+def single_step_cap(task: ProbeTask, config: ProbeConfig, m_max: int) -> int | None:
+    """The largest micro-batch a job that does not accumulate (A = 1) would run, where measuring that case
+    can change the answer: without a target the probe's cap (the job runs one micro-batch per step), with one
+    the size per replica that meets it in one step, where that is above the accumulating m_max (at or below
+    it the accumulating trial, which holds a gradient set more, already bounds it) and within the cap. None
+    where it cannot: a job that keeps its gradients between steps (--zero-grad keep) holds them in a single
+    step's forward too."""
+    if not task.zero_grad_to_none:
+        return None
+    cap = config.max_micro_batch
+    if config.target_batch:
+        try:
+            one_step = plan(cap, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+        except ValueError:
+            return None
+        if one_step.accumulation_steps != 1:  # the target per replica is above the cap
+            return None
+        cap = one_step.micro_batch
+    return cap if cap > m_max else None
+
+
+def _search_single_step(
+    task: ProbeTask,
+    meter: Meter,
+    config: ProbeConfig,
+    strategy: Strategy,
+    limit_bytes: int,
+    m_max: int,
+    cap: int,
+    guide: Fit | None,
+    warnings: list[str],
+    on_trial: Callable[[Trial], None] | None,
+) -> SingleStep | None:
+    """m_max of the job that does not accumulate (one micro-batch per step), up to cap, by trials of its own
+    (TrialRunner(accumulation=1)), starting from the accumulating job's m_max, which holds a gradient set
+    more and so fits here too."""
+    runner = TrialRunner(
+        task, meter, limit_bytes=limit_bytes, strategy=strategy, reuse_model=config.reuse_model, accumulation=1
+    )
+
+    def trial(micro_batch: int) -> Trial:
+        result = runner(micro_batch)
+        if on_trial is not None:
+            on_trial(result)
+        return result
+
+    try:
+        found = find_max_micro_batch(
+            trial, limit_bytes=limit_bytes, max_micro_batch=cap, multiple_of=config.multiple_of, hint=m_max, guide=guide
+        )
+    except NoFitError:  # not even the accumulating m_max: nothing to add
+        return None
+    finally:
+        runner.close()
+        for warning in runner.warnings:
+            if warning not in warnings:
+                warnings.append(warning)
+    return SingleStep(max_micro_batch=found.max_micro_batch, cap=cap, trials=found.trials)
+
+
+def _single_step_warning(single: SingleStep, m_max: int, config: ProbeConfig) -> str:
+    """What the datasheet says of the job that does not accumulate: which case applies."""
+    gain = f"{single.max_micro_batch} fits (the accumulating job's {m_max}: its forwards hold a gradient set)"
+    if not config.target_batch:
+        return (
+            f"without accumulation (A = 1: one micro-batch, then the step) micro-batch {gain}; measured by "
+            f"single-step trials up to {single.cap}"
+        )
+    if single.max_micro_batch >= single.cap:
+        return (
+            f"target {config.target_batch} is met without accumulation (A = 1): micro-batch {single.cap} per replica "
+            f"in one step, measured by single-step trials; an accumulating job fits {m_max}"
+        )
+    return (
+        f"target {config.target_batch} needs micro-batch {single.cap} per replica without accumulation, and a "
+        f"single step fits {single.max_micro_batch}: the plan accumulates (A >= 2, micro-batch at most {m_max})"
+    )
+
+
 # The warning's opening, where the caching allocator's model predicted the real search's start.
 RESERVED_PREDICTION = "the caching allocator's model predicted max micro-batch"
 
@@ -196,6 +275,7 @@ def probe_with_meter(
     warnings: list[str] = []
 
     no_fit: NoFitError | None = None
+    single: SingleStep | None = None
     with strategy.process_group(meter.device):
         if isinstance(strategy, Replicated) and config.world_size > 1 and not strategy.measures_buckets:
             warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
@@ -204,6 +284,21 @@ def probe_with_meter(
                 result, fake, predicted = _search(
                     task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched
                 )
+                cap = single_step_cap(task, config, result.max_micro_batch)
+                if cap is not None:  # A = 1 can apply: measured as a case of its own
+                    guide = fake.fit if fake is not None else None
+                    single = _search_single_step(
+                        task,
+                        meter,
+                        config,
+                        strategy,
+                        limit_bytes,
+                        result.max_micro_batch,
+                        cap,
+                        guide,
+                        warnings,
+                        on_trial,
+                    )
         except NoFitError as exc:  # diagnosed by fake trials, outside this process group
             no_fit = exc
     if no_fit is not None:
@@ -227,7 +322,12 @@ def probe_with_meter(
     if predicted is not None and predicted != m_max:
         what = RESERVED_PREDICTION if meter.device.type == "cuda" else "the fake pre-search predicted max micro-batch"
         warnings.append(f"{what} {predicted}; the real trials found {m_max}")
-    the_plan = config.plan_for(m_max, warnings)
+    plan_m = m_max
+    if single is not None:
+        warnings.append(_single_step_warning(single, m_max, config))
+        if config.target_batch and single.max_micro_batch >= single.cap:  # the target in one step
+            plan_m = single.max_micro_batch
+    the_plan = config.plan_for(plan_m, warnings)
     chosen = the_plan.micro_batch if the_plan else m_max
     if chosen < BATCHNORM_SMALL_MICRO_BATCH and _has_batchnorm(task):
         warnings.append(
@@ -257,6 +357,7 @@ def probe_with_meter(
         expandable_segments=meter.expandable_segments(),
         reserved_gap_bytes=reserved_gap_at(result.trials, m_max),
         plan=the_plan,
+        single_step=single,
         trials=[*fake_trials, *result.trials],
         fit=nonnegative_fit(_guide(fake, result) if fake is not None else result.fit),
         trial_count=len(result.trials),
