@@ -185,7 +185,10 @@ def test_cli_writes_the_spec_and_zero_grad_into_the_hf_spec_and_refuses_bad_ones
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     spec = f"hf:{write_config(tmp_path, 'llama')}"
-    common = ["--device", "cpu", "--no-throughput", "--seq-len", "16", "--budget", "4MiB", "--target-batch", "8"]
+    # No pre-search: the test is about the spec, the tags and the fingerprint; the pre-search's longest-length
+    # search and surface took 15 s a probe here.
+    common = ["--device", "cpu", "--no-throughput", "--no-presearch", "--seq-len", "16", "--budget", "4MiB"]
+    common += ["--target-batch", "8"]
     assert main(["probe", spec, *common, "--json"]) == 0
     (plain,) = json.loads(capsys.readouterr().out)
     assert main(["probe", spec, *common, "--json", "--optimizer", "adamw8bit", "--zero-grad", "keep"]) == 0
