@@ -278,7 +278,7 @@ def _lora_dropout(text: str) -> float:
 
 
 # The options of hf: tasks that say which model is fine-tuned and how (autotune/tasks/hf.py).
-_FINETUNE_DESTS = ("hf_class", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "weights_dtype")
+_FINETUNE_DESTS = ("hf_class", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "weights_dtype", "quantize")
 
 
 def add_finetune_options(p: argparse.ArgumentParser) -> None:
@@ -305,6 +305,12 @@ def add_finetune_options(p: argparse.ArgumentParser) -> None:
         choices=("fp32", "bf16", "fp16"),
         help="hf: tasks: the dtype the model is held in, gradients and optimizer state following "
         "(default fp32; not --precision, which autocasts over the weights)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("nf4",),
+        help="hf: tasks, with --lora-rank: the base's linear layers in 4-bit NF4 as bitsandbytes holds them "
+        "(QLoRA; docs/fine-tuning.md)",
     )
 
 

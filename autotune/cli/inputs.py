@@ -40,6 +40,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_gpu_memory(args)
     _check_budget_on_cards(args)
     _check_database_url(args)
+    _check_quantize(args)
     _check_verify_sizes(args)
 
 
@@ -248,4 +249,20 @@ def _check_verify_sizes(args: argparse.Namespace) -> None:
         raise CliError(
             f"--micro-batch {micro} is {rule} --target-batch {target}: verify compares one batch of the target "
             "with its accumulation over smaller micro-batches"
+        )
+
+
+def _check_quantize(args: argparse.Namespace) -> None:
+    """--quantize: a 4-bit base under LoRA (QLoRA), on one replica or ddp (autotune/tasks/quantize.py)."""
+    quantize = getattr(args, "quantize", None)
+    if quantize is None:
+        return
+    if getattr(args, "lora_rank", None) is None:
+        raise CliError(
+            f"--quantize {quantize} needs --lora-rank R: a 4-bit base is frozen, only LoRA adapters over it train"
+        )
+    if getattr(args, "strategy", "ddp") == "fsdp":
+        raise CliError(
+            f"--quantize {quantize} with --strategy fsdp: sharding a 4-bit base (FSDP-QLoRA, bf16 quant storage) "
+            "is not measured; use ddp"
         )

@@ -47,6 +47,10 @@ def estimated_profile(
     assert setup.budget_bytes is not None
     if setup.strategy == "ddp" and setup.world_size > 1:
         warnings.append(DDP_BUCKETS_LEFT_OUT)
+    if task.tags.get("quantize"):
+        from autotune.tasks.quantize import fake_kernel_note
+
+        warnings.append(fake_kernel_note(str(task.tags["quantize"]), config.device_kind))
     the_plan = setup.plan_for(max_micro_batch, warnings)
     above = non_monotone_sizes(trials)
     if above:

@@ -28,17 +28,20 @@ PATH is a ``config.json`` or a directory holding one; nothing is downloaded and 
   peft's own for the model type) and ``lora_dropout`` (default 0)): ``peft.get_peft_model`` over the
   model, with the peft task type of its family, so the base is frozen (no gradients, no optimizer
   state) and a classifier's head is trained (peft's ``modules_to_save``);
+- quantization (``?quantize=nf4``, with LoRA only): the base's linear layers in 4-bit NF4 as bitsandbytes holds
+  them under transformers' ``BitsAndBytesConfig``, prepared by peft's ``prepare_model_for_kbit_training``
+  (QLoRA; autotune/tasks/quantize.py); the tag ``quantize`` and the name's ``-nf4`` say it;
 - weights (``?weights_dtype=bf16|fp16``): the model built in that dtype (``from_config(dtype=)``, as
   ``from_pretrained(dtype=)`` loads it), its gradients and optimizer state following; peft keeps LoRA
   adapters in fp32 over a bf16 base, as it does by default;
 - name: the config's ``model_type``, the family when not a causal LM, its parameter count, e.g.
   ``llama-15M``, ``bert-seq-cls-4.4M``, ``llama-1.2B-lora16-bf16``.
 
-The CLI's ``--optimizer``, ``--lr``, ``--zero-grad``, ``--hf-class``, ``--lora-*`` and ``--weights-dtype`` write these
-options into the spec (:func:`with_options`), so that the spec alone rebuilds the task in another
-process (``--device all``, fleet workers, estimate lanes). The class and family (when not a causal LM)
-and the LoRA options are tags of the task, so they enter the fingerprint; the weights' dtype is the
-task's ``weights_dtype`` (a tag too, and the parameters' dtypes).
+The CLI's ``--optimizer``, ``--lr``, ``--zero-grad``, ``--hf-class``, ``--lora-*``, ``--quantize`` and
+``--weights-dtype`` write these options into the spec (:func:`with_options`), so that the spec alone rebuilds
+the task in another process (``--device all``, fleet workers, estimate lanes). The class and family (when not
+a causal LM), the LoRA options and the quantization are tags of the task, so they enter the fingerprint; the
+weights' dtype is the task's ``weights_dtype`` (a tag too, and the parameters' dtypes).
 
 Importing this module imports neither torch nor transformers; :func:`hf_task` imports both.
 """
@@ -85,6 +88,7 @@ _OPTIONS = (
     "lora_dropout",
     "weights_dtype",
     "zero_grad",
+    "quantize",
 )
 _LORA_OPTIONS = ("lora_alpha", "lora_targets", "lora_dropout")
 # The spec's option -> the CLI flag that writes it (for messages that name what the user typed).
@@ -98,6 +102,7 @@ _FLAGS = {
     "lora_dropout": "--lora-dropout",
     "weights_dtype": "--weights-dtype",
     "zero_grad": "--zero-grad",
+    "quantize": "--quantize",
 }
 WEIGHTS_DTYPES = ("fp32", "bf16", "fp16")
 # A ValueError of transformers can run to thousands of characters (every model type it knows).
@@ -181,6 +186,7 @@ def with_options(
     lora_dropout: float | None = None,
     weights_dtype: str | None = None,
     zero_grad: str | None = None,
+    quantize: str | None = None,
 ) -> str:
     """The ``hf:`` spec with the options written into it (``hf:PATH?optimizer=SGD&lr=0.01&lora_rank=16``).
 
@@ -198,6 +204,7 @@ def with_options(
         "weights_dtype": weights_dtype,
         # The default writes nothing: the spec (and the task's name) stay what they were.
         "zero_grad": None if zero_grad in (None, "none") else zero_grad,
+        "quantize": quantize,
     }
     given = {key: value for key, value in asked.items() if value is not None}
     if not given:
@@ -278,6 +285,7 @@ def load_hf_spec(spec: str) -> ProbeTask:
         lora=_lora_of(options, spec),
         weights_dtype=weights_dtype,
         zero_grad=zero_grad,
+        quantize=options.get("quantize"),
     )
 
 
@@ -579,6 +587,7 @@ def hf_task(
     lora: LoraOptions | None = None,
     weights_dtype: str = "fp32",
     zero_grad: str = "none",
+    quantize: str | None = None,
 ) -> ProbeTask:
     """A ProbeTask for the model that a Hugging Face config describes.
 
@@ -592,6 +601,8 @@ def hf_task(
         lora: LoRA over the model (peft); None trains every parameter.
         weights_dtype: "fp32", "bf16" or "fp16": the dtype the model is built (and held) in.
         zero_grad: "none" (``set_to_none=True``) or "keep" (the gradients stay allocated between steps).
+        quantize: "nf4": the base's linear layers in 4-bit as bitsandbytes holds them, under LoRA (QLoRA;
+            autotune/tasks/quantize.py); None keeps them in ``weights_dtype``.
 
     Returns:
         The task; ``task.batch(m, seq_len=L)`` needs a length (but for an image classifier's).
@@ -621,6 +632,15 @@ def hf_task(
         )
     dtype = DTYPES[weights_dtype]
     wrap = _lora_wrapper(lora, family) if lora is not None else None
+    if quantize is not None:
+        from autotune.tasks.quantize import quantization_of, quantize_model, require_bitsandbytes
+
+        quantization_of(quantize)
+        if lora is None:
+            raise TaskError(
+                f"--quantize {quantize} needs --lora-rank R: a 4-bit base is frozen, only LoRA adapters over it train"
+            )
+        require_bitsandbytes(quantize)
 
     def base() -> nn.Module:
         if model_class is None:
@@ -630,7 +650,8 @@ def hf_task(
         return model_class._from_config(config, dtype=dtype)  # type: ignore[no-any-return]
 
     def model() -> nn.Module:
-        return base() if wrap is None else wrap(base())
+        built = base() if quantize is None else quantize_model(base(), quantize)
+        return built if wrap is None else wrap(built)
 
     what = "causal LM" if model_class is None else model_class.__name__
     try:
@@ -649,6 +670,15 @@ def hf_task(
         tags.update(hf_class=type(shape_only).__name__, hf_family=family.name)
     name = "-".join(part for part in (model_type, family.short, parameter_count_text(parameters)) if part)
     shard_classes = _shard_classes(shape_only)
+    if quantize is not None:
+        try:
+            with torch.device("meta"):
+                shape_only = quantize_model(shape_only, quantize)
+        except TaskError:
+            raise
+        except Exception as exc:
+            raise TaskError(f"--quantize {quantize}: bitsandbytes cannot quantize {what}: {_reason(exc)}") from None
+        tags["quantize"] = quantize
     if lora is not None and wrap is not None:
         try:
             with torch.device("meta"):
@@ -664,6 +694,8 @@ def hf_task(
             lora_targets=",".join(target_names),
         )
         name += f"-lora{lora.rank}"
+    if quantize is not None:
+        name += f"-{quantize}"
     if weights_dtype != "fp32":
         name += f"-{weights_dtype}"
     count = _shifted_count if family is _CAUSAL_LM else _label_count

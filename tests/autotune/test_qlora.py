@@ -1,0 +1,183 @@
+"""QLoRA on hf: specs (issue 33, item 3): ``--quantize nf4`` with LoRA, checked against the CPU allocator's own
+count of the model built the ordinary way: a checkpoint loaded by transformers' ``from_pretrained`` with
+``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)``,
+peft's ``prepare_model_for_kbit_training`` and ``get_peft_model``, an ordinary training loop
+(tests/autotune/_allocator_truth.py)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from autotune.cli import main
+from autotune.orchestrate.estimate import EstimateConfig, estimate
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.hf import with_options
+from autotune.tasks.load import load_task
+from tests.autotune._allocator_truth import allocator_peak_bytes
+from tests.autotune._hf_configs import SEQ_LEN, write_config
+
+peft = pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
+bnb = pytest.importorskip("bitsandbytes", reason="the hf extra (bitsandbytes) is not installed")
+
+MiB = 1 << 20
+# The tiny Llama's budget where 2 <= m_max < 64 at L = SEQ_LEN.
+BUDGET = MiB
+# peft's LoRA layer multiplies by a Python float, which autograd keeps as an 8-byte CPU tensor made below the
+# probe's meter (tests/autotune/test_finetune.py says it whole): 2 layers x q_proj, v_proj, at every m.
+KEPT_NUMBERS_BYTES = 2 * 2 * 8
+
+
+def _checkpoint(directory: Path) -> Path:
+    """The config's model saved as a checkpoint (random bf16 weights), as a user's download would be."""
+    config = transformers.AutoConfig.from_pretrained(directory)
+    where = directory / "checkpoint"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(where)
+    return where
+
+
+def _ordinary(checkpoint: Path) -> Callable[[], nn.Module]:
+    """QLoRA as the PEFT docs write it, no project code."""
+
+    def build() -> nn.Module:
+        quantization = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                checkpoint, quantization_config=quantization, dtype=torch.bfloat16, device_map="cpu"
+            )
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+            return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))  # type: ignore[no-any-return]
+
+    return build
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool, str]]:
+    return [
+        (name, tuple(p.shape), str(p.dtype), p.requires_grad, type(p).__name__) for name, p in model.named_parameters()
+    ]
+
+
+def _spec(directory: Path, **options: Any) -> str:
+    return with_options(f"hf:{directory}", lora_rank=4, weights_dtype="bf16", quantize="nf4", **options)
+
+
+def test_the_base_is_held_as_from_pretrained_holds_it(tmp_path: Path) -> None:
+    directory = write_config(tmp_path, "llama")
+    task = load_task(_spec(directory)).at_length(SEQ_LEN)
+    assert task.name == "llama-35K-lora4-nf4-bf16" and task.tags["quantize"] == "nf4"
+    ordinary = _ordinary(_checkpoint(directory))()
+    built = task.model()
+    # Every parameter: name, shape, dtype (packed uint8 for the 4-bit linears, fp32 for the embedding and norms
+    # that peft's preparation cast up), trainable or not, and its class (bitsandbytes' Params4bit).
+    assert _tensors(built) == _tensors(ordinary)
+    kinds = {type(m).__name__ for m in built.modules()}
+    assert {"Linear4bit", "LoraLayer"} & kinds and "lm_head" not in {
+        name.rsplit(".", 1)[-1] for name, m in built.named_modules() if isinstance(m, bnb.nn.Linear4bit)
+    }
+    q_proj = built.base_model.model.model.layers[0].self_attn.q_proj.base_layer  # type: ignore[union-attr]
+    assert isinstance(q_proj, bnb.nn.Linear4bit) and q_proj.quant_state.quant_type == "nf4"
+    # On meta, bitsandbytes' own meta kernels give the packed weight its shape; nothing is allocated.
+    with torch.device("meta"):
+        on_meta = task.model()
+    assert _tensors(on_meta) == _tensors(ordinary)
+
+
+def test_qlora_is_exact_against_the_allocator_at_m_max_and_past_it(tmp_path: Path) -> None:
+    directory = write_config(tmp_path, "llama")
+    task = load_task(_spec(directory)).at_length(SEQ_LEN)
+    config = ProbeConfig(device="cpu", budget_bytes=BUDGET, target_batch=64, presearch=False)
+    measured = probe(task, config)
+    m_max = measured.max_micro_batch
+    assert 2 <= m_max < 64
+    limit = int(BUDGET * (1 - config.headroom))
+    ordinary = _ordinary(_checkpoint(directory))
+    at_max = allocator_peak_bytes(task, m_max, model=ordinary)
+    past_max = allocator_peak_bytes(task, m_max + 1, model=ordinary)
+    assert at_max <= limit < past_max
+    peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake}
+    assert at_max - peaks[m_max] == past_max - peaks[m_max + 1] == KEPT_NUMBERS_BYTES
+    # The estimate's fake trials run through bitsandbytes' fake kernels: the same figure here.
+    estimated = estimate(task, EstimateConfig.of(budget_bytes=BUDGET, device_kind="cpu", target_batch=64))
+    assert estimated.max_micro_batch == m_max
+    assert estimated.peak_at(m_max) == measured.peak_at(m_max)
+    assert estimated.fingerprint == measured.fingerprint
+    assert any("bitsandbytes" in warning for warning in estimated.warnings)
+
+
+def test_quantize_travels_in_the_spec_and_enters_the_fingerprint(tmp_path: Path) -> None:
+    directory = write_config(tmp_path, "llama")
+    spec = _spec(directory)
+    assert spec.endswith("?lora_rank=4&weights_dtype=bf16&quantize=nf4")
+    lora = load_task(with_options(f"hf:{directory}", lora_rank=4, weights_dtype="bf16")).at_length(SEQ_LEN)
+    qlora = load_task(spec).at_length(SEQ_LEN)
+    assert "quantize" not in lora.tags and qlora.tags["quantize"] == "nf4"
+    assert task_fingerprint(qlora) != task_fingerprint(lora)
+    assert task_fingerprint(qlora) == task_fingerprint(load_task(spec).at_length(SEQ_LEN))
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> str:
+    output = tmp_path / "profile.json"
+    try:
+        code = main([*argv, "--output", str(output)])
+    except SystemExit as exc:  # the parser's own refusal (a choice that is not one)
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert not output.exists()  # nothing stored
+    assert len(err.splitlines()) == 1 and err.startswith("autotune: error: ")
+    return err
+
+
+@pytest.mark.parametrize(
+    ("setup", "flags", "message"),
+    [
+        ("llama", ["--quantize", "nf4"], "--quantize nf4 needs --lora-rank R: a 4-bit base is frozen"),
+        ("file", ["--quantize", "nf4", "--lora-rank", "4"], "--lora-rank and --quantize apply to hf: tasks;"),
+        ("llama", ["--quantize", "fp4", "--lora-rank", "4"], "argument --quantize: invalid choice: 'fp4'"),
+        ("spec", [], "--quantize 'fp4': one of nf4"),
+        ("spec-nolora", [], "--quantize nf4 needs --lora-rank R"),
+        (
+            "llama",
+            ["--quantize", "nf4", "--lora-rank", "4", "--strategy", "fsdp", "--world-size", "2"],
+            "--quantize nf4 with --strategy fsdp",
+        ),
+    ],
+)
+def test_bad_quantize_input_is_one_line_and_stores_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], setup: str, flags: list[str], message: str
+) -> None:
+    llama = f"hf:{write_config(tmp_path, 'llama')}"
+    spec = {
+        "llama": llama,
+        "file": "examples/mlp.py:task",
+        "spec": f"{llama}?lora_rank=4&quantize=fp4",
+        "spec-nolora": f"{llama}?quantize=nf4",
+    }[setup]
+    argv = ["estimate", spec, "--device-kind", "cpu", "--budget", "8MiB", *flags]
+    if setup != "file":
+        argv += ["--seq-len", str(SEQ_LEN)]
+    assert message in _refused(argv, capsys, tmp_path)
+
+
+def test_quantize_without_bitsandbytes_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes raises ImportError
+    spec = f"hf:{write_config(tmp_path, 'llama')}"
+    argv = ["estimate", spec, "--device-kind", "cpu", "--budget", "8MiB", "--seq-len", "16"]
+    argv += ["--lora-rank", "4", "--quantize", "nf4"]
+    assert "--quantize nf4 needs bitsandbytes: pip install 'autotune[hf]'" in _refused(argv, capsys, tmp_path)
