@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from autotune.cli import estimate, fleet, gpus, probe, service, store
+from autotune.cli import estimate, fleet, gpus, probe, recommend, service, store
 from autotune.cli.common import Parser
 
 __all__ = ["build_parser"]
@@ -13,6 +13,6 @@ __all__ = ["build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="autotune", description="Memory-budget tuner for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (probe, estimate, gpus, fleet, service, store):
+    for module in (probe, estimate, gpus, fleet, recommend, service, store):
         module.add_parsers(sub)
     return parser

@@ -131,7 +131,7 @@ def with_policies(pairs: Sequence[Any], policies: Sequence[str | None]) -> list[
 def recommendation(profiles: Sequence[Any], objective: str) -> str:
     """The ``recommended:`` line: the policy and plan that hold the target best by ``objective``,
     the others beside it."""
-    from autotune.core.recommend import option_for, options_text, recommend
+    from autotune.core.recommend import options_for, options_text, recommend
 
-    options = [option_for(profile) for profile in profiles]
+    options = options_for(profiles)
     return options_text(recommend(options, objective), options, objective)

@@ -1,4 +1,10 @@
-"""Which memory policy and plan hold the target fastest: arithmetic on timed runs. Torch-free.
+"""Which setup and plan hold the target fastest: arithmetic on timed runs. Torch-free.
+
+A setup is every choice a profile records that changes memory and time (:data:`DIMENSIONS`): the memory
+policy, the offload, the quantization, the optimizer and what zero_grad does, and any other tag in which the
+profiles compared differ. Each is read from the profile (``activation_checkpointing``, the task's tags), so a
+new dimension is one entry of the table, or, with no entry, a tag that differs and is shown without an order.
+The options are the setups whose plan holds the target batch (all of them where none does).
 
 A policy's profile carries timed runs (``Profile.throughput``, autotune/measure/throughput.py): the seconds
 of one forward+backward at each timed micro-batch size and of the optimizer step. An update of a
@@ -6,7 +12,12 @@ plan costs the sum over its micro-batches plus one step, so a plan whose sizes w
 priced exactly from them; a size that was not timed is priced from the nearest timed size at the
 same seconds per sample (said as ``timed=False``). The recommendation is the option with the most
 samples per second; ``objective="memory"`` keeps today's answer, the fewest accumulation steps (the
-largest micro-batch), with the least recomputation among equals.
+largest micro-batch), with the least extra work among equals.
+
+Without timings (an estimate's fake trials, ``--no-throughput``) the stated ordering decides: the fewest
+accumulation steps, then the least extra work per update, dimension by dimension in :data:`DIMENSIONS`'
+order (offload's host copies on every micro-batch, then recomputation, then dequantization, then a slower
+optimizer step, which runs once per update), then the largest micro-batch.
 
     >>> t = Throughput(micro_batch=4, samples_per_second=2.0, seconds_per_update=2.0,
     ...                micro_batches=[(4, 1)], micro_batch_seconds=[(4, 1.5)], step_seconds=0.5)
@@ -18,13 +29,25 @@ largest micro-batch), with the least recomputation among equals.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autotune.core.policy_names import recomputation_key
 from autotune.core.schemas import MicroBatchCount, Plan, Profile, Throughput
 
-__all__ = ["Option", "option_for", "options_text", "recommend", "samples_per_second", "update_seconds"]
+__all__ = [
+    "DIMENSIONS",
+    "Dimension",
+    "Option",
+    "option_for",
+    "options_for",
+    "options_text",
+    "recommend",
+    "samples_per_second",
+    "setup_of",
+    "update_seconds",
+]
 
 
 def update_seconds(
@@ -64,10 +87,73 @@ def samples_per_second(
     return samples / seconds, timed
 
 
+def _tag(name: str, default: str) -> Callable[[Profile], str]:
+    return lambda profile: str(profile.tags.get(name, default))
+
+
+def _optimizer_cost(spec: str) -> tuple[float, int]:
+    """The default AdamW (foreach) and fused ones first; a for-loop step (foreach=false), 8- or 4-bit states
+    (a dequantize and quantize per step) and factored ones (Adafactor) after."""
+    text = spec.lower().replace(" ", "")
+    if text == "default" or "fused=true" in text or text in ("adamw", "torch.optim.adamw", "adam", "torch.optim.adam"):
+        return (0.0, 0)
+    return (1.0, 0)
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One choice of a setup that changes memory and time.
+
+    Attributes:
+        name: what the recommendation calls it (the CLI flag without dashes).
+        read: its value in a profile.
+        default: the value of a profile that does not record it.
+        cost: extra work per update of a value, smaller first (the stated ordering without timings).
+    """
+
+    name: str
+    read: Callable[[Profile], str]
+    default: str
+    cost: Callable[[str], tuple[float, int]]
+
+
+# In the order the stated ordering weighs them: what costs on every micro-batch (host copies of every saved
+# activation or every parameter; recomputing a forward; dequantizing every matmul's weights) before what costs
+# once per update (the optimizer's step).
+DIMENSIONS: tuple[Dimension, ...] = (
+    Dimension(
+        "offload",
+        _tag("offload", "none"),
+        "none",
+        lambda value: (float({"none": 0, "activations": 1, "params": 2}.get(value, 3)), 0),
+    ),
+    Dimension("ac", lambda profile: profile.activation_checkpointing, "none", recomputation_key),
+    Dimension("quantize", _tag("quantize", "none"), "none", lambda value: (0.0 if value == "none" else 1.0, 0)),
+    Dimension("optimizer", _tag("optimizer_spec", "default"), "default", _optimizer_cost),
+    Dimension("zero_grad", _tag("zero_grad", "none"), "none", lambda value: (0.0, 0)),
+    Dimension("precision", lambda profile: profile.precision, "fp32", lambda value: (0.0, 0)),
+)
+_KNOWN = {dimension.name for dimension in DIMENSIONS}
+# Tags a task writes for every profile of a setup, not choices between setups.
+_NOT_CHOICES = {"offload", "quantize", "optimizer_spec", "zero_grad"}
+
+
+def setup_of(profile: Profile) -> tuple[tuple[str, str], ...]:
+    """The profile's choice in every dimension, then its other tags (a dimension without an entry here)."""
+    known = tuple((dimension.name, dimension.read(profile)) for dimension in DIMENSIONS)
+    others = tuple(sorted((key, str(value)) for key, value in profile.tags.items() if key not in _NOT_CHOICES))
+    return known + others
+
+
 @dataclass(frozen=True)
 class Option:
-    """One policy's answer: its plan (None without a target: one micro-batch of m_max per update)
-    and the samples per second timed for it (None: not timed)."""
+    """One setup's answer: its plan (None without a target: one micro-batch of m_max per update)
+    and the samples per second timed for it (None: not timed).
+
+    ``policy`` is the memory policy; ``setup`` every dimension's value (:func:`setup_of`; empty: the policy
+    alone); ``label`` what the recommendation calls it (the values in which the options compared differ);
+    ``holds_target`` whether its plan reaches the target batch.
+    """
 
     policy: str
     max_micro_batch: int
@@ -76,13 +162,24 @@ class Option:
     samples_per_second: float | None
     timed: bool = True
     plan: Plan | None = None
+    setup: tuple[tuple[str, str], ...] = ()
+    label: str | None = None
+    holds_target: bool = True
+
+    def value(self, name: str) -> str | None:
+        """The option's value in dimension name (the policy for ``ac``), None where it has none."""
+        if name == "ac":
+            return self.policy
+        return dict(self.setup).get(name)
 
     def text(self) -> str:
         sizes = " + ".join(f"{count}x{size}" for size, count in self.micro_batches)
         rate = "not timed" if self.samples_per_second is None else f"{self.samples_per_second:.4g} samples/s"
         if self.samples_per_second is not None and not self.timed:
             rate += " (priced from the nearest timed size)"
-        return f"{self.policy}: m_max {self.max_micro_batch}, update {sizes} ({self.accumulation_steps} steps), {rate}"
+        name = self.label or self.policy
+        held = "" if self.holds_target else ", does not reach the target"
+        return f"{name}: m_max {self.max_micro_batch}, update {sizes} ({self.accumulation_steps} steps), {rate}{held}"
 
 
 def option_for(profile: Profile) -> Option:
@@ -94,24 +191,46 @@ def option_for(profile: Profile) -> Option:
     rate = samples_per_second(profile.throughput or [], micro_batches, world)
     return Option(
         policy=profile.activation_checkpointing,
-        max_micro_batch=profile.max_micro_batch,
+        max_micro_batch=the_plan.max_micro_batch if the_plan else profile.max_micro_batch,
         micro_batches=micro_batches,
         accumulation_steps=steps,
         samples_per_second=None if rate is None else rate[0],
         timed=True if rate is None else rate[1],
         plan=the_plan,
+        setup=setup_of(profile),
+        holds_target=the_plan is None or the_plan.exact,
     )
 
 
-def _policy_rank(policy: str) -> tuple[float, int]:
-    return recomputation_key(policy)
+def options_for(profiles: Sequence[Profile]) -> list[Option]:
+    """The options of profiles of one job in different setups, each labelled by the values in which they
+    differ (the policy alone where only it does, as the probe's ``--ac`` list gives them)."""
+    options = [option_for(profile) for profile in profiles]
+    names = [name for name, _ in options[0].setup] if options else []
+    names += sorted({name for o in options for name, _ in o.setup} - set(names))
+    differ = [name for name in names if len({o.value(name) for o in options}) > 1]
+    if not differ or differ == ["ac"]:
+        return options
+    return [dataclasses.replace(o, label=", ".join(f"{name} {o.value(name)}" for name in differ)) for o in options]
+
+
+def _extra_work(option: Option) -> tuple[tuple[float, int], ...]:
+    """The stated ordering's key: each dimension's cost, in DIMENSIONS' order (unknown values last)."""
+    key = []
+    for dimension in DIMENSIONS:
+        value = option.value(dimension.name)
+        key.append(dimension.cost(dimension.default if value is None else value))
+    return tuple(key)
+
 
 
 def recommend(options: Sequence[Option], objective: str = "throughput") -> Option:
-    """The best option: the most samples per second (timed ones before untimed), or for
-    ``objective="memory"`` the fewest accumulation steps and the largest micro-batch; the least
-    recomputation (none, every-K with the larger K first, op, full: ``policy_names.recomputation_key``)
-    among equals.
+    """The best option among those that hold the target (all where none does): the most samples per
+    second (timed ones before untimed; untimed ones by the stated ordering: the fewest accumulation steps),
+    or for ``objective="memory"`` the fewest accumulation steps and the largest micro-batch; the least extra
+    work among equals (offload none first; none, every-K with the larger K first, op, full:
+    ``policy_names.recomputation_key``; no quantization; the default or fused optimizer), then the largest
+    micro-batch.
 
     >>> fast = Option("none", 10, ((10, 3),), 3, 50.0)
     >>> slow = Option("full", 30, ((30, 1),), 1, 40.0)
@@ -123,13 +242,20 @@ def recommend(options: Sequence[Option], objective: str = "throughput") -> Optio
     """
     if not options:
         raise ValueError("no policy to recommend from")
+    held = [o for o in options if o.holds_target] or list(options)
     if objective == "throughput":
         return min(
-            options,
-            key=lambda o: (o.samples_per_second is None, -(o.samples_per_second or 0.0), _policy_rank(o.policy)),
+            held,
+            key=lambda o: (
+                o.samples_per_second is None,
+                -(o.samples_per_second or 0.0),
+                o.accumulation_steps if o.samples_per_second is None else 0,
+                _extra_work(o),
+                -o.max_micro_batch,
+            ),
         )
     if objective == "memory":
-        return min(options, key=lambda o: (o.accumulation_steps, -o.max_micro_batch, _policy_rank(o.policy)))
+        return min(held, key=lambda o: (o.accumulation_steps, -o.max_micro_batch, _extra_work(o)))
     raise ValueError(f"objective must be memory or throughput, got {objective!r}")
 
 
