@@ -42,6 +42,22 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_database_url(args)
     _check_quantize(args)
     _check_verify_sizes(args)
+    _check_offload(args)
+
+
+def _check_offload(args: argparse.Namespace) -> None:
+    """--offload params is FSDP2's (fsdp only); --host-budget needs an offload to measure host bytes of."""
+    offload = getattr(args, "offload", None)
+    if offload == "params" and getattr(args, "strategy", "ddp") != "fsdp":
+        raise CliError(
+            f"--offload params needs --strategy fsdp (got {getattr(args, 'strategy', 'ddp')}): it is FSDP2's "
+            "CPUOffloadPolicy, which keeps each rank's shards on the host; under ddp use --offload activations"
+        )
+    if getattr(args, "host_budget", None) is not None and offload in (None, "none"):
+        raise CliError(
+            "--host-budget needs --offload activations or params: without offload the job keeps nothing in host "
+            "memory that the probe measures"
+        )
 
 
 def _check_server(args: argparse.Namespace) -> None:

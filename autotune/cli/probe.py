@@ -29,10 +29,11 @@ from autotune.cli.common import (
 )
 from autotune.cli.policies import add_objective_option, add_policy_option, for_each_policy, policies_of, recommendation
 from autotune.core.files import write_atomically
-from autotune.core.schemas import PRECISIONS
+from autotune.core.schemas import OFFLOADS, PRECISIONS
 from autotune.core.units import limit_bytes
 
 __all__ = [
+    "add_offload_options",
     "add_parsers",
     "add_probe_options",
     "add_setup_options",
@@ -72,6 +73,7 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     add_strategy_and_plan_options(p)
     add_mesh_options(p)
     add_policy_option(p)
+    add_offload_options(p)
     add_task_options(p)
     add_seq_len_options(p)
     p.add_argument(
@@ -80,6 +82,22 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="mixture-of-experts tasks: the routing fake trials assume, the busiest expert's share of tokens "
         "over a fair one (default 1.0, balanced); real trials route as the model does",
+    )
+
+
+def add_offload_options(p: argparse.ArgumentParser) -> None:
+    """--offload and --host-budget (autotune/measure/offload.py, docs/offload.md)."""
+    p.add_argument(
+        "--offload",
+        choices=OFFLOADS,
+        help="keep part of the job in host memory: activations (the blocks' saved activations, save_on_cpu) or "
+        "params (--strategy fsdp: FSDP2's CPUOffloadPolicy); the device's bytes decide m, the host's are reported",
+    )
+    p.add_argument(
+        "--host-budget",
+        type=size,
+        metavar="BYTES",
+        help="with --offload: a size whose host bytes exceed this does not fit (e.g. 64GiB)",
     )
 
 
@@ -139,6 +157,8 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
         "strategy": args.strategy,
         "mesh": mesh_of(args),
         "plan_policy": args.plan,
+        "offload": getattr(args, "offload", None),
+        "host_budget_bytes": getattr(args, "host_budget", None),
     }
 
 

@@ -90,30 +90,38 @@ def device_kind_of_name(name: str) -> str | None:
     return None
 
 
-def _failed(trial: Trial, limit: int) -> bool:
-    return trial.oom or trial.peak_bytes > limit
+def _over_host(trial: Trial, host_budget: int | None) -> bool:
+    """Under --host-budget, a size whose host bytes (--offload) exceed it does not fit."""
+    return host_budget is not None and trial.host_peak_bytes is not None and trial.host_peak_bytes > host_budget
 
 
-def _verdict(trial: Trial, limit: int) -> str:
+def _failed(trial: Trial, limit: int, host_budget: int | None = None) -> bool:
+    return trial.oom or trial.peak_bytes > limit or _over_host(trial, host_budget)
+
+
+def _verdict(trial: Trial, limit: int, host_budget: int | None = None) -> str:
     if trial.oom:
         return "ran out of memory"
+    if _over_host(trial, host_budget):
+        return f"held {trial.host_peak_bytes} host bytes, over the host budget of {host_budget}"
     if trial.peak_bytes > limit:
         return f"peaked at {trial.peak_bytes} bytes, over the limit of {limit}"
     return f"peaked at {trial.peak_bytes} bytes, within the limit of {limit}"
 
 
 def _trial_problems(profile: Profile, deciding: list[tuple[int, Trial]], limit: int) -> list[Problem]:
+    host = profile.host_budget_bytes  # --host-budget: a size over it does not fit either
     problems = []
     for index, t in deciding:
         if t.fits and t.oom:
             message = f"trial {index} (m={t.micro_batch}) says it fits, but it ran out of memory"
             problems.append(Problem(f"trials.{index}.fits", message, index, t.micro_batch))
-        elif t.fits != (not _failed(t, limit)):
+        elif t.fits != (not _failed(t, limit, host)):
             claim = "fits" if t.fits else "does not fit"
             problems.append(
                 Problem(
                     f"trials.{index}.fits",
-                    f"trial {index} (m={t.micro_batch}) says it {claim}, but it {_verdict(t, limit)} "
+                    f"trial {index} (m={t.micro_batch}) says it {claim}, but it {_verdict(t, limit, host)} "
                     f"(budget {profile.budget_bytes} x (1 - headroom {profile.headroom:g}))",
                     index,
                     t.micro_batch,
@@ -123,16 +131,17 @@ def _trial_problems(profile: Profile, deciding: list[tuple[int, Trial]], limit: 
 
 
 def _max_micro_batch_problems(profile: Profile, deciding: list[tuple[int, Trial]], limit: int) -> list[Problem]:
+    host = profile.host_budget_bytes  # --host-budget: a size over it does not fit either
     m_max, unit, cap = profile.max_micro_batch, profile.multiple_of, profile.micro_batch_cap
     what = "real" if profile.source != "estimate" else "fake (estimate)"
     problems = []
     # The strongest evidence first: a size at or below m_max that was measured not to fit.
     for index, t in deciding:
-        if t.micro_batch <= m_max and _failed(t, limit):
+        if t.micro_batch <= m_max and _failed(t, limit, host):
             problems.append(
                 Problem(
                     "max_micro_batch",
-                    f"{m_max} is contradicted by trial {index}: m={t.micro_batch} {_verdict(t, limit)}",
+                    f"{m_max} is contradicted by trial {index}: m={t.micro_batch} {_verdict(t, limit, host)}",
                     index,
                     t.micro_batch,
                 )
@@ -155,12 +164,12 @@ def _max_micro_batch_problems(profile: Profile, deciding: list[tuple[int, Trial]
                     f"{m_max} is the largest size that fits below the cap {cap}",
                 )
             )
-        elif not any(_failed(t, limit) for _, t in next_trials):
+        elif not any(_failed(t, limit, host) for _, t in next_trials):
             index, t = next_trials[0]
             problems.append(
                 Problem(
                     "max_micro_batch",
-                    f"{m_max} is not the largest size that fits: trial {index} at m={above} {_verdict(t, limit)}",
+                    f"{m_max} is not the largest size that fits: trial {index} at m={above} {_verdict(t, limit, host)}",
                     index,
                     above,
                 )
@@ -169,11 +178,12 @@ def _max_micro_batch_problems(profile: Profile, deciding: list[tuple[int, Trial]
 
 
 def _monotone_problems(profile: Profile, deciding: list[tuple[int, Trial]], limit: int) -> list[Problem]:
-    failures = [(i, t) for i, t in deciding if _failed(t, limit)]
+    host = profile.host_budget_bytes  # --host-budget: a size over it does not fit either
+    failures = [(i, t) for i, t in deciding if _failed(t, limit, host)]
     if not failures or profile.non_monotone:
         return []
     first_index, first = min(failures, key=lambda pair: pair[1].micro_batch)
-    above = [(i, t) for i, t in deciding if t.micro_batch > first.micro_batch and not _failed(t, limit)]
+    above = [(i, t) for i, t in deciding if t.micro_batch > first.micro_batch and not _failed(t, limit, host)]
     if not above:
         return []
     index, t = above[0]

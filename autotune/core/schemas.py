@@ -25,6 +25,7 @@ from autotune.core.split import DEFAULT_PLAN_POLICY, PlanPolicy, UnevenPlanWarni
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
     "OBJECTIVES",
+    "OFFLOADS",
     "PRECISIONS",
     "SCHEMA_VERSION",
     "SOURCES",
@@ -38,6 +39,7 @@ __all__ = [
     "MAX_SUGGEST_TARGET_BATCH",
     "MicroBatchCount",
     "Observation",
+    "Offload",
     "Plan",
     "Precision",
     "Profile",
@@ -76,6 +78,11 @@ ActivationCheckpointing = Annotated[
 # per second among the policies that hold the target.
 OBJECTIVES = ("memory", "throughput")
 Objective = Literal["memory", "throughput"]
+# Offload (autotune/measure/offload.py): none; activations (the saved activations of the blocks to host memory,
+# torch.autograd.graph.save_on_cpu); params (FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state
+# on the host, the step on the CPU; --strategy fsdp only). The device's bytes decide m; the host's are reported.
+OFFLOADS = ("none", "activations", "params")
+Offload = Literal["none", "activations", "params"]
 
 # Bounds keep hostile or corrupt uploads out of the database: no real card has 2**60 bytes.
 MAX_BYTES = 2**60
@@ -139,6 +146,9 @@ class Trial(_Model):
     # A fake-tensor trial (shapes and dtypes, no storage): a pre-search point or an estimate, never
     # a measurement on the device.
     fake: bool = False
+    # Under --offload: the peak of what the trial held in host memory (saved activations packed to the host,
+    # FSDP2's offloaded shards, gradients, optimizer state and the CPU step); None without offload.
+    host_peak_bytes: NonNegBytes | None = None
 
 
 class Fit(_Model):
@@ -320,6 +330,11 @@ class Profile(_Model):
     # The real trials showed a size that fits above one that did not (cuDNN picks kernels per
     # shape): max_micro_batch is then the largest m below the first size that failed.
     non_monotone: bool = False
+    # --offload (autotune/measure/offload.py): what went to host memory (None: nothing, as before offload
+    # existed); the host bytes at max_micro_batch; --host-budget, above which a size counts as not fitting.
+    offload: Offload | None = None
+    host_peak_bytes: NonNegBytes | None = None
+    host_budget_bytes: PosBytes | None = None
     # CUDA only (autotune/measure/fragmentation.py): whether PYTORCH_CUDA_ALLOC_CONF had expandable_segments
     # on, and reserved minus allocated at m_max (the allocator's gap); None elsewhere.
     expandable_segments: bool | None = None

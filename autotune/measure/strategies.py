@@ -118,6 +118,11 @@ class Replicated(Strategy):
             dist.destroy_process_group()
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        if task.offload == "params":
+            raise TaskError(
+                "--offload params needs --strategy fsdp (got ddp): it is FSDP2's CPUOffloadPolicy, which keeps each "
+                "rank's shards on the host; under ddp use --offload activations"
+            )
         if self._group is None:
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -143,6 +148,12 @@ def _fsdp_api() -> tuple[Any, Any, Any]:
             f"(fully_shard and the fake process group); this torch is {torch.__version__}: {exc}"
         ) from None
     return fully_shard, MixedPrecisionPolicy, FakeStore
+
+
+def _is_fake(model: nn.Module) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(p, FakeTensor) for p in model.parameters())
 
 
 def shard_units(model: nn.Module, shard_classes: tuple[type[nn.Module], ...] | None) -> list[nn.Module]:
@@ -219,6 +230,11 @@ class Sharded(Strategy):
         kwargs: dict[str, Any] = {"mesh": self._mesh}
         if low is not None:
             kwargs["mp_policy"] = mixed_precision_policy(param_dtype=low, reduce_dtype=torch.float32)
+        if task.offload == "params":  # FSDP2's CPUOffloadPolicy (autotune/measure/offload.py), pinned on a card
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            pin = device.type == "cuda" and not _is_fake(model) and torch.cuda.is_available()
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
         for index, unit in enumerate(units):
             # torchtitan's default: the last block stays unsharded after forward (it is the first one
             # backward needs; resharding it would all-gather it again at once).

@@ -30,6 +30,8 @@ from torch import nn
 from autotune.core.errors import TaskError, TrialError
 from autotune.core.schemas import Trial
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
+from autotune.measure.meters.host import HOST
+from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
 from autotune.measure.oom import is_oom
 from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Replicated, Strategy
@@ -182,6 +184,8 @@ def build_model(task: ProbeTask, meter: Meter, meta_model: nn.Module | None = No
         meter.adopt(model)
     # The task's memory policy, before any strategy wraps the blocks (FSDP2 shards checkpointed ones).
     apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
+    # Offload of the blocks' saved activations, around the policy's wrapper (autotune/measure/offload.py).
+    apply_offload(model, task.offload, task.shard_classes, task_name=task.name)
     return model
 
 
@@ -216,12 +220,14 @@ def _cycle(
                     loss.backward()
                 del batch, loss
         meter.checkpoint(FORWARD_BACKWARD)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
+        # Under --offload params the step runs on the CPU: what it makes is host memory.
+        with step_on_host(task.offload, optimizer):
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
         meter.checkpoint(STEP)
 
 
@@ -234,6 +240,7 @@ def _fresh_cycle(
     accumulation: int = MICRO_BATCHES_PER_STEP,
 ) -> None:
     model = strategy.wrap(build_model(task, meter, meta_model), task, meter.device)
+    offload_params_to_host(model, task.offload, meter)
     _cycle(task, meter, micro_batch, strategy, model, accumulation)
 
 
@@ -246,6 +253,7 @@ def run_trial(
     strategy: Strategy | None = None,
     model: nn.Module | None = None,
     accumulation: int = MICRO_BATCHES_PER_STEP,
+    host_limit_bytes: int | None = None,
 ) -> Trial:
     """Measure one trial at micro_batch.
 
@@ -260,6 +268,7 @@ def run_trial(
             (see :class:`TrialRunner`); None builds a fresh one inside the measured span.
         accumulation: micro-batches per optimizer step (2: an accumulating job; 1: a job that does not
             accumulate, whose forwards never hold a gradient set).
+        host_limit_bytes: under an offload, the host bytes that still fit (--host-budget); None: no limit.
 
     Returns:
         A Trial; ``oom`` when the budget was crossed, ``fits`` when the peak is within limit_bytes.
@@ -275,6 +284,7 @@ def run_trial(
     started = time.perf_counter()
     try:
         with meter.measure():
+            HOST.take_peak()  # the host's peak restarts with the device's
             if model is None:
                 _fresh_cycle(task, meter, micro_batch, strategy, meta_model, accumulation)
             else:
@@ -296,13 +306,16 @@ def run_trial(
     if model is not None:
         model.zero_grad(set_to_none=True)
     reading = meter.reading()
+    host_peak = HOST.take_peak() if task.offload != "none" else None
     meter.release()
     if failure is not None:
         raise TrialError(failure)
+    over_host = host_limit_bytes is not None and host_peak is not None and host_peak > host_limit_bytes
     return Trial(
         micro_batch=micro_batch,
         peak_bytes=reading.peak_bytes,
-        fits=(not oom) and reading.peak_bytes <= limit_bytes,
+        fits=(not oom) and reading.peak_bytes <= limit_bytes and not over_host,
+        host_peak_bytes=host_peak,
         oom=oom,
         seconds=round(seconds, 6),
         forward_backward_bytes=None if oom else reading.forward_backward_bytes,
@@ -375,8 +388,10 @@ class TrialRunner:
         strategy: Strategy | None = None,
         reuse_model: bool = True,
         accumulation: int = MICRO_BATCHES_PER_STEP,
+        host_limit_bytes: int | None = None,
     ) -> None:
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
+        self.host_limit_bytes = host_limit_bytes  # --host-budget under an offload (run_trial)
         self.strategy = strategy or Replicated(1)
         self.reuse_model = reuse_model
         # Micro-batches per step of every trial (1: the job that does not accumulate, see run_trial).
@@ -391,6 +406,7 @@ class TrialRunner:
             model = build_model(self.task, self.meter, build_on_meta(self.task, self.warnings))
             with self.meter.hold():
                 self._model = self.strategy.wrap(model, self.task, self.meter.device)
+                offload_params_to_host(self._model, self.task.offload, self.meter)
         return self._model
 
     def build(self) -> float:
@@ -419,6 +435,7 @@ class TrialRunner:
                 strategy=self.strategy,
                 model=model,
                 accumulation=self.accumulation,
+                host_limit_bytes=self.host_limit_bytes,
             )
             del_model = trial.oom
             return trial

@@ -24,7 +24,7 @@ from autotune.core.cards import Card, resolve_card
 from autotune.core.errors import AutotuneError, BudgetError
 from autotune.core.mesh import Mesh
 from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, plan
-from autotune.core.schemas import PRECISIONS, STRATEGIES, Plan, Precision, Strategy
+from autotune.core.schemas import OFFLOADS, PRECISIONS, STRATEGIES, Offload, Plan, Precision, Strategy
 
 if TYPE_CHECKING:
     from autotune.tasks.task import ProbeTask
@@ -68,6 +68,10 @@ class ProbeConfig:
     seq_lens: tuple[int, ...] = ()
     max_seq_len: int | None = None
     target_tokens: int | None = None
+    # What the job keeps in host memory (autotune/measure/offload.py): None keeps the task's own offload;
+    # host_budget_bytes (--host-budget): a size whose host bytes exceed it does not fit.
+    offload: Offload | None = None
+    host_budget_bytes: int | None = None
     # The job's mesh (autotune/core/mesh.py): tensor, pipeline and context parallel degrees; world_size counts
     # every rank, and the plan's D is the data-parallel replicas W / (tp x pp x cp).
     mesh: Mesh = Mesh()
@@ -116,10 +120,28 @@ class ProbeConfig:
             from autotune.measure.policies import check_policy
 
             check_policy(self.activation_checkpointing)
+        self._validate_offload()
         if self.target_tokens is not None and self.target_batch is not None:
             raise AutotuneError("give target-batch (sequences) or target-tokens (tokens), not both")
         if self.target_tokens is not None and not self.seq_lens:
             raise AutotuneError("target-tokens needs seq-len: tokens are planned in sequences of a length")
+
+    def _validate_offload(self) -> None:
+        if self.offload is not None and self.offload not in OFFLOADS:
+            raise AutotuneError(f"--offload {self.offload!r}: not an offload; use one of {', '.join(OFFLOADS)}")
+        if self.offload == "params" and self.strategy != "fsdp":
+            raise AutotuneError(
+                f"--offload params needs --strategy fsdp (got {self.strategy}): it is FSDP2's CPUOffloadPolicy, "
+                "which keeps each rank's shards on the host; under ddp offload the activations (--offload activations)"
+            )
+        if self.host_budget_bytes is not None:
+            if self.offload in (None, "none"):
+                raise AutotuneError(
+                    "--host-budget needs --offload activations or params: without offload the job keeps nothing "
+                    "in host memory that the probe measures"
+                )
+            if self.host_budget_bytes <= 0:
+                raise BudgetError(f"--host-budget must be positive, got {self.host_budget_bytes} bytes")
 
     def applied_to(self, task: ProbeTask) -> ProbeTask:
         """task with the precision and the memory policy asked for, where they are given: the one place
@@ -132,6 +154,8 @@ class ProbeConfig:
                 activation_checkpointing=self.activation_checkpointing or task.activation_checkpointing,
                 compile=self.compile or task.compile,
             )
+        if self.offload is not None and self.offload != task.offload:
+            task = dataclasses.replace(task, offload=self.offload)
         return task
 
     @property

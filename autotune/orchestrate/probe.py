@@ -21,6 +21,7 @@ from autotune.core.plan import nonnegative_fit, plan
 from autotune.core.schemas import Fit, Profile, SingleStep, Trial
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
+from autotune.measure.offload import offload_fields
 from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.throughput import timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
@@ -101,7 +102,14 @@ def _search(
     hint = fake.max_micro_batch if fake is not None else None
     if fake is not None and fake.trials and meter.device.type == "cuda":
         hint = _reserved_hint(task, meter, config, strategy, limit_bytes, hint, warnings)
-    runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, reuse_model=config.reuse_model)
+    runner = TrialRunner(
+        task,
+        meter,
+        limit_bytes=limit_bytes,
+        strategy=strategy,
+        reuse_model=config.reuse_model,
+        host_limit_bytes=config.host_budget_bytes,
+    )
 
     def trial(micro_batch: int) -> Trial:
         result = runner(micro_batch)
@@ -163,7 +171,13 @@ def _search_single_step(
     (TrialRunner(accumulation=1)), starting from the accumulating job's m_max, which holds a gradient set
     more and so fits here too."""
     runner = TrialRunner(
-        task, meter, limit_bytes=limit_bytes, strategy=strategy, reuse_model=config.reuse_model, accumulation=1
+        task,
+        meter,
+        limit_bytes=limit_bytes,
+        strategy=strategy,
+        reuse_model=config.reuse_model,
+        accumulation=1,
+        host_limit_bytes=config.host_budget_bytes,
     )
 
     def trial(micro_batch: int) -> Trial:
@@ -366,6 +380,7 @@ def probe_with_meter(
         warnings=warnings,
         torch_version=torch.__version__,
         autotune_version=autotune.__version__,
+        **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device, warnings),
     )
     if config.throughput:  # timed runs, never the search's trials
         profile.throughput = timed_updates(

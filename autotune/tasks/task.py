@@ -26,7 +26,7 @@ from torch import nn
 
 from autotune.core.errors import TaskError
 from autotune.core.policy_names import canonical_policy
-from autotune.core.schemas import PRECISIONS, Precision, TagValue
+from autotune.core.schemas import OFFLOADS, PRECISIONS, Precision, TagValue
 from autotune.tasks.optimizers import SpecOptimizer, optimizer_factory
 
 __all__ = [
@@ -59,7 +59,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # are freed until the next backward makes them) or "keep" (set_to_none=False: zeroed in place, held all the time).
 ZERO_GRAD_MODES = ("none", "keep")
 # The tags the task writes itself (a user's own tags of these names would be replaced).
-_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad")
+_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "offload")
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,10 @@ class ProbeTask:
             ``weights_dtype`` says it (the fingerprint and the profile carry it).
         zero_grad: "none" (``zero_grad(set_to_none=True)``, PyTorch's default) or "keep"
             (``set_to_none=False``: the gradients stay allocated between steps); "keep" is the tag ``zero_grad``.
+        offload: "none", "activations" (the blocks' saved activations in host memory, through
+            ``torch.autograd.graph.save_on_cpu``) or "params" (FSDP2's CPUOffloadPolicy, ``--strategy fsdp``
+            only): autotune/measure/offload.py. Not "none": the tag ``offload`` (the fingerprint carries it, so
+            an offloaded profile never answers a plain job).
 
     A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
     the length out, and each profile records it.
@@ -170,6 +174,7 @@ class ProbeTask:
     source: str | None = None
     weights_dtype: str = "fp32"
     zero_grad: str = "none"
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -201,6 +206,10 @@ class ProbeTask:
             tags["optimizer_spec"] = self.optimizer.spec.text
         if self.zero_grad != "none":
             tags["zero_grad"] = self.zero_grad
+        if self.offload not in OFFLOADS:
+            raise TaskError(f"--offload {self.offload!r}: not an offload; use one of {', '.join(OFFLOADS)}")
+        if self.offload != "none":
+            tags["offload"] = self.offload
         if tags != self.tags:
             self.tags = tags
 

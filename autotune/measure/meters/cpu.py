@@ -24,6 +24,7 @@ from autotune.core.allocator import FREE
 from autotune.core.errors import BudgetError
 from autotune.core.schemas import Device
 from autotune.measure.meters.base import Meter
+from autotune.measure.meters.host import HOST, in_host_span
 
 __all__ = ["CpuMeter", "CpuOutOfMemoryError", "StorageEvents"]
 
@@ -73,13 +74,17 @@ class _StorageLedger:
 
     def _release(self, key: int) -> None:
         with self._lock:
-            entry = self._live.pop(key, None)
+            entry = self._live.get(key)
             if entry is not None:
-                self.live_bytes -= entry[1]
-                if self.events is not None and entry[1]:
-                    self.events.append((self._renamed.pop(key, key), FREE))
-                elif self._renamed:
-                    self._renamed.pop(key, None)
+                self._release_entry(key, entry)
+
+    def _release_entry(self, key: int, entry: list[Any]) -> None:  # under the lock
+        self._live.pop(key, None)
+        self.live_bytes -= entry[1]
+        if self.events is not None and entry[1]:
+            self.events.append((self._renamed.pop(key, key), FREE))
+        elif self._renamed:
+            self._renamed.pop(key, None)
 
     def add(self, storage: torch.UntypedStorage) -> int:
         """Count storage at its current size (a counted storage that changed size is recounted);
@@ -142,6 +147,15 @@ class _StorageLedger:
         """(event key, bytes) of every live storage that holds bytes, in the order they were counted."""
         with self._lock:
             return [(self._renamed.get(key, key), entry[1]) for key, entry in self._live.items() if entry[1]]
+
+    def forget(self, storage: torch.UntypedStorage) -> None:
+        """Stop counting storage (it is the host's now): its bytes leave the live bytes, as a release."""
+        key = storage._cdata
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None:
+                entry[0].detach()
+                self._release_entry(key, entry)
 
     def counts(self, storage: torch.UntypedStorage) -> bool:
         with self._lock:
@@ -238,6 +252,9 @@ class CpuMeter(Meter):
             self._count(storage, what)
 
     def _count(self, storage: torch.UntypedStorage, what: Any) -> None:
+        if in_host_span() or HOST.holds(storage):  # host memory under --offload (autotune/measure/meters/host.py)
+            HOST.add(storage)
+            return
         live = self._ledger.add(storage)
         if self._enforce and live > self.budget_bytes:
             raise CpuOutOfMemoryError(
@@ -308,6 +325,12 @@ class CpuMeter(Meter):
             yield
         finally:
             self._enforce = True
+
+    def to_host(self, storage: torch.UntypedStorage) -> None:
+        """A storage the device counted is host memory from now on (a shard FSDP2 offloads, which on a CPU
+        device stays where it was): it leaves the device's live bytes and is counted on :data:`HOST`."""
+        self._ledger.forget(storage)
+        HOST.add(storage)
 
     def adopt(self, module: torch.nn.Module) -> None:
         self._account([*module.parameters(), *module.buffers()], "the model's weights")

@@ -1,0 +1,196 @@
+"""--offload (autotune/measure/offload.py): the device's bytes against the CPU allocator's own count of the model
+offloaded the ordinary way, the host's against what that model put on the host, the refusals, the fingerprint,
+and FSDP2's CPUOffloadPolicy over a fake process group of two.
+
+The truth (tests/autotune/_allocator_truth.py counts the allocator; the hooks below are written out here and
+share nothing with the project): every block's forward runs under ``torch.autograd.graph.saved_tensors_hooks``
+with save_on_cpu's pack and unpack as they run from a card: the pack copies the saved tensor to host memory, the
+unpack copies it back to the device. On the CPU torch's own ``save_on_cpu`` returns the tensor itself
+(``tensor.cpu()``), so the host copy is made where the device's allocator cannot see it (a numpy array, numpy's
+memory) and the unpack is a copy the allocator makes, as a card's ``tensor.to(device)`` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from autotune.cli import main
+from autotune.core.consistency import check_profile
+from autotune.core.errors import AutotuneError, ExitCode
+from autotune.measure.meters import CpuMeter
+from autotune.measure.strategies import make_strategy
+from autotune.measure.trial import TrialRunner
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.fingerprint import task_fingerprint
+from examples.gpt import GPT, Block, GPTConfig, make_task
+from tests.autotune._allocator_truth import allocator_peak_bytes
+
+MiB = 1 << 20
+TINY = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=4)
+REPO = Path(__file__).resolve().parents[2]
+
+
+class HostCopies:
+    """save_on_cpu's pack and unpack as a card runs them, the host copies in numpy's memory; their live bytes
+    and peak."""
+
+    def __init__(self) -> None:
+        self.live_bytes = self.peak_bytes = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def pack(self, tensor: torch.Tensor) -> tuple[torch.device, np.ndarray]:
+        host = tensor.detach().numpy().copy(order="K")
+        self.live_bytes += host.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(host, self._freed, host.nbytes)
+        return tensor.device, host
+
+    def unpack(self, packed: tuple[torch.device, np.ndarray]) -> torch.Tensor:
+        device, host = packed
+        return torch.from_numpy(host).to(device, copy=True)
+
+
+def offloaded_gpt(copies: HostCopies) -> nn.Module:
+    """The GPT with every block's forward under the hooks, as torchtitan-style recipes wrap a block in
+    save_on_cpu."""
+    model = GPT(TINY)
+    for block in model.blocks:
+        forward = block.forward
+
+        def run(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            with saved_tensors_hooks(copies.pack, copies.unpack):
+                return _forward(*args, **kwargs)
+
+        block.forward = run  # type: ignore[method-assign]
+    return model
+
+
+def test_activations_offload_is_exact_against_the_allocator_at_m_max_and_past_it() -> None:
+    task = dataclasses.replace(make_task(TINY, name="gpt-tiny"), shard_classes=(Block,))
+    budget = 2 * MiB
+    config = ProbeConfig(device="cpu", budget_bytes=budget, target_batch=64, offload="activations")
+    measured = probe(task, config)
+    plain = probe(task, dataclasses.replace(config, offload=None))
+    m_max = measured.max_micro_batch
+    assert measured.offload == "activations" and measured.tags["offload"] == "activations"
+    assert m_max > plain.max_micro_batch  # the blocks' activations left the device
+    limit = int(budget * (1 - config.headroom))
+    truth = {}
+    for m in (m_max, m_max + 1):
+        copies = HostCopies()
+        device_peak = allocator_peak_bytes(task, m, model=lambda copies=copies: offloaded_gpt(copies))
+        truth[m] = (device_peak, copies.peak_bytes)
+    assert truth[m_max][0] <= limit < truth[m_max + 1][0]
+    real = {t.micro_batch: (t.peak_bytes, t.host_peak_bytes) for t in measured.trials if not t.fake}
+    assert real[m_max] == truth[m_max]
+    assert real[m_max + 1] == truth[m_max + 1]
+    assert measured.host_peak_bytes == truth[m_max][1]
+    assert any("host and device are one memory" in w for w in measured.warnings)
+
+
+def test_a_host_budget_refuses_the_sizes_whose_host_bytes_exceed_it() -> None:
+    task = dataclasses.replace(make_task(TINY, name="gpt-tiny"), shard_classes=(Block,))
+    config = ProbeConfig(device="cpu", budget_bytes=2 * MiB, offload="activations")
+    free = probe(task, config)
+    host_at = {t.micro_batch: t.host_peak_bytes for t in free.trials if not t.fake}
+    m_free = free.max_micro_batch
+    # A host budget that the free answer's host bytes cross: a smaller size decides.
+    host_budget = host_at[m_free] - 1
+    bound = probe(task, dataclasses.replace(config, host_budget_bytes=host_budget))
+    assert bound.max_micro_batch < m_free
+    assert bound.host_budget_bytes == host_budget
+    assert bound.host_peak_bytes is not None and bound.host_peak_bytes <= host_budget
+    over = [t for t in bound.trials if not t.fake and t.host_peak_bytes and t.host_peak_bytes > host_budget]
+    assert over and not any(t.fits for t in over)
+    check_profile(bound)  # the store takes it: fits agrees with the host budget
+
+
+def test_the_fingerprint_tells_offloaded_from_plain() -> None:
+    task = make_task(TINY, name="gpt-tiny")
+    plain = task_fingerprint(task)
+    activations = task_fingerprint(dataclasses.replace(task, offload="activations"))
+    params = task_fingerprint(dataclasses.replace(task, offload="params"), strategy="fsdp", world_size=2)
+    assert len({plain, activations, params, task_fingerprint(task, strategy="fsdp", world_size=2)}) == 4
+
+
+def _plain_trials(task: Any, sizes: tuple[int, ...], world_size: int) -> dict[int, Any]:
+    """The job without offload, trial by trial at sizes (rank 0 of fsdp over a fake group of world_size)."""
+    meter = CpuMeter(64 * MiB)
+    strategy = make_strategy("fsdp", world_size)
+    with strategy.process_group(meter.device):
+        runner = TrialRunner(task, meter, limit_bytes=64 * MiB, strategy=strategy)
+        try:
+            return {m: runner(m) for m in sizes}
+        finally:
+            runner.close()
+
+
+def test_params_offload_under_fsdp_keeps_the_shards_on_the_host() -> None:
+    task = dataclasses.replace(make_task(TINY, name="gpt-tiny"), shard_classes=(Block,))
+    config = ProbeConfig(device="cpu", budget_bytes=2 * MiB, strategy="fsdp", world_size=2, offload="params")
+    measured = probe(task, config)
+    m_max = measured.max_micro_batch
+    assert measured.offload == "params" and measured.tags["offload"] == "params"
+    assert measured.fingerprint != task_fingerprint(task, strategy="fsdp", world_size=2)
+    sizes = (m_max - 1, m_max)
+    plain = _plain_trials(task, (*sizes, m_max + 1), 2)
+    offloaded = _plain_trials(dataclasses.replace(task, offload="params"), (m_max - 1,), 2)
+    real = {t.micro_batch: t for t in measured.trials if not t.fake} | offloaded
+    # What left the device is what the step holds without offload (rank 0's shard of the weights, their
+    # gradients, AdamW's moments and the step's own): the host's whole figure, the same at every m, and the
+    # step's phase on the device is empty (the step runs on the CPU).
+    for m in sizes:
+        assert real[m].host_peak_bytes == plain[m].step_bytes
+        assert real[m].step_bytes == 0
+    moved = {m: plain[m].peak_bytes - real[m].peak_bytes for m in sizes}
+    shard_bytes = sum(p.numel() * p.element_size() for p in GPT(TINY).parameters()) // 2
+    assert moved[m_max - 1] == moved[m_max] >= 4 * shard_bytes
+    limit = int(config.budget_bytes * (1 - config.headroom))  # type: ignore[operator]
+    assert real[m_max].fits and not real[m_max + 1].fits
+    assert plain[m_max + 1].peak_bytes - moved[m_max] > limit
+    assert measured.host_peak_bytes == real[m_max].host_peak_bytes
+    assert any("--offload params on the CPU" in w for w in measured.warnings)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--offload", "params"], "--offload params needs --strategy fsdp"),
+        (["--offload", "weights"], "argument --offload: invalid choice: 'weights'"),
+        (["--host-budget", "1GiB"], "--host-budget needs --offload"),
+        (["--offload", "activations", "--host-budget", "-1"], "argument --host-budget"),
+    ],
+)
+def test_bad_offload_input_is_one_line_exit_2_and_stores_nothing(
+    flags: list[str], said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(REPO)
+    output = tmp_path / "profile.json"
+    argv = ["probe", "examples/gpt.py:task", "--device", "cpu", "--budget", "2MiB", "--output", str(output)]
+    try:
+        code = main([*argv, *flags])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == ExitCode.USAGE
+    assert len(lines) == 1 and lines[0].startswith("autotune: error: ") and said in lines[0]
+    assert not output.exists() and captured.out == ""
+
+
+def test_the_config_refuses_what_the_flags_refuse() -> None:
+    with pytest.raises(AutotuneError, match="--offload params needs --strategy fsdp"):
+        ProbeConfig(device="cpu", budget_bytes=MiB, offload="params").validate()
+    with pytest.raises(AutotuneError, match="--host-budget needs --offload"):
+        ProbeConfig(device="cpu", budget_bytes=MiB, host_budget_bytes=MiB).validate()
