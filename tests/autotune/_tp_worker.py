@@ -1,0 +1,119 @@
+"""One rank of a real tensor-parallel job on gloo (spawned by test_tensor_parallel.py): the truth for --tp.
+
+Shares no code with the probe: a tiny Llama built the ordinary way (``LlamaForCausalLM(LlamaConfig(...))``),
+parallelized with PyTorch's own ``parallelize_module`` and the plan transformers ships for Llama written out
+here (q/k/v/gate/up column-wise, o/down row-wise, the embedding vocabulary-parallel, the LM head column-wise
+with its logits gathered), under ``dp > 1`` each decoder layer then the root sharded by ``fully_shard`` over
+the data-parallel dimension (torchtitan's order); 2 micro-batches forward and backward, an AdamW step,
+zero_grad, twice. The peak is the CPU allocator's own count: its running total (``total_allocated``, which
+each memory event carries), with c10's flag ``caffe2_report_cpu_memory_usage`` on from the rank's start so
+that the frees gloo's threads make come off it (the profiler's event sum would miss them), less the total
+before the run's first event.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+SEQ_LEN = 16
+
+
+def run(
+    rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: list[int]
+) -> None:
+    try:
+        _run(rank, world_size, tp, rendezvous, out_dir, config, sizes)
+    except BaseException:
+        Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for index in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{index}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{index}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
+    if mesh["dp"].size() > 1:
+        layers = list(model.model.layers)
+        for index, layer in enumerate(layers):
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=index < len(layers) - 1)
+        fully_shard(model, mesh=mesh["dp"])
+    model.train()
+    return model
+
+
+def _steps(mesh: Any, config: dict[str, Any], micro_batch: int) -> None:
+    model = _model(mesh, config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    generator = torch.Generator().manual_seed(micro_batch)
+    for _ in range(2):
+        for _ in range(2):
+            input_ids = torch.randint(0, config["vocab_size"], (micro_batch, SEQ_LEN), generator=generator)
+            batch = {"input_ids": input_ids, "labels": input_ids.clone()}
+            loss = model(**batch).loss / 2
+            loss.backward()
+            del input_ids, batch, loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del model, optimizer
+
+
+def _count_every_thread() -> None:
+    """c10's flag caffe2_report_cpu_memory_usage on: the CPU allocator's total counts every thread's frees."""
+    library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
+def _peak_bytes(mesh: Any, config: dict[str, Any], micro_batch: int) -> int:
+    gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _steps(mesh, config, micro_batch)
+    found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            found.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    found.sort()
+    _, first_bytes, first_total = found[0]
+    return max(total for _, _, total in found) - (first_total - first_bytes)
+
+
+def _run(
+    rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: list[int]
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _count_every_thread()
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        peaks = {m: _peak_bytes(mesh, config, m) for m in sizes}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): p for m, p in peaks.items()}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

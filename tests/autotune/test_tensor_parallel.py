@@ -1,0 +1,131 @@
+"""--tp: one rank of a tensor-parallel group measured in one process, against real processes on gloo.
+
+The truth (tests/autotune/_tp_worker.py) shares no code with the probe: the tiny Llama built the ordinary way,
+parallelized with torch's parallelize_module and transformers' Llama plan written out, each rank's peak the CPU
+allocator's own running total. The one-process answer's m_max and m_max + 1 must agree with the most loaded rank.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from autotune.core.mesh import Mesh
+from autotune.orchestrate.probe import ProbeConfig, probe
+from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.hf import hf_task
+from tests.autotune._hf_configs import CONFIGS, write_config
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
+
+SEQ_LEN = 16
+# The peaks the fake group gives the tiny Llama at tp = 2 differ from the real ranks' by 8 bytes (a scalar
+# the probe holds and the ordinary loop does not, not yet found); the limit is put between m_max and m_max + 1
+# far from that.
+SLACK_BYTES = 64
+
+
+def _llama_dir(tmp_path: Path) -> Path:
+    return write_config(tmp_path, "llama", tie_word_embeddings=False)
+
+
+def _truth(world_size: int, tp: int, sizes: list[int], tmp_path: Path) -> dict[int, int]:
+    """The most loaded rank's peak at each size, over world_size real processes."""
+    from tests.autotune import _tp_worker
+
+    config: dict[str, Any] = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
+    config["tie_word_embeddings"] = False
+    out = tmp_path / f"truth-{world_size}x{tp}"
+    out.mkdir()
+    try:
+        mp.spawn(
+            _tp_worker.run,
+            args=(world_size, tp, str(out / "rendezvous"), str(out), config, sizes),
+            nprocs=world_size,
+            join=True,
+        )
+    except ProcessException as exc:
+        errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
+        pytest.fail(f"the {world_size}-process job failed: {exc}\n{errors}")
+    ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    assert len(ranks) == world_size
+    return {m: max(int(rank[str(m)]) for rank in ranks) for m in sizes}
+
+
+@pytest.mark.parametrize(("strategy", "world_size", "budget"), [("ddp", 2, 660_000)])
+def test_tp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(
+    tmp_path: Path, strategy: str, world_size: int, budget: int
+) -> None:
+    task = hf_task(_llama_dir(tmp_path)).at_length(SEQ_LEN)
+    config = ProbeConfig(
+        device="cpu", budget_bytes=budget, headroom=0.0, strategy=strategy, world_size=world_size, mesh=Mesh(tp=2)
+    )
+    measured = probe(task, config)
+    m_max = measured.max_micro_batch
+    assert measured.mesh == {"tp": 2}
+    # A trial that crossed the budget stopped there: its figure is where it stopped, not its peak.
+    peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
+    truth = _truth(world_size, 2, [m_max, m_max + 1], tmp_path)
+    print(f"tp 2 ({strategy} x{world_size}): m_max {m_max}; probe {peaks}; most loaded real rank {truth}")
+    assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
+    assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
+    if m_max + 1 in peaks:
+        assert abs(peaks[m_max + 1] - truth[m_max + 1]) <= SLACK_BYTES
+
+
+def test_the_mesh_enters_the_fingerprint_and_the_trivial_one_changes_nothing(tmp_path: Path) -> None:
+    task = hf_task(_llama_dir(tmp_path)).at_length(SEQ_LEN)
+    plain = task_fingerprint(task)
+    assert task_fingerprint(task, mesh=Mesh()) == plain
+    assert task_fingerprint(task, mesh=Mesh(tp=2)) not in (plain, task_fingerprint(task, mesh=Mesh(tp=4)))
+
+
+def test_the_plan_holds_the_target_over_the_data_parallel_replicas_only() -> None:
+    config = ProbeConfig(world_size=8, mesh=Mesh(tp=4), target_batch=64)
+    assert config.data_parallel == 2
+    the_plan = config.plan_for(8, [])
+    assert the_plan is not None and the_plan.world_size == 2
+    assert the_plan.micro_batch * the_plan.accumulation_steps * the_plan.world_size == 64
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "probe", *args, "--device", "cpu", "--budget", "1MiB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--tp", "3", "--world-size", "4"], "--world-size 4 is not a multiple of --tp x --pp x --cp = 3 x 1 x 1"),
+        (["--tp", "4", "--world-size", "4"], "--tp 4 does not divide the 2 key-value heads"),
+    ],
+)
+def test_a_mesh_the_model_cannot_take_is_one_line_and_exit_2(tmp_path: Path, flags: list[str], line: str) -> None:
+    output = tmp_path / "profile.json"
+    done = _cli(f"hf:{_llama_dir(tmp_path)}", "--seq-len", str(SEQ_LEN), *flags, "--output", str(output))
+    errors = [text for text in done.stderr.splitlines() if text.startswith("autotune: error:")]
+    assert done.returncode == 2 and len(errors) == 1 and line in errors[0], done.stderr[-2000:]
+    assert not output.exists()
+
+
+def test_a_model_with_no_tp_plan_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    output = tmp_path / "profile.json"
+    done = _cli("examples/gpt.py", "--tp", "2", "--world-size", "2", "--output", str(output))
+    assert done.returncode == 2 and "has no tensor-parallel plan" in done.stderr, done.stderr[-2000:]
+    assert not output.exists()
