@@ -54,6 +54,7 @@ __all__ = [
     "micro_batch_for_limit",
     "nonnegative_fit",
     "micro_batches_text",
+    "pipeline_plan",
     "plan",
 ]
 
@@ -105,6 +106,70 @@ def plan(
         policy=policy,
     )
     return _make_plan(micro_batches, world_size, target_batch, max_micro_batch, note)
+
+
+def pipeline_plan(
+    max_micro_batch: int,
+    target_batch: int,
+    data_parallel: int,
+    *,
+    stages: int,
+    max_microbatches: int,
+    min_microbatches: int = 1,
+    multiple_of: int = 1,
+) -> Plan:
+    """The plan of a pipeline: m x K x D = T, where K, the micro-batches of one step, is the schedule's (the
+    plan's accumulation steps) and D counts data-parallel replicas only.
+
+    A stage's peak grows with K (GPipe holds all K micro-batches; every schedule keeps a receive buffer per
+    micro-batch), so m_max holds for every K up to the K it was measured at (max_microbatches), and from
+    min_microbatches (pp under 1F1B, where every stage needs one in flight). Exact plans first; among them the
+    largest K, whose bubble (pp - 1) / (K + pp - 1) is the smallest. Without an exact one, the nearest effective
+    batch at the largest K, the deviation said in ``note``.
+
+        >>> p = pipeline_plan(6, 64, 2, stages=2, max_microbatches=8, min_microbatches=2)
+        >>> (p.micro_batch, p.accumulation_steps, p.world_size, p.exact)
+        (4, 8, 2, True)
+        >>> p = pipeline_plan(3, 64, 2, stages=2, max_microbatches=8, min_microbatches=2)
+        >>> (p.micro_batch, p.accumulation_steps, p.effective_batch, p.exact)
+        (3, 8, 48, False)
+
+    Raises:
+        ValueError: non-positive input, max_microbatches below min_microbatches, or max_micro_batch below
+            multiple_of.
+    """
+    for name, value in (
+        ("max_micro_batch", max_micro_batch),
+        ("target_batch", target_batch),
+        ("data_parallel", data_parallel),
+        ("stages", stages),
+        ("max_microbatches", max_microbatches),
+        ("min_microbatches", min_microbatches),
+        ("multiple_of", multiple_of),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if max_microbatches < min_microbatches:
+        raise ValueError(f"micro-batches per step {max_microbatches} is below the schedule's least {min_microbatches}")
+    largest = max_micro_batch - max_micro_batch % multiple_of
+    if largest < 1:
+        raise ValueError(f"max_micro_batch {max_micro_batch} is below multiple_of {multiple_of}")
+    bubble = "bubble (pp - 1) / (K + pp - 1) = {:.3f}"
+    for k in range(max_microbatches, min_microbatches - 1, -1):
+        per_step, rest = divmod(target_batch, k * data_parallel)
+        if rest == 0 and per_step % multiple_of == 0 and multiple_of <= per_step <= largest:
+            note = f"K = {k} micro-batches per step, " + bubble.format((stages - 1) / (k + stages - 1))
+            return _make_plan([(per_step, k)], data_parallel, target_batch, max_micro_batch, note)
+    k = max_microbatches
+    wanted = target_batch / (k * data_parallel)
+    size = min(largest, max(multiple_of, round(wanted / multiple_of) * multiple_of))
+    effective = size * k * data_parallel
+    note = (
+        f"no m x K x D equals target {target_batch} with m <= {max_micro_batch} and {min_microbatches} <= K <= "
+        f"{max_microbatches}: effective batch {effective} ({size} x {k} x {data_parallel}); "
+        + bubble.format((stages - 1) / (k + stages - 1))
+    )
+    return _make_plan([(size, k)], data_parallel, target_batch, max_micro_batch, note)
 
 
 def _make_plan(micro_batches: Sequence[tuple[int, int]], world: int, target: int, m_max: int, note: str) -> Plan:

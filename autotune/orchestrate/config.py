@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from autotune.core.cards import Card, resolve_card
 from autotune.core.errors import AutotuneError, BudgetError
 from autotune.core.mesh import Mesh
-from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, plan
+from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, pipeline_plan, plan
 from autotune.core.schemas import OFFLOADS, PRECISIONS, STRATEGIES, Offload, Plan, Precision, Strategy
 
 if TYPE_CHECKING:
@@ -173,8 +173,16 @@ class ProbeConfig:
         the_plan = None
         if self.target_batch:
             try:
-                the_plan = plan(
-                    m_max, self.target_batch, self.data_parallel, multiple_of=self.multiple_of, policy=self.plan_policy
+                the_plan = (
+                    self._pipeline_plan(m_max, self.target_batch)
+                    if self.mesh.pp > 1
+                    else plan(
+                        m_max,
+                        self.target_batch,
+                        self.data_parallel,
+                        multiple_of=self.multiple_of,
+                        policy=self.plan_policy,
+                    )
                 )
             except ValueError as exc:  # the measurement stands even where no plan reaches the target
                 warnings.append(f"no plan: {exc}")
@@ -183,6 +191,21 @@ class ProbeConfig:
         if m_max >= self.max_micro_batch:
             warnings.append(f"micro-batch reached the cap {self.max_micro_batch}: more may fit")
         return the_plan
+
+    def _pipeline_plan(self, m_max: int, target_batch: int) -> Plan:
+        """A pipeline's plan: K (the plan's accumulation steps) from the schedule's least (pp under 1F1B) to
+        the K the stages were measured at (--pp-microbatches, else pp), m x K x D = T (core/plan.py)."""
+        measured = self.mesh.pp_microbatches or self.mesh.pp
+        least = 1 if self.mesh.pp_schedule == "gpipe" else self.mesh.pp
+        return pipeline_plan(
+            m_max,
+            target_batch,
+            self.data_parallel,
+            stages=self.mesh.pp,
+            max_microbatches=measured,
+            min_microbatches=min(least, measured),
+            multiple_of=self.multiple_of,
+        )
 
 
 def card_of(name: str, memory_bytes: int | None = None) -> Card:

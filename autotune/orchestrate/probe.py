@@ -26,6 +26,7 @@ from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.throughput import timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.config import ProbeConfig
+from autotune.orchestrate.pipelined import search_pipeline, stage_strategy
 from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
@@ -77,6 +78,8 @@ def _search(
 ) -> tuple[SearchResult, FakeSearch | None, int | None]:
     """Pre-search on fake trials (unless turned off, impossible, or ``presearched`` already), then
     real trials from its answer; also the m_max they started from (None: no pre-search)."""
+    if config.mesh.pp > 1:  # every stage's trial replays its schedule (autotune/orchestrate/pipelined.py)
+        return search_pipeline(task, meter, config, strategy, limit_bytes, warnings, on_trial), None, None
     fake: FakeSearch | None = presearched
     if fake is None and config.presearch:
         try:
@@ -141,7 +144,7 @@ def single_step_cap(task: ProbeTask, config: ProbeConfig, m_max: int) -> int | N
     it the accumulating trial, which holds a gradient set more, already bounds it) and within the cap. None
     where it cannot: a job that keeps its gradients between steps (--zero-grad keep) holds them in a single
     step's forward too."""
-    if not task.zero_grad_to_none:
+    if not task.zero_grad_to_none or config.mesh.pp > 1:  # a pipeline's step always runs its K micro-batches
         return None
     cap = config.max_micro_batch
     if config.target_batch:
@@ -283,7 +286,9 @@ def probe_with_meter(
         )
     task = config.applied_to(task)
     started = time.perf_counter()
-    strategy = make_strategy(config.strategy, config.world_size, config.mesh)
+    strategy = (
+        stage_strategy(config) if config.mesh.pp > 1 else make_strategy(config.strategy, config.world_size, config.mesh)
+    )
     fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size, mesh=config.mesh)
     limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
     warnings: list[str] = []

@@ -1,0 +1,724 @@
+"""Pipeline parallelism per rank: each stage's trial on one device, replaying its schedule.
+
+A pipeline of ``pp`` stages cuts the model by its decoder blocks (the children of its one top-level
+``nn.ModuleList``, or the task's ``shard_classes``): stage s holds a contiguous run of them, as many as
+``torch.tensor_split`` gives it (the first ``n % pp`` stages one more), the modules the model calls before the
+blocks (the embedding) with the first stage and those it calls after them (the final norm, the head, the loss)
+with the last, as torchtitan and PyTorch's pipelining tutorial cut a model by hand. A stage is the task's own
+model built on ``meta`` with only its parameters given storage: the other blocks are dropped from the list, a
+module the stage does not hold is never run (before the blocks, it hands on the activation that arrived from
+the previous stage; after them, the forward stops at the stage's last block), so it holds only its own
+weights, gradients and optimizer state.
+
+The stage's trial replays, on one device, what ``torch.distributed.pipelining`` does on that rank for two
+optimizer steps of K micro-batches each (the steady state of a job, as the plain trial is):
+
+- **the order** of forwards and backwards. GPipe: all K forwards, then all K backwards. 1F1B
+  (``Schedule1F1B``): ``min(K, pp - s)`` forwards of warm-up, then one backward and one forward until the
+  forwards are done, then the remaining backwards: stage s holds up to ``pp - s`` micro-batches' activations;
+- **the tensors crossing the stage's boundaries**, with the right shapes: ``PipelineStage`` keeps one receive
+  buffer per micro-batch for the activation arriving from the previous stage (used as the stage's input, a
+  leaf that requires grad) and one for the gradient arriving from the next, allocated once and kept; the
+  stage's output is held from its forward to its backward; the input's gradient is made by the backward and
+  held while it is sent;
+- **what the schedule's own variables keep alive**, which is part of the rank's real peak: under GPipe every
+  send of a step is waited on at the end of its phase, so every output (forward) and every input gradient
+  (backward) of the step stays referenced until then; under 1F1B the latest forward's output stays referenced
+  until the next forward returns, an input gradient until the next backward's is made, and the first warm-up
+  forward's send until the cooldown;
+- gradients accumulate over the K micro-batches (``scale_grads`` divides them by K in place at the end), the
+  losses of the last stage are kept until the step ends, and the optimizer steps once per step.
+
+Every stage of every micro-batch size is measured; a size fits when every stage fits. The answer is the most
+loaded stage's (the largest peak), and :class:`PipelineTrials` keeps each stage's peak per size for the
+datasheet, with the bubble ``(pp - 1) / (K + pp - 1)`` (``autotune/core/mesh.py``).
+
+The data: each step's K micro-batches are made when the step starts and dropped when it ends (torchtitan's
+data loader makes the whole batch, inputs and targets, on every rank, and ``schedule.step`` cuts it into
+views), on every stage. Truth: ``tests/autotune/test_pipeline.py`` runs 2 real processes on gloo with
+``PipelineStage`` and ``Schedule1F1B`` / ``ScheduleGPipe``.
+
+Where this is not exact: a model that combines several modules before its first block (GPT-2's token and
+position embeddings added) makes, on a stage past the first, one transient activation-sized tensor the real
+stage does not (the sum, replaced by the arriving activation at the first block); activations crossing
+stages are taken to keep the dtype a ``meta`` forward gives them (autocast is not applied to it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.schemas import Trial
+from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
+from autotune.measure.oom import is_oom
+from autotune.measure.strategies import Replicated, Strategy
+from autotune.measure.trial import _initialise, build_on_meta, make_batch
+from autotune.tasks.batches import map_tensors
+from autotune.tasks.task import ProbeTask
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "PipelineTrials",
+    "StageLayout",
+    "pipeline_refusal",
+    "schedule_actions",
+    "stage_block_ranges",
+]
+
+SCHEDULES = ("1f1b", "gpipe")
+OPTIMIZER_STEPS = 2
+
+# ("F", micro-batch) or ("B", micro-batch).
+Action = tuple[Literal["F", "B"], int]
+
+
+def stage_block_ranges(blocks: int, stages: int) -> list[range]:
+    """The blocks of each stage: contiguous runs, the first ``blocks % stages`` stages one more
+    (``torch.tensor_split``'s cut).
+
+    >>> stage_block_ranges(5, 2)
+    [range(0, 3), range(3, 5)]
+    """
+    base, extra = divmod(blocks, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        count = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) -> list[Action]:
+    """The order of one step's forwards and backwards on stage ``stage`` of ``stages``.
+
+    >>> schedule_actions("1f1b", 0, 2, 4)
+    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('F', 3), ('B', 2), ('B', 3)]
+    >>> schedule_actions("1f1b", 1, 2, 3)
+    [('F', 0), ('B', 0), ('F', 1), ('B', 1), ('F', 2), ('B', 2)]
+    >>> schedule_actions("gpipe", 1, 2, 2)
+    [('F', 0), ('F', 1), ('B', 0), ('B', 1)]
+    """
+    k = microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(k)] + [("B", i) for i in range(k)]
+    if schedule != "1f1b":
+        raise AutotuneError(f"--pp-schedule {schedule} is not measured yet (measured: {', '.join(SCHEDULES)})")
+    warmup = min(k, stages - stage)
+    actions: list[Action] = [("F", i) for i in range(warmup)]
+    forward, backward = warmup, 0
+    while backward < k:
+        actions.append(("B", backward))
+        backward += 1
+        if forward < k:
+            actions.append(("F", forward))
+            forward += 1
+    return actions
+
+
+def pipeline_refusal(schedule: str, stages: int, microbatches: int, blocks: int | None) -> str | None:
+    """Why this pipeline cannot be measured on this model (one line naming the flag), or None."""
+    if schedule not in SCHEDULES:
+        return f"--pp-schedule {schedule} is not measured yet (measured: {', '.join(SCHEDULES)})"
+    if schedule == "1f1b" and microbatches < stages:
+        return (
+            f"--pp-microbatches {microbatches} is below --pp {stages}: under --pp-schedule 1f1b every stage "
+            "needs a micro-batch in flight (K >= pp)"
+        )
+    if blocks is not None and blocks < stages:
+        return f"--pp {stages}: the model has {blocks} block(s) to cut, fewer than the stages"
+    return None
+
+
+class _StageExit(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised by the stage's last block to end the model's forward there; carries the block's output."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__("pipeline stage output")
+        self.output = output
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        for item in value.values():
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The activation a block is called on: its first positional tensor, else ``hidden_states``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    value = kwargs.get("hidden_states")
+    return value if isinstance(value, torch.Tensor) else _first_tensor(kwargs)
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values())
+
+
+@dataclass
+class StageLayout:
+    """Where a model is cut: its blocks' list, which parameters each stage holds, which modules run before
+    the blocks (a later stage hands on the arriving activation in their place)."""
+
+    container: str
+    block_count: int
+    ranges: list[range]
+    prefix_modules: list[str]
+    stage_parameters: list[set[str]]
+
+    @classmethod
+    def of(cls, task: ProbeTask, model: nn.Module, stages: int, micro_batch: int) -> StageLayout:
+        """The layout of ``model`` (on ``meta``), read off one ``meta`` forward at micro_batch.
+
+        Raises:
+            TaskError: no single list of blocks, fewer blocks than stages, a module with parameters called
+                between two blocks, or a forward that cannot run on ``meta``.
+        """
+        container, blocks = _blocks_of(model, task)
+        if len(blocks) < stages:
+            raise TaskError(
+                f"--pp {stages}: {type(model).__name__} of task {task.name!r} has {len(blocks)} block(s) to cut, "
+                "fewer than the stages"
+            )
+        calls = _record_calls(task, model, container, blocks, micro_batch)
+        ranges = stage_block_ranges(len(blocks), stages)
+        before, after, unused = calls
+        names_of: dict[str, list[str]] = {}
+        for name, module in model.named_modules():
+            names_of[name] = [
+                f"{name}.{pname}" if name else pname for pname, p in module._parameters.items() if p is not None
+            ]
+        stage_parameters: list[set[str]] = [set() for _ in range(stages)]
+        for stage, blocks_range in enumerate(ranges):
+            for index in blocks_range:
+                prefix = f"{container}.{index}"
+                for name in names_of:
+                    if name == prefix or name.startswith(prefix + "."):
+                        stage_parameters[stage].update(names_of[name])
+        for name in before + unused:
+            stage_parameters[0].update(names_of[name])
+        for name in after:
+            stage_parameters[-1].update(names_of[name])
+        return cls(container, len(blocks), ranges, before, stage_parameters)
+
+
+def _blocks_of(model: nn.Module, task: ProbeTask) -> tuple[str, list[nn.Module]]:
+    lists = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.ModuleList)]
+    if task.shard_classes:
+        blocks = [m for m in model.modules() if isinstance(m, task.shard_classes)]
+        for name, module in lists:
+            if blocks and list(module.children()) == blocks:
+                return name, blocks
+        raise TaskError(
+            f"--pp: the blocks of task {task.name!r} (its shard_classes) are not the children of one nn.ModuleList"
+        )
+    top = [(n, m) for n, m in lists if not any(n.startswith(other + ".") for other, _ in lists if other != n)]
+    if len(top) != 1:
+        raise TaskError(
+            f"--pp: {type(model).__name__} of task {task.name!r} has {len(top)} top-level nn.ModuleList(s), not one "
+            "list of blocks to cut into stages; name the block classes (ProbeTask(shard_classes=(Block,)))"
+        )
+    return top[0][0], list(top[0][1].children())
+
+
+def _meta_batch(task: ProbeTask, micro_batch: int) -> Any:
+    return map_tensors(lambda tensor: tensor.to("meta"), task.batch(micro_batch))
+
+
+def _record_calls(
+    task: ProbeTask, model: nn.Module, container: str, blocks: list[nn.Module], micro_batch: int
+) -> tuple[list[str], list[str], list[str]]:
+    """The modules with parameters (outside the blocks) that one meta forward calls before the first block,
+    after the last, and never."""
+    inside = {name for name, _ in model.named_modules() if name == container or name.startswith(container + ".")}
+    owners = [(name, m) for name, m in model.named_modules() if name not in inside and _owns_parameters(m)]
+    state = {"blocks_started": 0, "blocks_done": 0}
+    before: list[str] = []
+    after: list[str] = []
+    between: list[str] = []
+    handles = []
+
+    def block_pre(module: nn.Module, args: Any) -> None:
+        state["blocks_started"] += 1
+
+    def block_post(module: nn.Module, args: Any, output: Any) -> None:
+        state["blocks_done"] += 1
+
+    for block in blocks:
+        handles.append(block.register_forward_pre_hook(block_pre))
+        handles.append(block.register_forward_hook(block_post))
+
+    def owner_pre(name: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if state["blocks_started"] == 0:
+                where = before
+            elif state["blocks_done"] == len(blocks):
+                where = after
+            else:
+                where = between
+            if name not in where:
+                where.append(name)
+
+        return hook
+
+    for name, module in owners:
+        if not name:  # parameters on the root itself: held by every stage (below)
+            continue
+        handles.append(module.register_forward_pre_hook(owner_pre(name)))
+    try:
+        with torch.no_grad(), torch.device("meta"):
+            task.compute_loss(model, _meta_batch(task, micro_batch))
+    except TaskError:
+        raise
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise TaskError(
+            f"--pp: the forward of task {task.name!r} could not run on the meta device to find its stages: "
+            f"{type(exc).__name__}: {first_line}"
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    if between:
+        raise TaskError(
+            f"--pp: task {task.name!r} calls {', '.join(between)} between its blocks: a module with parameters "
+            "outside the blocks cannot be placed on one stage"
+        )
+    if any(not name for name, _ in owners):
+        before.insert(0, "")
+    called = set(before) | set(after)
+    unused = [name for name, _ in owners if name and name not in called]
+    return before, after, unused
+
+
+@dataclass
+class _Shapes:
+    """What crosses stage boundaries at one micro-batch size: each block's input and output, and the output of
+    each module that runs before the blocks (shape, dtype)."""
+
+    block_inputs: list[tuple[torch.Size, torch.dtype]]
+    block_outputs: list[tuple[torch.Size, torch.dtype]]
+    prefix_outputs: dict[str, tuple[torch.Size, torch.dtype] | None]
+
+
+def _record_shapes(task: ProbeTask, model: nn.Module, layout: StageLayout, micro_batch: int) -> _Shapes:
+    container = model.get_submodule(layout.container)
+    blocks = list(container.children())
+    inputs: list[tuple[torch.Size, torch.dtype]] = []
+    outputs: list[tuple[torch.Size, torch.dtype]] = []
+    prefix: dict[str, tuple[torch.Size, torch.dtype] | None] = {}
+    handles = []
+
+    def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+        hidden = _hidden_of(args, kwargs)
+        if hidden is None:
+            raise TaskError(f"--pp: a block of task {task.name!r} was called with no tensor to pass between stages")
+        inputs.append((hidden.shape, hidden.dtype))
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        out = _first_tensor(output)
+        if out is None:
+            raise TaskError(f"--pp: a block of task {task.name!r} returned no tensor to pass between stages")
+        outputs.append((out.shape, out.dtype))
+
+    def prefix_post(name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = _first_tensor(output)
+            prefix[name] = (out.shape, out.dtype) if out is not None else None
+
+        return hook
+
+    for block in blocks:
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post))
+    for name in layout.prefix_modules:
+        if name:
+            handles.append(model.get_submodule(name).register_forward_hook(prefix_post(name)))
+    try:
+        with torch.no_grad(), torch.device("meta"):
+            task.compute_loss(model, _meta_batch(task, micro_batch))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _Shapes(inputs, outputs, prefix)
+
+
+def _materialize_parameters(model: nn.Module, keep: set[str], device: torch.device) -> None:
+    """Storage on ``device`` for the parameters named in keep (shared ones stay shared) and every buffer; the
+    other parameters stay on ``meta``."""
+    made: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for name, param in module._parameters.items():
+                full = f"{module_name}.{name}" if module_name else name
+                if param is None or (full not in keep and id(param) not in made):
+                    continue
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(
+                        torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                    )
+                module._parameters[name] = made[id(param)]  # type: ignore[assignment]
+            for name, buffer in module._buffers.items():
+                if buffer is None:
+                    continue
+                if id(buffer) not in made:
+                    made[id(buffer)] = torch.empty_like(buffer, device=device)
+                module._buffers[name] = made[id(buffer)]
+
+
+@dataclass
+class _Flow:
+    """What the stage's hooks read and write during one forward."""
+
+    arrival: torch.Tensor | None = None
+    output: Any = None
+    shapes: _Shapes | None = None
+
+
+@dataclass
+class _Stage:
+    index: int
+    stages: int
+    model: nn.Module
+    flow: _Flow
+    first_block: int
+    block_count: int
+    handles: list[Any] = field(default_factory=list)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+
+def _build_stage(task: ProbeTask, layout: StageLayout, stage: int, device: torch.device) -> _Stage:
+    """The stage's module: the task's model on ``meta``, its own parameters given storage and initialised,
+    the other blocks dropped, hooks that make its forward the stage's."""
+    model = build_on_meta(task)
+    if model is None:
+        raise TaskError(f"--pp: model() of task {task.name!r} cannot be built on the meta device to cut it into stages")
+    stages = len(layout.ranges)
+    _materialize_parameters(model, layout.stage_parameters[stage], device)
+    parent_name, _, attribute = layout.container.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    blocks = list(getattr(parent, attribute).children())
+    kept = [blocks[i] for i in layout.ranges[stage]]
+    setattr(parent, attribute, nn.ModuleList(kept))
+    _initialise(model)
+    model.train()
+    flow = _Flow()
+    built = _Stage(stage, stages, model, flow, layout.ranges[stage].start, len(kept))
+
+    if stage < stages - 1:
+
+        def stop(module: nn.Module, args: Any, output: Any) -> None:
+            raise _StageExit(output)
+
+        built.handles.append(kept[-1].register_forward_hook(stop))
+    if stage > 0:
+
+        def arrive(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            assert flow.arrival is not None
+            if args and isinstance(args[0], torch.Tensor):
+                if args[0] is flow.arrival:
+                    return None
+                return (flow.arrival, *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": flow.arrival}
+            return None
+
+        built.handles.append(kept[0].register_forward_pre_hook(arrive, with_kwargs=True))
+        for name in layout.prefix_modules:
+            if name:
+                _stub(model.get_submodule(name), name, flow)
+
+    def capture(module: nn.Module, args: Any, output: Any) -> None:
+        flow.output = output
+
+    built.handles.append(model.register_forward_hook(capture))
+    return built
+
+
+def _stub(module: nn.Module, name: str, flow: _Flow) -> None:
+    """Run in place of a module the stage does not hold that the model calls before its blocks: the arriving
+    activation where the module's output has its shape (the embedding), else zeros broadcast to the shape
+    (a stride-0 view of one element: no activation's worth of memory)."""
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        assert flow.arrival is not None and flow.shapes is not None
+        recorded = flow.shapes.prefix_outputs.get(name)
+        if recorded is None or (recorded[0] == flow.arrival.shape and recorded[1] == flow.arrival.dtype):
+            return flow.arrival
+        shape, dtype = recorded
+        return torch.zeros((), dtype=dtype, device=flow.arrival.device).expand(shape)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
+class _Replay:
+    """One stage's steps: the schedule's forwards and backwards with the tensors torch's pipelining keeps."""
+
+    def __init__(
+        self,
+        task: ProbeTask,
+        stage: _Stage,
+        strategy: Strategy,
+        device: torch.device,
+        schedule: str,
+        microbatches: int,
+        micro_batch: int,
+    ) -> None:
+        self.task, self.stage, self.strategy, self.device = task, stage, strategy, device
+        self.schedule, self.k, self.micro_batch = schedule, microbatches, micro_batch
+        shapes = stage.flow.shapes
+        assert shapes is not None
+        self.input_meta = shapes.block_inputs[stage.first_block]
+        self.output_meta = shapes.block_outputs[stage.first_block + stage.block_count - 1]
+
+    def run(self, meter: Meter) -> None:
+        stage, k = self.stage, self.k
+        optimizer = self.task.make_optimizer(stage.model)
+        # PipelineStage's receive buffers: one per micro-batch, made once, kept for the schedule's life.
+        arrivals = [] if stage.first else [self._buffer(self.input_meta, fill="normal") for _ in range(k)]
+        grads_in = [] if stage.last else [self._buffer(self.output_meta, fill="zero") for _ in range(k)]
+        for _ in range(OPTIMIZER_STEPS):
+            batches = [make_batch(self.task, self.micro_batch, self.device) for _ in range(k)]
+            if self.schedule == "gpipe":
+                self._gpipe(batches, arrivals, grads_in)
+            else:
+                self._one_f_one_b(batches, arrivals, grads_in)
+            del batches
+            with torch.no_grad():
+                for param in stage.model.parameters():
+                    if param.grad is not None:
+                        param.grad.div_(k)
+            meter.checkpoint(FORWARD_BACKWARD)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=self.task.zero_grad_to_none)
+            meter.checkpoint(STEP)
+
+    def _buffer(self, meta: tuple[torch.Size, torch.dtype], fill: str) -> torch.Tensor:
+        shape, dtype = meta
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.no_grad():
+            if fill == "normal" and buffer.is_floating_point():
+                buffer.normal_()
+            else:
+                buffer.zero_()
+        return buffer
+
+    def _forward(self, index: int, batches: list[Any], arrivals: list[torch.Tensor]) -> tuple[Any, Any]:
+        """One forward: (what the stage keeps for its backward, its output)."""
+        stage, flow = self.stage, self.stage.flow
+        if not stage.first:
+            flow.arrival = arrivals[index].requires_grad_(True)
+        flow.output = None
+        loss = None
+        try:
+            with self.strategy.autocast(self.task.precision, self.device):
+                loss = self.task.compute_loss(stage.model, batches[index])
+        except _StageExit as stop:
+            output = _first_tensor(stop.output)
+        else:
+            output = flow.output
+        finally:
+            flow.arrival = None
+            flow.output = None
+        return (output, loss), output
+
+    def _backward(self, index: int, cache: dict[int, Any], arrivals: list[torch.Tensor], grads_in: list[torch.Tensor]):
+        """One backward: the gradient of the stage's input (None on the first stage)."""
+        (output, loss) = cache.pop(index)
+        if self.stage.last:
+            torch.autograd.backward([loss])
+        else:
+            torch.autograd.backward([output], grad_tensors=[grads_in[index]])
+        del output, loss
+        if self.stage.first:
+            return None
+        grad = arrivals[index].grad
+        arrivals[index].grad = None
+        return grad
+
+    def _gpipe(self, batches: list[Any], arrivals: list[torch.Tensor], grads_in: list[torch.Tensor]) -> None:
+        cache: dict[int, Any] = {}
+        losses: list[Any] = []
+        sent_outputs: list[torch.Tensor] = []  # every forward send is waited on after the forward phase
+        output = None
+        for index in range(self.k):
+            kept, output = self._forward(index, batches, arrivals)
+            cache[index] = kept
+            losses.append(kept[1])
+            if not self.stage.last:
+                sent_outputs.append(output.detach())
+        sent_grads: list[torch.Tensor] = []  # and every backward send after the backward phase
+        for index in range(self.k):
+            grad = self._backward(index, cache, arrivals, grads_in)
+            if grad is not None:
+                sent_grads.append(grad)
+            del grad
+        del losses, sent_outputs, sent_grads, output
+
+    def _one_f_one_b(self, batches: list[Any], arrivals: list[torch.Tensor], grads_in: list[torch.Tensor]) -> None:
+        stage, k = self.stage, self.k
+        cache: dict[int, Any] = {}
+        losses: list[Any] = []
+        warmup = min(k, stage.stages - stage.index)
+        send_work: list[torch.Tensor] = []
+        fwd_sends: list[torch.Tensor] = []
+        bwd_sends: list[torch.Tensor] = []
+        output = None
+        forward = backward = 0
+        for _ in range(warmup):
+            kept, output = self._forward(forward, batches, arrivals)
+            cache[forward] = kept
+            losses.append(kept[1])
+            del kept
+            fwd_sends = [] if stage.last else [output.detach()]
+            if forward != warmup - 1:
+                send_work = list(fwd_sends)
+            forward += 1
+        while True:
+            grad = self._backward(backward, cache, arrivals, grads_in)
+            bwd_sends = [] if grad is None else [grad]
+            del grad
+            backward += 1
+            if forward == k:
+                break
+            kept, output = self._forward(forward, batches, arrivals)
+            cache[forward] = kept
+            losses.append(kept[1])
+            del kept
+            fwd_sends = [] if stage.last else [output.detach()]
+            forward += 1
+        send_work = list(bwd_sends)
+        while backward < k:
+            grad = self._backward(backward, cache, arrivals, grads_in)
+            bwd_sends = [] if grad is None else [grad]
+            del grad
+            send_work = list(bwd_sends)
+            backward += 1
+        del losses, send_work, fwd_sends, bwd_sends, output
+
+
+@contextmanager
+def _span_model(stage: _Stage) -> Iterator[_Stage]:
+    try:
+        yield stage
+    finally:
+        for handle in stage.handles:
+            handle.remove()
+
+
+class PipelineTrials:
+    """Trials of every stage of a pipeline at a micro-batch size, one stage at a time on one meter.
+
+    Called with m, it measures each stage's two steps (the stage built inside the measured span, so its
+    weights are counted and only one stage is alive at a time) and returns one Trial for the pipeline: the
+    most loaded stage's peak (``stage_peaks[m]`` keeps every stage's), fitting when every stage fits; an OOM
+    on any stage is the size's OOM.
+    """
+
+    def __init__(
+        self,
+        task: ProbeTask,
+        meter: Meter,
+        *,
+        limit_bytes: int,
+        stages: int,
+        schedule: str,
+        microbatches: int,
+        strategy: Strategy | None = None,
+    ) -> None:
+        refusal = pipeline_refusal(schedule, stages, microbatches, None)
+        if refusal is not None:
+            raise AutotuneError(refusal)
+        self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
+        self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
+        self.strategy = strategy or Replicated(1)
+        self.warnings: list[str] = []
+        self.stage_peaks: dict[int, list[int]] = {}
+        recorder = build_on_meta(task, self.warnings)
+        if recorder is None:
+            raise TaskError(
+                f"--pp: model() of task {task.name!r} cannot be built on the meta device to cut it into stages"
+            )
+        # A meta copy of the whole model, whose forward at each size says what crosses the stages' boundaries.
+        self._recorder: nn.Module = recorder
+        self.layout = StageLayout.of(task, recorder, stages, 1)
+
+    def most_loaded(self, micro_batch: int) -> int:
+        """The stage with the largest peak at micro_batch (the first of equals)."""
+        peaks = self.stage_peaks[micro_batch]
+        return peaks.index(max(peaks))
+
+    def measure_stage(self, stage_index: int, micro_batch: int) -> tuple[int, bool]:
+        """(peak bytes, oom) of one stage's two steps at micro_batch."""
+        shapes = _record_shapes(self.task, self._recorder, self.layout, micro_batch)
+        meter = self.meter
+        oom = False
+        try:
+            with meter.measure():
+                stage = _build_stage(self.task, self.layout, stage_index, meter.device)
+                stage.flow.shapes = shapes
+                with _span_model(stage):
+                    replay = _Replay(
+                        self.task, stage, self.strategy, meter.device, self.schedule, self.microbatches, micro_batch
+                    )
+                    replay.run(meter)
+                del stage, replay
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            oom = True
+        reading = meter.reading()
+        meter.release()
+        return reading.peak_bytes, oom
+
+    def __call__(self, micro_batch: int) -> Trial:
+        started = time.perf_counter()
+        peaks: list[int] = []
+        oom = False
+        for stage_index in range(self.stages):
+            peak, oom = self.measure_stage(stage_index, micro_batch)
+            peaks.append(peak)
+            if oom:
+                break
+        if not oom:
+            self.stage_peaks[micro_batch] = peaks
+        peak = max(peaks)
+        return Trial(
+            micro_batch=micro_batch,
+            peak_bytes=peak,
+            fits=(not oom) and peak <= self.limit_bytes,
+            oom=oom,
+            seconds=round(time.perf_counter() - started, 6),
+        )
+
+    def build(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        self.meter.release()

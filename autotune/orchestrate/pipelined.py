@@ -1,0 +1,95 @@
+"""The probe of a pipeline-parallel job (``--pp N``): the search over micro-batch sizes on every stage's trial
+(autotune/measure/pipeline.py), the answer the most loaded stage's, and what the datasheet says of each stage.
+
+Real trials only: the fake pre-search and the single-step case do not apply (every step runs the schedule's K
+micro-batches). K is ``--pp-microbatches``, or pp where it is not given (the least 1F1B runs; the plan may
+choose any K up to the one measured, since a stage's peak grows with K).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from autotune.core.errors import AutotuneError
+from autotune.core.schemas import Trial
+from autotune.core.units import format_bytes
+from autotune.measure.meters import Meter
+from autotune.measure.pipeline import PipelineTrials
+from autotune.measure.strategies import Replicated, Strategy
+from autotune.orchestrate.config import ProbeConfig
+from autotune.search.boundary import SearchResult, find_max_micro_batch
+from autotune.tasks.task import ProbeTask
+
+__all__ = ["measured_microbatches", "search_pipeline", "stage_strategy"]
+
+
+def measured_microbatches(config: ProbeConfig) -> int:
+    """K the stages' trials run: ``--pp-microbatches``, else pp."""
+    return config.mesh.pp_microbatches or config.mesh.pp
+
+
+def stage_strategy(config: ProbeConfig) -> Strategy:
+    """How a stage holds its part of the model: whole, as one replica of D (DDP's buckets over the stage are
+    not measured).
+
+    Raises:
+        AutotuneError: a pipeline composed with what is not measured with it yet (fsdp, tp, cp).
+    """
+    mesh = config.mesh
+    if config.strategy != "ddp" or mesh.tp > 1 or mesh.cp > 1:
+        raise AutotuneError(
+            f"--pp {mesh.pp} is measured with --strategy ddp and no --tp or --cp yet "
+            f"(asked: --strategy {config.strategy}, {mesh.describe()})"
+        )
+    return Replicated(1)
+
+
+def search_pipeline(
+    task: ProbeTask,
+    meter: Meter,
+    config: ProbeConfig,
+    strategy: Strategy,
+    limit_bytes: int,
+    warnings: list[str],
+    on_trial: Callable[[Trial], None] | None,
+) -> SearchResult:
+    """m_max of the pipeline: the largest m at which every stage fits, by the boundary search over
+    :class:`PipelineTrials`; appends to warnings each stage's peak at m_max, the most loaded stage and the
+    bubble."""
+    mesh = config.mesh
+    k = measured_microbatches(config)
+    trials = PipelineTrials(
+        task,
+        meter,
+        limit_bytes=limit_bytes,
+        stages=mesh.pp,
+        schedule=mesh.pp_schedule,
+        microbatches=k,
+        strategy=strategy,
+    )
+
+    def trial(micro_batch: int) -> Trial:
+        result = trials(micro_batch)
+        if on_trial is not None:
+            on_trial(result)
+        return result
+
+    try:
+        result = find_max_micro_batch(
+            trial, limit_bytes=limit_bytes, max_micro_batch=config.max_micro_batch, multiple_of=config.multiple_of
+        )
+    finally:
+        trials.close()
+        warnings.extend(w for w in trials.warnings if w not in warnings)
+    peaks = trials.stage_peaks.get(result.max_micro_batch)
+    if peaks is not None:
+        heaviest = trials.most_loaded(result.max_micro_batch)
+        stages = ", ".join(
+            f"stage {i} ({len(trials.layout.ranges[i])} blocks) {format_bytes(p)}" for i, p in enumerate(peaks)
+        )
+        warnings.append(
+            f"pipeline {mesh.describe()}, measured at K = {k}: each stage's peak at m = {result.max_micro_batch}: "
+            f"{stages}; the most loaded is stage {heaviest}, whose m_max is the answer; bubble (pp - 1) / (K + pp - 1) "
+            f"= {mesh.bubble_fraction(k):.3f}"
+        )
+    return result

@@ -1,0 +1,146 @@
+"""Pipeline parallelism per rank (--pp): each stage's trial replays its schedule on one device.
+
+The check that matters: every stage's peak equals, to the byte, the CPU allocator's count on that rank of a
+real 2-process pipeline run by torch.distributed.pipelining itself (PipelineStage with Schedule1F1B and
+ScheduleGPipe, gloo), the model cut by hand as torchtitan cuts it (tests/autotune/_pipeline_worker.py, no
+code of the probe), at m_max and m_max + 1; and the probe's m_max at a budget between them is the real one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.mesh import Mesh
+from autotune.core.plan import pipeline_plan
+from autotune.measure.meters import CpuMeter
+from autotune.measure.pipeline import PipelineTrials, schedule_actions, stage_block_ranges
+from autotune.orchestrate.config import ProbeConfig
+from autotune.orchestrate.probe import probe
+from autotune.tasks.task import ProbeTask
+from tests.autotune import _pipeline_worker as worker
+
+UNBOUNDED = 1 << 40
+K = 2
+SIZES = [2, 3]  # m_max and m_max + 1 at BUDGET
+# Between the most loaded stage's peaks at m = 2 and m = 3 (stage 0: 930,380 and 1,169,484 bytes).
+BUDGET = 1_000_000
+
+
+def llama_task(layers: int = worker.LAYERS) -> ProbeTask:
+    def model() -> worker.TinyLlama:
+        built = worker.TinyLlama()
+        built.layers = built.layers[:layers]
+        return built
+
+    return ProbeTask(
+        name="tiny-llama",
+        model=model if layers != worker.LAYERS else worker.TinyLlama,
+        batch=worker.make_batch,
+        loss=lambda model, batch: worker.lm_loss(model(batch[0]), batch[1]),
+    )
+
+
+@pytest.fixture(scope="module")
+def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Each rank's peak per schedule and size, from one spawn of 2 real processes: {"1f1b/2/3": [rank0, rank1]}."""
+    out = tmp_path_factory.mktemp("pipeline")
+    jobs = [("1f1b", K, SIZES), ("gpipe", K, SIZES)]
+    try:
+        mp.spawn(worker.run, args=(2, str(out / "rendezvous"), str(out), jobs), nprocs=2, join=True)
+    except ProcessException as exc:
+        errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
+        pytest.fail(f"the 2-process pipeline failed: {exc}\n{errors}")
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return {key: [rank[key] for rank in ranks] for key in ranks[0]}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_each_stage_equals_the_real_pipeline_rank(schedule: str, real_peaks: dict[str, list[int]]) -> None:
+    trials = PipelineTrials(
+        llama_task(), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule=schedule, microbatches=K
+    )
+    for m in SIZES:
+        trials(m)
+        assert trials.stage_peaks[m] == real_peaks[f"{schedule}/{K}/{m}"], (schedule, m)
+    # The budget sits between the most loaded rank's peaks at m_max and m_max + 1, on both sides.
+    assert max(real_peaks[f"{schedule}/{K}/2"]) <= BUDGET < max(real_peaks[f"{schedule}/{K}/3"])
+    assert trials.most_loaded(2) == 0
+
+
+def test_probe_answers_the_most_loaded_stage_and_plans_k(real_peaks: dict[str, list[int]]) -> None:
+    config = ProbeConfig(
+        device="cpu",
+        budget_bytes=BUDGET,
+        headroom=0.0,
+        world_size=4,
+        target_batch=8,
+        mesh=Mesh(pp=2, pp_microbatches=K),
+    )
+    profile = probe(llama_task(), config)
+    assert profile.max_micro_batch == 2
+    assert max(real_peaks[f"1f1b/{K}/2"]) <= BUDGET < max(real_peaks[f"1f1b/{K}/3"])
+    assert profile.plan is not None
+    # D = 4 / 2 = 2 replicas; T = 8 = m x K x D with K = 2, m = 2.
+    assert (profile.plan.micro_batch, profile.plan.accumulation_steps, profile.plan.world_size) == (2, 2, 2)
+    assert profile.plan.exact
+    line = next(w for w in profile.warnings if w.startswith("pipeline "))
+    assert "the most loaded is stage 0" in line and "bubble (pp - 1) / (K + pp - 1) = 0.333" in line
+
+
+def test_schedules_hold_what_they_say() -> None:
+    for stages, k in [(2, 4), (4, 8), (3, 3)]:
+        for stage in range(stages):
+            for name, most in (("1f1b", stages - stage), ("gpipe", k)):
+                actions = schedule_actions(name, stage, stages, k)
+                assert sorted(actions) == sorted([("F", i) for i in range(k)] + [("B", i) for i in range(k)])
+                in_flight = peak = 0
+                for kind, index in actions:
+                    in_flight += 1 if kind == "F" else -1
+                    peak = max(peak, in_flight)
+                    assert kind == "F" or ("F", index) in actions[: actions.index((kind, index))]
+                assert peak == most, (name, stage, stages, k)
+    assert stage_block_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+
+
+def test_pipeline_plan_prefers_the_largest_k_measured_and_says_when_t_is_not_reached() -> None:
+    exact = pipeline_plan(8, 64, 2, stages=4, max_microbatches=16, min_microbatches=4)
+    assert (exact.micro_batch, exact.accumulation_steps, exact.exact) == (2, 16, True)
+    assert "bubble (pp - 1) / (K + pp - 1) = 0.158" in exact.note
+    # K = 16 would need m = 1.5 and K = 13 to 15 no whole m: K = 12 with m = 2.
+    some = pipeline_plan(4, 48, 2, stages=2, max_microbatches=16, min_microbatches=2)
+    assert (some.micro_batch, some.accumulation_steps, some.effective_batch) == (2, 12, 48)
+    inexact = pipeline_plan(2, 100, 3, stages=2, max_microbatches=4, min_microbatches=2)
+    assert not inexact.exact and inexact.micro_batch <= 2 and "no m x K x D equals target 100" in inexact.note
+    with pytest.raises(ValueError, match="below the schedule's least"):
+        pipeline_plan(2, 8, 1, stages=4, max_microbatches=2, min_microbatches=4)
+
+
+def test_fewer_blocks_than_stages_is_one_line() -> None:
+    with pytest.raises(TaskError, match=r"^--pp 4: TinyLlama of task 'tiny-llama' has 3 block\(s\) to cut"):
+        PipelineTrials(
+            llama_task(), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=4, schedule="gpipe", microbatches=4
+        )
+
+
+def test_unmeasured_schedules_and_compositions_are_refused_in_one_line() -> None:
+    with pytest.raises(AutotuneError, match="^--pp-schedule interleaved-1f1b is not measured yet"):
+        PipelineTrials(
+            llama_task(),
+            CpuMeter(UNBOUNDED),
+            limit_bytes=UNBOUNDED,
+            stages=2,
+            schedule="interleaved-1f1b",
+            microbatches=2,
+        )
+    with pytest.raises(AutotuneError, match="^--pp-microbatches 1 is below --pp 2"):
+        PipelineTrials(
+            llama_task(), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=1
+        )
+    config = ProbeConfig(device="cpu", budget_bytes=BUDGET, strategy="fsdp", world_size=4, mesh=Mesh(pp=2))
+    with pytest.raises(AutotuneError, match="^--pp 2 is measured with --strategy ddp"):
+        probe(llama_task(), config)
