@@ -73,6 +73,11 @@ def finetune_lines(profile: Profile) -> list[str]:
             f"  lora             rank {tags['lora_rank']}, alpha {alpha_text}, dropout {tags.get('lora_dropout', 0)}, "
             f"targets {tags.get('lora_targets', '-')} (base frozen)"
         )
+    if "quantize" in tags:
+        lines.append(
+            f"  quantize         {tags['quantize']}: linear layers in 4-bit (bitsandbytes), embeddings and norms fp32 "
+            "(peft's k-bit preparation)"
+        )
     return lines
 
 
