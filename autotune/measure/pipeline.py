@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -59,7 +59,7 @@ from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.schemas import Trial
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.measure.oom import is_oom
-from autotune.measure.strategies import Replicated, Strategy
+from autotune.measure.strategies import Strategy
 from autotune.measure.trial import _initialise, build_on_meta, make_batch
 from autotune.tasks.batches import map_tensors
 from autotune.tasks.task import ProbeTask
@@ -69,6 +69,7 @@ __all__ = [
     "Action",
     "PipelineTrials",
     "StageLayout",
+    "StageStrategy",
     "pipeline_refusal",
     "schedule_actions",
     "stage_block_ranges",
@@ -136,6 +137,19 @@ def pipeline_refusal(schedule: str, stages: int, microbatches: int, blocks: int 
     if blocks is not None and blocks < stages:
         return f"--pp {stages}: the model has {blocks} block(s) to cut, fewer than the stages"
     return None
+
+
+class StageStrategy(Strategy):
+    """How a pipeline stage holds its part of the model here: whole, in no process group (the replay stands in
+    for the pipeline's sends and receives; a data-parallel wrapper over the stage is not measured)."""
+
+    name = "ddp"
+
+    def process_group(self, device: torch.device) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        return model
 
 
 class _StageExit(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -657,7 +671,7 @@ class PipelineTrials:
             raise AutotuneError(refusal)
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
-        self.strategy = strategy or Replicated(1)
+        self.strategy = strategy or StageStrategy(1)
         self.warnings: list[str] = []
         self.stage_peaks: dict[int, list[int]] = {}
         recorder = build_on_meta(task, self.warnings)

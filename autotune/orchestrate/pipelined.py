@@ -14,8 +14,8 @@ from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters import Meter
-from autotune.measure.pipeline import PipelineTrials
-from autotune.measure.strategies import Replicated, Strategy
+from autotune.measure.pipeline import PipelineTrials, StageStrategy
+from autotune.measure.strategies import Strategy
 from autotune.orchestrate.config import ProbeConfig
 from autotune.search.boundary import SearchResult, find_max_micro_batch
 from autotune.tasks.task import ProbeTask
@@ -29,8 +29,8 @@ def measured_microbatches(config: ProbeConfig) -> int:
 
 
 def stage_strategy(config: ProbeConfig) -> Strategy:
-    """How a stage holds its part of the model: whole, as one replica of D (DDP's buckets over the stage are
-    not measured).
+    """How a stage holds its part of the model: whole, as one replica of D (a data-parallel wrapper over the
+    stage, DDP's buckets, is not measured).
 
     Raises:
         AutotuneError: a pipeline composed with what is not measured with it yet (fsdp, tp, cp).
@@ -41,7 +41,11 @@ def stage_strategy(config: ProbeConfig) -> Strategy:
             f"--pp {mesh.pp} is measured with --strategy ddp and no --tp or --cp yet "
             f"(asked: --strategy {config.strategy}, {mesh.describe()})"
         )
-    return Replicated(1)
+    return StageStrategy(1)
+
+
+def _blocks_text(blocks: range) -> str:
+    return str(blocks.start) if len(blocks) == 1 else f"{blocks.start}-{blocks.stop - 1}"
 
 
 def search_pipeline(
@@ -85,7 +89,7 @@ def search_pipeline(
     if peaks is not None:
         heaviest = trials.most_loaded(result.max_micro_batch)
         stages = ", ".join(
-            f"stage {i} ({len(trials.layout.ranges[i])} blocks) {format_bytes(p)}" for i, p in enumerate(peaks)
+            f"stage {i} (blocks {_blocks_text(trials.layout.ranges[i])}) {format_bytes(p)}" for i, p in enumerate(peaks)
         )
         warnings.append(
             f"pipeline {mesh.describe()}, measured at K = {k}: each stage's peak at m = {result.max_micro_batch}: "

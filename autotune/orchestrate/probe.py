@@ -387,7 +387,7 @@ def probe_with_meter(
         autotune_version=autotune.__version__,
         **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device, warnings),
     )
-    if config.throughput:  # timed runs, never the search's trials
+    if config.throughput and config.mesh.pp == 1:  # timed runs, never the search's trials (none of a pipeline yet)
         profile.throughput = timed_updates(
             task,
             meter,

@@ -9,6 +9,7 @@ code of the probe), at m_max and m_max + 1; and the probe's m_max at a budget be
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -144,3 +145,37 @@ def test_unmeasured_schedules_and_compositions_are_refused_in_one_line() -> None
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, strategy="fsdp", world_size=4, mesh=Mesh(pp=2))
     with pytest.raises(AutotuneError, match="^--pp 2 is measured with --strategy ddp"):
         probe(llama_task(), config)
+
+
+TASK_FILE = """
+from autotune import ProbeTask
+from tests.autotune import _pipeline_worker as w
+
+task = ProbeTask(name="tiny-llama", model=w.TinyLlama, batch=w.make_batch,
+                 loss=lambda model, batch: w.lm_loss(model(batch[0]), batch[1]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--pp", "4", "--pp-microbatches", "4"], "--pp 4: TinyLlama of task 'tiny-llama' has 3 block(s) to cut"),
+        (["--pp", "2", "--pp-microbatches", "1"], "--pp-microbatches 1 is below --pp 2"),
+        (["--pp", "2", "--pp-schedule", "interleaved-1f1b"], "--pp-schedule interleaved-1f1b is not measured yet"),
+    ],
+)
+def test_bad_pipelines_are_one_line_exit_2_nothing_written(
+    flags: list[str], said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from autotune.cli import main
+    from autotune.core.errors import ExitCode
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    (tmp_path / "llama_task.py").write_text(TASK_FILE)
+    output = tmp_path / "profile.json"
+    argv = ["probe", f"{tmp_path / 'llama_task.py'}:task", "--device", "cpu", "--budget", "1000000"]
+    code = main([*argv, "--world-size", "4", *flags, "--output", str(output)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == ExitCode.USAGE
+    assert lines[-1].startswith("autotune: error: ") and said in lines[-1]
+    assert not output.exists()
