@@ -53,6 +53,11 @@ def _check_offload(args: argparse.Namespace) -> None:
             f"--offload params needs --strategy fsdp (got {getattr(args, 'strategy', 'ddp')}): it is FSDP2's "
             "CPUOffloadPolicy, which keeps each rank's shards on the host; under ddp use --offload activations"
         )
+    if getattr(args, "host_budget", None) is not None and getattr(args, "command", None) != "probe":
+        raise CliError(
+            "--host-budget applies to autotune probe: an estimate reports the host's bytes with --offload but "
+            "does not search by them"
+        )
     if getattr(args, "host_budget", None) is not None and offload in (None, "none"):
         raise CliError(
             "--host-budget needs --offload activations or params: without offload the job keeps nothing in host "

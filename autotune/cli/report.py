@@ -7,7 +7,15 @@ from autotune.core.schemas import Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import gap_advice
 
-__all__ = ["datasheet", "finetune_lines", "lengths_datasheet", "strategy_text", "trial_counts", "trial_line"]
+__all__ = [
+    "datasheet",
+    "finetune_lines",
+    "lengths_datasheet",
+    "offload_lines",
+    "strategy_text",
+    "trial_counts",
+    "trial_line",
+]
 
 
 _POLICY_TEXT = {
@@ -31,12 +39,15 @@ def _policy_text(policy: str) -> str:
 def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
     """One progress line: m, peak, verdict, time."""
     verdict = "OOM" if trial.oom else ("fits" if trial.fits else "over limit")
+    if verdict == "over limit" and limit_bytes and trial.peak_bytes <= limit_bytes and trial.host_peak_bytes:
+        verdict = "over host budget"  # --host-budget (autotune/measure/offload.py)
     if trial.fake:
         verdict = f"fake {verdict}"
     share = f" ({100 * trial.peak_bytes / limit_bytes:5.1f}% of limit)" if limit_bytes and not trial.oom else ""
+    host = "" if trial.host_peak_bytes is None else f"  host {format_bytes(trial.host_peak_bytes):>11}"
     return (
         f"trial m={trial.micro_batch:<6d} peak {format_bytes(trial.peak_bytes):>11}{share}  "
-        f"{verdict:<15} {trial.seconds:6.2f}s"
+        f"{verdict:<15} {trial.seconds:6.2f}s{host}"
     )
 
 
@@ -81,6 +92,27 @@ def finetune_lines(profile: Profile) -> list[str]:
     return lines
 
 
+# What each --offload keeps on the host (autotune/measure/offload.py).
+_OFFLOADED = {
+    "activations": "the blocks' saved activations in host memory (save_on_cpu)",
+    "params": "FSDP2's CPUOffloadPolicy: shards, gradients and optimizer state on the host, the step on the CPU",
+}
+
+
+def offload_lines(profile: Profile) -> list[str]:
+    """The datasheet's offload and host-memory lines (none for a job without offload)."""
+    if profile.offload is None or profile.offload == "none":
+        return []
+    lines = [f"  offload          {profile.offload}: {_OFFLOADED[profile.offload]}; the device's bytes decide m"]
+    if profile.host_peak_bytes is not None:
+        budget = profile.host_budget_bytes
+        lines.append(
+            f"  host at m={profile.max_micro_batch:<6d} {format_bytes(profile.host_peak_bytes)}"
+            + ("" if budget is None else f" (host budget {format_bytes(budget)})")
+        )
+    return lines
+
+
 def datasheet(profile: Profile) -> str:
     """The profile as a page of text: plan, memory, fit, trials, warnings."""
     dev = profile.device
@@ -92,6 +124,7 @@ def datasheet(profile: Profile) -> str:
         *finetune_lines(profile),
         f"  strategy         {strategy_text(profile)}",
         f"  checkpointing    {_policy_text(profile.activation_checkpointing)}",
+        *offload_lines(profile),
         f"  source           {profile.source}"
         + (" (fake-tensor trials only, not a measurement on the device)" if profile.source == "estimate" else ""),
         f"  budget           {format_bytes(profile.budget_bytes)} (headroom {profile.headroom:.0%}, "

@@ -62,6 +62,7 @@ def search_on_card(
     multiple_of: int,
     extra_sizes: Sequence[int] = (),
     python: str | None = None,
+    offload: str = "none",
 ) -> list[CardSearch]:
     """Run the search at each length (None: a task that is not sequence-aware) in one child process with
     the card emulated (autotune/emulation/runner.py): one torch import and one task load for all.
@@ -82,6 +83,7 @@ def search_on_card(
         "world_size": world_size,
         "precision": precision,
         "activation_checkpointing": activation_checkpointing,
+        "offload": offload,
         "budget_bytes": chosen.device_total_bytes,
         "limit_bytes": limit_bytes,
         "outside_bytes": outside_bytes,
@@ -131,7 +133,9 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
 
     prepare_fake_cuda()
     task = load_task(request["task"])
-    changes = {k: request[k] for k in ("precision", "activation_checkpointing") if request.get(k) is not None}
+    changes = {
+        k: request[k] for k in ("precision", "activation_checkpointing", "offload") if request.get(k) is not None
+    }
     if changes:
         task = dataclasses.replace(task, **changes)
     device = device_facts()

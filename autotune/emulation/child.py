@@ -55,7 +55,9 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
 
     task = load_task(request["task"])
     changes = {
-        key: request[key] for key in ("precision", "activation_checkpointing") if request.get(key) is not None
+        key: request[key]
+        for key in ("precision", "activation_checkpointing", "offload")
+        if request.get(key) is not None
     }
     if changes:
         task = dataclasses.replace(task, **changes)

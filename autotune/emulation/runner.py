@@ -309,6 +309,7 @@ def run_emulated_trials(
     world_size: int = 1,
     precision: str | None = None,
     activation_checkpointing: str | None = None,
+    offload: str | None = None,
     record_ops: bool = False,
     python: str | None = None,
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
@@ -322,7 +323,7 @@ def run_emulated_trials(
         card: a Card or a name ``lookup`` takes; its memory is the fake trials' budget.
         seq_len: a sequence-aware task's length.
         strategy, world_size: "ddp" or "fsdp" at world_size (fake trials of ddp run one replica).
-        precision, activation_checkpointing: override the task's own.
+        precision, activation_checkpointing, offload: override the task's own.
         record_ops: note every op the trials dispatch and the dtypes they return (``EmulatedTrial.ops``).
         python: the Python to run (default: :func:`find_cuda_python`).
         timeout_seconds: the child is killed past it.
@@ -352,6 +353,7 @@ def run_emulated_trials(
         "world_size": world_size,
         "precision": precision,
         "activation_checkpointing": activation_checkpointing,
+        "offload": offload,
         "record_ops": record_ops,
         "budget_bytes": chosen.device_total_bytes,
     }

@@ -244,7 +244,7 @@ def offload_fields(
     host_budget_bytes: int | None,
     trials: list[Any],
     m_max: int,
-    device: torch.device,
+    device_type: str,
     warnings: list[str],
 ) -> dict[str, Any]:
     """The profile's offload fields (``offload``, ``host_peak_bytes`` at m_max, ``host_budget_bytes``), and on
@@ -252,7 +252,7 @@ def offload_fields(
     it was)."""
     if offload == "none":
         return {}
-    if device.type == "cpu":
+    if device_type == "cpu":
         warnings.append(CPU_HOST_NOTE.format(offload=offload, what=_CPU_WHAT[offload]))
     at_max = [t.host_peak_bytes for t in trials if t.micro_batch == m_max and t.host_peak_bytes is not None]
     return {

@@ -139,6 +139,7 @@ def _on_card(
             world_size=setup.world_size,
             precision=task.precision,
             activation_checkpointing=task.activation_checkpointing,
+            offload=task.offload,
             max_micro_batch=setup.max_micro_batch,
             multiple_of=setup.multiple_of,
             extra_sizes=config.micro_batches,

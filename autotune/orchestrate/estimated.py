@@ -10,6 +10,7 @@ import autotune
 from autotune.core.consistency import check_profile
 from autotune.core.plan import nonnegative_fit
 from autotune.core.schemas import Device, Fit, Profile, Trial
+from autotune.measure.offload import offload_fields
 from autotune.orchestrate.config import EstimateConfig
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.task import ProbeTask
@@ -88,6 +89,7 @@ def estimated_profile(
         warnings=warnings,
         torch_version=torch_version,
         autotune_version=autotune.__version__,
+        **offload_fields(task.offload, None, list(trials), max_micro_batch, config.device_kind, warnings),
         non_monotone=bool(above),
     )
     # A profile the store would refuse is a bug here, not something to write or upload.

@@ -385,7 +385,7 @@ def probe_with_meter(
         warnings=warnings,
         torch_version=torch.__version__,
         autotune_version=autotune.__version__,
-        **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device, warnings),
+        **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device.type, warnings),
     )
     if config.throughput and config.mesh.pp == 1:  # timed runs, never the search's trials (none of a pipeline yet)
         profile.throughput = timed_updates(

@@ -72,6 +72,8 @@ class LaneSetup:
     hold: Callable[[LaneSetup], tuple[Any, ExitStack, Any]]
     # The mixture-of-experts routing the run's fake trials assume (autotune/measure/meters/fake.py).
     moe_load_factor: float = 1.0
+    # What the job keeps in host memory (autotune/measure/offload.py).
+    offload: str = "none"
 
 
 def spare_cores() -> int:
@@ -155,6 +157,7 @@ class FakeLanes:
             device_name=device_name,
             hold=hold,
             moe_load_factor=current_load_factor(),
+            offload=task.offload,
         )
         return cls(setup, workers)
 

@@ -380,7 +380,10 @@ def hold_lane_model(setup: LaneSetup) -> tuple[ProbeTask, ExitStack, FakeTrials]
     from autotune.tasks.load import load_task
 
     task = dataclasses.replace(
-        load_task(setup.spec), precision=setup.precision, activation_checkpointing=setup.activation_checkpointing
+        load_task(setup.spec),
+        precision=setup.precision,
+        activation_checkpointing=setup.activation_checkpointing,
+        offload=setup.offload,
     )
     strategy = fake_strategy(make_strategy(setup.strategy, setup.world_size))  # held before the model
     stack = ExitStack()

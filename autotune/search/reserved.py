@@ -146,6 +146,7 @@ def reserved_search(
                     outside_allocator_bytes=outside_bytes,
                     seconds=live.seconds,
                     fake=True,
+                    host_peak_bytes=live.host_peak_bytes,  # --offload: the host's bytes (autotune/measure/offload.py)
                 )
         found.trials[micro_batch] = result
         return result

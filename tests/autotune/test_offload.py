@@ -194,3 +194,18 @@ def test_the_config_refuses_what_the_flags_refuse() -> None:
         ProbeConfig(device="cpu", budget_bytes=MiB, offload="params").validate()
     with pytest.raises(AutotuneError, match="--host-budget needs --offload"):
         ProbeConfig(device="cpu", budget_bytes=MiB, host_budget_bytes=MiB).validate()
+
+
+def test_a_host_budget_on_an_estimate_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(REPO)
+    output = tmp_path / "profile.json"
+    argv = ["estimate", "examples/gpt.py:task", "--budget", "2GiB", "--offload", "activations", "--host-budget", "1GiB"]
+    try:
+        code = main([*argv, "--output", str(output)])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == ExitCode.USAGE and len(lines) == 1
+    assert "--host-budget applies to autotune probe" in lines[0] and not output.exists()
