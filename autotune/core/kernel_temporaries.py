@@ -26,8 +26,8 @@ Covered (each with its conditions in its docstring): the mem-efficient attention
 (``mem_eff_attention/kernel_backward.h``, ``kernel_forward.h``, ``attention_backward.cu``,
 ``attention.cu``), flash attention's backward (``flash_attn/flash_api.cpp``: ``mha_bwd``), cuDNN
 attention's backward (the cudnn-frontend SDPA backward node's workspace), the embedding's backward
-(``Embedding.cu``, ``EmbeddingBackwardKernel.cu``), layer norm's backward (``layer_norm_kernel.cu``), and
-cuDNN's convolution workspaces as a stated bound for a job run with cuDNN's workspace cap
+(``Embedding.cu``, ``EmbeddingBackwardKernel.cu``), layer norm's backward (``layer_norm_kernel.cu``),
+bitsandbytes' 4-bit matmul where it dequantizes the weight first (``gemm_4bit``'s unfused path), and cuDNN's convolution workspaces as a stated bound for a job run with cuDNN's workspace cap
 (``native/cudnn/Conv_v8.cpp``: not a size cuDNN would choose, which only its heuristics know; see
 :func:`convolution_workspace`). Not covered, and so not in any figure: those workspaces without the cap,
 the split reductions' buffers of ``Reduce.cuh`` (a few KiB to a few MiB), cuDNN's own engine workspace for
@@ -48,6 +48,7 @@ __all__ = [
     "conv_workspace_cap_bytes",
     "convolution_workspace",
     "cudnn_attention_backward",
+    "dequantized_4bit_weight",
     "embedding_dense_backward",
     "flash_attention_backward",
     "layer_norm_backward",
@@ -339,6 +340,25 @@ def layer_norm_backward(
         steps.append(("dgamma_blocks", size))
     if bias_grad:
         steps.append(("dbeta_blocks", size))
+    steps += [(name, FREE) for name, _ in reversed(steps)]
+    return steps
+
+
+def dequantized_4bit_weight(
+    out_features: int, in_features: int, *, itemsize: int, absmax_blocks: int = 0
+) -> list[Step]:
+    """bitsandbytes' ``gemm_4bit`` on CUDA where it does not run its fused kernel (``_dequant_linear_fallback``,
+    backends/cuda/ops.py, bitsandbytes 0.50): a double-quantized absmax first dequantized to fp32 and offset
+    (two fp32 tensors of its blocks' count), then the whole weight dequantized into the input's dtype, then
+    ``F.linear``; all of it freed when the op returns.
+
+    >>> dequantized_4bit_weight(14336, 4096, itemsize=2)
+    [('dequantized_weight', 117440512), ('dequantized_weight', -1)]
+    """
+    steps: list[Step] = []
+    if absmax_blocks:
+        steps += [("absmax_dequantized", 4 * absmax_blocks), ("absmax_offset", 4 * absmax_blocks)]
+    steps.append(("dequantized_weight", out_features * in_features * itemsize))
     steps += [(name, FREE) for name, _ in reversed(steps)]
     return steps
 

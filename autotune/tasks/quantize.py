@@ -84,10 +84,10 @@ def fake_kernel_note(name: str, device_kind: str) -> str:
     fake kernels allocate each op's outputs only, and its real kernels take one layer's scratch beside them."""
     if device_kind == "cuda":
         return (
-            f"--quantize {name}: the fake trials ran bitsandbytes' fake kernels, which allocate each 4-bit matmul's "
-            "output only; on a card, bitsandbytes' gemm_4bit for more than 1536 tokens per micro-batch first "
-            "dequantizes the weight into a bf16 temporary (out x in x 2 bytes, one layer at a time, freed after the "
-            "matmul), which this figure leaves out; for fewer tokens its fused kernel needs none"
+            f"--quantize {name}: the fake trials ran bitsandbytes' fake kernels, which allocate each op's output "
+            "only; the figure adds, as gemm_4bit's kernel temporary, the weight it dequantizes to bf16 (out x in x 2 "
+            "bytes, one layer at a time) where bitsandbytes 0.50's CUDA backend does (past 1536 tokens per "
+            "micro-batch, or where its heuristic for the card picks that path), and nothing for its fused kernel"
         )
     return (
         f"--quantize {name}: the fake trials ran bitsandbytes' fake kernels, which allocate each 4-bit op's output "

@@ -181,3 +181,23 @@ def test_quantize_without_bitsandbytes_is_one_line(
     argv = ["estimate", spec, "--device-kind", "cpu", "--budget", "8MiB", "--seq-len", "16"]
     argv += ["--lora-rank", "4", "--quantize", "nf4"]
     assert "--quantize nf4 needs bitsandbytes: pip install 'autotune[hf]'" in _refused(argv, capsys, tmp_path)
+
+
+def test_gemm_4bit_dequantized_weight_is_a_kernel_temporary_on_a_card() -> None:
+    from autotune.measure.meters.temporaries import KernelFacts, op_temporaries
+
+    with torch.device("meta"):
+        inputs = torch.empty(2048, 4096, dtype=torch.bfloat16)
+        weight = torch.empty(14336, 4096, dtype=torch.bfloat16)
+    packed, state = bnb.functional.quantize_4bit(weight, quant_type="nf4")  # bitsandbytes' meta kernel
+    gemm_4bit = torch.ops.bitsandbytes.gemm_4bit.default
+    facts = KernelFacts(capability=(8, 9), sm_count=128)  # an RTX 4090
+    dequantized = [("dequantized_weight", 14336 * 4096 * 2), ("dequantized_weight", -1)]
+    # Past 1536 tokens bitsandbytes' CUDA backend dequantizes the weight into the input's dtype, then F.linear.
+    assert op_temporaries(gemm_4bit, (inputs, packed, list(state.shape), state.absmax, 64, "nf4"), facts) == dequantized
+    if "bitsandbytes.backends.cuda.ops" not in sys.modules:
+        # Below it, without bitsandbytes' CUDA backend to ask (a CPU build), the temporary is counted: a bound.
+        args = (inputs[:512], packed, list(state.shape), state.absmax, 64, "nf4")
+        assert op_temporaries(gemm_4bit, args, facts) == dequantized
+    # Every other op keeps its own rule or none.
+    assert op_temporaries(torch.ops.aten.mm.default, (inputs, inputs.t()), facts) == []

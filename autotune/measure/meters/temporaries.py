@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -193,6 +194,32 @@ def _convolution_backward(args: tuple[Any, ...], facts: KernelFacts) -> list[Ste
     return rules.convolution_workspace(calls, cap_bytes=cap)
 
 
+# bitsandbytes' CUDA backend (backends/cuda/ops.py, 0.50): past this many rows of the input (tokens), gemm_4bit
+# takes its unfused path; at or below it, bitsandbytes' own per-architecture heuristic chooses.
+BNB_GEMM_4BIT_CUSTOM_MAX_ROWS = 1536
+
+
+def _gemm_4bit(args: tuple[Any, ...], facts: KernelFacts) -> list[Step]:
+    # (A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset)
+    inputs, shape, blocksize = args[0], args[2], int(args[4])
+    cols = int(inputs.shape[-1])
+    rows, out_features = int(inputs.numel()) // max(1, cols), int(shape[0])
+    if rows <= BNB_GEMM_4BIT_CUSTOM_MAX_ROWS and cols % blocksize == 0:
+        # bitsandbytes' heuristic where this process loaded its CUDA backend (the emulated card's properties
+        # under the emulation); without it the temporary is counted, a bound.
+        backend = sys.modules.get("bitsandbytes.backends.cuda.ops")
+        choose = getattr(backend, "_gemm_4bit_use_custom_fn", None)
+        if choose is not None and choose(inputs.device.index or 0, inputs.dtype, rows, out_features, cols):
+            return []
+    nested = args[7] if len(args) > 7 else None
+    return rules.dequantized_4bit_weight(
+        out_features,
+        cols,
+        itemsize=inputs.element_size(),
+        absmax_blocks=0 if nested is None else int(nested.numel()),
+    )
+
+
 _RULES: dict[Any, Callable[[tuple[Any, ...], KernelFacts], list[Step]]] = {
     aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
     aten._efficient_attention_backward.default: _efficient_backward_direct,
@@ -238,7 +265,13 @@ def unmodelled(func: Any, facts: KernelFacts | None = None) -> str | None:
     return UNMODELLED.get(func)
 
 
+# Ops of libraries that register them only when imported, by name (``OpOverload.name()``).
+_NAMED_RULES: dict[str, Callable[[tuple[Any, ...], KernelFacts], list[Step]]] = {
+    "bitsandbytes::gemm_4bit": _gemm_4bit,
+}
+
+
 def op_temporaries(func: Any, args: tuple[Any, ...], facts: KernelFacts) -> list[Step]:
     """The steps of func's CUDA kernel beyond its outputs (none for an op without a rule)."""
-    rule = _RULES.get(func)
+    rule = _RULES.get(func) or (_NAMED_RULES.get(func.name()) if hasattr(func, "name") else None)
     return rule(args, facts) if rule is not None else []
