@@ -209,7 +209,12 @@ def _gemm_4bit(args: tuple[Any, ...], facts: KernelFacts) -> list[Step]:
         # under the emulation); without it the temporary is counted, a bound.
         backend = sys.modules.get("bitsandbytes.backends.cuda.ops")
         choose = getattr(backend, "_gemm_4bit_use_custom_fn", None)
-        if choose is not None and choose(inputs.device.index or 0, inputs.dtype, rows, out_features, cols):
+        try:
+            device = inputs.device.index or 0
+            fused = choose is not None and bool(choose(device, inputs.dtype, rows, out_features, cols))
+        except Exception:  # another bitsandbytes' signature: count it
+            fused = False
+        if fused:
             return []
     nested = args[7] if len(args) > 7 else None
     return rules.dequantized_4bit_weight(
