@@ -616,3 +616,31 @@ class SuggestQuery(BaseModel):
             "plan is timed fastest; the answer says which)"
         ),
     ] = "memory"
+    # The job's mesh as Mesh.label writes it (autotune/core/mesh.py). The fingerprint carries it too, so only
+    # profiles of the same mesh match; here it gives the plan its D: world_size counts every rank.
+    mesh: Annotated[
+        str,
+        Field(
+            max_length=256,
+            description="the job's mesh, e.g. tp=2 or tp=2,pp=2,pp_schedule=1f1b ('' for none): world_size counts "
+            "every rank, and the plan's replicas are world_size / (tp x pp x cp)",
+        ),
+    ] = ""
+
+    @model_validator(mode="after")
+    def _mesh_divides_the_world(self) -> SuggestQuery:
+        from autotune.core.errors import AutotuneError
+        from autotune.core.mesh import Mesh
+
+        try:
+            Mesh.parse(self.mesh).validate(self.world_size)
+        except AutotuneError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def data_parallel(self) -> int:
+        """D: the data-parallel replicas the plan holds the target over (world_size over the mesh)."""
+        from autotune.core.mesh import Mesh
+
+        return self.world_size // Mesh.parse(self.mesh).model_parallel

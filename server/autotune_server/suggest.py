@@ -274,7 +274,7 @@ def _measured(
             )
         m_max = capped
         warnings.append(f"a job reported an out-of-memory error at micro-batch {c.oom_at}: capped at {m_max}")
-    chosen = _plan(m_max, target_batch, query.world_size, c.multiple_of, query.plan)
+    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan)
     peak = next((p for m, p, fits, oom in c.trials if m == chosen.micro_batch and fits and not oom), None)
     return _suggestion(
         c,
@@ -319,7 +319,7 @@ def _from_surface(
         f"predicted from the memory surface of profile {c.id}: seq_len {seq_len} was not measured (measured: "
         f"{', '.join(map(str, lengths))}); probe with --seq-len {seq_len} for a measured figure"
     )
-    chosen = _plan(m_max, target_batch, query.world_size, c.multiple_of, query.plan)
+    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan)
     return _suggestion(
         c,
         chosen,
@@ -371,7 +371,7 @@ def _fallback_prediction(
                 f"a job reported an out-of-memory error at micro-batch {c.oom_at} with profile {c.id}",
                 field="fingerprint",
             )
-    chosen = _plan(m_max, target_batch, query.world_size, c.multiple_of, query.plan)
+    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan)
     warnings.append(
         f"no measured micro-batch of profile {c.id} peaks within {int(limit)} bytes ({limit_text}): "
         f"predicted from its memory fit, not measured; probe with this budget to be sure"
@@ -395,7 +395,7 @@ def _predicted(
     used_headroom = query.headroom if query.headroom is not None else c.headroom
     limit = limit_bytes_unrounded(budget_bytes, used_headroom)
     m_max = _predicted_max(c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes")
-    chosen = _plan(m_max, target_batch, query.world_size, c.multiple_of, query.plan)
+    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan)
     what = "estimated" if c.estimate else "measured"
     warnings = [
         *(warnings or []),
@@ -463,7 +463,7 @@ def compute(found: Lookup, query: SuggestQuery, *, server_url: str | Callable[[]
         BudgetTooSmall: not even one sample (or multiple_of) fits the given budget (422).
     """
     target_batch, token_note = sequence.target_batch_for(
-        query.target_batch, query.target_tokens, query.seq_len, query.world_size
+        query.target_batch, query.target_tokens, query.seq_len, query.data_parallel
     )
     if query.objective == "throughput":
         # Each stored policy's memory answer for the target in sequences, then the fastest of them.
