@@ -43,6 +43,16 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_quantize(args)
     _check_verify_sizes(args)
     _check_offload(args)
+    _check_compile_policies(args)
+
+
+def _check_compile_policies(args: argparse.Namespace) -> None:
+    """--ac budget:R sets the compiler's activation memory budget: a compiled job's policy only."""
+    budgets = [policy for policy in getattr(args, "ac", None) or () if policy.startswith("budget:")]
+    if budgets and getattr(args, "compile", None) is None:
+        raise CliError(
+            f"--ac {budgets[0]}: the compiler's activation memory budget applies to a compiled job only: give --compile"
+        )
 
 
 def _check_offload(args: argparse.Namespace) -> None:

@@ -74,6 +74,15 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     add_mesh_options(p)
     add_policy_option(p)
     add_offload_options(p)
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        type=compile_mode,
+        metavar="MODE",
+        help="run the trials on the model torch.compile'd in MODE (default: default; reduce-overhead, "
+        "max-autotune, ...: the installed torch's modes), compiled once per probe (docs/compile.md)",
+    )
     add_task_options(p)
     add_seq_len_options(p)
     p.add_argument(
@@ -83,6 +92,17 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
         help="mixture-of-experts tasks: the routing fake trials assume, the busiest expert's share of tokens "
         "over a fair one (default 1.0, balanced); real trials route as the model does",
     )
+
+
+def compile_mode(text: str) -> str:
+    """A ``torch.compile`` mode of the installed torch (``--compile MODE``)."""
+    from autotune.tasks.task import compile_modes
+
+    if text not in compile_modes():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a torch.compile mode of this torch: choose from {', '.join(compile_modes())}"
+        )
+    return text
 
 
 def add_offload_options(p: argparse.ArgumentParser) -> None:
@@ -159,6 +179,7 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
         "plan_policy": args.plan,
         "offload": getattr(args, "offload", None),
         "host_budget_bytes": getattr(args, "host_budget", None),
+        "compile": getattr(args, "compile", None),
     }
 
 

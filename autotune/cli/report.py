@@ -33,6 +33,8 @@ def _policy_text(policy: str) -> str:
     if policy.startswith("every-"):
         k = policy.removeprefix("every-")
         return f"{policy} (the first block and every {k}th after it recompute their forward)"
+    if policy.startswith("budget:"):
+        return f"{policy} (the compiler's activation memory budget: its partitioner keeps {policy[7:]} of the min-cut)"
     return f"{policy} (every block op by op, keeping the outputs of {policy.removeprefix('op:').replace('/', ', ')})"
 
 
@@ -122,6 +124,7 @@ def datasheet(profile: Profile) -> str:
         f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
         f"  precision        {profile.precision}",
         *finetune_lines(profile),
+        *([f"  compiled         torch.compile mode {profile.tags['compile']}"] if "compile" in profile.tags else []),
         f"  strategy         {strategy_text(profile)}",
         f"  checkpointing    {_policy_text(profile.activation_checkpointing)}",
         *offload_lines(profile),
@@ -156,7 +159,10 @@ def datasheet(profile: Profile) -> str:
             f"  fit              {format_bytes(profile.fit.fixed_bytes)} + "
             f"{format_bytes(profile.fit.bytes_per_sample)} per sample (forward/backward)"
         )
-    lines.append(f"  trials           {trial_counts(profile)} in {profile.seconds:.2f}s")
+    lines.append(
+        f"  trials           {trial_counts(profile)} in {profile.seconds:.2f}s"
+        + ("" if profile.compile_seconds is None else f" (compilation {profile.compile_seconds:.2f}s of it)")
+    )
     for timing in profile.throughput or []:
         sizes = " + ".join(f"{count}x{size}" for size, count in timing.micro_batches)
         lines.append(

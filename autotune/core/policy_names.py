@@ -13,6 +13,9 @@ Torch-free, so that the server validates and matches a name with this alone; the
   op recomputed. ``op`` alone is torchtitan's list (:data:`TORCHTITAN_SAVED_OPS`); ``op:OP/OP/...`` names
   the ops instead (``op:mm/addmm``). An op is ``name`` (an ``aten`` op, its default overload),
   ``namespace.name`` or ``namespace.name.overload``.
+- ``budget:R``, R a ratio from 0 to 1 (at most 4 decimals), for compiled jobs only (``--compile``,
+  docs/compile.md): no block is wrapped; ``torch._functorch.config.activation_memory_budget`` is R while
+  the model compiles (0 recomputes every activation it can, 1 is the partitioner's default min-cut).
 
 The canonical spelling is what a profile stores and ``/suggest`` matches by equality: K without leading
 zeros, and for ``op:`` the ops sorted, without repeats, ``aten.`` and ``.default`` dropped, torchtitan's
@@ -22,6 +25,8 @@ list written ``op``.
     'op:addmm/mm'
     >>> parse_policy("every-4").every, parse_policy("full").every
     (4, 1)
+    >>> canonical_policy("budget:0.50"), canonical_policy("budget:1.0")
+    ('budget:0.5', 'budget:1')
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ MATMUL_OPS = ("mm", "addmm")
 _SEGMENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _OP = rf"{_SEGMENT}(?:\.{_SEGMENT}){{0,2}}"
 # What the server checks (torch-free, as a pydantic pattern); parse_policy says why a name fails.
-POLICY_PATTERN = rf"^(?:none|full|every-(?:[2-9]|[1-9][0-9]{{1,3}})|op(?::{_OP}(?:/{_OP})*)?)$"
+_BUDGET = r"(?:0(?:\.[0-9]{1,4})?|1(?:\.0{1,4})?)"
+POLICY_PATTERN = rf"^(?:none|full|every-(?:[2-9]|[1-9][0-9]{{1,3}})|op(?::{_OP}(?:/{_OP})*)?|budget:{_BUDGET})$"
+# budget:R (compiled jobs) is left out of the line: its own refusal says what R is.
 _RULE = "none, every-K (K from 2 to 9999), full, op, or op:OP/OP/... (op names, e.g. op:mm/addmm)"
 
 
@@ -78,15 +85,18 @@ _RULE = "none, every-K (K from 2 to 9999), full, op, or op:OP/OP/... (op names, 
 class PolicyName:
     """A parsed policy name: its kind, K for every-K (1 for full), the saved ops for op (canonical)."""
 
-    kind: Literal["none", "every", "full", "op"]
+    kind: Literal["none", "every", "full", "op", "budget"]
     every: int = 0
     ops: tuple[str, ...] = ()
+    budget: float = 1.0
 
     @property
     def name(self) -> str:
         """The canonical spelling."""
         if self.kind == "every":
             return f"every-{self.every}"
+        if self.kind == "budget":
+            return f"budget:{self.budget:.4f}".rstrip("0").rstrip(".")
         if self.kind == "op" and self.ops != _canonical_ops(TORCHTITAN_SAVED_OPS):
             return "op:" + "/".join(self.ops)
         return self.kind
@@ -132,6 +142,16 @@ def _parse_ops(text: str) -> PolicyName:
     return PolicyName("op", ops=_canonical_ops(ops))
 
 
+def _parse_budget(text: str) -> PolicyName:
+    ratio = text.removeprefix("budget:")
+    if not re.fullmatch(_BUDGET, ratio):
+        raise ValueError(
+            f"{text!r}: R of budget:R is the compiler's activation memory budget, a ratio from 0 to 1 with at most "
+            "4 decimals (budget:0.5)"
+        )
+    return PolicyName("budget", budget=float(ratio))
+
+
 def parse_policy(text: str) -> PolicyName:
     """The policy ``text`` names.
 
@@ -153,6 +173,8 @@ def parse_policy(text: str) -> PolicyName:
         return _parse_every(text)
     if text.startswith("op:"):
         return _parse_ops(text)
+    if text.startswith("budget:"):
+        return _parse_budget(text)
     raise ValueError(f"unknown policy {text!r}: choose from {_RULE}")
 
 
@@ -179,5 +201,7 @@ def recomputation_key(name: str) -> tuple[float, int]:
         policy = parse_policy(name)
     except ValueError:
         return (2.0, 0)
+    if policy.kind == "budget":  # R = 1 keeps what the min-cut keeps, R = 0 recomputes all it can
+        return (1.0 - policy.budget, 2)
     share = {"none": 0.0, "full": 1.0, "op": 0.5}.get(policy.kind, 1.0 / max(policy.every, 1))
     return (share, ("none", "every", "op", "full").index(policy.kind))

@@ -347,6 +347,9 @@ class Profile(_Model):
     trial_count: Annotated[int, Field(ge=0, le=10_000)] = 0
     oom_count: Annotated[int, Field(ge=0, le=10_000)] = 0
     seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+    # A compiled job (tag compile): the seconds its compilation took, within ``seconds`` and apart from every
+    # trial's (docs/compile.md); None for an eager job.
+    compile_seconds: Annotated[float, Field(ge=0, le=1e7)] | None = None
     warnings: Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=64)] = Field(
         default_factory=list
     )

@@ -47,6 +47,7 @@ from autotune.core.schemas import ACTIVATION_CHECKPOINTING
 __all__ = [
     "POLICIES",
     "BlockCheckpointing",
+    "CompilerBudget",
     "MemoryPolicy",
     "NoCheckpointing",
     "OpCheckpointing",
@@ -98,6 +99,19 @@ class NoCheckpointing(MemoryPolicy):
 
     def wrap(self, forward: Forward) -> Forward:
         return forward
+
+
+@dataclass(frozen=True)
+class CompilerBudget(NoCheckpointing):
+    """``budget:R`` (compiled jobs): no block wrapped; the compiler's partitioner recomputes activations
+    until what it saves is R of what the min-cut would (``torch._functorch.config.activation_memory_budget``,
+    set while the model compiles: autotune.measure.meters.compiled.memory_budget)."""
+
+    budget: float = 1.0
+
+    @property
+    def name(self) -> str:
+        return PolicyName("budget", budget=self.budget).name
 
 
 @dataclass(frozen=True)
@@ -208,6 +222,8 @@ def policy_for(name: str) -> MemoryPolicy:
         raise TaskError(str(exc)) from None
     if parsed.kind == "none":
         return NoCheckpointing()
+    if parsed.kind == "budget":
+        return CompilerBudget(parsed.budget)
     if parsed.kind == "op":
         for op in parsed.ops if parsed.name != "op" else ():
             try:

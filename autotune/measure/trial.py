@@ -55,7 +55,6 @@ MICRO_BATCHES_PER_STEP = 2
 OPTIMIZER_STEPS = 2
 
 
-
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor of a nested batch to device, keeping the structure and the container types
     (the walker of :mod:`autotune.tasks.batches`)."""
@@ -69,7 +68,12 @@ def make_batch(task: ProbeTask, micro_batch: int, device: torch.device) -> Any:
             f"batch({micro_batch}) of task {task.name!r} returned {type(batch).__name__} with no tensors: "
             "return a tensor or a dict/tuple/list of tensors"
         )
-    return move_to_device(batch, device)
+    moved = move_to_device(batch, device)
+    if task.compile is not None:  # one compilation for every m >= 2 (autotune/measure/meters/compiled.py)
+        from autotune.measure.meters.compiled import mark_dynamic_batch
+
+        mark_dynamic_batch(moved)
+    return moved
 
 
 def _failing_module(exc: BaseException) -> str | None:
@@ -393,7 +397,10 @@ class TrialRunner:
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
         self.host_limit_bytes = host_limit_bytes  # --host-budget under an offload (run_trial)
         self.strategy = strategy or Replicated(1)
-        self.reuse_model = reuse_model
+        # A compiled model is compiled once per probe and reused (autotune/measure/meters/compiled.py).
+        self.reuse_model = reuse_model or task.compile is not None
+        # Seconds the compilation took (its warm-up), apart from the trials'; None for an eager task.
+        self.compile_seconds: float | None = None
         # Micro-batches per step of every trial (1: the job that does not accumulate, see run_trial).
         self.accumulation = accumulation
         self.warnings: list[str] = []
@@ -407,6 +414,13 @@ class TrialRunner:
             with self.meter.hold():
                 self._model = self.strategy.wrap(model, self.task, self.meter.device)
                 offload_params_to_host(self._model, self.task.offload, self.meter)
+            if self.task.compile is not None:
+                from autotune.measure.meters.compiled import compile_and_warm, compiles_on
+
+                if compiles_on(self.meter):
+                    self._model, self.compile_seconds = compile_and_warm(
+                        self.task, self.meter, self._model, self.strategy, make_batch
+                    )
         return self._model
 
     def build(self) -> float:

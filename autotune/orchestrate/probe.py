@@ -21,6 +21,7 @@ from autotune.core.plan import nonnegative_fit, plan
 from autotune.core.schemas import Fit, Profile, SingleStep, Trial
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
+from autotune.measure.meters.compiled import compiled_job
 from autotune.measure.offload import offload_fields
 from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.throughput import timed_updates
@@ -292,6 +293,8 @@ def probe_with_meter(
     fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size, mesh=config.mesh)
     limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
     warnings: list[str] = []
+    if task.compile is not None:  # what runs compiled and what was estimated eager (docs/compile.md)
+        warnings += compiled_job(task, meter, presearch=config.presearch and presearched is None)
 
     no_fit: NoFitError | None = None
     single: SingleStep | None = None
@@ -378,10 +381,11 @@ def probe_with_meter(
         plan=the_plan,
         single_step=single,
         trials=[*fake_trials, *result.trials],
-        fit=nonnegative_fit(_guide(fake, result) if fake is not None else result.fit),
+        fit=nonnegative_fit(_guide(fake, result) if fake is not None and task.compile is None else result.fit),
         trial_count=len(result.trials),
         oom_count=result.oom_count,
         seconds=round(time.perf_counter() - started, 3),
+        compile_seconds=None if meter.compile_seconds is None else round(meter.compile_seconds, 3),
         warnings=warnings,
         torch_version=torch.__version__,
         autotune_version=autotune.__version__,
@@ -431,7 +435,7 @@ def probe(
             "use `autotune probe file.py:name --device all` or "
             "autotune.orchestrate.multi.probe_all_devices(spec, config)"
         )
-    meter = make_meter(device, config.budget_bytes)
+    meter = make_meter(device, config.budget_bytes, compiled=config.applied_to(task).compile is not None)
     try:
         return probe_with_meter(task, meter, config, on_trial=on_trial)
     finally:

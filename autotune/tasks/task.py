@@ -37,6 +37,7 @@ __all__ = [
     "ModelFactory",
     "OptimizerFactory",
     "ProbeTask",
+    "compile_modes",
     "default_loss",
     "takes_model",
     "weights_dtype_refusal",
@@ -59,7 +60,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # are freed until the next backward makes them) or "keep" (set_to_none=False: zeroed in place, held all the time).
 ZERO_GRAD_MODES = ("none", "keep")
 # The tags the task writes itself (a user's own tags of these names would be replaced).
-_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "offload")
+_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "compile", "offload")
+
+
+@functools.cache
+def compile_modes() -> tuple[str, ...]:
+    """The ``torch.compile`` modes the installed torch has (``torch._inductor.list_mode_options``), for
+    ``ProbeTask.compile`` and ``--compile MODE``. Imports inductor: call it only when compile is asked for."""
+    from torch._inductor import list_mode_options
+
+    return tuple(list_mode_options())
 
 
 @dataclass(frozen=True)
@@ -155,6 +165,9 @@ class ProbeTask:
             ``torch.autograd.graph.save_on_cpu``) or "params" (FSDP2's CPUOffloadPolicy, ``--strategy fsdp``
             only): autotune/measure/offload.py. Not "none": the tag ``offload`` (the fingerprint carries it, so
             an offloaded profile never answers a plain job).
+        compile: None (eager), or a ``torch.compile`` mode ("default", "reduce-overhead", "max-autotune", ...:
+            :func:`compile_modes`): the trials run the model compiled in that mode (docs/compile.md); a mode is
+            the tag ``compile`` (the fingerprint and the profile carry it, an eager task's stay what they were).
 
     A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
     the length out, and each profile records it.
@@ -175,6 +188,7 @@ class ProbeTask:
     weights_dtype: str = "fp32"
     zero_grad: str = "none"
     offload: str = "none"
+    compile: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -210,8 +224,23 @@ class ProbeTask:
             raise TaskError(f"--offload {self.offload!r}: not an offload; use one of {', '.join(OFFLOADS)}")
         if self.offload != "none":
             tags["offload"] = self.offload
+        self._check_compile()
+        if self.compile is not None:
+            tags["compile"] = self.compile
         if tags != self.tags:
             self.tags = tags
+
+    def _check_compile(self) -> None:
+        if self.compile is not None and (not isinstance(self.compile, str) or self.compile not in compile_modes()):
+            raise TaskError(
+                f"--compile {self.compile!r}: not a torch.compile mode of torch {torch.__version__} "
+                f"(modes: {', '.join(compile_modes())})"
+            )
+        if self.activation_checkpointing.startswith("budget:") and self.compile is None:
+            raise TaskError(
+                f"--ac {self.activation_checkpointing}: the compiler's activation memory budget applies to a "
+                "compiled job only: give --compile"
+            )
 
     @property
     def sequence_aware(self) -> bool:

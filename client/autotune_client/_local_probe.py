@@ -114,6 +114,8 @@ def probe_locally(
         optimizer=optimizer,
         precision=cast("Precision", precision),  # ProbeTask refuses another in one line
         tags=tags,
+        # suggest()'s tag compile (autotune_client/_suggest.py: _compilation): the trials run compiled.
+        compile=str(tags["compile"]) if "compile" in tags else None,
     )
     config = ProbeConfig(
         device=device_spec,

@@ -98,7 +98,7 @@ def job_fingerprint(
         one_sample,
         optimizer=optimizer,
         precision=precision or "fp32",
-        tags=dict(tags or {}),
+        tags={**(tags or {}), **_compilation(model)},
         seq_len=seq_len,
     )
 
@@ -133,7 +133,9 @@ def suggest(
     Args:
         model: the model as the script built it. It is never modified: weights, ``requires_grad``,
             device and train/eval mode are as they were, and torch's RNG state is restored after a
-            local probe. A DDP or ``torch.compile`` wrapper is looked through.
+            local probe. A DDP wrapper is looked through; a ``torch.compile``'d model's compilation is passed
+            on (its mode is the tag ``compile``: the probe measures the compiled step, docs/compile.md), or a
+            warning says why it cannot be (another backend, options beyond a mode) and the model is measured eager.
         target_batch: the effective batch T the recipe asks for (samples per optimizer update).
         example: one batch of inputs as the model's loss takes it (its first sample is used), or
             a ``batch(m)`` callable returning a batch of m samples. Required: the input signature
@@ -286,7 +288,7 @@ def _resolved(call: _Call, target_batch: int) -> _Job:
         )
     batch_fn, one_sample = _batch_factory(call.example)
     precision = call.precision or "fp32"
-    tags = dict(call.tags or {})
+    tags = {**(call.tags or {}), **_compilation(call.model)}
     device_spec = _job_device(model, call.device)
     budget_bytes = parse_bytes(call.budget) if call.budget is not None else None
     fingerprint = fingerprint_model(
@@ -439,11 +441,22 @@ def _warn(message: str, *, stacklevel: int = 4) -> str:
     return message
 
 
+def _compilation(model: Any) -> dict[str, TagValue]:
+    """The tag ``compile`` of a ``torch.compile``'d model (its mode), passed on instead of looked through; a
+    warning where its compilation cannot be repeated (the model is then measured eager)."""
+    from autotune.measure.meters.compiled import compiled_mode_of
+
+    mode, why = compiled_mode_of(model)
+    if why is not None:
+        _warn(f"autotune: {why}", stacklevel=5)
+    return {} if mode is None else {"compile": mode}
+
+
 def _unwrap(model: Any) -> nn.Module:
     from torch import nn
 
-    # DDP's module tree has a "module." prefix and torch.compile's an "_orig_mod.": the memory that
-    # matters, and the fingerprint, is the wrapped model's.
+    # DDP's module tree has a "module." prefix and torch.compile's an "_orig_mod.": the fingerprint is the
+    # wrapped model's (a compiled model's mode is the tag compile: _compilation).
     for _ in range(4):
         inner = getattr(model, "_orig_mod", None)
         if inner is None and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):

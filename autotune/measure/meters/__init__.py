@@ -45,9 +45,15 @@ def resolve_device(spec: str) -> str:
     raise DeviceError(f"unknown device {spec!r}: use cpu, cuda, cuda:N, all or auto")
 
 
-def make_meter(spec: str, budget_bytes: int | None) -> Meter:
-    """The meter for a device spec ("cpu", "cuda", "cuda:N", "auto")."""
+def make_meter(spec: str, budget_bytes: int | None, *, compiled: bool = False) -> Meter:
+    """The meter for a device spec ("cpu", "cuda", "cuda:N", "auto"); ``compiled``: the trials run a compiled
+    model, which on the CPU only the allocator's own count sees (autotune/measure/meters/compiled.py; a card's
+    caching allocator sees it already)."""
     device = resolve_device(spec)
+    if device == "cpu" and compiled:
+        from autotune.measure.meters.compiled import CompiledCpuMeter
+
+        return CompiledCpuMeter(budget_bytes)
     if device == "cpu":
         return CpuMeter(budget_bytes)
     if device == "all":

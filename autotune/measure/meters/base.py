@@ -45,6 +45,8 @@ class Meter(ABC):
 
     device: torch.device
     budget_bytes: int
+    # Seconds the last compiled model's compilation took (autotune/measure/meters/compiled.py); None: eager.
+    compile_seconds: float | None = None
 
     def __init__(self) -> None:
         self._phases: dict[str, int] = {}

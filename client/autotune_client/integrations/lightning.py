@@ -141,6 +141,14 @@ class AutotuneBatchSize(Callback):
             recipe = self.target_batch
         recipe = check_recipe(recipe, world)
         optimizers = trainer.optimizers
+        if getattr(pl_module, "_compiler_ctx", None):  # fit(torch.compile(module)): Lightning compiles forward
+            warnings.warn(
+                "autotune: the LightningModule is torch.compile'd; the probe runs training_step, which it cannot "
+                "compile as Lightning does: measured eager (pass compile= through suggest()'s tags to measure it "
+                "compiled)",
+                UserWarning,
+                stacklevel=2,
+            )
         suggestion = suggest(
             pl_module,
             recipe,

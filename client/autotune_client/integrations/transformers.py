@@ -95,6 +95,22 @@ def _loss_function(trainer: Any) -> Any:
     return loss
 
 
+def _compilation(args: Any) -> dict[str, TagValue]:
+    """``torch_compile=True``: the Trainer compiles the model when it trains, so the probe measures it compiled
+    (the tag ``compile``, its mode); a backend other than inductor cannot be repeated: a warning, eager."""
+    if not getattr(args, "torch_compile", False):
+        return {}
+    backend = getattr(args, "torch_compile_backend", None) or "inductor"
+    if backend != "inductor":
+        warnings.warn(
+            f"autotune: torch_compile_backend={backend!r}: autotune compiles with inductor only; measured eager",
+            UserWarning,
+            stacklevel=3,
+        )
+        return {}
+    return {"compile": getattr(args, "torch_compile_mode", None) or "default"}
+
+
 def tune_trainer(
     trainer: Any,
     target_batch: int | None = None,
@@ -135,6 +151,7 @@ def tune_trainer(
     facts: dict[str, TagValue] = dict(tags or {})
     if getattr(args, "gradient_checkpointing", False):
         facts["gradient_checkpointing"] = True  # the same modules, less memory: part of the fingerprint
+    facts.update(_compilation(args))
     suggestion = suggest(
         trainer.model,
         recipe,

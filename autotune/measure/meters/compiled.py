@@ -1,0 +1,347 @@
+"""The meter of compiled trials on the CPU: the CPU allocator's own count (docs/compile.md).
+
+The CPU meter counts the storages an operator returns, seen by a dispatch mode. Code that
+``torch.compile`` generates (inductor's C++ wrapper) allocates its buffers with ``empty_strided``
+calls the dispatch mode never sees, and frees and reuses them inside one kernel call: the CPU meter
+would count a compiled step's inputs and outputs and miss its intermediates. The CPU allocator sees
+every block: ``torch.profiler``'s memory events (``profile_memory=True``) carry each allocation's and
+release's size, in order, and their running sum is the live bytes the step holds.
+
+A span this meter tracks (``hold()``: the model's build and the compilation; ``measure()``: a trial)
+runs under the profiler. What a hold span leaves allocated (the weights, what compilation keeps) is
+the base every trial's peak starts from; a trial's peak is the base plus the largest running sum of
+its own events. Phases (forward/backward, step) are split by markers the trial's checkpoints leave in
+the same event stream. The budget is enforced after the span: a trial whose peak crosses it ends in
+:class:`~autotune.measure.meters.cpu.CpuOutOfMemoryError`, the OOM the search reads as "does not
+fit" (the CPU has the memory to run it; the budget is the card's being emulated).
+
+Also here: what a trial needs to run the model compiled (:func:`compile_model`, :func:`mark_dynamic_batch`,
+:func:`memory_budget`, :func:`compile_failure`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.errors import TaskError
+from autotune.core.policy_names import parse_policy
+from autotune.measure.meters.base import FORWARD_BACKWARD, STEP, MemoryReading
+from autotune.measure.meters.cpu import CpuMeter, CpuOutOfMemoryError
+
+__all__ = [
+    "EAGER_PRESEARCH",
+    "CompiledCpuMeter",
+    "WARM_UP_MICRO_BATCH",
+    "compile_and_warm",
+    "compile_failure",
+    "compile_model",
+    "compiled_mode_of",
+    "compiles_on",
+    "mark_dynamic_batch",
+    "memory_budget",
+]
+
+_MARK = "autotune.phase."
+
+
+def _memory_events(prof: Any) -> tuple[list[tuple[int, int]], list[tuple[int, str]]]:
+    """(start ns, bytes) of every allocator event, and (start ns, phase) of every checkpoint marker."""
+    allocations: list[tuple[int, int]] = []
+    marks: list[tuple[int, str]] = []
+    for event in prof.profiler.kineto_results.events():
+        name = event.name()
+        if name == "[memory]":
+            allocations.append((event.start_ns(), event.nbytes()))
+        elif name.startswith(_MARK):
+            marks.append((event.start_ns(), name.removeprefix(_MARK)))
+    allocations.sort(key=lambda item: item[0])
+    marks.sort(key=lambda item: item[0])
+    return allocations, marks
+
+
+class CompiledCpuMeter(CpuMeter):
+    """The CPU meter for compiled trials: live bytes as the CPU allocator counts them (module docstring).
+
+    Args:
+        budget_bytes: required; a trial whose peak crosses it is an OOM.
+    """
+
+    def __init__(self, budget_bytes: int | None) -> None:
+        super().__init__(budget_bytes)
+        self._base_bytes = 0  # what the hold spans left allocated: the weights and what compilation keeps
+        self._profiling = False
+
+    @contextmanager
+    def _profiled(self) -> Iterator[tuple[list[tuple[int, int]], list[tuple[int, str]]]]:
+        from torch.profiler import ProfilerActivity, profile
+
+        allocations: list[tuple[int, int]] = []
+        marks: list[tuple[int, str]] = []
+        self._profiling = True
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                yield allocations, marks
+        finally:
+            self._profiling = False
+            # After the profiler has stopped: its results exist only then.
+            found = _memory_events(prof)
+            allocations.extend(found[0])
+            marks.extend(found[1])
+
+    def hold(self) -> AbstractContextManager[None]:
+        return self._held()
+
+    @contextmanager
+    def _held(self) -> Iterator[None]:
+        if self._profiling:  # inside a span already (build_model holds within the runner's hold)
+            yield
+            return
+        with self._profiled() as (allocations, _):
+            yield
+        self._base_bytes += sum(nbytes for _, nbytes in allocations)
+
+    def adopt(self, module: nn.Module) -> None:
+        """Nothing to add: the allocator saw the weights being made, in the hold span."""
+
+    def checkpoint(self, phase: str) -> None:
+        if self._profiling:
+            with torch.profiler.record_function(_MARK + phase):
+                pass
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        """Reset, run the span under the profiler, read its peak; an OOM after a span whose peak crossed
+        the budget (and that raised nothing else)."""
+        self.release()
+        if self._profiling:
+            raise RuntimeError("the compiled meter's measure() cannot nest in another of its spans")
+        failed = False
+        try:
+            with self._profiled() as (allocations, marks):
+                try:
+                    yield
+                except BaseException:
+                    failed = True
+                    raise
+        finally:
+            self._last = self._read(allocations, marks)
+        if not failed and self._enforce and self._last.peak_bytes > self.budget_bytes:
+            raise CpuOutOfMemoryError(
+                f"CPU meter (compiled): out of memory (DefaultCPUAllocator: can't allocate memory): the step "
+                f"peaked at {self._last.peak_bytes} bytes, over the budget of {self.budget_bytes} bytes"
+            )
+
+    def _read(self, allocations: list[tuple[int, int]], marks: list[tuple[int, str]]) -> MemoryReading:
+        phases: dict[str, int] = {}
+        live = phase_peak = self._base_bytes
+        cursor = 0
+        for at, nbytes in allocations:
+            while cursor < len(marks) and marks[cursor][0] <= at:
+                name = marks[cursor][1]
+                phases[name] = max(phases.get(name, 0), phase_peak)
+                phase_peak = live
+                cursor += 1
+            live += nbytes
+            phase_peak = max(phase_peak, live)
+        for _, name in marks[cursor:]:
+            phases[name] = max(phases.get(name, 0), phase_peak)
+            phase_peak = live
+        phases["tail"] = phase_peak
+        return MemoryReading(
+            peak_bytes=max(phases.values()),
+            forward_backward_bytes=phases.get(FORWARD_BACKWARD),
+            step_bytes=phases.get(STEP),
+        )
+
+    @property
+    def live_bytes(self) -> int:
+        """What the hold spans left allocated (the base of every trial's peak)."""
+        return self._base_bytes
+
+    def _tracking(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+def mark_dynamic_batch(batch: Any) -> None:
+    """Mark dimension 0 (the micro-batch) of every tensor of a batch dynamic, so that one compilation
+    serves every m >= 2 (docs/compile.md: one dynamic graph costs one compile where automatic dynamic
+    shapes cost two, and peaks as the static graph does). Size 1 is left static: dynamo specializes it."""
+    from torch._dynamo import mark_dynamic
+
+    from autotune.tasks.batches import map_tensors
+
+    def mark(tensor: torch.Tensor) -> torch.Tensor:
+        # Not a fake trial's tensors (the pre-search runs the eager model): marked under FakeTensorMode, dynamo
+        # compiles no frame afterwards in this process.
+        if type(tensor) is torch.Tensor and tensor.dim() > 0 and tensor.shape[0] >= 2:
+            mark_dynamic(tensor, 0)
+        return tensor
+
+    map_tensors(mark, batch)
+
+
+def compile_model(model: nn.Module, mode: str) -> nn.Module:
+    """``torch.compile(model, mode=mode)``: compiled on its first call (the runner's warm-up)."""
+    with warnings.catch_warnings():  # inductor's first import touches torch.jit, which warns it is deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch._inductor.compile_fx  # noqa: F401
+    return torch.compile(model, mode=None if mode == "default" else mode)  # type: ignore[return-value]
+
+
+def memory_budget(policy: str) -> AbstractContextManager[Any]:
+    """``torch._functorch.config.activation_memory_budget`` set to R while a ``budget:R`` policy's model
+    compiles (the partitioner reads it then); a no-op for every other policy."""
+    parsed = parse_policy(policy)
+    if parsed.kind != "budget":
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=parsed.budget)
+
+
+def compile_failure(exc: BaseException, task_name: str) -> TaskError | None:
+    """A compiler error as one line (what stopped it: the unsupported op or the graph break's reason), or
+    None for an error that is not the compiler's."""
+    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException, Unsupported
+
+    if not isinstance(exc, (TorchDynamoException, BackendCompilerFailed, Unsupported)):
+        return None
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return TaskError(
+        f"--compile: the model of task {task_name!r} cannot be compiled: {type(exc).__name__}: "
+        f"{lines[0] if lines else ''}"[:1000]
+    )
+
+
+def compiled_mode_of(model: Any) -> tuple[str | None, str | None]:
+    """How a model handed to ``suggest()`` is compiled: ``(mode, None)`` for a ``torch.compile``'d module
+    (an ``OptimizedModule``, or anything that keeps dynamo's context as ``dynamo_ctx``) compiled by inductor
+    in one of the installed torch's modes; ``(None, why)`` for a compiled model whose compilation a probe
+    cannot repeat (another backend, inductor options beyond a mode); ``(None, None)`` for an eager model.
+
+    >>> compiled_mode_of(torch.nn.Linear(2, 2))
+    (None, None)
+    """
+    context = getattr(model, "dynamo_ctx", None)
+    if context is None:
+        return None, None
+    backend: Any = getattr(context, "callback", None)
+    while hasattr(backend, "_torchdynamo_orig_backend"):
+        backend = backend._torchdynamo_orig_backend
+    name = getattr(backend, "compiler_name", None)
+    if name != "inductor":
+        return None, (
+            f"the model is compiled with the {name or type(backend).__name__} backend: autotune compiles with "
+            "inductor only, and measured it eager"
+        )
+    from torch._inductor import list_mode_options
+
+    options = dict(getattr(backend, "config", None) or {})
+    if not options:
+        return "default", None
+    for mode in list_mode_options():
+        if dict(list_mode_options(mode)) == options:
+            return mode, None
+    return None, (
+        f"the model is compiled with inductor options {sorted(options)} beyond a mode: autotune compiles in a "
+        "mode only, and measured it eager"
+    )
+
+
+# The micro-batch the warm-up compiles at: the smallest size dynamo does not specialize.
+WARM_UP_MICRO_BATCH = 2
+
+
+def compiles_on(meter: Any) -> bool:
+    """Whether trials on ``meter`` run the model compiled: on a real device. Fake trials (the pre-search, an
+    estimate, an emulated card) run it eager: dynamo cannot trace under FakeTensorMode, and a frame it fails
+    on once it skips for good in this process, so the real trials after would run eager too."""
+    from autotune.measure.meters.fake import FakeMeter
+
+    return not isinstance(meter, FakeMeter)
+
+
+def compile_and_warm(
+    task: Any, meter: Any, model: nn.Module, strategy: Any, make_batch: Callable[[Any, int, torch.device], Any]
+) -> tuple[nn.Module, float]:
+    """The model compiled in the task's mode, its first forward and backward run (and so compiled) at
+    :data:`WARM_UP_MICRO_BATCH` inside the meter's hold: what compilation keeps allocated is part of
+    every trial's base, and its seconds are not a trial's. Under ``budget:R`` every compilation (the
+    warm-up's, a recompilation for m = 1) runs with the compiler's activation memory budget at R.
+
+    ``make_batch(task, m, device)`` is the trial's own (autotune.measure.trial.make_batch: it marks the batch
+    dimension dynamic).
+
+    Returns:
+        (the compiled model, the seconds the warm-up took: the compilation, mostly).
+
+    Raises:
+        TaskError: the compiler failed (one line: what stopped it).
+    """
+    compiled = compile_model(model, task.compile)
+    budget = memory_budget(task.activation_checkpointing)
+    if parse_policy(task.activation_checkpointing).kind == "budget":
+        forward = compiled.forward
+
+        def forward_under_budget(*args: Any, **kwargs: Any) -> Any:
+            with memory_budget(task.activation_checkpointing):
+                return forward(*args, **kwargs)
+
+        compiled.forward = forward_under_budget  # type: ignore[method-assign]
+    started = time.perf_counter()
+    try:
+        with meter.hold(), budget:
+            batch = make_batch(task, WARM_UP_MICRO_BATCH, meter.device)
+            with strategy.autocast(task.precision, meter.device):
+                loss = task.compute_loss(compiled, batch)
+            loss.backward()
+            del batch, loss
+            compiled.zero_grad(set_to_none=True)
+    except TaskError:
+        raise
+    except Exception as exc:
+        failure = compile_failure(exc, task.name)
+        if failure is None:
+            raise
+        raise failure from None
+    seconds = time.perf_counter() - started
+    meter.compile_seconds = (meter.compile_seconds or 0.0) + seconds
+    return compiled, seconds
+
+
+# The datasheet's line for a compiled job's pre-search (docs/compile.md, "The pre-search").
+EAGER_PRESEARCH = (
+    "the fake pre-search ran the eager model (fake tensors cannot run the compiler): its max micro-batch was an "
+    "estimate for the compiled job, and the real trials, compiled, decided"
+)
+
+
+def compiled_job(task: Any, meter: Any, *, presearch: bool) -> list[str]:
+    """What a compiled job's datasheet says before its trials run, and the meter check: a CPU meter that
+    counts storages by dispatch would miss the compiled code's own buffers.
+
+    Raises:
+        TaskError: the meter cannot see a compiled step.
+    """
+    if isinstance(meter, CpuMeter) and not isinstance(meter, CompiledCpuMeter):
+        raise TaskError(
+            f"task {task.name!r} is compiled (--compile {task.compile}): on the CPU its trials need the allocator's "
+            "own count (CompiledCpuMeter, make_meter(..., compiled=True)); the dispatch meter misses inductor's buffers"
+        )
+    meter.compile_seconds = None
+    notes = [
+        f"compiled ({task.compile}): the model was compiled once, at micro-batch {WARM_UP_MICRO_BATCH} with the "
+        "micro-batch dimension dynamic, and every trial ran the compiled step; compile_seconds is apart from the "
+        "trials' seconds"
+    ]
+    if presearch:
+        notes.append(EAGER_PRESEARCH)
+    return notes

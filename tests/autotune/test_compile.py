@@ -1,0 +1,175 @@
+"""Compiled jobs (issue 35): the probe's trials of a compiled model against the CPU allocator's own count of the
+same model compiled the ordinary way (torch.compile, a training step written out here, torch.profiler's memory
+events summed in order: no project code in the truth), and the refusals of what cannot be compiled or budgeted.
+
+Compiling costs tens of seconds on this machine: one tiny model, the probe's compile and the truth's shared
+through module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from autotune import ProbeTask
+from autotune.cli import main
+from autotune.core.errors import TaskError
+from autotune.core.policy_names import canonical_policy
+from autotune.orchestrate.config import ProbeConfig
+from autotune.orchestrate.probe import probe
+from autotune.tasks.fingerprint import task_fingerprint
+
+VOCAB, SEQ, WIDTH = 128, 32, 32
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' gelu_new: a chain of Python ops whose intermediates eager autograd keeps for the
+    backward and the compiled partitioner recomputes."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, 4 * WIDTH)
+        self.proj = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(gelu_new(self.fc(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batch(m: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (m, SEQ), generator=torch.Generator().manual_seed(m))
+    return {"input_ids": ids, "labels": ids}
+
+
+def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(b["input_ids"]).flatten(0, 1), b["labels"].flatten())
+
+
+BUDGET = 1_450_000  # compiled, m = 8 peaks at about 1.39 MB; eager at about 2.2 MB
+
+
+def allocator_peak(m: int, *, compiled: bool) -> int:
+    """The CPU allocator's peak over an ordinary build, torch.compile (the first call compiles, at m) and two
+    accumulated AdamW steps at m: its memory events' running sum."""
+    torch._dynamo.reset()  # a fresh process's compiler: nothing cached from another size or model
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = TinyGPT()
+        run = torch.compile(model) if compiled else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            for _ in range(2):
+                b = batch(m)
+                (loss(run, b) / 2).backward()
+                del b
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del model, run, optimizer
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def make_task(**changes: Any) -> ProbeTask:
+    return ProbeTask(name="tiny-gpt-gelu-new", model=TinyGPT, batch=batch, loss=loss, **changes)
+
+
+@pytest.fixture(scope="module")
+def compiled_profile() -> Any:
+    return probe(make_task(compile="default"), ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0))
+
+
+@pytest.mark.slow  # two compilations of the truth, one of the probe: minutes on two cores
+def test_compiled_trials_equal_the_allocators_count_at_m_max_and_above(compiled_profile: Any) -> None:
+    real = {t.micro_batch: t for t in compiled_profile.trials if not t.fake}
+    m_max = compiled_profile.max_micro_batch
+    assert m_max + 1 in real, "the search measured the size above m_max"
+    for m in (m_max, m_max + 1):
+        assert real[m].peak_bytes == allocator_peak(m, compiled=True), m
+    assert real[m_max].fits and not real[m_max + 1].fits
+
+
+def test_eager_and_compiled_differ_for_gelu_new(compiled_profile: Any) -> None:
+    m_max = compiled_profile.max_micro_batch
+    real = {t.micro_batch: t for t in compiled_profile.trials if not t.fake}
+    eager = allocator_peak(m_max, compiled=False)
+    assert eager > BUDGET >= real[m_max].peak_bytes  # eager, the compiled job's m_max would not fit
+    assert eager > 1.2 * real[m_max].peak_bytes
+
+
+def test_the_datasheet_says_compiled_and_the_compile_seconds_apart(compiled_profile: Any) -> None:
+    assert compiled_profile.tags["compile"] == "default"
+    assert compiled_profile.compile_seconds is not None and compiled_profile.compile_seconds > 0
+    real_seconds = sum(t.seconds for t in compiled_profile.trials if not t.fake)
+    assert compiled_profile.compile_seconds > max(t.seconds for t in compiled_profile.trials if not t.fake)
+    assert real_seconds + compiled_profile.compile_seconds <= compiled_profile.seconds
+    assert any("fake pre-search ran the eager model" in w for w in compiled_profile.warnings)
+
+
+def test_compile_enters_the_fingerprint_and_eager_stays_as_it_was() -> None:
+    eager = make_task()
+    assert "compile" not in eager.tags
+    assert task_fingerprint(make_task(compile="default")) != task_fingerprint(eager)
+    assert task_fingerprint(make_task(compile="max-autotune")) != task_fingerprint(make_task(compile="default"))
+    assert task_fingerprint(eager) == task_fingerprint(make_task(tags={}))
+
+
+def test_an_unknown_mode_and_a_budget_without_compile_are_refused() -> None:
+    with pytest.raises(TaskError, match="not a torch.compile mode"):
+        make_task(compile="fastest")
+    with pytest.raises(TaskError, match="give --compile"):
+        make_task(activation_checkpointing="budget:0.5")
+    assert make_task(compile="default", activation_checkpointing="budget:0.50").activation_checkpointing == (
+        "budget:0.5"
+    )
+    with pytest.raises(ValueError, match="ratio from 0 to 1"):
+        canonical_policy("budget:1.5")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--compile", "fastest"], "argument --compile: 'fastest' is not a torch.compile mode"),
+        (["--ac", "budget:1.5"], "ratio from 0 to 1"),
+        (["--ac", "budget:0.5"], "--ac budget:0.5: the compiler's activation memory budget applies to a compiled"),
+    ],
+)
+def test_the_cli_refuses_in_one_line(flags: list[str], says: str, tmp_path: Any, capsys: Any) -> None:
+    output = tmp_path / "profile.json"
+    try:
+        code = main(
+            ["probe", "examples/mlp.py:task", "--device", "cpu", "--budget", "8MiB", "--output", str(output)] + flags
+        )
+    except SystemExit as exc:  # the parser's own refusal
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not output.exists()
