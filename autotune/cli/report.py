@@ -55,6 +55,15 @@ def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
 
 def strategy_text(profile: Profile) -> str:
     """How the probe held the model: 'ddp, world size 1', 'ddp over 4 replicas', 'fsdp over 8 ranks (...)'."""
+    if profile.mesh:  # one rank of a mesh (autotune/core/mesh.py): W ranks, D replicas
+        from autotune.core.mesh import Mesh
+
+        mesh = Mesh.from_dict(profile.mesh)
+        replicas = profile.world_size // mesh.model_parallel
+        return (
+            f"{profile.strategy} over {replicas} data-parallel replicas of {profile.world_size} ranks, "
+            f"{mesh.describe()} (the figures are rank 0's, for this mesh only)"
+        )
     if profile.strategy == "fsdp":
         return f"fsdp over {profile.world_size} ranks (the figures are one rank's, for this world size only)"
     if profile.world_size > 1:

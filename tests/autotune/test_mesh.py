@@ -85,3 +85,13 @@ def test_the_label_reads_back_and_the_trivial_mesh_is_the_empty_label() -> None:
         Mesh.parse("tp2")
     with pytest.raises(AutotuneError, match="not an integer"):
         Mesh.parse("tp=two")
+
+
+def test_the_datasheet_says_the_mesh_and_the_replicas() -> None:
+    from autotune.cli.report import strategy_text
+    from tests.factories import make_profile
+
+    profile = make_profile(world_size=8, strategy="fsdp").model_copy(update={"mesh": {"tp": 2}})
+    assert strategy_text(profile) == (
+        "fsdp over 4 data-parallel replicas of 8 ranks, tp 2 (the figures are rank 0's, for this mesh only)"
+    )
