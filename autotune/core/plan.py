@@ -117,6 +117,7 @@ def pipeline_plan(
     max_microbatches: int,
     min_microbatches: int = 1,
     multiple_of: int = 1,
+    virtual_stages: int = 1,
 ) -> Plan:
     """The plan of a pipeline: m x K x D = T, where K, the micro-batches of one step, is the schedule's (the
     plan's accumulation steps) and D counts data-parallel replicas only.
@@ -124,8 +125,9 @@ def pipeline_plan(
     A stage's peak grows with K (GPipe holds all K micro-batches; every schedule keeps a receive buffer per
     micro-batch), so m_max holds for every K up to the K it was measured at (max_microbatches), and from
     min_microbatches (pp under 1F1B, where every stage needs one in flight). Exact plans first; among them the
-    largest K, whose bubble (pp - 1) / (K + pp - 1) is the smallest. Without an exact one, the nearest effective
-    batch at the largest K, the deviation said in ``note``.
+    largest K, whose bubble (pp - 1) / (V K + pp - 1) is the smallest. Without an exact one, the nearest effective
+    batch at the largest K, the deviation said in ``note``. With V virtual stages per rank (interleaved 1F1B),
+    K is one the schedule runs: a multiple of its rounds, max(1, K // pp).
 
         >>> p = pipeline_plan(6, 64, 2, stages=2, max_microbatches=8, min_microbatches=2)
         >>> (p.micro_batch, p.accumulation_steps, p.world_size, p.exact)
@@ -146,6 +148,7 @@ def pipeline_plan(
         ("max_microbatches", max_microbatches),
         ("min_microbatches", min_microbatches),
         ("multiple_of", multiple_of),
+        ("virtual_stages", virtual_stages),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -154,11 +157,15 @@ def pipeline_plan(
     largest = max_micro_batch - max_micro_batch % multiple_of
     if largest < 1:
         raise ValueError(f"max_micro_batch {max_micro_batch} is below multiple_of {multiple_of}")
-    bubble = "bubble (pp - 1) / (K + pp - 1) = {:.3f}"
+    bubble = (
+        "bubble (pp - 1) / (V K + pp - 1) = {:.3f}" if virtual_stages > 1 else "bubble (pp - 1) / (K + pp - 1) = {:.3f}"
+    )
     for k in range(max_microbatches, min_microbatches - 1, -1):
+        if virtual_stages > 1 and k % max(1, k // stages):
+            continue
         per_step, rest = divmod(target_batch, k * data_parallel)
         if rest == 0 and per_step % multiple_of == 0 and multiple_of <= per_step <= largest:
-            note = f"K = {k} micro-batches per step, " + bubble.format((stages - 1) / (k + stages - 1))
+            note = f"K = {k} micro-batches per step, " + bubble.format((stages - 1) / (virtual_stages * k + stages - 1))
             return _make_plan([(per_step, k)], data_parallel, target_batch, max_micro_batch, note)
     k = max_microbatches
     wanted = target_batch / (k * data_parallel)
@@ -167,7 +174,7 @@ def pipeline_plan(
     note = (
         f"no m x K x D equals target {target_batch} with m <= {max_micro_batch} and {min_microbatches} <= K <= "
         f"{max_microbatches}: effective batch {effective} ({size} x {k} x {data_parallel}); "
-        + bubble.format((stages - 1) / (k + stages - 1))
+        + bubble.format((stages - 1) / (virtual_stages * k + stages - 1))
     )
     return _make_plan([(size, k)], data_parallel, target_batch, max_micro_batch, note)
 

@@ -15,7 +15,9 @@ optimizer steps of K micro-batches each (the steady state of a job, as the plain
 
 - **the order** of forwards and backwards. GPipe: all K forwards, then all K backwards. 1F1B
   (``Schedule1F1B``): ``min(K, pp - s)`` forwards of warm-up, then one backward and one forward until the
-  forwards are done, then the remaining backwards: stage s holds up to ``pp - s`` micro-batches' activations;
+  forwards are done, then the remaining backwards: stage s holds up to ``pp - s`` micro-batches' activations.
+  Interleaved 1F1B with V virtual stages per rank (``ScheduleInterleaved1F1B``): the model is cut in pp x V
+  stages, rank r holds stages r, r + pp, ... side by side, and runs :func:`interleaved_actions`;
 - **the tensors crossing the stage's boundaries**, with the right shapes: ``PipelineStage`` keeps one receive
   buffer per micro-batch for the activation arriving from the previous stage (used as the stage's input, a
   leaf that requires grad) and one for the gradient arriving from the next, allocated once and kept; the
@@ -25,9 +27,11 @@ optimizer steps of K micro-batches each (the steady state of a job, as the plain
   send of a step is waited on at the end of its phase, so every output (forward) and every input gradient
   (backward) of the step stays referenced until then; under 1F1B the latest forward's output stays referenced
   until the next forward returns, an input gradient until the next backward's is made, and the first warm-up
-  forward's send until the cooldown;
+  forward's send until the cooldown; the multi-stage runtime of the interleaved schedule waits on every send
+  when the step ends;
 - gradients accumulate over the K micro-batches (``scale_grads`` divides them by K in place at the end), the
-  losses of the last stage are kept until the step ends, and the optimizer steps once per step.
+  losses of the last stage are kept until the step ends, and the optimizer steps once per step (one optimizer
+  per stage a rank holds, as torchtitan builds one per model part).
 
 Every stage of every micro-batch size is measured; a size fits when every stage fits. The answer is the most
 loaded stage's (the largest peak), and :class:`PipelineTrials` keeps each stage's peak per size for the
@@ -36,7 +40,7 @@ datasheet, with the bubble ``(pp - 1) / (K + pp - 1)`` (``autotune/core/mesh.py`
 The data: each step's K micro-batches are made when the step starts and dropped when it ends (torchtitan's
 data loader makes the whole batch, inputs and targets, on every rank, and ``schedule.step`` cuts it into
 views), on every stage. Truth: ``tests/autotune/test_pipeline.py`` runs 2 real processes on gloo with
-``PipelineStage`` and ``Schedule1F1B`` / ``ScheduleGPipe``.
+``PipelineStage`` and ``Schedule1F1B`` / ``ScheduleGPipe`` / ``ScheduleInterleaved1F1B``: equal to the byte.
 
 Where this is not exact: a model that combines several modules before its first block (GPT-2's token and
 position embeddings added) makes, on a stage past the first, one transient activation-sized tensor the real
@@ -75,7 +79,7 @@ __all__ = [
     "stage_block_ranges",
 ]
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 OPTIMIZER_STEPS = 2
 
 # ("F", micro-batch) or ("B", micro-batch).
@@ -112,7 +116,7 @@ def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) 
     if schedule == "gpipe":
         return [("F", i) for i in range(k)] + [("B", i) for i in range(k)]
     if schedule != "1f1b":
-        raise AutotuneError(f"--pp-schedule {schedule} is not measured yet (measured: {', '.join(SCHEDULES)})")
+        raise AutotuneError(f"--pp-schedule {schedule} has no single-stage order (measured: 1f1b, gpipe)")
     warmup = min(k, stages - stage)
     actions: list[Action] = [("F", i) for i in range(warmup)]
     forward, backward = warmup, 0
@@ -125,14 +129,61 @@ def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) 
     return actions
 
 
+def interleaved_actions(rank: int, ranks: int, microbatches: int, virtual: int) -> list[tuple[str, int, int]]:
+    """The order of one step's forwards and backwards on pipeline rank ``rank`` under interleaved 1F1B with
+    ``virtual`` stages per rank (rank r holds stages r, r + ranks, ...): (kind, local chunk, micro-batch).
+
+    ScheduleInterleaved1F1B's own rule (Narayanan et al. 2021, relaxed to K not a multiple of pp): rounds of
+    ``K // max(1, K // pp)`` micro-batches; a warm-up of ``(V - 1) x round + 2 (pp - 1 - rank)`` forwards (at most
+    V K), the forwards going chunk by chunk a round at a time; then one forward and one backward, the backwards
+    going from the last chunk down; then the remaining backwards.
+
+    >>> interleaved_actions(1, 2, 2, 2)
+    [('F', 0, 0), ('F', 0, 1), ('F', 1, 0), ('B', 1, 0), ('F', 1, 1), ('B', 1, 1), ('B', 0, 0), ('B', 0, 1)]
+    """
+    rounds = max(1, microbatches // ranks)
+    per_round = microbatches // rounds
+    warmup = min((virtual - 1) * per_round + 2 * (ranks - 1 - rank), microbatches * virtual)
+    both = microbatches * virtual - warmup
+    forwards: dict[int, int] = {}
+    backwards: dict[int, int] = {}
+    actions: list[tuple[str, int, int]] = []
+
+    def forward(step: int) -> None:
+        chunk = (step // per_round) % virtual
+        actions.append(("F", chunk, forwards.get(chunk, 0)))
+        forwards[chunk] = forwards.get(chunk, 0) + 1
+
+    def backward(step: int) -> None:
+        chunk = virtual - 1 - ((step - warmup) // per_round) % virtual
+        actions.append(("B", chunk, backwards.get(chunk, 0)))
+        backwards[chunk] = backwards.get(chunk, 0) + 1
+
+    for step in range(warmup + both + warmup):
+        if step < warmup:
+            forward(step)
+        elif step < warmup + both:
+            forward(step)
+            backward(step)
+        else:
+            backward(step)
+    return actions
+
+
 def pipeline_refusal(schedule: str, stages: int, microbatches: int, blocks: int | None) -> str | None:
     """Why this pipeline cannot be measured on this model (one line naming the flag), or None."""
     if schedule not in SCHEDULES:
         return f"--pp-schedule {schedule} is not measured yet (measured: {', '.join(SCHEDULES)})"
-    if schedule == "1f1b" and microbatches < stages:
+    if schedule != "gpipe" and microbatches < stages:
         return (
-            f"--pp-microbatches {microbatches} is below --pp {stages}: under --pp-schedule 1f1b every stage "
+            f"--pp-microbatches {microbatches} is below --pp {stages}: under --pp-schedule {schedule} every stage "
             "needs a micro-batch in flight (K >= pp)"
+        )
+    rounds = max(1, microbatches // stages)
+    if schedule == "interleaved-1f1b" and microbatches % rounds:
+        return (
+            f"--pp-microbatches {microbatches}: interleaved 1F1B runs rounds of K // max(1, K // pp) micro-batches, "
+            f"and {microbatches} is not a multiple of its {rounds} rounds"
         )
     if blocks is not None and blocks < stages:
         return f"--pp {stages}: the model has {blocks} block(s) to cut, fewer than the stages"
@@ -637,13 +688,64 @@ class _Replay:
         del losses, send_work, fwd_sends, bwd_sends, output
 
 
+class _InterleavedReplay:
+    """One rank's steps under interleaved 1F1B: its V stages (chunks) built side by side, each with its receive
+    buffers and its own optimizer (torchtitan builds one per model part), the actions in the schedule's order.
+    The runtime of torch's multi-stage schedules waits on every send only when the step ends: every output
+    and every input gradient sent in a step stays referenced until then."""
+
+    def __init__(self, chunks: list[_Replay], ranks: int) -> None:
+        self.chunks, self.ranks = chunks, ranks
+
+    def run(self, meter: Meter) -> None:
+        chunks = self.chunks
+        task, k = chunks[0].task, chunks[0].k
+        optimizers = [task.make_optimizer(chunk.stage.model) for chunk in chunks]
+        arrivals = [[] if c.stage.first else [c._buffer(c.input_meta, fill="normal") for _ in range(k)] for c in chunks]
+        grads_in = [[] if c.stage.last else [c._buffer(c.output_meta, fill="zero") for _ in range(k)] for c in chunks]
+        rank = chunks[0].stage.index
+        actions = interleaved_actions(rank, self.ranks, k, len(chunks))
+        for _ in range(OPTIMIZER_STEPS):
+            batches = [make_batch(task, chunks[0].micro_batch, chunks[0].device) for _ in range(k)]
+            caches: list[dict[int, Any]] = [{} for _ in chunks]
+            losses: list[Any] = []
+            sent: list[torch.Tensor] = []
+            for kind, local, index in actions:
+                chunk = chunks[local]
+                if kind == "F":
+                    kept, output = chunk._forward(index, batches, arrivals[local])
+                    caches[local][index] = kept
+                    if chunk.stage.last:
+                        losses.append(kept[1])
+                    else:
+                        sent.append(output.detach())
+                    del kept, output
+                else:
+                    grad = chunk._backward(index, caches[local], arrivals[local], grads_in[local])
+                    if grad is not None:
+                        sent.append(grad)
+                    del grad
+            del sent, losses, caches, batches
+            with torch.no_grad():
+                for chunk in chunks:
+                    for param in chunk.stage.model.parameters():
+                        if param.grad is not None:
+                            param.grad.div_(k)
+            meter.checkpoint(FORWARD_BACKWARD)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
+            meter.checkpoint(STEP)
+
+
 @contextmanager
-def _span_model(stage: _Stage) -> Iterator[_Stage]:
+def _hooks_removed(stages: list[_Stage]) -> Iterator[None]:
     try:
-        yield stage
+        yield
     finally:
-        for handle in stage.handles:
-            handle.remove()
+        for stage in stages:
+            for handle in stage.handles:
+                handle.remove()
 
 
 class PipelineTrials:
@@ -664,6 +766,7 @@ class PipelineTrials:
         stages: int,
         schedule: str,
         microbatches: int,
+        virtual_stages: int = 1,
         strategy: Strategy | None = None,
     ) -> None:
         refusal = pipeline_refusal(schedule, stages, microbatches, None)
@@ -671,6 +774,7 @@ class PipelineTrials:
             raise AutotuneError(refusal)
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
+        self.virtual_stages = virtual_stages if schedule == "interleaved-1f1b" else 1
         self.strategy = strategy or StageStrategy(1)
         self.warnings: list[str] = []
         self.stage_peaks: dict[int, list[int]] = {}
@@ -681,7 +785,7 @@ class PipelineTrials:
             )
         # A meta copy of the whole model, whose forward at each size says what crosses the stages' boundaries.
         self._recorder: nn.Module = recorder
-        self.layout = StageLayout.of(task, recorder, stages, 1)
+        self.layout = StageLayout.of(task, recorder, stages * self.virtual_stages, 1)
 
     def most_loaded(self, micro_batch: int) -> int:
         """The stage with the largest peak at micro_batch (the first of equals)."""
@@ -695,14 +799,22 @@ class PipelineTrials:
         oom = False
         try:
             with meter.measure():
-                stage = _build_stage(self.task, self.layout, stage_index, meter.device)
-                stage.flow.shapes = shapes
-                with _span_model(stage):
-                    replay = _Replay(
-                        self.task, stage, self.strategy, meter.device, self.schedule, self.microbatches, micro_batch
+                replays = []
+                for chunk in range(self.virtual_stages):  # rank r holds stages r, r + pp, ...
+                    stage = _build_stage(self.task, self.layout, stage_index + chunk * self.stages, meter.device)
+                    stage.flow.shapes = shapes
+                    replays.append(
+                        _Replay(
+                            self.task, stage, self.strategy, meter.device, self.schedule, self.microbatches, micro_batch
+                        )
                     )
-                    replay.run(meter)
-                del stage, replay
+                del stage
+                with _hooks_removed([replay.stage for replay in replays]):
+                    if self.schedule == "interleaved-1f1b":
+                        _InterleavedReplay(replays, self.stages).run(meter)
+                    else:
+                        replays[0].run(meter)
+                del replays
         except Exception as exc:
             if not is_oom(exc):
                 raise

@@ -69,6 +69,7 @@ def search_pipeline(
         stages=mesh.pp,
         schedule=mesh.pp_schedule,
         microbatches=k,
+        virtual_stages=mesh.virtual_stages,
         strategy=strategy,
     )
 
@@ -88,12 +89,13 @@ def search_pipeline(
     peaks = trials.stage_peaks.get(result.max_micro_batch)
     if peaks is not None:
         heaviest = trials.most_loaded(result.max_micro_batch)
-        stages = ", ".join(
-            f"stage {i} (blocks {_blocks_text(trials.layout.ranges[i])}) {format_bytes(p)}" for i, p in enumerate(peaks)
-        )
+        ranges = trials.layout.ranges  # rank i holds stages i, i + pp, ... (one but under interleaved 1F1B)
+        held = [", ".join(_blocks_text(ranges[s]) for s in range(i, len(ranges), mesh.pp)) for i in range(mesh.pp)]
+        stages = ", ".join(f"stage {i} (blocks {held[i]}) {format_bytes(p)}" for i, p in enumerate(peaks))
         warnings.append(
             f"pipeline {mesh.describe()}, measured at K = {k}: each stage's peak at m = {result.max_micro_batch}: "
-            f"{stages}; the most loaded is stage {heaviest}, whose m_max is the answer; bubble (pp - 1) / (K + pp - 1) "
+            f"{stages}; the most loaded is stage {heaviest}, whose m_max is the answer; bubble "
+            f"{'(pp - 1) / (V K + pp - 1)' if mesh.virtual_stages > 1 else '(pp - 1) / (K + pp - 1)'} "
             f"= {mesh.bubble_fraction(k):.3f}"
         )
     return result

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.profiler import ProfilerActivity, profile
 
 VOCAB = 96
@@ -34,6 +34,8 @@ DIM = 32
 HEADS = 2
 LAYERS = 3
 SEQ_LEN = 16
+INTERLEAVED_VIRTUAL = 2
+INTERLEAVED_LAYERS = 4
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,10 +73,10 @@ class Block(nn.Module):
 class TinyLlama(nn.Module):
     """Embedding, LAYERS blocks, norm, head; a stage of a pipeline sets the parts it lacks to None (torchtitan)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.tok_embeddings: nn.Module | None = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
         self.norm: nn.Module | None = nn.RMSNorm(DIM)
         self.output: nn.Module | None = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -99,10 +101,10 @@ def make_batch(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (micro_batch, SEQ_LEN)), torch.randint(0, VOCAB, (micro_batch, SEQ_LEN))
 
 
-def _stage_model(stage: int, stages: int) -> nn.Module:
+def _stage_model(stage: int, stages: int, layers: int) -> nn.Module:
     with torch.device("meta"):
-        model = TinyLlama()
-    per_stage = [len(part) for part in torch.arange(LAYERS).tensor_split(stages)]
+        model = TinyLlama(layers)
+    per_stage = [len(part) for part in torch.arange(layers).tensor_split(stages)]
     start = sum(per_stage[:stage])
     model.layers = nn.ModuleList(list(model.layers)[start : start + per_stage[stage]])
     if stage > 0:
@@ -117,24 +119,36 @@ def _stage_model(stage: int, stages: int) -> nn.Module:
     return model.train()
 
 
-def _steps(schedule_name: str, stage_index: int, stages: int, microbatches: int, micro_batch: int) -> None:
-    model = _stage_model(stage_index, stages)
-    stage = PipelineStage(model, stage_index, stages, torch.device("cpu"))
-    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
-    schedule = kind(stage, n_microbatches=microbatches, loss_fn=lm_loss)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _steps(schedule_name: str, rank: int, ranks: int, microbatches: int, micro_batch: int) -> None:
+    # Interleaved: each rank holds INTERLEAVED_VIRTUAL stages (rank, rank + ranks, ...) of a deeper model, and one
+    # optimizer per stage (torchtitan's one per model part).
+    virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1
+    layers = INTERLEAVED_LAYERS if virtual > 1 else LAYERS
+    indices = [rank + chunk * ranks for chunk in range(virtual)]
+    models = [_stage_model(index, ranks * virtual, layers) for index in indices]
+    stages = [
+        PipelineStage(model, index, ranks * virtual, torch.device("cpu"))
+        for model, index in zip(models, indices, strict=True)
+    ]
+    if virtual > 1:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=lm_loss)
+    else:
+        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
+        schedule = kind(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
     for _ in range(2):
         inputs, targets = make_batch(microbatches * micro_batch)
-        if stage_index == 0:
+        if rank == 0:
             schedule.step(inputs, return_outputs=False)
         else:
             losses: list[torch.Tensor] = []
             schedule.step(target=targets, losses=losses, return_outputs=False)
             del losses
         del inputs, targets
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    del schedule, stage, optimizer, model
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    del schedule, stages, optimizers, models
 
 
 def count_every_thread() -> None:

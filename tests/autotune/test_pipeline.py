@@ -8,8 +8,10 @@ code of the probe), at m_max and m_max + 1; and the probe's m_max at a budget be
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.multiprocessing as mp
@@ -19,7 +21,7 @@ from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.core.plan import pipeline_plan
 from autotune.measure.meters import CpuMeter
-from autotune.measure.pipeline import PipelineTrials, schedule_actions, stage_block_ranges
+from autotune.measure.pipeline import PipelineTrials, interleaved_actions, schedule_actions, stage_block_ranges
 from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.probe import probe
 from autotune.tasks.task import ProbeTask
@@ -33,14 +35,9 @@ BUDGET = 1_000_000
 
 
 def llama_task(layers: int = worker.LAYERS) -> ProbeTask:
-    def model() -> worker.TinyLlama:
-        built = worker.TinyLlama()
-        built.layers = built.layers[:layers]
-        return built
-
     return ProbeTask(
         name="tiny-llama",
-        model=model if layers != worker.LAYERS else worker.TinyLlama,
+        model=worker.TinyLlama if layers == worker.LAYERS else functools.partial(worker.TinyLlama, layers),
         batch=worker.make_batch,
         loss=lambda model, batch: worker.lm_loss(model(batch[0]), batch[1]),
     )
@@ -50,7 +47,7 @@ def llama_task(layers: int = worker.LAYERS) -> ProbeTask:
 def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """Each rank's peak per schedule and size, from one spawn of 2 real processes: {"1f1b/2/3": [rank0, rank1]}."""
     out = tmp_path_factory.mktemp("pipeline")
-    jobs = [("1f1b", K, SIZES), ("gpipe", K, SIZES)]
+    jobs = [("1f1b", K, SIZES), ("gpipe", K, SIZES), ("interleaved-1f1b", K, SIZES)]
     try:
         mp.spawn(worker.run, args=(2, str(out / "rendezvous"), str(out), jobs), nprocs=2, join=True)
     except ProcessException as exc:
@@ -60,10 +57,17 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
     return {key: [rank[key] for rank in ranks] for key in ranks[0]}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved-1f1b"])
 def test_each_stage_equals_the_real_pipeline_rank(schedule: str, real_peaks: dict[str, list[int]]) -> None:
+    interleaved = schedule == "interleaved-1f1b"
     trials = PipelineTrials(
-        llama_task(), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule=schedule, microbatches=K
+        llama_task(worker.INTERLEAVED_LAYERS if interleaved else worker.LAYERS),
+        CpuMeter(UNBOUNDED),
+        limit_bytes=UNBOUNDED,
+        stages=2,
+        schedule=schedule,
+        microbatches=K,
+        virtual_stages=worker.INTERLEAVED_VIRTUAL if interleaved else 1,
     )
     for m in SIZES:
         trials(m)
@@ -108,6 +112,30 @@ def test_schedules_hold_what_they_say() -> None:
     assert stage_block_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
 
 
+def test_the_interleaved_order_is_torchs() -> None:
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    for ranks, virtual, k in [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 8), (4, 2, 5), (3, 3, 7)]:
+        rounds = max(1, k // ranks)
+        if k % rounds:
+            continue
+        setup = SimpleNamespace(
+            n_local_stages=virtual, microbatches_per_round=k // rounds, pp_group_size=ranks, _n_microbatches=k
+        )
+        for rank in range(ranks):
+            ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(setup, rank)  # type: ignore[arg-type]
+            theirs = [
+                (
+                    "F" if a.computation_type == _ComputationType.FORWARD else "B",
+                    a.stage_index // ranks,
+                    a.microbatch_index,
+                )
+                for a in ops
+                if a is not None
+            ]
+            assert interleaved_actions(rank, ranks, k, virtual) == theirs, (ranks, virtual, k, rank)
+
+
 def test_pipeline_plan_prefers_the_largest_k_measured_and_says_when_t_is_not_reached() -> None:
     exact = pipeline_plan(8, 64, 2, stages=4, max_microbatches=16, min_microbatches=4)
     assert (exact.micro_batch, exact.accumulation_steps, exact.exact) == (2, 16, True)
@@ -129,14 +157,14 @@ def test_fewer_blocks_than_stages_is_one_line() -> None:
 
 
 def test_unmeasured_schedules_and_compositions_are_refused_in_one_line() -> None:
-    with pytest.raises(AutotuneError, match="^--pp-schedule interleaved-1f1b is not measured yet"):
+    with pytest.raises(AutotuneError, match="^--pp-microbatches 5: interleaved 1F1B runs rounds"):
         PipelineTrials(
             llama_task(),
             CpuMeter(UNBOUNDED),
             limit_bytes=UNBOUNDED,
             stages=2,
             schedule="interleaved-1f1b",
-            microbatches=2,
+            microbatches=5,
         )
     with pytest.raises(AutotuneError, match="^--pp-microbatches 1 is below --pp 2"):
         PipelineTrials(
@@ -161,7 +189,10 @@ task = ProbeTask(name="tiny-llama", model=w.TinyLlama, batch=w.make_batch,
     [
         (["--pp", "4", "--pp-microbatches", "4"], "--pp 4: TinyLlama of task 'tiny-llama' has 3 block(s) to cut"),
         (["--pp", "2", "--pp-microbatches", "1"], "--pp-microbatches 1 is below --pp 2"),
-        (["--pp", "2", "--pp-schedule", "interleaved-1f1b"], "--pp-schedule interleaved-1f1b is not measured yet"),
+        (
+            ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5"],
+            "--pp-microbatches 5: interleaved 1F1B runs rounds",
+        ),
     ],
 )
 def test_bad_pipelines_are_one_line_exit_2_nothing_written(
