@@ -146,6 +146,11 @@ class ProbeConfig:
     def applied_to(self, task: ProbeTask) -> ProbeTask:
         """task with the precision and the memory policy asked for, where they are given: the one place
         a config changes the task (probe, estimate, a card's estimate and a run over lengths call it)."""
+        if task.tags.get("quantize") and self.strategy == "fsdp":
+            raise AutotuneError(
+                f"--quantize {task.tags['quantize']} with --strategy fsdp: sharding a 4-bit base (FSDP-QLoRA, bf16 "
+                "quant storage) is not measured; use ddp"
+            )
         if self.precision is not None and self.precision != task.precision:
             task = dataclasses.replace(task, precision=self.precision)
         if self.activation_checkpointing is not None or self.compile is not None:
@@ -205,7 +210,6 @@ class ProbeConfig:
             max_microbatches=measured,
             min_microbatches=min(least, measured),
             multiple_of=self.multiple_of,
-            virtual_stages=self.mesh.virtual_stages,
         )
 
 

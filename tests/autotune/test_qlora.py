@@ -201,3 +201,12 @@ def test_gemm_4bit_dequantized_weight_is_a_kernel_temporary_on_a_card() -> None:
         assert op_temporaries(gemm_4bit, args, facts) == dequantized
     # Every other op keeps its own rule or none.
     assert op_temporaries(torch.ops.aten.mm.default, (inputs, inputs.t()), facts) == []
+
+
+def test_the_library_refuses_a_4bit_base_under_fsdp(tmp_path: Path) -> None:
+    from autotune.core.errors import AutotuneError
+
+    task = load_task(_spec(write_config(tmp_path, "llama"))).at_length(SEQ_LEN)
+    config = EstimateConfig.of(budget_bytes=BUDGET, device_kind="cpu", strategy="fsdp", world_size=2)
+    with pytest.raises(AutotuneError, match=r"^--quantize nf4 with --strategy fsdp: sharding a 4-bit base"):
+        estimate(task, config)
