@@ -210,6 +210,7 @@ class ProbeConfig:
             max_microbatches=measured,
             min_microbatches=min(least, measured),
             multiple_of=self.multiple_of,
+            virtual_stages=self.mesh.virtual_stages,
         )
 
 
