@@ -86,7 +86,10 @@ def finetune_lines(profile: Profile) -> list[str]:
     lines = []
     if "hf_class" in tags:
         lines.append(f"  model            {tags['hf_class']} ({tags.get('hf_family', '-')})")
-    if tags.get("weights_dtype", "fp32") != "fp32":
+    if "quantize" in tags:  # the adapters and the rest are fp32 (peft), the base 4-bit: the dtype it came from
+        dtype = tags.get("weights_dtype", "fp32")
+        lines.append(f"  weights          {dtype} (the dtype the 4-bit base is quantized from)")
+    elif tags.get("weights_dtype", "fp32") != "fp32":
         lines.append(f"  weights          {tags['weights_dtype']} (gradients and optimizer state in it too)")
     if "lora_rank" in tags:
         alpha = tags.get("lora_alpha")
