@@ -251,7 +251,7 @@ class StageLayout:
     stage_parameters: list[set[str]]
 
     @classmethod
-    def of(cls, task: ProbeTask, model: nn.Module, stages: int, micro_batch: int) -> StageLayout:
+    def of(cls, task: ProbeTask, model: nn.Module, stages: int, micro_batch: int, flag: str = "") -> StageLayout:
         """The layout of ``model`` (on ``meta``), read off one ``meta`` forward at micro_batch.
 
         Raises:
@@ -261,8 +261,8 @@ class StageLayout:
         container, blocks = _blocks_of(model, task)
         if len(blocks) < stages:
             raise TaskError(
-                f"--pp {stages}: {type(model).__name__} of task {task.name!r} has {len(blocks)} block(s) to cut, "
-                "fewer than the stages"
+                f"{flag or f'--pp {stages}'}: {type(model).__name__} of task {task.name!r} has {len(blocks)} block(s) "
+                "to cut, fewer than the stages"
             )
         calls = _record_calls(task, model, container, blocks, micro_batch)
         ranges = stage_block_ranges(len(blocks), stages)
@@ -785,7 +785,12 @@ class PipelineTrials:
             )
         # A meta copy of the whole model, whose forward at each size says what crosses the stages' boundaries.
         self._recorder: nn.Module = recorder
-        self.layout = StageLayout.of(task, recorder, stages * self.virtual_stages, 1)
+        flag = f"--pp {stages}" + (
+            f" x --pp-virtual-stages {self.virtual_stages} = {stages * self.virtual_stages} stages"
+            if self.virtual_stages > 1
+            else ""
+        )
+        self.layout = StageLayout.of(task, recorder, stages * self.virtual_stages, 1, flag)
 
     def most_loaded(self, micro_batch: int) -> int:
         """The stage with the largest peak at micro_batch (the first of equals)."""

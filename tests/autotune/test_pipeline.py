@@ -210,3 +210,21 @@ def test_bad_pipelines_are_one_line_exit_2_nothing_written(
     assert code == ExitCode.USAGE
     assert lines[-1].startswith("autotune: error: ") and said in lines[-1]
     assert not output.exists()
+
+
+def test_an_hf_llama_is_cut_by_its_decoder_layers() -> None:
+    pytest.importorskip("transformers")
+    from autotune.tasks.load import load_task
+
+    task = load_task("hf:examples/configs/tiny-llama.json").at_length(16)
+    trials = PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)
+    layout = trials.layout
+    assert (layout.container, layout.prefix_modules) == ("model.layers", ["model.embed_tokens"])
+    first, last = layout.stage_parameters
+    assert "model.embed_tokens.weight" in first and "model.layers.0.self_attn.q_proj.weight" in first
+    assert {"lm_head.weight", "model.norm.weight", "model.layers.1.mlp.up_proj.weight"} <= last
+    assert not first & last
+    names = {name for name, _ in trials._recorder.named_parameters()}
+    assert first | last == names
+    trial = trials(1)
+    assert trial.fits and len(trials.stage_peaks[1]) == 2
