@@ -173,3 +173,42 @@ def test_the_cli_refuses_in_one_line(flags: list[str], says: str, tmp_path: Any,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
     assert not output.exists()
+
+
+UNCOMPILABLE = """
+import torch
+from torch import nn
+from autotune import ProbeTask
+
+
+@torch.library.custom_op("autotune_test::no_fake", mutates_args=())
+def no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return no_fake(self.linear(x))
+
+
+task = ProbeTask(name="no-fake", model=Model, batch=lambda m: torch.randn(m, 8))
+"""
+
+
+def test_a_model_the_compiler_fails_on_is_one_line_naming_the_op(tmp_path: Any, capsys: Any) -> None:
+    source = tmp_path / "uncompilable.py"
+    source.write_text(UNCOMPILABLE)
+    output = tmp_path / "profile.json"
+    code = main(
+        ["probe", f"{source}:task", "--device", "cpu", "--budget", "8MiB", "--compile", "--output", str(output)]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("autotune: error:")]  # after the progress line
+    assert len(errors) == 1 and errors[0] == err.splitlines()[-1], err
+    assert "cannot be compiled" in errors[0] and "autotune_test.no_fake" in errors[0], err
+    assert not output.exists()

@@ -215,9 +215,11 @@ def compile_failure(exc: BaseException, task_name: str) -> TaskError | None:
     if not isinstance(exc, (TorchDynamoException, BackendCompilerFailed, Unsupported)):
         return None
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    # Dynamo's first line says what failed ("RuntimeError when making fake tensor call"); its Explanation line
+    # names the op or the graph break.
+    said = [*lines[:1], *[line for line in lines[1:] if line.startswith("Explanation:")][:1]]
     return TaskError(
-        f"--compile: the model of task {task_name!r} cannot be compiled: {type(exc).__name__}: "
-        f"{lines[0] if lines else ''}"[:1000]
+        f"--compile: the model of task {task_name!r} cannot be compiled: {type(exc).__name__}: {'; '.join(said)}"[:1000]
     )
 
 
