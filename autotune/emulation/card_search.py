@@ -63,6 +63,7 @@ def search_on_card(
     extra_sizes: Sequence[int] = (),
     python: str | None = None,
     offload: str = "none",
+    mesh: str = "",
 ) -> list[CardSearch]:
     """Run the search at each length (None: a task that is not sequence-aware) in one child process with
     the card emulated (autotune/emulation/runner.py): one torch import and one task load for all.
@@ -81,6 +82,7 @@ def search_on_card(
         "seq_lens": list(seq_lens),
         "strategy": strategy,
         "world_size": world_size,
+        "mesh": mesh,
         "precision": precision,
         "activation_checkpointing": activation_checkpointing,
         "offload": offload,
@@ -123,6 +125,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
+    from autotune.core.mesh import Mesh
     from autotune.emulation.fake_cuda import device_facts, prepare_fake_cuda
     from autotune.measure.meters.fake import moe_routing
     from autotune.measure.strategies import make_strategy
@@ -139,7 +142,8 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
     if changes:
         task = dataclasses.replace(task, **changes)
     device = device_facts()
-    strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"])))
+    mesh = Mesh.parse(request.get("mesh") or "")  # the job's mesh label (autotune/core/mesh.py)
+    strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"]), mesh))
     torch.set_num_threads(1)  # fake tensors compute nothing
     routing = moe_routing(float(request.get("moe_load_factor") or 1.0))
     multiple_of = int(request["multiple_of"])

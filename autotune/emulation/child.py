@@ -45,6 +45,7 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     prepare_fake_cuda()
+    from autotune.core.mesh import Mesh
     from autotune.core.schemas import MAX_BYTES
     from autotune.measure.meters.fake import FakeMeter
     from autotune.measure.strategies import make_strategy
@@ -67,7 +68,8 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
     ops: dict[str, set[str]] = {}
     device_name = device_facts()["name"]
     meter = FakeMeter(budget, "cuda", device_name)
-    strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"])))
+    mesh = Mesh.parse(request.get("mesh") or "")  # the job's mesh label (autotune/core/mesh.py)
+    strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"]), mesh))
     results = []
     torch.set_num_threads(1)  # fake tensors compute nothing
     recording: AbstractContextManager[Any] = recording_ops(ops) if request.get("record_ops") else nullcontext()

@@ -137,6 +137,7 @@ def _on_card(
             seq_lens=seq_lens,
             strategy=setup.strategy,
             world_size=setup.world_size,
+            mesh=setup.mesh.label(),
             precision=task.precision,
             activation_checkpointing=task.activation_checkpointing,
             offload=task.offload,

@@ -584,6 +584,7 @@ def estimate_lengths(
                 world_size=setup.world_size,
                 device_name=device_name,
                 hold=hold_lane_model,
+                mesh=setup.mesh.label(),
             )
             fakes = FakeTrials(task, device_type=device_type, strategy=held, device_name=device_name, lanes=lanes)
             steps = _Lengths(

@@ -74,6 +74,8 @@ class LaneSetup:
     moe_load_factor: float = 1.0
     # What the job keeps in host memory (autotune/measure/offload.py).
     offload: str = "none"
+    # The job's mesh as Mesh.label writes it ('' for none: autotune/core/mesh.py).
+    mesh: str = ""
 
 
 def spare_cores() -> int:
@@ -143,6 +145,7 @@ class FakeLanes:
         world_size: int,
         device_name: str | None,
         hold: Callable[[LaneSetup], tuple[Any, ExitStack, Any]],
+        mesh: str = "",
     ) -> FakeLanes | None:
         """Lanes for task (a ProbeTask), or None where there are no workers or no spec to load it from."""
         if workers <= 0 or task.source is None:
@@ -158,6 +161,7 @@ class FakeLanes:
             hold=hold,
             moe_load_factor=current_load_factor(),
             offload=task.offload,
+            mesh=mesh,
         )
         return cls(setup, workers)
 

@@ -375,6 +375,7 @@ def presearch_failed(exc: BaseException) -> str:
 def hold_lane_model(setup: LaneSetup) -> tuple[ProbeTask, ExitStack, FakeTrials]:
     """In a lane's worker (autotune/search/lanes.py): the run's task loaded from its spec, and its fake
     model held inside a fake process group and a frozen heap that live as long as the returned stack."""
+    from autotune.core.mesh import Mesh
     from autotune.measure.strategies import make_strategy
     from autotune.measure.trial import frozen_heap
     from autotune.tasks.load import load_task
@@ -385,7 +386,8 @@ def hold_lane_model(setup: LaneSetup) -> tuple[ProbeTask, ExitStack, FakeTrials]
         activation_checkpointing=setup.activation_checkpointing,
         offload=setup.offload,
     )
-    strategy = fake_strategy(make_strategy(setup.strategy, setup.world_size))  # held before the model
+    mesh = Mesh.parse(setup.mesh)
+    strategy = fake_strategy(make_strategy(setup.strategy, setup.world_size, mesh))  # held before the model
     stack = ExitStack()
     stack.enter_context(moe_routing(setup.moe_load_factor))  # the run's routing, for the worker's life
     stack.enter_context(strategy.process_group(torch.device(setup.device_type)))
