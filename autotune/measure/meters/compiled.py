@@ -43,8 +43,10 @@ __all__ = [
     "compile_and_warm",
     "compile_failure",
     "compile_model",
+    "compiled_job",
     "compiled_mode_of",
     "compiles_on",
+    "estimated_eager",
     "mark_dynamic_batch",
     "memory_budget",
 ]
@@ -324,6 +326,26 @@ EAGER_PRESEARCH = (
     "the fake pre-search ran the eager model (fake tensors cannot run the compiler): its max micro-batch was an "
     "estimate for the compiled job, and the real trials, compiled, decided"
 )
+
+
+def estimated_eager(task: Any) -> str:
+    """The datasheet's line for an estimate of a compiled job: fake trials (a CPU or CUDA estimate, an emulated
+    card) cannot run the compiler, so they run the eager model, and the compiled step's memory is assumed to be
+    eager's; ``budget:R`` is refused (the compiler's budget acts only where the model compiles).
+
+    Raises:
+        TaskError: the task's policy is ``budget:R``.
+    """
+    if parse_policy(task.activation_checkpointing).kind == "budget":
+        raise TaskError(
+            f"--ac {task.activation_checkpointing}: the compiler's activation memory budget acts where the model "
+            "compiles, and an estimate runs fake trials, which cannot compile: probe it on a device"
+        )
+    return (
+        f"compiled ({task.compile}): an estimate runs fake trials, which run the eager model (fake tensors cannot "
+        "run the compiler): the compiled step's memory is assumed to be eager's, which it can be above or below "
+        "(bench/compile.py); probe on a device to measure it compiled"
+    )
 
 
 def compiled_job(task: Any, meter: Any, *, presearch: bool) -> list[str]:
