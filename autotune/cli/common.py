@@ -308,9 +308,9 @@ def add_finetune_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantize",
-        choices=("nf4",),
-        help="hf: tasks, with --lora-rank: the base's linear layers in 4-bit NF4 as bitsandbytes holds them "
-        "(QLoRA; docs/fine-tuning.md)",
+        choices=("nf4", "nf4-dq"),
+        help="hf: tasks, with --lora-rank: the base's linear layers in 4-bit NF4 as bitsandbytes holds them, "
+        "nf4-dq with its absmax 8-bit too (double quantization; QLoRA: docs/fine-tuning.md)",
     )
 
 

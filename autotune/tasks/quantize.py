@@ -9,6 +9,7 @@ bnb_4bit_compute_dtype=torch.bfloat16)`` (the QLoRA recipe of the PEFT and TRL d
   ``bitsandbytes.nn.Linear4bit``; each weight is quantized by ``bitsandbytes.functional.quantize_4bit``
   into a ``Params4bit`` (packed uint8, two weights a byte, and an fp32 absmax per 64 weights) and the
   module's ``quant_state``, as transformers' ``Bnb4bitQuantize`` loads a checkpoint's weight;
+- ``--quantize nf4-dq`` adds ``bnb_4bit_use_double_quant=True`` (the QLoRA paper's): the absmax itself 8-bit;
 - ``model.is_loaded_in_4bit`` is set as ``from_pretrained`` sets it, then peft's
   ``prepare_model_for_kbit_training(use_gradient_checkpointing=False)`` runs as the field's recipes run it:
   the base frozen and every bf16/fp16 parameter that is not 4-bit (embeddings, norms, the LM head) cast to
@@ -64,6 +65,8 @@ QUANTIZATIONS = {
     # BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16):
     # double quantization off, transformers' default.
     "nf4": Quantization("nf4", quant_type="nf4", double_quant=False, compute_dtype="bf16"),
+    # ... with bnb_4bit_use_double_quant=True (the QLoRA paper's): the absmax itself 8-bit, blocks of 256.
+    "nf4-dq": Quantization("nf4-dq", quant_type="nf4", double_quant=True, compute_dtype="bf16"),
 }
 
 
@@ -138,6 +141,8 @@ def quantize_model(model: nn.Module, name: str) -> nn.Module:
         bnb_4bit_use_double_quant=quantization.double_quant,
         bnb_4bit_compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[quantization.compute_dtype],
     )
+    if quantization.double_quant:
+        _seed_dynamic_map()
     originals = {module_name: module for module_name, module in model.named_modules()}
     replace_with_bnb_linear(model, modules_to_not_convert=get_keys_to_not_convert(model), quantization_config=config)
     quantized = 0
@@ -166,6 +171,20 @@ def quantize_model(model: nn.Module, name: str) -> nn.Module:
     del originals
     model.is_loaded_in_4bit = True  # type: ignore[assignment]  # what from_pretrained sets; peft reads it
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False, auto_clear_cache=False)  # type: ignore[no-any-return]
+
+
+def _seed_dynamic_map() -> None:
+    """bitsandbytes caches the 8-bit map that double quantization codes the absmax with on the device of its
+    first use (``functional.name2qmap``) and copies it to each later one: first used on ``meta`` (the task's
+    build for its name), the cache could not be copied anywhere. A real map on the CPU, made once, serves
+    every device as a real run's does (its copy into each quant state is that state's)."""
+    import torch
+    from bitsandbytes import functional
+
+    cached = functional.name2qmap.get("dynamic")
+    if cached is None or cached.device.type == "meta":
+        with torch.device("cpu"):
+            functional.name2qmap["dynamic"] = functional.create_dynamic_map()
 
 
 def _install(module: Any, weight: Any, *, blocksize: int, double_quant: bool, quant_type: str) -> None:

@@ -47,12 +47,15 @@ def _checkpoint(directory: Path) -> Path:
     return where
 
 
-def _ordinary(checkpoint: Path) -> Callable[[], nn.Module]:
+def _ordinary(checkpoint: Path, *, double_quant: bool = False) -> Callable[[], nn.Module]:
     """QLoRA as the PEFT docs write it, no project code."""
 
     def build() -> nn.Module:
         quantization = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=double_quant,
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -71,15 +74,16 @@ def _tensors(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool, st
     ]
 
 
-def _spec(directory: Path, **options: Any) -> str:
-    return with_options(f"hf:{directory}", lora_rank=4, weights_dtype="bf16", quantize="nf4", **options)
+def _spec(directory: Path, quantize: str = "nf4", **options: Any) -> str:
+    return with_options(f"hf:{directory}", lora_rank=4, weights_dtype="bf16", quantize=quantize, **options)
 
 
-def test_the_base_is_held_as_from_pretrained_holds_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantize", ["nf4", "nf4-dq"])
+def test_the_base_is_held_as_from_pretrained_holds_it(tmp_path: Path, quantize: str) -> None:
     directory = write_config(tmp_path, "llama")
-    task = load_task(_spec(directory)).at_length(SEQ_LEN)
-    assert task.name == "llama-35K-lora4-nf4-bf16" and task.tags["quantize"] == "nf4"
-    ordinary = _ordinary(_checkpoint(directory))()
+    task = load_task(_spec(directory, quantize)).at_length(SEQ_LEN)
+    assert task.name == f"llama-35K-lora4-{quantize}-bf16" and task.tags["quantize"] == quantize
+    ordinary = _ordinary(_checkpoint(directory), double_quant=quantize == "nf4-dq")()
     built = task.model()
     # Every parameter: name, shape, dtype (packed uint8 for the 4-bit linears, fp32 for the embedding and norms
     # that peft's preparation cast up), trainable or not, and its class (bitsandbytes' Params4bit).
@@ -90,21 +94,23 @@ def test_the_base_is_held_as_from_pretrained_holds_it(tmp_path: Path) -> None:
     }
     q_proj = built.base_model.model.model.layers[0].self_attn.q_proj.base_layer  # type: ignore[union-attr]
     assert isinstance(q_proj, bnb.nn.Linear4bit) and q_proj.quant_state.quant_type == "nf4"
+    assert q_proj.quant_state.nested == (quantize == "nf4-dq")
     # On meta, bitsandbytes' own meta kernels give the packed weight its shape; nothing is allocated.
     with torch.device("meta"):
         on_meta = task.model()
     assert _tensors(on_meta) == _tensors(ordinary)
 
 
-def test_qlora_is_exact_against_the_allocator_at_m_max_and_past_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantize", ["nf4", "nf4-dq"])
+def test_qlora_is_exact_against_the_allocator_at_m_max_and_past_it(tmp_path: Path, quantize: str) -> None:
     directory = write_config(tmp_path, "llama")
-    task = load_task(_spec(directory)).at_length(SEQ_LEN)
+    task = load_task(_spec(directory, quantize)).at_length(SEQ_LEN)
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, target_batch=64, presearch=False)
     measured = probe(task, config)
     m_max = measured.max_micro_batch
     assert 2 <= m_max < 64
     limit = int(BUDGET * (1 - config.headroom))
-    ordinary = _ordinary(_checkpoint(directory))
+    ordinary = _ordinary(_checkpoint(directory), double_quant=quantize == "nf4-dq")
     at_max = allocator_peak_bytes(task, m_max, model=ordinary)
     past_max = allocator_peak_bytes(task, m_max + 1, model=ordinary)
     assert at_max <= limit < past_max
@@ -148,7 +154,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
         ("llama", ["--quantize", "nf4"], "--quantize nf4 needs --lora-rank R: a 4-bit base is frozen"),
         ("file", ["--quantize", "nf4", "--lora-rank", "4"], "--lora-rank and --quantize apply to hf: tasks;"),
         ("llama", ["--quantize", "fp4", "--lora-rank", "4"], "argument --quantize: invalid choice: 'fp4'"),
-        ("spec", [], "--quantize 'fp4': one of nf4"),
+        ("spec", [], "--quantize 'fp4': one of nf4, nf4-dq"),
         ("spec-nolora", [], "--quantize nf4 needs --lora-rank R"),
         (
             "llama",
