@@ -124,6 +124,7 @@ def suggest_command(
     target_tokens: int | None = None,
     activation_checkpointing: str = "none",
     objective: str = "memory",
+    mesh: str = "",
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -148,6 +149,7 @@ def suggest_command(
                 seq_len=seq_len,
                 target_tokens=target_tokens,
                 activation_checkpointing=activation_checkpointing,
+                mesh=mesh,
                 objective=objective,
             )
     except AutotuneClientError as exc:

@@ -7,8 +7,10 @@ from typing import Any
 
 from autotune.cli.common import (
     CliError,
+    add_mesh_options,
     add_strategy_and_plan_options,
     headroom,
+    mesh_of,
     positive_int,
     seq_len,
     size,
@@ -32,6 +34,7 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--budget", type=size)
     g.add_argument("--headroom", type=headroom)
     add_strategy_and_plan_options(g)
+    add_mesh_options(g)
     g.add_argument(
         "--ac",
         type=policy_name,
@@ -84,6 +87,7 @@ def run_suggest(args: argparse.Namespace) -> int:
         plan=args.plan,
         activation_checkpointing=args.ac,
         objective=args.objective,
+        mesh=mesh_of(args).label(),
         as_json=args.json,
     )
 

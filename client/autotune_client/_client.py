@@ -225,6 +225,7 @@ class TunerClient:
         objective: str = "memory",
         seq_len: int | None = None,
         target_tokens: int | None = None,
+        mesh: str = "",
     ) -> Suggestion:
         """The plan for a job from what the store knows.
 
@@ -240,6 +241,9 @@ class TunerClient:
             seq_len: a sequence-aware job's length: the profile at it answers, else the memory
                 surface that covers it (``predicted``); the answer is in tokens too.
             target_tokens: tokens per update instead of ``target_batch`` (None), with ``seq_len``.
+            mesh: the job's mesh as ``Mesh.label`` writes it (``"tp=2"``; '' for none): ``world_size`` then
+                counts every rank and the plan is over world_size / (tp x pp x cp) replicas; the fingerprint
+                must be the mesh's (``task_fingerprint(task, mesh=...)``).
 
         Returns:
             A Suggestion with ``source`` "measured" (a profile of this kind of job on this device

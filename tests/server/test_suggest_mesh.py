@@ -50,3 +50,22 @@ def test_a_profile_with_a_mesh_no_job_runs_is_refused() -> None:
         assert "--pp-microbatches 1 is below --pp 2" in str(exc)
     else:
         raise AssertionError("a mesh with K < pp under 1F1B was accepted")
+
+
+def test_the_client_sends_the_mesh_only_when_there_is_one() -> None:
+    from autotune.core.schemas import SuggestQuery
+    from autotune_client._client import _suggest_params
+
+    base = {"fingerprint": FINGERPRINT, "device_name": DEFAULT_DEVICE, "target_batch": 64, "world_size": 8}
+    assert "mesh" not in _suggest_params(SuggestQuery(**base))  # an older server answers as it did
+    assert _suggest_params(SuggestQuery(**base, mesh="tp=2"))["mesh"] == "tp=2"
+
+
+def test_the_suggest_command_takes_the_mesh_flags() -> None:
+    from autotune.cli.common import mesh_of
+    from autotune.cli.parser import build_parser
+
+    args = build_parser().parse_args(
+        ["suggest", "--fingerprint", FINGERPRINT, "--device-name", "x", "--world-size", "8", "--tp", "2"]
+    )
+    assert mesh_of(args).label() == "tp=2"
