@@ -62,6 +62,7 @@ from torch import nn
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.schemas import Trial
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
+from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.oom import is_oom
 from autotune.measure.strategies import Strategy
 from autotune.measure.trial import _initialise, build_on_meta, make_batch
@@ -478,12 +479,17 @@ class _Stage:
         return self.index == self.stages - 1
 
 
-def _build_stage(task: ProbeTask, layout: StageLayout, stage: int, device: torch.device) -> _Stage:
-    """The stage's module: the task's model on ``meta``, its own parameters given storage and initialised,
-    the other blocks dropped, hooks that make its forward the stage's."""
+def _meta_model(task: ProbeTask) -> nn.Module:
     model = build_on_meta(task)
     if model is None:
         raise TaskError(f"--pp: model() of task {task.name!r} cannot be built on the meta device to cut it into stages")
+    return model
+
+
+def _build_stage(task: ProbeTask, layout: StageLayout, stage: int, device: torch.device, model: nn.Module) -> _Stage:
+    """The stage's module: ``model``, the task's model on ``meta`` (built outside any meter's span: under the
+    fake meter's mode meta tensors would come out fake), its own parameters given storage and initialised, the
+    other blocks dropped, hooks that make its forward the stage's."""
     stages = len(layout.ranges)
     _materialize_parameters(model, layout.stage_parameters[stage], device)
     parent_name, _, attribute = layout.container.rpartition(".")
@@ -802,11 +808,13 @@ class PipelineTrials:
         shapes = _record_shapes(self.task, self._recorder, self.layout, micro_batch)
         meter = self.meter
         oom = False
+        metas = [_meta_model(self.task) for _ in range(self.virtual_stages)]
         try:
             with meter.measure():
                 replays = []
                 for chunk in range(self.virtual_stages):  # rank r holds stages r, r + pp, ...
-                    stage = _build_stage(self.task, self.layout, stage_index + chunk * self.stages, meter.device)
+                    index = stage_index + chunk * self.stages
+                    stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0))
                     stage.flow.shapes = shapes
                     replays.append(
                         _Replay(
@@ -846,6 +854,7 @@ class PipelineTrials:
             fits=(not oom) and peak <= self.limit_bytes,
             oom=oom,
             seconds=round(time.perf_counter() - started, 6),
+            fake=isinstance(self.meter, FakeMeter),
         )
 
     def build(self) -> float:

@@ -101,8 +101,10 @@ def estimate(
     device_type, semantics = estimate_device_type(config.device_kind)
     warnings.extend([semantics] if semantics else [])
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
-    strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
+    if setup.mesh.pp > 1 and fakes is None:  # every stage's fake trial replays its schedule
+        return _estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
+    strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
     no_fit: NoFitError | None = None
     # A shared fake model lives in its caller's process group; a model of its own needs one.
     group = nullcontext() if fakes is not None else strategy.process_group(torch.device(device_type))
@@ -147,6 +149,25 @@ def estimate(
         started=started,
         torch_version=torch.__version__,
     )
+
+
+def _estimate_pipeline(
+    task: ProbeTask,
+    config: EstimateConfig,
+    device_type: str,
+    device_name: str,
+    warnings: list[str],
+    on_trial: Callable[[Trial], None] | None,
+) -> Profile:
+    from autotune.orchestrate.pipelined import estimate_pipeline
+
+    try:
+        with frozen_heap():
+            return estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
+    except NoFitError:
+        setup = config.probe
+        assert setup.budget_bytes is not None
+        raise no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type) from None
 
 
 def estimate_for_card_at_lengths(

@@ -1,26 +1,34 @@
 """The probe of a pipeline-parallel job (``--pp N``): the search over micro-batch sizes on every stage's trial
 (autotune/measure/pipeline.py), the answer the most loaded stage's, and what the datasheet says of each stage.
 
-Real trials only: the fake pre-search and the single-step case do not apply (every step runs the schedule's K
-micro-batches). K is ``--pp-microbatches``, or pp where it is not given (the least 1F1B runs; the plan may
-choose any K up to the one measured, since a stage's peak grows with K).
+The probe runs real trials only: the fake pre-search and the single-step case do not apply (every step runs the
+schedule's K micro-batches). ``estimate_pipeline`` runs the same search on fake trials (the fake meter counts each
+stage as the CPU meter does, with no storage) for ``autotune estimate --pp N`` with CPU semantics; an emulated
+card's estimate (``--gpu``) of a pipeline is not made yet. K is ``--pp-microbatches``, or pp where it is not given
+(the least 1F1B runs; the plan may choose any K up to the one measured, since a stage's peak grows with K).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+import torch
+
+from autotune.core import units
 from autotune.core.errors import AutotuneError
-from autotune.core.schemas import Trial
+from autotune.core.schemas import Device, Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters import Meter
+from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.pipeline import PipelineTrials, StageStrategy
 from autotune.measure.strategies import Strategy
-from autotune.orchestrate.config import ProbeConfig
+from autotune.orchestrate.config import EstimateConfig, ProbeConfig
+from autotune.orchestrate.estimated import estimated_profile
 from autotune.search.boundary import SearchResult, find_max_micro_batch
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["measured_microbatches", "search_pipeline", "stage_strategy"]
+__all__ = ["estimate_pipeline", "measured_microbatches", "search_pipeline", "stage_strategy"]
 
 
 def measured_microbatches(config: ProbeConfig) -> int:
@@ -93,9 +101,45 @@ def search_pipeline(
         held = [", ".join(_blocks_text(ranges[s]) for s in range(i, len(ranges), mesh.pp)) for i in range(mesh.pp)]
         stages = ", ".join(f"stage {i} (blocks {held[i]}) {format_bytes(p)}" for i, p in enumerate(peaks))
         warnings.append(
-            f"pipeline {mesh.describe()}, measured at K = {k}: each stage's peak at m = {result.max_micro_batch}: "
+            f"pipeline {mesh.describe()}, at K = {k}: each stage's peak at m = {result.max_micro_batch}: "
             f"{stages}; the most loaded is stage {heaviest}, whose m_max is the answer; bubble "
             f"{'(pp - 1) / (V K + pp - 1)' if mesh.virtual_stages > 1 else '(pp - 1) / (K + pp - 1)'} "
             f"= {mesh.bubble_fraction(k):.3f}"
         )
     return result
+
+
+def estimate_pipeline(
+    task: ProbeTask,
+    config: EstimateConfig,
+    device_type: str,
+    device_name: str,
+    warnings: list[str],
+    on_trial: Callable[[Trial], None] | None = None,
+) -> Profile:
+    """The estimate of a pipeline-parallel job by fake trials of every stage (``task`` has the setup applied).
+
+    Raises:
+        NoFitError: not even multiple_of fits the most loaded stage.
+        AutotuneError: a pipeline this does not measure (see :func:`stage_strategy`).
+    """
+    setup = config.probe
+    assert setup.budget_bytes is not None
+    started = time.perf_counter()
+    meter = FakeMeter(setup.budget_bytes, device_type, device_name)
+    limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
+    result = search_pipeline(task, meter, setup, stage_strategy(setup), limit_bytes, warnings, on_trial)
+    device = Device(
+        kind=config.device_kind, name=device_name, total_bytes=setup.budget_bytes, torch_version=torch.__version__
+    )
+    return estimated_profile(
+        task,
+        config,
+        device=device,
+        max_micro_batch=result.max_micro_batch,
+        trials=result.trials,
+        fit=result.fit,
+        warnings=warnings,
+        started=started,
+        torch_version=torch.__version__,
+    )

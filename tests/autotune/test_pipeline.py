@@ -228,3 +228,28 @@ def test_an_hf_llama_is_cut_by_its_decoder_layers() -> None:
     assert first | last == names
     trial = trials(1)
     assert trial.fits and len(trials.stage_peaks[1]) == 2
+
+
+def test_the_estimate_is_the_fake_replay_and_equals_the_real_ranks(real_peaks: dict[str, list[int]]) -> None:
+    from autotune.measure.meters.fake import FakeMeter
+    from autotune.orchestrate.config import EstimateConfig
+    from autotune.orchestrate.estimate import estimate
+
+    trials = PipelineTrials(
+        llama_task(), FakeMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K
+    )
+    for m in SIZES:
+        assert trials(m).fake
+        assert trials.stage_peaks[m] == real_peaks[f"1f1b/{K}/{m}"], m
+    config = EstimateConfig.of(
+        device_kind="cpu",
+        budget_bytes=BUDGET,
+        headroom=0.0,
+        world_size=4,
+        target_batch=8,
+        mesh=Mesh(pp=2, pp_microbatches=K),
+    )
+    profile = estimate(llama_task(), config)
+    assert (profile.source, profile.max_micro_batch) == ("estimate", 2)
+    assert profile.trials and all(trial.fake for trial in profile.trials)
+    assert profile.plan is not None and (profile.plan.micro_batch, profile.plan.accumulation_steps) == (2, 2)
