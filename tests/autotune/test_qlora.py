@@ -18,6 +18,7 @@ import transformers
 from torch import nn
 
 from autotune.cli import main
+from autotune.cli.report import datasheet
 from autotune.orchestrate.estimate import EstimateConfig, estimate
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.fingerprint import task_fingerprint
@@ -122,6 +123,10 @@ def test_qlora_is_exact_against_the_allocator_at_m_max_and_past_it(tmp_path: Pat
     assert estimated.peak_at(m_max) == measured.peak_at(m_max)
     assert estimated.fingerprint == measured.fingerprint
     assert any("bitsandbytes" in warning for warning in estimated.warnings)
+    sheet = datasheet(estimated).splitlines()
+    said = f"  quantize         {quantize}: linear layers in 4-bit (bitsandbytes), embeddings and norms fp32 "
+    assert said + "(peft's k-bit preparation)" in sheet
+    assert "  weights          bf16 (the dtype the 4-bit base is quantized from)" in sheet
 
 
 def test_quantize_travels_in_the_spec_and_enters_the_fingerprint(tmp_path: Path) -> None:
