@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -25,6 +26,10 @@ from autotune.core.policy_names import canonical_policy
 from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.probe import probe
 from autotune.tasks.fingerprint import task_fingerprint
+
+with warnings.catch_warnings():  # inductor's first import touches torch.jit, which warns it is deprecated
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import torch._inductor.compile_fx  # noqa: F401
 
 VOCAB, SEQ, WIDTH = 128, 32, 32
 
@@ -212,3 +217,14 @@ def test_a_model_the_compiler_fails_on_is_one_line_naming_the_op(tmp_path: Any, 
     assert len(errors) == 1 and errors[0] == err.splitlines()[-1], err
     assert "cannot be compiled" in errors[0] and "autotune_test.no_fake" in errors[0], err
     assert not output.exists()
+
+
+def test_suggest_passes_a_compiled_models_mode_on_and_warns_where_it_cannot() -> None:
+    from autotune_client import job_fingerprint
+
+    compiled = torch.compile(TinyGPT(), mode="max-autotune")  # lazy: nothing compiles until it is called
+    assert job_fingerprint(compiled, example=batch(1)) == task_fingerprint(make_task(compile="max-autotune"))
+    assert job_fingerprint(TinyGPT(), example=batch(1)) == task_fingerprint(make_task())
+    with pytest.warns(UserWarning, match="aot_eager backend: autotune compiles with inductor only"):
+        other = job_fingerprint(torch.compile(TinyGPT(), backend="aot_eager"), example=batch(1))
+    assert other == task_fingerprint(make_task())
