@@ -62,17 +62,33 @@ def test_probe_human_output() -> None:
     assert "trial m=" in done.stderr
 
 
-def test_probe_plan_balanced_by_default_and_divisor_on_request() -> None:
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """main(args) in this process, from the repository (a process of its own costs a torch import; the tests
+    above hold what a real process prints where): the exit status, stdout, stderr."""
+    from autotune.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse refuses a value by its type or choices
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_probe_plan_balanced_by_default_and_divisor_on_request(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(REPO)
     common = ["probe", "examples/gpt.py:task", "--device", "cpu", "--budget", "24MiB", "--target-batch", "256"]
-    balanced = autotune(*common, "--json")
-    assert balanced.returncode == 0, balanced.stderr
-    profile = json.loads(balanced.stdout)
+    code, out, err = _main([*common, "--json"], capsys)
+    assert code == 0, err
+    profile = json.loads(out)
     assert profile["max_micro_batch"] == 26
     assert (profile["plan"]["accumulation_steps"], profile["plan"]["micro_batches"]) == (10, [[26, 6], [25, 4]])
-    assert "plan             6×26 + 4×25 = 256 (10 steps) (target 256, exact)" in balanced.stderr
-    divisor = autotune(*common, "--plan", "divisor", "--json")
-    assert divisor.returncode == 0, divisor.stderr
-    plan = json.loads(divisor.stdout)["plan"]
+    assert "plan             6×26 + 4×25 = 256 (10 steps) (target 256, exact)" in err
+    code, out, err = _main([*common, "--plan", "divisor", "--json"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
     assert (plan["micro_batch"], plan["accumulation_steps"], plan["micro_batches"]) == (16, 16, [[16, 16]])
 
 
@@ -150,8 +166,9 @@ def test_bad_input_exits_2_from_a_process(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr and done.stdout == ""
 
 
-def test_verify_cli() -> None:
-    ok = autotune("verify", "examples/gpt.py:task", "--target-batch", "8", "--micro-batch", "2")
-    assert ok.returncode == 0, ok.stderr
-    bn = autotune("verify", "examples/cnn.py:task", "--target-batch", "8", "--micro-batch", "2")
-    assert bn.returncode == 1 and "BatchNorm" in bn.stderr and "Traceback" not in bn.stderr
+def test_verify_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(REPO)
+    code, _, err = _main(["verify", "examples/gpt.py:task", "--target-batch", "8", "--micro-batch", "2"], capsys)
+    assert code == 0, err
+    code, _, err = _main(["verify", "examples/cnn.py:task", "--target-batch", "8", "--micro-batch", "2"], capsys)
+    assert code == 1 and "BatchNorm" in err and "Traceback" not in err
