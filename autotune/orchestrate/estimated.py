@@ -46,7 +46,7 @@ def estimated_profile(
     config's target; DDP's buckets said to be left out where there are replicas)."""
     setup = config.probe
     assert setup.budget_bytes is not None
-    if setup.strategy == "ddp" and setup.world_size > 1:
+    if setup.strategy == "ddp" and setup.data_parallel > 1:  # DDP over the data-parallel replicas only
         warnings.append(DDP_BUCKETS_LEFT_OUT)
     if task.tags.get("quantize"):
         from autotune.tasks.quantize import fake_kernel_note
