@@ -43,6 +43,7 @@ __all__ = [
     "Plan",
     "Precision",
     "Profile",
+    "PipelineStages",
     "SingleStep",
     "Source",
     "Strategy",
@@ -275,6 +276,25 @@ class Surface(_Model):
         return self
 
 
+class PipelineStages(_Model):
+    """What a pipeline-parallel profile (``--pp``) says of its stages (autotune/measure/pipeline.py): each stage's
+    peak at ``max_micro_batch`` (a rank's, with its V stages under interleaved 1F1B), the most loaded one, whose
+    m_max the profile answers, the K micro-batches per step the stages ran, and the bubble
+    (pp - 1) / (V K + pp - 1)."""
+
+    microbatches: MicroBatch
+    stage_peak_bytes: Annotated[list[NonNegBytes], Field(min_length=2, max_length=1024)]
+    most_loaded_stage: Annotated[int, Field(ge=0, lt=1024)]
+    bubble_fraction: Annotated[float, Field(ge=0, lt=1)]
+
+    @model_validator(mode="after")
+    def _most_loaded_is_the_largest(self) -> PipelineStages:
+        peaks = self.stage_peak_bytes
+        if self.most_loaded_stage >= len(peaks) or peaks[self.most_loaded_stage] != max(peaks):
+            raise ValueError(f"most_loaded_stage {self.most_loaded_stage} is not the stage with the largest peak")
+        return self
+
+
 class SingleStep(_Model):
     """A job that does not accumulate (A = 1: one micro-batch, then the step): measured by trials of its own,
     whose forwards hold no gradient set (autotune/measure/trial.py), so it fits up to one gradient set more
@@ -313,6 +333,8 @@ class Profile(_Model):
     # one rank's of it, world_size counts every rank and the plan's D is world_size / (tp x pp x cp). None: no
     # model parallelism.
     mesh: Annotated[dict[ShortText, int | str], Field(max_length=8), AfterValidator(_valid_mesh)] | None = None
+    # Under --pp: each stage's peak at max_micro_batch, the most loaded stage, K and the bubble; None otherwise.
+    pipeline: PipelineStages | None = None
     # estimate: fake trials only (`autotune estimate`); a measurement always wins over it.
     source: Source = "measured"
     # The memory policy the trials ran under; every policy has its own profile and m_max.

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from autotune.core import units
 from autotune.core.errors import AutotuneError
-from autotune.core.schemas import Device, Profile, Trial
+from autotune.core.schemas import Device, PipelineStages, Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters import Meter
 from autotune.measure.meters.fake import FakeMeter
@@ -28,7 +29,14 @@ from autotune.orchestrate.estimated import estimated_profile
 from autotune.search.boundary import SearchResult, find_max_micro_batch
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["estimate_pipeline", "measured_microbatches", "search_pipeline", "stage_strategy"]
+__all__ = ["PipelineSearch", "estimate_pipeline", "measured_microbatches", "search_pipeline", "stage_strategy"]
+
+
+@dataclass
+class PipelineSearch(SearchResult):
+    """The search's result with what the profile says of the stages (None when no size fit)."""
+
+    pipeline: PipelineStages | None = None
 
 
 def measured_microbatches(config: ProbeConfig) -> int:
@@ -64,10 +72,10 @@ def search_pipeline(
     limit_bytes: int,
     warnings: list[str],
     on_trial: Callable[[Trial], None] | None,
-) -> SearchResult:
+) -> PipelineSearch:
     """m_max of the pipeline: the largest m at which every stage fits, by the boundary search over
-    :class:`PipelineTrials`; appends to warnings each stage's peak at m_max, the most loaded stage and the
-    bubble."""
+    :class:`PipelineTrials`, with each stage's peak at m_max, the most loaded stage and the bubble (also a
+    line of the warnings, for the datasheet)."""
     mesh = config.mesh
     k = measured_microbatches(config)
     trials = PipelineTrials(
@@ -106,7 +114,15 @@ def search_pipeline(
             f"{'(pp - 1) / (V K + pp - 1)' if mesh.virtual_stages > 1 else '(pp - 1) / (K + pp - 1)'} "
             f"= {mesh.bubble_fraction(k):.3f}"
         )
-    return result
+        stages_said = PipelineStages(
+            microbatches=k,
+            stage_peak_bytes=peaks,
+            most_loaded_stage=heaviest,
+            bubble_fraction=mesh.bubble_fraction(k),
+        )
+    else:
+        stages_said = None
+    return PipelineSearch(result.max_micro_batch, result.trials, result.fit, pipeline=stages_said)
 
 
 def estimate_pipeline(
@@ -132,7 +148,7 @@ def estimate_pipeline(
     device = Device(
         kind=config.device_kind, name=device_name, total_bytes=setup.budget_bytes, torch_version=torch.__version__
     )
-    return estimated_profile(
+    profile = estimated_profile(
         task,
         config,
         device=device,
@@ -143,3 +159,5 @@ def estimate_pipeline(
         started=started,
         torch_version=torch.__version__,
     )
+    profile.pipeline = result.pipeline
+    return profile

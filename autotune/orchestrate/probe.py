@@ -27,7 +27,7 @@ from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.throughput import timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.config import ProbeConfig
-from autotune.orchestrate.pipelined import search_pipeline, stage_strategy
+from autotune.orchestrate.pipelined import PipelineSearch, search_pipeline, stage_strategy
 from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
@@ -380,6 +380,7 @@ def probe_with_meter(
         reserved_gap_bytes=reserved_gap_at(result.trials, m_max),
         plan=the_plan,
         single_step=single,
+        pipeline=result.pipeline if isinstance(result, PipelineSearch) else None,
         trials=[*fake_trials, *result.trials],
         fit=nonnegative_fit(_guide(fake, result) if fake is not None and task.compile is None else result.fit),
         trial_count=len(result.trials),

@@ -20,6 +20,7 @@ from torch.multiprocessing.spawn import ProcessException
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.core.plan import pipeline_plan
+from autotune.core.schemas import PipelineStages, Profile
 from autotune.measure.meters import CpuMeter
 from autotune.measure.pipeline import PipelineTrials, interleaved_actions, schedule_actions, stage_block_ranges
 from autotune.orchestrate.config import ProbeConfig
@@ -95,6 +96,11 @@ def test_probe_answers_the_most_loaded_stage_and_plans_k(real_peaks: dict[str, l
     assert profile.plan.exact
     line = next(w for w in profile.warnings if w.startswith("pipeline "))
     assert "the most loaded is stage 0" in line and "bubble (pp - 1) / (K + pp - 1) = 0.333" in line
+    assert profile.pipeline is not None
+    assert profile.pipeline.stage_peak_bytes == real_peaks[f"1f1b/{K}/2"]
+    assert (profile.pipeline.most_loaded_stage, profile.pipeline.microbatches) == (0, K)
+    assert profile.pipeline.bubble_fraction == pytest.approx(1 / 3)
+    assert Profile.model_validate_json(profile.model_dump_json()) == profile
 
 
 def test_schedules_hold_what_they_say() -> None:
@@ -252,4 +258,10 @@ def test_the_estimate_is_the_fake_replay_and_equals_the_real_ranks(real_peaks: d
     profile = estimate(llama_task(), config)
     assert (profile.source, profile.max_micro_batch) == ("estimate", 2)
     assert profile.trials and all(trial.fake for trial in profile.trials)
+    assert profile.pipeline is not None and profile.pipeline.stage_peak_bytes == real_peaks[f"1f1b/{K}/2"]
     assert profile.plan is not None and (profile.plan.micro_batch, profile.plan.accumulation_steps) == (2, 2)
+
+
+def test_the_most_loaded_stage_must_be_the_largest() -> None:
+    with pytest.raises(ValueError, match="most_loaded_stage 1 is not the stage with the largest peak"):
+        PipelineStages(microbatches=2, stage_peak_bytes=[5, 4], most_loaded_stage=1, bubble_fraction=0.25)
