@@ -168,6 +168,10 @@ class ProbeTask:
         compile: None (eager), or a ``torch.compile`` mode ("default", "reduce-overhead", "max-autotune", ...:
             :func:`compile_modes`): the trials run the model compiled in that mode (docs/compile.md); a mode is
             the tag ``compile`` (the fingerprint and the profile carry it, an eager task's stay what they were).
+        tp_plan: the tensor-parallel plan of ``--tp`` (autotune/measure/tensor_parallel.py): module name
+            patterns (``*`` for a block's index) to a style of transformers' names ("colwise", "rowwise",
+            "colwise_gather_output", ...) or a torch ParallelStyle; None takes the model's own (an ``hf:``
+            model's ``_tp_plan``). Not read without ``--tp``.
 
     A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
     the length out, and each profile records it.
@@ -189,6 +193,7 @@ class ProbeTask:
     zero_grad: str = "none"
     offload: str = "none"
     compile: str | None = None
+    tp_plan: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

@@ -142,3 +142,33 @@ def test_a_model_with_no_tp_plan_is_one_line_and_exit_2(tmp_path: Path) -> None:
     done = _cli("examples/gpt.py", "--tp", "2", "--world-size", "2", "--output", str(output))
     assert done.returncode == 2 and "has no tensor-parallel plan" in done.stderr, done.stderr[-2000:]
     assert not output.exists()
+
+
+def test_a_task_gives_its_own_plan_and_each_rank_holds_its_share() -> None:
+    import torch
+    from torch import nn
+
+    from autotune.measure.tensor_parallel import TensorParallel
+    from autotune.tasks.task import ProbeTask
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(x)))  # type: ignore[no-any-return]
+
+    task = ProbeTask(
+        name="mlp",
+        model=Mlp,
+        batch=lambda m: torch.randn(m, 32),
+        tp_plan={"up": "colwise", "down": "rowwise"},
+    )
+    strategy = TensorParallel(2, Mesh(tp=2))
+    with strategy.process_group(torch.device("cpu")):
+        model = strategy.wrap(Mlp(), task, torch.device("cpu"))
+        assert tuple(model.up.weight.to_local().shape) == (64, 32)  # type: ignore[operator]
+        assert tuple(model.down.weight.to_local().shape) == (8, 64)  # type: ignore[operator]
+        out = model(torch.randn(3, 32))
+        assert tuple(out.shape) == (3, 8) and out.sum().dim() == 0  # the sum waits for the all-reduce
