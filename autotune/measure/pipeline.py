@@ -310,6 +310,23 @@ def _meta_batch(task: ProbeTask, micro_batch: int) -> Any:
     return map_tensors(lambda tensor: tensor.to("meta"), task.batch(micro_batch))
 
 
+def _meta_forward(task: ProbeTask, model: nn.Module, micro_batch: int) -> None:
+    """The task's loss on ``meta`` up to the end of the model's forward (what the loss does after it, a
+    ``.item()`` on a count of tokens, say, cannot run on ``meta`` and calls no module)."""
+
+    def stop(module: nn.Module, args: Any, output: Any) -> None:
+        raise _StageExit(output)
+
+    handle = model.register_forward_hook(stop)
+    try:
+        with torch.no_grad(), torch.device("meta"):
+            task.compute_loss(model, _meta_batch(task, micro_batch))
+    except _StageExit:
+        pass
+    finally:
+        handle.remove()
+
+
 def _record_calls(
     task: ProbeTask, model: nn.Module, container: str, blocks: list[nn.Module], micro_batch: int
 ) -> tuple[list[str], list[str], list[str]]:
@@ -351,8 +368,7 @@ def _record_calls(
             continue
         handles.append(module.register_forward_pre_hook(owner_pre(name)))
     try:
-        with torch.no_grad(), torch.device("meta"):
-            task.compute_loss(model, _meta_batch(task, micro_batch))
+        _meta_forward(task, model, micro_batch)
     except TaskError:
         raise
     except Exception as exc:
@@ -420,8 +436,7 @@ def _record_shapes(task: ProbeTask, model: nn.Module, layout: StageLayout, micro
         if name:
             handles.append(model.get_submodule(name).register_forward_hook(prefix_post(name)))
     try:
-        with torch.no_grad(), torch.device("meta"):
-            task.compute_loss(model, _meta_batch(task, micro_batch))
+        _meta_forward(task, model, micro_batch)
     finally:
         for handle in handles:
             handle.remove()

@@ -265,3 +265,16 @@ def test_the_estimate_is_the_fake_replay_and_equals_the_real_ranks(real_peaks: d
 def test_the_most_loaded_stage_must_be_the_largest() -> None:
     with pytest.raises(ValueError, match="most_loaded_stage 1 is not the stage with the largest peak"):
         PipelineStages(microbatches=2, stage_peak_bytes=[5, 4], most_loaded_stage=1, bubble_fraction=0.25)
+
+
+def test_a_gpt_whose_loss_reads_a_count_is_cut_too() -> None:
+    # examples/gpt.py's loss divides by the count of supervised tokens (.item(): no value on meta); the cut reads
+    # the model's own forward only. Its token and position embeddings both go with the first stage.
+    from examples import gpt
+
+    trials = PipelineTrials(
+        gpt.task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="gpipe", microbatches=2
+    )
+    assert (trials.layout.container, trials.layout.prefix_modules) == ("blocks", ["tok", "pos"])
+    assert {"tok.weight", "pos.weight"} <= trials.layout.stage_parameters[0]
+    assert not {"tok.weight", "pos.weight"} & trials.layout.stage_parameters[1]
