@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from autotune.cli import main
 from autotune.core.consistency import check_profile
@@ -61,10 +62,9 @@ class HostCopies:
         return torch.from_numpy(host).to(device, copy=True)
 
 
-def offloaded_gpt(copies: HostCopies) -> nn.Module:
-    """The GPT with every block's forward under the hooks, as torchtitan-style recipes wrap a block in
-    save_on_cpu."""
-    model = GPT(TINY)
+def offloaded(model: nn.Module, copies: HostCopies) -> nn.Module:
+    """model with every block's forward under the hooks (outside a block's checkpoint wrapper, if it has one),
+    as torchtitan-style recipes wrap a block in save_on_cpu."""
     for block in model.blocks:
         forward = block.forward
 
@@ -72,20 +72,24 @@ def offloaded_gpt(copies: HostCopies) -> nn.Module:
             with saved_tensors_hooks(copies.pack, copies.unpack):
                 return _forward(*args, **kwargs)
 
-        block.forward = run  # type: ignore[method-assign]
+        block.forward = run
     return model
+
+
+def offloaded_gpt(copies: HostCopies) -> nn.Module:
+    return offloaded(GPT(TINY), copies)
 
 
 def test_activations_offload_is_exact_against_the_allocator_at_m_max_and_past_it() -> None:
     task = dataclasses.replace(make_task(TINY, name="gpt-tiny"), shard_classes=(Block,))
     budget = 2 * MiB
-    config = ProbeConfig(device="cpu", budget_bytes=budget, target_batch=64, offload="activations")
+    config = ProbeConfig(device="cpu", budget_bytes=budget, offload="activations")
     measured = probe(task, config)
-    plain = probe(task, dataclasses.replace(config, offload=None))
     m_max = measured.max_micro_batch
     assert measured.offload == "activations" and measured.tags["offload"] == "activations"
-    assert m_max > plain.max_micro_batch  # the blocks' activations left the device
     limit = int(budget * (1 - config.headroom))
+    # The same model without the hooks does not fit at m_max: the blocks' activations left the device.
+    assert allocator_peak_bytes(task, m_max) > limit
     truth = {}
     for m in (m_max, m_max + 1):
         copies = HostCopies()
@@ -97,6 +101,33 @@ def test_activations_offload_is_exact_against_the_allocator_at_m_max_and_past_it
     assert real[m_max + 1] == truth[m_max + 1]
     assert measured.host_peak_bytes == truth[m_max][1]
     assert any("host and device are one memory" in w for w in measured.warnings)
+
+
+def test_offload_and_a_policy_compose_block_by_block() -> None:
+    """every-2 checkpoints blocks 0 and 2 (they save nothing through the offload's hooks: checkpoint's own are
+    innermost); blocks 1 and 3 offload. The truth wraps them so, with torch's checkpoint_wrapper."""
+    task = dataclasses.replace(
+        make_task(TINY, name="gpt-tiny"), shard_classes=(Block,), activation_checkpointing="every-2"
+    )
+    budget = 2 * MiB
+    measured = probe(task, ProbeConfig(device="cpu", budget_bytes=budget, offload="activations"))
+    m_max = measured.max_micro_batch
+
+    def ordinary(copies: HostCopies) -> nn.Module:
+        model = GPT(TINY)
+        for index in (0, 2):
+            model.blocks[index] = checkpoint_wrapper(model.blocks[index], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        return offloaded(model, copies)
+
+    real = {t.micro_batch: (t.peak_bytes, t.host_peak_bytes) for t in measured.trials if not t.fake}
+    # torch.utils.checkpoint keeps the CPU generator's state per checkpointed call (made below the dispatcher,
+    # where the meter does not see it; host memory on a card): two blocks' worth.
+    kept = 2 * torch.get_rng_state().nbytes
+    for m in (m_max, m_max + 1):
+        copies = HostCopies()
+        device_peak = allocator_peak_bytes(task, m, model=lambda copies=copies: ordinary(copies))
+        assert (device_peak - kept, copies.peak_bytes) == real[m]
+    assert real[m_max][0] <= int(budget * 0.9) < real[m_max + 1][0]
 
 
 def test_a_host_budget_refuses_the_sizes_whose_host_bytes_exceed_it() -> None:
