@@ -61,7 +61,7 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.schemas import Trial
-from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
+from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.oom import is_oom
 from autotune.measure.strategies import Strategy
@@ -818,8 +818,8 @@ class PipelineTrials:
         peaks = self.stage_peaks[micro_batch]
         return peaks.index(max(peaks))
 
-    def measure_stage(self, stage_index: int, micro_batch: int) -> tuple[int, bool]:
-        """(peak bytes, oom) of one stage's two steps at micro_batch."""
+    def measure_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:
+        """(the meter's reading, oom) of one stage's two steps at micro_batch."""
         shapes = _record_shapes(self.task, self._recorder, self.layout, micro_batch)
         meter = self.meter
         oom = False
@@ -849,26 +849,31 @@ class PipelineTrials:
             oom = True
         reading = meter.reading()
         meter.release()
-        return reading.peak_bytes, oom
+        return reading, oom
 
     def __call__(self, micro_batch: int) -> Trial:
         started = time.perf_counter()
-        peaks: list[int] = []
+        readings: list[MemoryReading] = []
         oom = False
         for stage_index in range(self.stages):
-            peak, oom = self.measure_stage(stage_index, micro_batch)
-            peaks.append(peak)
+            reading, oom = self.measure_stage(stage_index, micro_batch)
+            readings.append(reading)
             if oom:
                 break
+        peaks = [reading.peak_bytes for reading in readings]
         if not oom:
             self.stage_peaks[micro_batch] = peaks
-        peak = max(peaks)
+        heaviest = readings[-1] if oom else readings[peaks.index(max(peaks))]
         return Trial(
             micro_batch=micro_batch,
-            peak_bytes=peak,
-            fits=(not oom) and peak <= self.limit_bytes,
+            peak_bytes=heaviest.peak_bytes,
+            fits=(not oom) and heaviest.peak_bytes <= self.limit_bytes,
             oom=oom,
             seconds=round(time.perf_counter() - started, 6),
+            forward_backward_bytes=None if oom else heaviest.forward_backward_bytes,
+            step_bytes=None if oom else heaviest.step_bytes,
+            allocated_bytes=heaviest.allocated_bytes,
+            outside_allocator_bytes=heaviest.outside_allocator_bytes,
             fake=isinstance(self.meter, FakeMeter),
         )
 
