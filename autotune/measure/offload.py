@@ -55,6 +55,7 @@ __all__ = [
     "HostActivations",
     "apply_offload",
     "check_offload",
+    "host_capped_hint",
     "host_storages_of",
     "offload_fields",
     "offload_params_to_host",
@@ -260,3 +261,24 @@ def offload_fields(
         "host_peak_bytes": max(at_max) if at_max else None,
         "host_budget_bytes": host_budget_bytes,
     }
+
+
+def host_capped_hint(hint: int, trials: list[Any], host_budget_bytes: int | None, multiple_of: int) -> int:
+    """The fake pre-search's m_max (``hint``) capped where the host's bytes cross ``host_budget_bytes``: the line
+    through the fake trials' host bytes (affine in m: packed activations grow with m, shards do not), read at
+    multiples of ``multiple_of``. The real trials decide either way; this only spares those above the cap.
+
+    >>> from types import SimpleNamespace as T
+    >>> host_capped_hint(64, [T(micro_batch=2, host_peak_bytes=300), T(micro_batch=3, host_peak_bytes=400)], 1000, 1)
+    9
+    """
+    points = sorted({(t.micro_batch, t.host_peak_bytes) for t in trials if t.host_peak_bytes is not None})
+    if host_budget_bytes is None or len({m for m, _ in points}) < 2:
+        return hint
+    (m0, h0), (m1, h1) = points[0], points[-1]
+    slope = (h1 - h0) / (m1 - m0)
+    fixed = h0 - slope * m0
+    if slope <= 0:
+        return hint if fixed <= host_budget_bytes else multiple_of
+    largest = int((host_budget_bytes - fixed) // slope)
+    return max(multiple_of, min(hint, largest - largest % multiple_of))

@@ -22,7 +22,7 @@ from autotune.core.schemas import Fit, Profile, SingleStep, Trial
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
 from autotune.measure.meters.compiled import compiled_job
-from autotune.measure.offload import offload_fields
+from autotune.measure.offload import host_capped_hint, offload_fields
 from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.throughput import timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
@@ -104,6 +104,8 @@ def _search(
             warnings.append(presearch_failed(exc))
             fake = None
     hint = fake.max_micro_batch if fake is not None else None
+    if hint is not None and fake is not None and config.host_budget_bytes is not None:  # --host-budget
+        hint = host_capped_hint(hint, fake.trials, config.host_budget_bytes, config.multiple_of)
     if fake is not None and fake.trials and meter.device.type == "cuda":
         hint = _reserved_hint(task, meter, config, strategy, limit_bytes, hint, warnings)
     runner = TrialRunner(
