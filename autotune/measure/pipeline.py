@@ -64,6 +64,7 @@ from autotune.core.schemas import Trial
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.oom import is_oom
+from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Strategy
 from autotune.measure.trial import _initialise, build_on_meta, make_batch
 from autotune.tasks.batches import map_tensors
@@ -514,6 +515,8 @@ def _build_stage(task: ProbeTask, layout: StageLayout, stage: int, device: torch
     setattr(parent, attribute, nn.ModuleList(kept))
     _initialise(model)
     model.train()
+    # The task's memory policy on the stage's blocks, as build_model applies it to a whole model.
+    apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
     flow = _Flow()
     built = _Stage(stage, stages, model, flow, layout.ranges[stage].start, len(kept))
 
@@ -793,6 +796,12 @@ class PipelineTrials:
         refusal = pipeline_refusal(schedule, stages, microbatches, None)
         if refusal is not None:
             raise AutotuneError(refusal)
+        if task.compile is not None or task.offload != "none":
+            raise AutotuneError(
+                f"--pp {stages} is not measured with "
+                + (f"--compile {task.compile}" if task.compile is not None else f"--offload {task.offload}")
+                + " yet"
+            )
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.virtual_stages = virtual_stages if schedule == "interleaved-1f1b" else 1

@@ -278,3 +278,30 @@ def test_a_gpt_whose_loss_reads_a_count_is_cut_too() -> None:
     assert (trials.layout.container, trials.layout.prefix_modules) == ("blocks", ["tok", "pos"])
     assert {"tok.weight", "pos.weight"} <= trials.layout.stage_parameters[0]
     assert not {"tok.weight", "pos.weight"} & trials.layout.stage_parameters[1]
+
+
+def test_checkpointing_applies_to_the_stages_blocks() -> None:
+    import dataclasses
+
+    plain = PipelineTrials(
+        llama_task(), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="gpipe", microbatches=2
+    )
+    full = PipelineTrials(
+        dataclasses.replace(llama_task(), activation_checkpointing="full"),
+        CpuMeter(UNBOUNDED),
+        limit_bytes=UNBOUNDED,
+        stages=2,
+        schedule="gpipe",
+        microbatches=2,
+    )
+    plain(2)
+    full(2)
+    assert all(f < p for f, p in zip(full.stage_peaks[2], plain.stage_peaks[2], strict=True))
+
+
+def test_offload_under_a_pipeline_is_refused_in_one_line() -> None:
+    import dataclasses
+
+    task = dataclasses.replace(llama_task(), offload="activations")
+    with pytest.raises(AutotuneError, match="^--pp 2 is not measured with --offload activations yet$"):
+        PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)
