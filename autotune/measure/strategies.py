@@ -20,6 +20,9 @@ model the way the job does, and say which micro-batches synchronise gradients.
   are reduce-scattered after every micro-batch, as torchtitan does by default: accumulating
   unsharded gradients (``set_requires_gradient_sync(False)``) would hold a whole unsharded copy per
   unit and defeat the point of sharding.
+- ``--tp N`` (``TensorParallel``, with either of the above over the data-parallel replicas): rank 0 of a
+  tensor-parallel group of a ``(dp, tp)`` mesh in a fake process group of the world size, the model
+  parallelized by DTensor with the plan of autotune/measure/tensor_parallel.py (docs/meshes.md).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from autotune.core.mesh import Mesh
 from autotune.core.schemas import STRATEGIES
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["FSDP_MIN_TORCH", "Replicated", "Sharded", "Strategy", "make_strategy", "shard_units"]
+__all__ = ["FSDP_MIN_TORCH", "Replicated", "Sharded", "Strategy", "TensorParallel", "make_strategy", "shard_units"]
 
 FSDP_MIN_TORCH = "2.6"
 _LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-autocast": torch.bfloat16, "fp16": torch.float16}
@@ -243,14 +246,78 @@ class Sharded(Strategy):
         return model
 
 
+class TensorParallel(Strategy):
+    """Rank 0 of W: the model parallelized over tp ranks, then (``inner`` fsdp) sharded over the D replicas."""
+
+    def __init__(self, world_size: int, mesh: Mesh, *, inner: str = "ddp", device_mesh: Any = None) -> None:
+        super().__init__(world_size)
+        replicas = mesh.data_parallel(world_size)
+        if inner == "fsdp" and replicas < 2:
+            raise AutotuneError(
+                f"--strategy fsdp with --tp {mesh.tp} needs at least 2 data-parallel replicas: --world-size "
+                f"{world_size} / --tp {mesh.tp} is {replicas} (use --strategy ddp, or a larger --world-size)"
+            )
+        self.name = inner
+        self.mesh = mesh
+        self.replicas = replicas
+        self.inner = inner
+        # A (dp, tp) mesh of a real process group (one process per rank): the rank is measured as it is.
+        self._given_mesh = device_mesh
+        self._device_mesh: Any = device_mesh
+
+    @property
+    def describes_replicas(self) -> bool:
+        return False
+
+    def autocast_dtype(self, precision: str) -> torch.dtype | None:
+        if self.inner == "fsdp" and precision == "bf16":
+            return None  # FSDP2's MixedPrecisionPolicy alone, as Sharded runs it
+        return super().autocast_dtype(precision)
+
+    @contextmanager
+    def process_group(self, device: torch.device) -> Iterator[Any]:
+        _, _, fake_store = _fsdp_api()
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self._given_mesh is not None:
+            yield self._given_mesh.get_group("tp")
+            return
+        if dist.is_initialized():
+            raise AutotuneError(
+                "--tp probes rank 0 of N through a fake process group, and a process group is already "
+                "initialized in this process: probe before init_process_group, or from `autotune probe`"
+            )
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
+        try:
+            self._device_mesh = init_device_mesh(
+                device.type, (self.replicas, self.mesh.tp), mesh_dim_names=("dp", "tp")
+            )
+            yield dist.group.WORLD
+        finally:
+            self._device_mesh = None
+            dist.destroy_process_group()
+
+    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from autotune.measure.tensor_parallel import check_tp_plan
+
+        styles = check_tp_plan(model, task, self.mesh.tp)
+        # src_data_rank=None: each rank keeps its own initial shard (no scatter from rank 0), as a job
+        # that loads its weights afterwards does; the shapes, and so the memory, are the same.
+        parallelize_module(model, self._device_mesh["tp"], styles, src_data_rank=None)
+        if self.inner == "fsdp":
+            Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
+        return model
+
+
 def make_strategy(name: str, world_size: int, mesh: Mesh | None = None) -> Strategy:
     """The strategy called name ("ddp" or "fsdp") at world_size; with a mesh of tp > 1, rank 0 of its
     tensor-parallel group (autotune/measure/tensor_parallel.py), name then over the data-parallel replicas."""
     if mesh is not None and not mesh.trivial:
         if mesh.pp > 1 or mesh.cp > 1:
             raise AutotuneError(f"--pp and --cp are not measured yet (asked: {mesh.describe()})")
-        from autotune.measure.tensor_parallel import TensorParallel
-
         return TensorParallel(world_size, mesh, inner=name)
     if name == "ddp":
         return Replicated(world_size)

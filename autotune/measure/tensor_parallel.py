@@ -1,4 +1,6 @@
-"""Tensor parallelism (``--tp N``): one rank of a tensor-parallel group, measured in one process.
+"""Tensor parallelism (``--tp N``): one rank of a tensor-parallel group, measured in one process. The plan is
+here; the strategy that applies it is ``TensorParallel`` in autotune/measure/strategies.py (which imports this
+module, not the other way round).
 
 As ``--strategy fsdp`` does, one process answers for rank 0 of the job's W ranks through a fake process
 group of size W: the device mesh is ``(dp, tp)`` with ``dp = D = W / tp`` (autotune/core/mesh.py), the model
@@ -33,19 +35,16 @@ are not counted (the figures are the tp rank's without them).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from autotune.core.errors import AutotuneError, TaskError
-from autotune.core.mesh import Mesh
-from autotune.measure.strategies import Sharded, Strategy, _fsdp_api
+from autotune.core.errors import TaskError
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["TP_STYLES", "TensorParallel", "check_tp_plan", "tp_plan_of"]
+__all__ = ["TP_STYLES", "check_tp_plan", "tp_plan_of"]
 
 TP_STYLES = (
     "colwise",
@@ -172,67 +171,3 @@ def check_tp_plan(model: nn.Module, task: ProbeTask, tp: int) -> dict[str, Any]:
     styles = _resolved(model, plan, where)
     _check_divisible(model, styles, tp, where)
     return styles
-
-
-class TensorParallel(Strategy):
-    """Rank 0 of W: the model parallelized over tp ranks, then (``inner`` fsdp) sharded over the D replicas."""
-
-    def __init__(self, world_size: int, mesh: Mesh, *, inner: str = "ddp", device_mesh: Any = None) -> None:
-        super().__init__(world_size)
-        replicas = mesh.data_parallel(world_size)
-        if inner == "fsdp" and replicas < 2:
-            raise AutotuneError(
-                f"--strategy fsdp with --tp {mesh.tp} needs at least 2 data-parallel replicas: --world-size "
-                f"{world_size} / --tp {mesh.tp} is {replicas} (use --strategy ddp, or a larger --world-size)"
-            )
-        self.name = inner
-        self.mesh = mesh
-        self.replicas = replicas
-        self.inner = inner
-        # A (dp, tp) mesh of a real process group (one process per rank): the rank is measured as it is.
-        self._given_mesh = device_mesh
-        self._device_mesh: Any = device_mesh
-
-    @property
-    def describes_replicas(self) -> bool:
-        return False
-
-    def autocast_dtype(self, precision: str) -> torch.dtype | None:
-        if self.inner == "fsdp" and precision == "bf16":
-            return None  # FSDP2's MixedPrecisionPolicy alone, as Sharded runs it
-        return super().autocast_dtype(precision)
-
-    @contextmanager
-    def process_group(self, device: torch.device) -> Iterator[Any]:
-        _, _, fake_store = _fsdp_api()
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if self._given_mesh is not None:
-            yield self._given_mesh.get_group("tp")
-            return
-        if dist.is_initialized():
-            raise AutotuneError(
-                "--tp probes rank 0 of N through a fake process group, and a process group is already "
-                "initialized in this process: probe before init_process_group, or from `autotune probe`"
-            )
-        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
-        try:
-            self._device_mesh = init_device_mesh(
-                device.type, (self.replicas, self.mesh.tp), mesh_dim_names=("dp", "tp")
-            )
-            yield dist.group.WORLD
-        finally:
-            self._device_mesh = None
-            dist.destroy_process_group()
-
-    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        styles = check_tp_plan(model, task, self.mesh.tp)
-        # src_data_rank=None: each rank keeps its own initial shard (no scatter from rank 0), as a job
-        # that loads its weights afterwards does; the shapes, and so the memory, are the same.
-        parallelize_module(model, self._device_mesh["tp"], styles, src_data_rank=None)
-        if self.inner == "fsdp":
-            Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
-        return model

@@ -268,8 +268,12 @@ def test_the_lower_floor_imports_nothing_above_it() -> None:
     root = Path(autotune.__file__).parent
     # ... and the byte units (the headroom rule, Profile.limit_bytes), which import nothing of autotune either.
     # ... and the policy names' grammar (ActivationCheckpointing), which imports nothing of autotune either.
+    # ... and the mesh (Profile.mesh, SuggestQuery.mesh), which imports only the errors, which import nothing.
     lower = {"autotune.core.split", "autotune.core.units", "autotune.core.policy_names"}
+    lower |= {"autotune.core.mesh", "autotune.core.errors"}
     assert _autotune_imports(root / "core" / "schemas.py", lazy=True) <= lower
+    assert _autotune_imports(root / "core" / "mesh.py", lazy=True) == {"autotune.core.errors"}
+    assert _autotune_imports(root / "core" / "errors.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "policy_names.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "units.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "split.py", lazy=True) == set()
