@@ -240,3 +240,14 @@ def test_a_host_budget_on_an_estimate_is_refused_in_one_line(
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == ExitCode.USAGE and len(lines) == 1
     assert "--host-budget applies to autotune probe" in lines[0] and not output.exists()
+
+
+def test_the_doctests_hold() -> None:
+    import doctest
+
+    from autotune.measure import offload
+    from autotune.measure.meters import host
+
+    for module in (offload, host):
+        failures, tried = doctest.testmod(module)
+        assert tried > 0 and failures == 0, module.__name__
