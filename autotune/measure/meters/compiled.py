@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -168,6 +169,10 @@ class CompiledCpuMeter(CpuMeter):
         """What the hold spans left allocated (the base of every trial's peak)."""
         return self._base_bytes
 
+    def forget(self, nbytes: int) -> None:
+        """A model held since the base was ``nbytes`` died (its weights, what its compilation kept)."""
+        self._base_bytes = max(0, self._base_bytes - nbytes)
+
     def _tracking(self) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
@@ -260,6 +265,9 @@ def compiled_mode_of(model: Any) -> tuple[str | None, str | None]:
     )
 
 
+# The activation memory budget the last compilation of this process ran under (None: the default).
+_compiled_under: dict[str, float | None] = {}
+
 # The micro-batch the warm-up compiles at: the smallest size dynamo does not specialize.
 WARM_UP_MICRO_BATCH = 2
 
@@ -290,9 +298,16 @@ def compile_and_warm(
     Raises:
         TaskError: the compiler failed (one line: what stopped it).
     """
+    parsed = parse_policy(task.activation_checkpointing)
+    ratio = parsed.budget if parsed.kind == "budget" else None
+    if _compiled_under.get("budget", None) != ratio:
+        # Dynamo's cache does not guard on the partitioner's budget: a graph compiled under another ratio would
+        # answer this probe's calls. A fresh compiler, as a fresh process has.
+        torch._dynamo.reset()
+    _compiled_under["budget"] = ratio
     compiled = compile_model(model, task.compile)
     budget = memory_budget(task.activation_checkpointing)
-    if parse_policy(task.activation_checkpointing).kind == "budget":
+    if ratio is not None:
         forward = compiled.forward
 
         def forward_under_budget(*args: Any, **kwargs: Any) -> Any:
@@ -318,6 +333,9 @@ def compile_and_warm(
         raise failure from None
     seconds = time.perf_counter() - started
     meter.compile_seconds = (meter.compile_seconds or 0.0) + seconds
+    if isinstance(meter, CompiledCpuMeter):
+        # The model dies outside the meter's spans (the runner's close): its bytes leave the base then.
+        weakref.finalize(compiled, meter.forget, meter.live_bytes)
     return compiled, seconds
 
 
