@@ -86,5 +86,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
         "autotune.core.units",
         # The memory policies' names: the grammar /suggest validates and the canonical spelling it matches.
         "autotune.core.policy_names",
+        # The job's mesh: /suggest plans over its data-parallel replicas and validates Profile.mesh with it.
+        "autotune.core.mesh",
     }
     assert set(result["autotune_modules"]) <= allowed
