@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.profiler import ProfilerActivity, profile
 
@@ -101,7 +102,7 @@ def make_batch(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (micro_batch, SEQ_LEN)), torch.randint(0, VOCAB, (micro_batch, SEQ_LEN))
 
 
-def _stage_model(stage: int, stages: int, layers: int) -> nn.Module:
+def _stage_model(stage: int, stages: int, layers: int, checkpointed: bool = False) -> nn.Module:
     with torch.device("meta"):
         model = TinyLlama(layers)
     per_stage = [len(part) for part in torch.arange(layers).tensor_split(stages)]
@@ -116,16 +117,21 @@ def _stage_model(stage: int, stages: int, layers: int) -> nn.Module:
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.02)
+    if checkpointed:  # every block recomputes its forward in backward (torch's own wrapper)
+        for index, layer in enumerate(model.layers):
+            model.layers[index] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     return model.train()
 
 
-def _steps(schedule_name: str, rank: int, ranks: int, microbatches: int, micro_batch: int) -> None:
+def _steps(job: str, rank: int, ranks: int, microbatches: int, micro_batch: int) -> None:
+    # "1f1b+full": the 1F1B schedule with every block checkpointed.
+    schedule_name, _, policy = job.partition("+")
     # Interleaved: each rank holds INTERLEAVED_VIRTUAL stages (rank, rank + ranks, ...) of a deeper model, and one
     # optimizer per stage (torchtitan's one per model part).
     virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1
     layers = INTERLEAVED_LAYERS if virtual > 1 else LAYERS
     indices = [rank + chunk * ranks for chunk in range(virtual)]
-    models = [_stage_model(index, ranks * virtual, layers) for index in indices]
+    models = [_stage_model(index, ranks * virtual, layers, policy == "full") for index in indices]
     stages = [
         PipelineStage(model, index, ranks * virtual, torch.device("cpu"))
         for model, index in zip(models, indices, strict=True)
