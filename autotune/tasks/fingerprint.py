@@ -260,6 +260,10 @@ def task_fingerprint(task: ProbeTask, *, strategy: str = "ddp", world_size: int 
         # One rank of a mesh holds its share of the model: each mesh is its own setup. The trivial mesh
         # adds nothing, so every fingerprint from before meshes stays what it was.
         tags["autotune.mesh"] = mesh.label()
+        if mesh.tp > 1 and task.tp_plan:
+            # A task's own plan decides what each rank holds: another plan is another setup.
+            plan = {str(k): v if isinstance(v, str) else _class_name(v) for k, v in sorted(task.tp_plan.items())}
+            tags["autotune.tp_plan"] = json.dumps(plan, sort_keys=True, separators=(",", ":"))
     if task.sequence_aware:
         signature = sequence_signature(task)
         return fingerprint_model(

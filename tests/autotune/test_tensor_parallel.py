@@ -172,3 +172,16 @@ def test_a_task_gives_its_own_plan_and_each_rank_holds_its_share() -> None:
         assert tuple(model.down.weight.to_local().shape) == (8, 64)  # type: ignore[operator]
         out = model(torch.randn(3, 32))
         assert tuple(out.shape) == (3, 8) and out.sum().dim() == 0  # the sum waits for the all-reduce
+
+
+def test_a_tasks_own_plan_enters_the_fingerprint_under_tp_only() -> None:
+    import dataclasses
+
+    from tests.autotune._tasks import linear_task
+
+    task = linear_task()
+    planned = dataclasses.replace(task, tp_plan={"*": "colwise"})
+    assert task_fingerprint(planned) == task_fingerprint(task)  # without --tp the plan is not read
+    assert task_fingerprint(planned, mesh=Mesh(tp=2)) != task_fingerprint(task, mesh=Mesh(tp=2))
+    other = dataclasses.replace(task, tp_plan={"*": "rowwise"})
+    assert task_fingerprint(planned, mesh=Mesh(tp=2)) != task_fingerprint(other, mesh=Mesh(tp=2))
