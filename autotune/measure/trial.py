@@ -419,7 +419,12 @@ class TrialRunner:
 
                 if compiles_on(self.meter):
                     self._model, self.compile_seconds = compile_and_warm(
-                        self.task, self.meter, self._model, self.strategy, make_batch
+                        self.task,
+                        self.meter,
+                        self._model,
+                        self.strategy,
+                        make_batch,
+                        getattr(self, "_first_micro_batch", None),
                     )
         return self._model
 
@@ -430,6 +435,7 @@ class TrialRunner:
         return time.perf_counter() - started
 
     def __call__(self, micro_batch: int) -> Trial:
+        self._first_micro_batch = getattr(self, "_first_micro_batch", micro_batch)  # a compiled model's warm-up
         try:
             model = self._ensure_model()
         except Exception as exc:

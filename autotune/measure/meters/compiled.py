@@ -282,12 +282,19 @@ def compiles_on(meter: Any) -> bool:
 
 
 def compile_and_warm(
-    task: Any, meter: Any, model: nn.Module, strategy: Any, make_batch: Callable[[Any, int, torch.device], Any]
+    task: Any,
+    meter: Any,
+    model: nn.Module,
+    strategy: Any,
+    make_batch: Callable[[Any, int, torch.device], Any],
+    micro_batch: int | None = None,
 ) -> tuple[nn.Module, float]:
-    """The model compiled in the task's mode, its first forward and backward run (and so compiled) at
-    :data:`WARM_UP_MICRO_BATCH` inside the meter's hold: what compilation keeps allocated is part of
-    every trial's base, and its seconds are not a trial's. Under ``budget:R`` every compilation (the
-    warm-up's, a recompilation for m = 1) runs with the compiler's activation memory budget at R.
+    """The model compiled in the task's mode, its first forward and backward run (and so compiled) at the
+    first trial's ``micro_batch`` (at least :data:`WARM_UP_MICRO_BATCH`; a graph first compiled near the sizes it
+    runs at peaks closer to an ordinary compile at them: docs/compile.md) inside the meter's hold: what
+    compilation keeps allocated is part of every trial's base, and its seconds are not a trial's. Under
+    ``budget:R`` every compilation (the warm-up's, a recompilation for m = 1) runs with the compiler's
+    activation memory budget at R.
 
     ``make_batch(task, m, device)`` is the trial's own (autotune.measure.trial.make_batch: it marks the batch
     dimension dynamic).
@@ -318,7 +325,7 @@ def compile_and_warm(
     started = time.perf_counter()
     try:
         with meter.hold(), budget:
-            batch = make_batch(task, WARM_UP_MICRO_BATCH, meter.device)
+            batch = make_batch(task, max(WARM_UP_MICRO_BATCH, micro_batch or 0), meter.device)
             with strategy.autocast(task.precision, meter.device):
                 loss = task.compute_loss(compiled, batch)
             loss.backward()
@@ -380,9 +387,9 @@ def compiled_job(task: Any, meter: Any, *, presearch: bool) -> list[str]:
         )
     meter.compile_seconds = None
     notes = [
-        f"compiled ({task.compile}): the model was compiled once, at micro-batch {WARM_UP_MICRO_BATCH} with the "
-        "micro-batch dimension dynamic, and every trial ran the compiled step; compile_seconds is apart from the "
-        "trials' seconds"
+        f"compiled ({task.compile}): the model was compiled once, at the first trial's micro-batch (at least "
+        f"{WARM_UP_MICRO_BATCH}) with the micro-batch dimension dynamic, and every trial ran the compiled step; "
+        "compile_seconds is apart from the trials' seconds"
     ]
     if presearch:
         notes.append(EAGER_PRESEARCH)
