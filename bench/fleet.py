@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from autotune.cli.common import size
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = ["examples/mlp.py:task", "examples/gpt.py:task", "examples/cnn.py:task"]
 TARGET_BATCH = "256"
@@ -73,6 +75,11 @@ def main() -> None:
         rows = json.loads(done.stdout)
         worker_seconds = sum(float(row["seconds"]) for row in rows)
         assert len(rows) == len(pairs) and all(row["state"] == "done" for row in rows), done.stdout
+        # What tests/fleet/test_fleet.py asserts on two examples at 4 and 6 MiB, here at full size: the rows
+        # in tasks x budgets order, each planned to the target batch, every pair logged done.
+        assert [(row["task"], row["budget_bytes"]) for row in rows] == [(s, size(b)) for s, b in pairs], rows
+        assert all(f" = {TARGET_BATCH} (" in str(row["plan"]) for row in rows), rows
+        assert f"{len(pairs)} done, 0 failed" in done.stderr, done.stderr[-3000:]
 
     where = args.ray_address or "a local Ray instance started by the command"
     print(f"{len(pairs)} probes (3 examples x {len(budgets)} budgets, CPU meter), {os.cpu_count()} cores")

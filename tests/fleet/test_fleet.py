@@ -14,13 +14,22 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx2 as httpx
+
 from tests.e2e.conftest import REPO, LiveServer, autotune_command, free_port
 
 from .conftest import FAKE_ACCELERATOR, FLEET_TIMEOUT_SECONDS, RayCluster, fleet_env, run_fleet_cli, stored_profiles
 
-EXAMPLES = ["examples/mlp.py:task", "examples/gpt.py:task", "examples/cnn.py:task"]
-BUDGETS = "8MiB,16MiB"
-CPU_ARGS = ["--device", "cpu", "--budget", BUDGETS, "--target-batch", "256"]
+# Two examples at two budgets show the tasks x budgets product as well as more would: the cheapest
+# (the MLP, and the CNN at small budgets, where its boundary is a micro-batch of 9 to 14). bench/fleet.py
+# runs the three examples at 8 and 16 MiB, timed against `autotune probe` one after another.
+EXAMPLES = ["examples/mlp.py:task", "examples/cnn.py:task"]
+BUDGETS_MIB = (4, 6)
+# No timed run after the search where a test is not about it: it adds seconds per pair. The probes'
+# default (timed) runs in test_worker_killed_mid_probe_is_retried_and_stored_once, which checks it stored.
+NO_THROUGHPUT = "--no-throughput"
+CPU_ARGS = ["--device", "cpu", "--budget", ",".join(f"{b}MiB" for b in BUDGETS_MIB), "--target-batch", "256",
+            NO_THROUGHPUT]  # fmt: skip
 MiB = 1 << 20
 
 
@@ -33,7 +42,7 @@ def _explain(done: subprocess.CompletedProcess[str]) -> str:
     return f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
 
 
-def test_three_examples_at_two_budgets_store_six_profiles(ray_cluster: RayCluster, fleet_server: LiveServer) -> None:
+def test_two_examples_at_two_budgets_store_four_profiles(ray_cluster: RayCluster, fleet_server: LiveServer) -> None:
     done = run_fleet_cli(
         [*EXAMPLES, *CPU_ARGS, "--server", fleet_server.url, "--ray-address", ray_cluster.address, "--json"],
         env=fleet_env(ray_cluster, fleet_server),
@@ -41,17 +50,17 @@ def test_three_examples_at_two_budgets_store_six_profiles(ray_cluster: RayCluste
     assert done.returncode == 0, _explain(done)
     rows = _rows(done)
     assert [(row["task"], row["budget_bytes"], row["state"]) for row in rows] == [
-        (spec, budget * MiB, "done") for spec in EXAMPLES for budget in (8, 16)
+        (spec, budget * MiB, "done") for spec in EXAMPLES for budget in BUDGETS_MIB
     ]
     assert all(" = 256 (" in str(row["plan"]) for row in rows), _explain(done)  # --target-batch 256, planned
     ids = {row["profile_id"] for row in rows}
     stored = {item["id"]: item for item in stored_profiles(fleet_server)}
-    assert len(ids) == 6 and ids <= set(stored), _explain(done)
+    assert len(ids) == 4 and ids <= set(stored), _explain(done)
     assert sorted((stored[i]["task"], stored[i]["budget_bytes"]) for i in ids) == sorted(
-        (name, budget * MiB) for name in ("mlp", "gpt-small", "cnn-bn") for budget in (8, 16)
+        (name, budget * MiB) for name in ("mlp", "cnn-bn") for budget in BUDGETS_MIB
     )
     # The live view's counterpart in a log: every pair went pending -> running -> done.
-    assert done.stderr.count(": running") >= 6 and "6 done, 0 failed" in done.stderr, _explain(done)
+    assert done.stderr.count(": running") >= 4 and "4 done, 0 failed" in done.stderr, _explain(done)
 
 
 def test_worker_killed_mid_probe_is_retried_and_stored_once(ray_cluster: RayCluster, fleet_server: LiveServer) -> None:
@@ -70,6 +79,9 @@ def test_worker_killed_mid_probe_is_retried_and_stored_once(ray_cluster: RayClus
     assert "running (attempt 2)" in done.stderr, _explain(done)
     stored = stored_profiles(fleet_server, task="fleet-killed-once")
     assert [item["id"] for item in stored] == [row["profile_id"]]
+    # The probe's default timed run after the search happened in the worker and travelled with the profile.
+    profile = httpx.get(f"{fleet_server.url}/api/v1/profiles/{row['profile_id']}", timeout=10.0).json()
+    assert profile["profile"]["throughput"], profile
 
 
 def test_a_task_that_raises_fails_alone_with_its_one_line_error(
@@ -77,7 +89,7 @@ def test_a_task_that_raises_fails_alone_with_its_one_line_error(
 ) -> None:
     specs = ["tests/fleet/_tasks.py:broken", "examples/mlp.py:task"]
     done = run_fleet_cli(
-        [*specs, "--device", "cpu", "--budget", "4MiB", "--server", fleet_server.url,
+        [*specs, "--device", "cpu", "--budget", "4MiB", NO_THROUGHPUT, "--server", fleet_server.url,
          "--ray-address", ray_cluster.address, "--json"],
         env=fleet_env(ray_cluster, fleet_server),
     )  # fmt: skip
@@ -102,9 +114,10 @@ def test_server_down_keeps_the_profiles_for_a_later_upload(
     output = tmp_path / "profiles"
     before = {item["id"] for item in stored_profiles(fleet_server)}
     done = run_fleet_cli(
-        ["examples/mlp.py:task", "--device", "cpu", "--budget", "4MiB,8MiB", "--server", down, "--output", str(output)],
+        ["examples/mlp.py:task", "--device", "cpu", "--budget", "4MiB,8MiB", NO_THROUGHPUT, "--server", down,
+         "--output", str(output)],
         env=fleet_env(ray_cluster, fleet_server),
-    )
+    )  # fmt: skip
     assert done.returncode == 1, _explain(done)
     assert "starting a local Ray instance" in done.stderr
     assert f"autotune profiles upload {output}" in done.stderr, _explain(done)
@@ -208,13 +221,11 @@ def test_a_pair_over_sequence_lengths_stores_a_profile_per_length(
     ray_cluster: RayCluster, fleet_server: LiveServer
 ) -> None:
     done = run_fleet_cli(
-        [
-            "tests/fleet/_tasks.py:tiny_seq", "--device", "cpu", "--budget", "8MiB", "--seq-len", "64,128",
-            "--target-tokens", "4096", "--server", fleet_server.url,
-            "--ray-address", ray_cluster.address, "--json",
-        ],  # fmt: skip
+        ["tests/fleet/_tasks.py:tiny_seq", "--device", "cpu", "--budget", "8MiB", "--seq-len", "64,128",
+         "--target-tokens", "4096", NO_THROUGHPUT, "--server", fleet_server.url,
+         "--ray-address", ray_cluster.address, "--json"],
         env=fleet_env(ray_cluster, fleet_server),
-    )
+    )  # fmt: skip
     assert done.returncode == 0, _explain(done)
     (row,) = _rows(done)
     assert row["state"] == "done" and "L=64: " in str(row["plan"]) and "L=128: " in str(row["plan"]), _explain(done)
