@@ -286,6 +286,12 @@ def apply_policy(
         if not getattr(unit, _MARK, False):
             unit.forward = chosen_policy.wrap(unit.forward)  # type: ignore[method-assign]
             setattr(unit, _MARK, True)
+    # A checkpointed training step keeps no KV cache: transformers' own checkpointing turns it off
+    # (GradientCheckpointingLayer sets use_cache=False), and a cache the forward fills is filled again
+    # by the recompute, so selective checkpointing finds other tensors than it saved and fails.
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
     return len(chosen)
 
 

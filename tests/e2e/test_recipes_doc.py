@@ -23,8 +23,6 @@ from tests.e2e.test_docs import DOCS, REPO, blocks, section
 PAGE = DOCS / "recipes.md"
 TIMEOUT_SECONDS = 600
 TINY = "hf:examples/configs/tiny-llama.json"
-# What torch's selective checkpointing says of --ac op on an hf: Llama today (the page says so).
-OP_ON_HF_LLAMA = "aten.slice.Tensor invocation index 4 encountered during backward but not found in storage"
 
 pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 
@@ -77,19 +75,18 @@ def test_the_tiny_overrides_keep_every_other_flag() -> None:
     ]  # fmt: skip
 
 
-def test_torchtitans_recipe_fails_today_as_the_page_says(folder: Path) -> None:
-    """--ac op on an hf: Llama stops at its first trial; when this test fails, the page's 'Known today' goes."""
+def test_torchtitans_recipe_runs(folder: Path) -> None:
+    """--ac op on an hf: Llama runs: a checkpointed step keeps no KV cache (autotune.measure.policies turns
+    config.use_cache off, as transformers' own checkpointing does); with the cache on, the recompute filled it
+    again and torch's selective checkpointing stopped at its first trial."""
     (command,) = commands("## torchtitan's Llama 3.1 8B on eight H100s")
     done = run([*tiny(command), "--output", "titan.json"], folder)
-    assert done.returncode != 0 and OP_ON_HF_LLAMA in done.stderr, done.stderr[-3000:]
-    # The bracket the page gives runs: the same command under every-2.
-    bracket = [word if word != "op" else "every-2" for word in tiny(command)]
-    done = run([*bracket, "--output", "titan.json"], folder)
     assert done.returncode == 0, done.stderr[-3000:]
     profile = json.loads((folder / "titan.json").read_text())
     profile = profile[0] if isinstance(profile, list) else profile
     assert profile["strategy"] == "fsdp" and profile["world_size"] == 8 and profile["precision"] == "bf16"
-    assert profile["activation_checkpointing"] == "every-2" and profile["source"] == "estimate"
+    assert profile["activation_checkpointing"] == "op" and profile["source"] == "estimate"
+    assert profile["max_micro_batch"] >= 1
 
 
 def test_eight_bit_adam_holds_less_than_fused_adamw(folder: Path) -> None:
