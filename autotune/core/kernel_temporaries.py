@@ -27,7 +27,8 @@ Covered (each with its conditions in its docstring): the mem-efficient attention
 ``attention.cu``), flash attention's backward (``flash_attn/flash_api.cpp``: ``mha_bwd``), cuDNN
 attention's backward (the cudnn-frontend SDPA backward node's workspace), the embedding's backward
 (``Embedding.cu``, ``EmbeddingBackwardKernel.cu``), layer norm's backward (``layer_norm_kernel.cu``),
-bitsandbytes' 4-bit matmul where it dequantizes the weight first (``gemm_4bit``'s unfused path), and cuDNN's convolution workspaces as a stated bound for a job run with cuDNN's workspace cap
+bitsandbytes' 4-bit matmul where it dequantizes the weight first (``gemm_4bit``'s unfused path), and cuDNN's
+convolution workspaces as a stated bound for a job run with cuDNN's workspace cap
 (``native/cudnn/Conv_v8.cpp``: not a size cuDNN would choose, which only its heuristics know; see
 :func:`convolution_workspace`). Not covered, and so not in any figure: those workspaces without the cap,
 the split reductions' buffers of ``Reduce.cuh`` (a few KiB to a few MiB), cuDNN's own engine workspace for
