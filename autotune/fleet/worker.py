@@ -59,15 +59,29 @@ class Outcome:
     host: str
 
 
-def _report_start(board: Any, index: int) -> int:
+def _report_start(board: Any, index: int) -> Callable[[], int]:
+    """Tell the board that pair ``index`` started, and return how to read its attempt number later.
+
+    The call is sent now, so the board knows even if this worker is killed, but its answer is read
+    only after the work: a task blocked in ``ray.get`` gives its CPU back to Ray, which would start a
+    pending pair beside it (a node running more probes than it has CPUs).
+    """
     if board is None:
-        return 1
+        return lambda: 1
     try:
         import ray
 
-        return int(ray.get(board.started.remote(index), timeout=60))
+        reply = board.started.remote(index)
     except Exception:  # the board only feeds the progress table: never fail a probe over it
-        return 1
+        return lambda: 1
+
+    def attempt() -> int:
+        try:
+            return int(ray.get(reply, timeout=60))
+        except Exception:
+            return 1
+
+    return attempt
 
 
 def _outcome(index: int, board: Any, work: Callable[[], str]) -> Outcome:
@@ -81,8 +95,8 @@ def _outcome(index: int, board: Any, work: Callable[[], str]) -> Outcome:
     try:
         text = work()
     except Exception as exc:
-        return Outcome(index, attempt, None, one_line(exc), time.perf_counter() - started, socket.gethostname())
-    return Outcome(index, attempt, text, None, time.perf_counter() - started, socket.gethostname())
+        return Outcome(index, attempt(), None, one_line(exc), time.perf_counter() - started, socket.gethostname())
+    return Outcome(index, attempt(), text, None, time.perf_counter() - started, socket.gethostname())
 
 
 def _json_array(profiles: list[Any]) -> str:
