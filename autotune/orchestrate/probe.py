@@ -140,25 +140,44 @@ def _search(
     return result, fake, hint if fake is not None and fake.trials else None
 
 
-def single_step_cap(task: ProbeTask, config: ProbeConfig, m_max: int) -> int | None:
-    """The largest micro-batch a job that does not accumulate (A = 1) would run, where measuring that case
-    can change the answer: without a target the probe's cap (the job runs one micro-batch per step), with one
-    the size per replica that meets it in one step, where that is above the accumulating m_max (at or below
-    it the accumulating trial, which holds a gradient set more, already bounds it) and within the cap. None
-    where it cannot: a job that keeps its gradients between steps (--zero-grad keep) holds them in a single
-    step's forward too."""
+def single_step_cap(
+    task: ProbeTask, config: ProbeConfig, m_max: int, trials: list[Trial] | None = None, limit_bytes: int | None = None
+) -> int | None:
+    """The micro-batch per replica that meets the target in one step (A = 1), where measuring that case can
+    change the plan: above the accumulating m_max (at or below it the accumulating trial, which holds a
+    gradient set more, already bounds it) and within the cap. None where it cannot:
+
+    - no target: no plan depends on it (the profile's m_max stays the accumulating job's);
+    - a job that keeps its gradients between steps (--zero-grad keep) holds them in a single step's forward too;
+    - the activations alone at that size are above the limit: a single step saves one gradient set, at most
+      the part of the peak that does not grow with m, so the per-sample bytes the accumulating trials measured
+      (the fitting m_max and the first size above it that did not fit) times the size bound it from below.
+    """
     if not task.zero_grad_to_none or config.mesh.pp > 1:  # a pipeline's step always runs its K micro-batches
         return None
-    cap = config.max_micro_batch
-    if config.target_batch:
-        try:
-            one_step = plan(cap, config.target_batch, config.world_size, multiple_of=config.multiple_of)
-        except ValueError:
-            return None
-        if one_step.accumulation_steps != 1:  # the target per replica is above the cap
-            return None
-        cap = one_step.micro_batch
-    return cap if cap > m_max else None
+    if not config.target_batch:
+        return None
+    try:
+        one_step = plan(config.max_micro_batch, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+    except ValueError:
+        return None
+    if one_step.accumulation_steps != 1:  # the target per replica is above the cap
+        return None
+    cap = one_step.micro_batch
+    if cap <= m_max:
+        return None
+    if trials and limit_bytes is not None:
+        at_max = [t for t in trials if t.micro_batch == m_max and t.fits and not t.oom and not t.fake]
+        above = sorted(
+            # An OOM's peak is where the meter stopped it, below its whole peak: the slope only reads lower.
+            (t for t in trials if t.micro_batch > m_max and not t.fake and t.peak_bytes > 0),
+            key=lambda t: t.micro_batch,
+        )
+        if at_max and above and above[0].peak_bytes > at_max[0].peak_bytes:
+            per_sample = (above[0].peak_bytes - at_max[0].peak_bytes) / (above[0].micro_batch - m_max)
+            if per_sample * cap > limit_bytes:
+                return None
+    return cap
 
 
 def _search_single_step(
@@ -308,7 +327,7 @@ def probe_with_meter(
                 result, fake, predicted = _search(
                     task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched
                 )
-                cap = single_step_cap(task, config, result.max_micro_batch)
+                cap = single_step_cap(task, config, result.max_micro_batch, result.trials, limit_bytes)
                 if cap is not None:  # A = 1 can apply: measured as a case of its own
                     guide = fake.fit if fake is not None else None
                     single = _search_single_step(

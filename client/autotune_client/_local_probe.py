@@ -144,9 +144,16 @@ def suggestion_from_profile(
     else one planned here from its ``max_micro_batch``; ``notes`` join the profile's warnings."""
     from autotune.core.plan import plan
 
-    # The probe planned with the same policy; any other target or world size is planned here.
+    # The probe planned with the same policy; any other target or world size is planned here. A one-step plan
+    # above the accumulating m_max (Profile.single_step) is not taken: the service plans a stored profile from
+    # its max_micro_batch, and a job asking again must get the answer it got the first time.
     stored = profile.plan
-    if stored is not None and stored.target_batch == target_batch and stored.world_size == world_size:
+    if (
+        stored is not None
+        and stored.target_batch == target_batch
+        and stored.world_size == world_size
+        and stored.micro_batch <= profile.max_micro_batch
+    ):
         chosen = stored
     else:
         chosen = plan(
