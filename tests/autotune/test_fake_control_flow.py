@@ -35,6 +35,23 @@ BUDGET_BYTES = 3072 * KiB
 HEADROOM = 0.1
 
 
+@pytest.fixture(autouse=True)
+def _native_reduced_precision_gemm() -> Any:
+    """oneDNN off for the matmuls here. On a CPU with AVX512-FP16/BF16 (this project's CI machines have them)
+    oneDNN runs fp16/bf16 addmm with scratch buffers it takes from the CPU allocator inside the kernel
+    (366,656 bytes for the second layer's fp16 addmm at m = 99), which no dispatched op returns and the CPU
+    meter does not see, like mse_loss's unreduced loss (docs/probing.md, "What the CPU meter does not
+    see"). This file is about the control flow of scaled steps, so its truth and its trials take ATen's
+    own GEMM, which allocates nothing of its own; on CPUs without those instructions both paths agree."""
+    # torch.backends.mkldnn.flags() also sets oneDNN's TF32 flag, which warns on a CPU-only build.
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
 def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH))
 
