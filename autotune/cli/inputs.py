@@ -44,6 +44,23 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_verify_sizes(args)
     _check_offload(args)
     _check_compile_policies(args)
+    _check_mesh(args)
+
+
+def _check_mesh(args: argparse.Namespace) -> None:
+    """The meshes measured today, refused before any work where they are not: context parallelism (torch's
+    context_parallel has no rule for the CPU's attention, so no truth here), a pipeline on an emulated card, a
+    pipeline composed with tensor parallelism or fsdp (each measured alone)."""
+    cp, pp, tp = getattr(args, "cp", 1) or 1, getattr(args, "pp", 1) or 1, getattr(args, "tp", 1) or 1
+    if cp > 1:
+        raise CliError(f"--cp {cp}: context parallelism is not measured yet (tp and pp are)")
+    if pp > 1 and getattr(args, "gpu", None):
+        raise CliError(
+            f"--pp {pp} with --gpu: a pipeline is not estimated on an emulated card yet; "
+            "autotune estimate --pp without --gpu answers with CPU semantics, autotune probe --pp on the card"
+        )
+    if pp > 1 and (tp > 1 or getattr(args, "strategy", "ddp") == "fsdp"):
+        raise CliError(f"--pp {pp} with --tp or --strategy fsdp: a pipeline is measured alone (over ddp) today")
 
 
 def _check_compile_policies(args: argparse.Namespace) -> None:
