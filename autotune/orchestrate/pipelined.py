@@ -26,7 +26,7 @@ from autotune.measure.pipeline import PipelineTrials, StageStrategy
 from autotune.measure.strategies import Strategy
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
 from autotune.orchestrate.estimated import estimated_profile
-from autotune.search.boundary import SearchResult, find_max_micro_batch
+from autotune.search.boundary import SearchResult, find_max_micro_batch, reported
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["PipelineSearch", "estimate_pipeline", "measured_microbatches", "search_pipeline", "stage_strategy"]
@@ -89,11 +89,7 @@ def search_pipeline(
         strategy=strategy,
     )
 
-    def trial(micro_batch: int) -> Trial:
-        result = trials(micro_batch)
-        if on_trial is not None:
-            on_trial(result)
-        return result
+    trial = reported(trials, on_trial)
 
     try:
         result = find_max_micro_batch(

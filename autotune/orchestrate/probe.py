@@ -28,7 +28,7 @@ from autotune.measure.throughput import timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.pipelined import PipelineSearch, search_pipeline, stage_strategy
-from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease
+from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease, reported
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.tasks.fingerprint import task_fingerprint
@@ -117,11 +117,7 @@ def _search(
         host_limit_bytes=config.host_budget_bytes,
     )
 
-    def trial(micro_batch: int) -> Trial:
-        result = runner(micro_batch)
-        if on_trial is not None:
-            on_trial(result)
-        return result
+    trial = reported(runner, on_trial)
 
     try:
         result = find_max_micro_batch(
@@ -205,11 +201,7 @@ def _search_single_step(
         host_limit_bytes=config.host_budget_bytes,
     )
 
-    def trial(micro_batch: int) -> Trial:
-        result = runner(micro_batch)
-        if on_trial is not None:
-            on_trial(result)
-        return result
+    trial = reported(runner, on_trial)
 
     try:
         found = find_max_micro_batch(

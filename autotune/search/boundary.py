@@ -33,6 +33,7 @@ __all__ = [
     "SearchResult",
     "find_max_micro_batch",
     "measured_fit",
+    "reported",
 ]
 
 # Trials guided by the fit before the search stops trusting it and bisects.
@@ -125,6 +126,18 @@ def peaks_decrease(trials: list[Trial]) -> tuple[Trial, Trial] | None:
         if highest is None or trial.peak_bytes >= highest.peak_bytes:
             highest = trial
     return None
+
+
+def reported(run: Callable[[int], Trial], on_trial: Callable[[Trial], None] | None) -> Callable[[int], Trial]:
+    """``run`` as the search's trial, each result handed to ``on_trial`` (the CLI's progress line) first."""
+
+    def trial(micro_batch: int) -> Trial:
+        result = run(micro_batch)
+        if on_trial is not None:
+            on_trial(result)
+        return result
+
+    return trial
 
 
 def find_max_micro_batch(
