@@ -308,16 +308,45 @@ class TensorParallel(Strategy):
         # that loads its weights afterwards does; the shapes, and so the memory, are the same.
         parallelize_module(model, self._device_mesh["tp"], styles, src_data_rank=None)
         if self.inner == "fsdp":
-            Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
+            with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
+                Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
         return model
+
+
+@contextmanager
+def _mesh_coordinates_outside_fake_modes() -> Iterator[None]:
+    """FSDP2 over a tp mesh concatenates the dp and tp meshes (``DeviceMesh._concatenate``, once per
+    parameter), and the new mesh finds this rank's coordinates with ``(mesh == rank).nonzero()``. Under
+    the fake trials' FakeTensorMode that mesh tensor (made from the real rank map) is fake and nonzero's
+    size depends on its values, so the fake trial stopped there. The coordinates are bookkeeping on the
+    host (a few integers, gone before the first micro-batch): computed outside the modes, on the real
+    rank map, they are the real job's."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = DeviceMesh._compute_coordinate_on_dim
+
+    def outside(self: Any) -> Any:
+        with _disable_current_modes():
+            return original(self)
+
+    DeviceMesh._compute_coordinate_on_dim = outside  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh._compute_coordinate_on_dim = original  # type: ignore[method-assign]
 
 
 def make_strategy(name: str, world_size: int, mesh: Mesh | None = None) -> Strategy:
     """The strategy called name ("ddp" or "fsdp") at world_size; with a mesh of tp > 1, rank 0 of its
     tensor-parallel group (autotune/measure/tensor_parallel.py), name then over the data-parallel replicas."""
     if mesh is not None and not mesh.trivial:
-        if mesh.pp > 1 or mesh.cp > 1:
-            raise AutotuneError(f"--pp and --cp are not measured yet (asked: {mesh.describe()})")
+        if mesh.cp > 1:  # one rank of a context-parallel group: autotune/measure/context_parallel.py
+            from autotune.measure.context_parallel import ContextParallel
+
+            return ContextParallel(world_size, mesh, inner=name)
+        if mesh.pp > 1:
+            raise AutotuneError(f"--pp is not measured here (asked: {mesh.describe()})")
         return TensorParallel(world_size, mesh, inner=name)
     if name == "ddp":
         return Replicated(world_size)

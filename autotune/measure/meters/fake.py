@@ -334,6 +334,10 @@ class _FakeCountingMode(_LiveStorageMode):
                 return _placeholder(args[0])
             with _disable_current_modes():
                 return known.item()
+        if func is torch.ops._c10d_functional.wait_tensor.default and isinstance(args[0], FakeTensor):
+            # c10d's wait_tensor hands back the tensor it waited on (no new storage); its fake kernel
+            # makes a new one, which counted each DTensor collective's output twice (issue 34).
+            return args[0]
         if len(self.values) and _answers_numbers(func):
             # A Python answer (bool(t): is_nonzero, equal) is decomposed inside FakeTensorMode into
             # a scalar read that this mode never sees: answer it from the values where there are some.
