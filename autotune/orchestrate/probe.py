@@ -21,7 +21,7 @@ from autotune.core.plan import nonnegative_fit, plan
 from autotune.core.schemas import Fit, Profile, SingleStep, Trial
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
-from autotune.measure.meters.compiled import compiled_job
+from autotune.measure.meters.compiled import compiled_job, confirm_static
 from autotune.measure.offload import host_capped_hint, offload_fields
 from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.throughput import timed_updates
@@ -154,10 +154,12 @@ def single_step_cap(
     if not config.target_batch:
         return None
     try:
-        one_step = plan(config.max_micro_batch, config.target_batch, config.world_size, multiple_of=config.multiple_of)
+        one_step = plan(
+            config.max_micro_batch, config.target_batch, config.data_parallel, multiple_of=config.multiple_of
+        )
     except ValueError:
         return None
-    if one_step.accumulation_steps != 1:  # the target per replica is above the cap
+    if one_step.accumulation_steps != 1 or not one_step.exact:  # above the cap, or no exact one-step plan
         return None
     cap = one_step.micro_batch
     if cap <= m_max:
@@ -319,6 +321,8 @@ def probe_with_meter(
                 result, fake, predicted = _search(
                     task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched
                 )
+                # A compiled search's answer, confirmed by static compiles at m_max and above (docs/compile.md).
+                result = confirm_static(task, meter, config, strategy, limit_bytes, result, warnings, on_trial)
                 cap = single_step_cap(task, config, result.max_micro_batch, result.trials, limit_bytes)
                 if cap is not None:  # A = 1 can apply: measured as a case of its own
                     guide = fake.fit if fake is not None else None
@@ -357,12 +361,10 @@ def probe_with_meter(
     if predicted is not None and predicted != m_max:
         what = RESERVED_PREDICTION if meter.device.type == "cuda" else "the fake pre-search predicted max micro-batch"
         warnings.append(f"{what} {predicted}; the real trials found {m_max}")
-    plan_m = m_max
     if single is not None:
         warnings.append(_single_step_warning(single, m_max, config))
-        if config.target_batch and single.max_micro_batch >= single.cap:  # the target in one step
-            plan_m = single.max_micro_batch
-    the_plan = config.plan_for(plan_m, warnings)
+    # The one plan every reader of the stored profile makes (autotune.core.plan.plan_with_single_step).
+    the_plan = config.plan_for(m_max, warnings, single.max_micro_batch if single is not None else None)
     chosen = the_plan.micro_batch if the_plan else m_max
     if chosen < BATCHNORM_SMALL_MICRO_BATCH and _has_batchnorm(task):
         warnings.append(

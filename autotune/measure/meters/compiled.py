@@ -16,12 +16,14 @@ the same event stream. The budget is enforced after the span: a trial whose peak
 fit" (the CPU has the memory to run it; the budget is the card's being emulated).
 
 Also here: what a trial needs to run the model compiled (:func:`compile_model`, :func:`mark_dynamic_batch`,
-:func:`memory_budget`, :func:`compile_failure`).
+:func:`memory_budget`, :func:`compile_failure`), and the static confirmation of a compiled search's answer
+(:func:`confirm_static`: m_max and m_max + 1 each compiled on its own at its size, as a job at one m compiles).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 import weakref
@@ -34,6 +36,7 @@ from torch import nn
 
 from autotune.core.errors import TaskError
 from autotune.core.policy_names import parse_policy
+from autotune.core.schemas import Trial
 from autotune.measure.meters.base import FORWARD_BACKWARD, STEP, MemoryReading
 from autotune.measure.meters.cpu import CpuMeter, CpuOutOfMemoryError
 
@@ -47,9 +50,12 @@ __all__ = [
     "compiled_job",
     "compiled_mode_of",
     "compiles_on",
+    "compiled_for",
+    "confirm_static",
     "estimated_eager",
     "mark_dynamic_batch",
     "memory_budget",
+    "static_shapes",
 ]
 
 _MARK = "autotune.phase."
@@ -177,11 +183,32 @@ class CompiledCpuMeter(CpuMeter):
         return contextlib.nullcontext()
 
 
+# True while graphs compile static (dynamic=False, batches not marked): the static confirmation and the timed
+# runs, which run one model at fixed sizes as a job does.
+_static = {"on": False}
+
+
+@contextmanager
+def static_shapes() -> Iterator[None]:
+    """Within: :func:`compile_model` compiles with ``dynamic=False`` and :func:`mark_dynamic_batch` marks
+    nothing, so each size runs the graph an ordinary ``torch.compile(model)`` called at that size makes."""
+    before = _static["on"]
+    _static["on"] = True
+    try:
+        yield
+    finally:
+        _static["on"] = before
+
+
 def mark_dynamic_batch(batch: Any) -> None:
     """Mark dimension 0 (the micro-batch) of every tensor of a batch dynamic, so that one compilation
     serves every m >= 2 (docs/compile.md: one dynamic graph costs one compile where automatic dynamic
-    shapes cost two, and peaks as the static graph does). Size 1 is left static: dynamo specializes it."""
+    shapes cost two). Size 1 is left static: dynamo specializes it. Nothing is marked under
+    :func:`static_shapes`."""
     from torch._dynamo import mark_dynamic
+
+    if _static["on"]:
+        return
 
     from autotune.tasks.batches import map_tensors
 
@@ -196,11 +223,13 @@ def mark_dynamic_batch(batch: Any) -> None:
 
 
 def compile_model(model: nn.Module, mode: str) -> nn.Module:
-    """``torch.compile(model, mode=mode)``: compiled on its first call (the runner's warm-up)."""
+    """``torch.compile(model, mode=mode)`` (``dynamic=False`` under :func:`static_shapes`): compiled on its
+    first call (the runner's warm-up)."""
     with warnings.catch_warnings():  # inductor's first import touches torch.jit, which warns it is deprecated
         warnings.simplefilter("ignore", DeprecationWarning)
         import torch._inductor.compile_fx  # noqa: F401
-    return torch.compile(model, mode=None if mode == "default" else mode)  # type: ignore[return-value]
+    dynamic = False if _static["on"] else None
+    return torch.compile(model, mode=None if mode == "default" else mode, dynamic=dynamic)  # type: ignore[return-value]
 
 
 def memory_budget(policy: str) -> AbstractContextManager[Any]:
@@ -281,6 +310,29 @@ def compiles_on(meter: Any) -> bool:
     return not isinstance(meter, FakeMeter)
 
 
+def compiled_for(task: Any, model: nn.Module) -> nn.Module:
+    """``model`` compiled in the task's mode, lazily (its first call compiles); under ``budget:R`` its forward runs
+    with the compiler's activation memory budget at R, so every compilation of it (the first, a recompilation
+    for another size) partitions under R."""
+    parsed = parse_policy(task.activation_checkpointing)
+    ratio = parsed.budget if parsed.kind == "budget" else None
+    if _compiled_under.get("budget", None) != ratio:
+        # Dynamo's cache does not guard on the partitioner's budget: a graph compiled under another ratio would
+        # answer this probe's calls. A fresh compiler, as a fresh process has.
+        torch._dynamo.reset()
+    _compiled_under["budget"] = ratio
+    compiled = compile_model(model, task.compile)
+    if ratio is not None:
+        forward = compiled.forward
+
+        def forward_under_budget(*args: Any, **kwargs: Any) -> Any:
+            with memory_budget(task.activation_checkpointing):
+                return forward(*args, **kwargs)
+
+        compiled.forward = forward_under_budget  # type: ignore[method-assign]
+    return compiled
+
+
 def compile_and_warm(
     task: Any,
     meter: Any,
@@ -305,23 +357,8 @@ def compile_and_warm(
     Raises:
         TaskError: the compiler failed (one line: what stopped it).
     """
-    parsed = parse_policy(task.activation_checkpointing)
-    ratio = parsed.budget if parsed.kind == "budget" else None
-    if _compiled_under.get("budget", None) != ratio:
-        # Dynamo's cache does not guard on the partitioner's budget: a graph compiled under another ratio would
-        # answer this probe's calls. A fresh compiler, as a fresh process has.
-        torch._dynamo.reset()
-    _compiled_under["budget"] = ratio
-    compiled = compile_model(model, task.compile)
+    compiled = compiled_for(task, model)
     budget = memory_budget(task.activation_checkpointing)
-    if ratio is not None:
-        forward = compiled.forward
-
-        def forward_under_budget(*args: Any, **kwargs: Any) -> Any:
-            with memory_budget(task.activation_checkpointing):
-                return forward(*args, **kwargs)
-
-        compiled.forward = forward_under_budget  # type: ignore[method-assign]
     started = time.perf_counter()
     try:
         with meter.hold(), budget:
@@ -389,8 +426,93 @@ def compiled_job(task: Any, meter: Any, *, presearch: bool) -> list[str]:
     notes = [
         f"compiled ({task.compile}): the model was compiled once, at the first trial's micro-batch (at least "
         f"{WARM_UP_MICRO_BATCH}) with the micro-batch dimension dynamic, and every trial ran the compiled step; "
-        "compile_seconds is apart from the trials' seconds"
+        "m_max and the size above it were then each compiled static at their size and measured again, and those "
+        "trials decided; compile_seconds (every compilation) is apart from the trials' seconds"
     ]
     if presearch:
         notes.append(EAGER_PRESEARCH)
     return notes
+
+
+def _static_trial(task: Any, meter: Any, strategy: Any, micro_batch: int, limit_bytes: int, host: int | None) -> Trial:
+    """One trial of a model built afresh and compiled static at ``micro_batch`` (its warm-up runs there), by a
+    fresh compiler: what a job that trains at that m compiles and runs. Its compilation is within the meter's
+    ``compile_seconds``, apart from the trial's seconds."""
+    from autotune.measure.trial import TrialRunner
+
+    torch._dynamo.reset()  # nothing cached from the dynamic search or another size
+    gc.collect()  # the search's model dies before this one is built: its bytes leave the meter's base
+    runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, host_limit_bytes=host)
+    with static_shapes():
+        try:
+            return runner(micro_batch)
+        finally:
+            runner.close()
+            gc.collect()
+
+
+def confirm_static(
+    task: Any,
+    meter: Any,
+    config: Any,
+    strategy: Any,
+    limit_bytes: int,
+    result: Any,
+    warnings: list[str],
+    on_trial: Callable[[Trial], None] | None = None,
+) -> Any:
+    """The compiled search's answer confirmed by static compilations (docs/compile.md, "The static confirmation").
+
+    The search's trials share one graph compiled with the micro-batch dimension dynamic; a job that trains at one m
+    compiles a static graph at that m, whose peak can differ (a GPT-2 config: 1.9 % above the dynamic one at
+    m_max). Here m_max and m_max + multiple_of are each built afresh, compiled static at their size and measured
+    (:func:`_static_trial`); these trials decide: where m_max does not fit, the sizes below are tried, one step
+    at a time, until one does; where m_max + multiple_of fits, the sizes above, until one does not (or the cap).
+    The dynamic trials at a size confirmed here leave the result (the warning keeps what they read).
+
+    Returns ``result`` as it is where nothing compiles (an eager task, fake trials, a pipeline's stages), else a
+    SearchResult with the static answer and trials.
+
+    Raises:
+        NoFitError: not even multiple_of fits compiled static.
+    """
+    from autotune.search.boundary import NoFitError, SearchResult
+
+    if task.compile is None or not compiles_on(meter) or config.mesh.pp > 1:
+        return result
+    unit, cap = config.multiple_of, config.max_micro_batch
+    confirmed: dict[int, Trial] = {}
+    seconds_before = meter.compile_seconds or 0.0
+
+    def fits(micro_batch: int) -> bool:
+        trial = _static_trial(task, meter, strategy, micro_batch, limit_bytes, config.host_budget_bytes)
+        confirmed[micro_batch] = trial
+        if on_trial is not None:
+            on_trial(trial)
+        return trial.fits
+
+    m_max = result.max_micro_batch
+    if fits(m_max):
+        while m_max + unit <= cap and fits(m_max + unit):
+            m_max += unit
+    else:
+        while True:
+            m_max -= unit
+            if m_max < unit:
+                raise NoFitError(confirmed[unit], f"micro-batch {unit} does not fit (compiled static)")
+            if fits(m_max):
+                break
+    dynamic = {t.micro_batch: t for t in result.trials if t.micro_batch in confirmed}
+    read = ", ".join(
+        f"m={m} {t.peak_bytes:,} B {'fits' if t.fits else 'does not fit'}"
+        + (f" (dynamic {dynamic[m].peak_bytes:,} B{', OOM' if dynamic[m].oom else ''})" if m in dynamic else "")
+        for m, t in sorted(confirmed.items())
+    )
+    changed = "" if m_max == result.max_micro_batch else f"; the dynamic search's {result.max_micro_batch} -> {m_max}"
+    seconds = (meter.compile_seconds or 0.0) - seconds_before
+    warnings.append(
+        f"static confirmation (each size built afresh and compiled with dynamic=False at it, as a job at one m "
+        f"compiles): {read}{changed}; {len(confirmed)} compilations in {seconds:.1f}s of compile_seconds"
+    )
+    trials = [t for t in result.trials if t.micro_batch not in confirmed] + list(confirmed.values())
+    return SearchResult(max_micro_batch=m_max, trials=trials, fit=result.fit)
