@@ -16,6 +16,18 @@ micro-batches (transformers' Trainer, Lightning, DeepSpeed).
     >>> p = plan(max_micro_batch=26, target_batch=256, policy="divisor")
     >>> (p.micro_batch, p.accumulation_steps, p.exact)
     (16, 16, True)
+
+A job that does not accumulate (A = 1) holds no gradient set across a forward, so one step may hold more
+than the accumulating m_max (``Profile.single_step``, measured by single-step trials of its own). Every
+planner that reads a stored profile (the probe, /suggest, the client, ``autotune estimate``) goes through
+:func:`plan_with_single_step`, so one profile and one target get one answer wherever they are asked:
+
+    >>> p = plan_with_single_step(26, 32, single_step_max=40)
+    >>> (p.micro_batch, p.accumulation_steps, p.max_micro_batch)
+    (32, 1, 40)
+    >>> p = plan_with_single_step(26, 41, single_step_max=40)
+    >>> (p.micro_batch, p.accumulation_steps, p.max_micro_batch)
+    (21, 2, 26)
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autotune.core.schemas import Fit, Plan, Suggestion
+from autotune.core.schemas import Fit, Plan, Profile, Suggestion
 from autotune.core.split import (
     DEFAULT_PLAN_POLICY,
     EXACT_SEARCH_FACTOR,
@@ -56,6 +68,10 @@ __all__ = [
     "micro_batches_text",
     "pipeline_plan",
     "plan",
+    "is_single_step",
+    "plan_profile",
+    "plan_with_single_step",
+    "single_step_size",
 ]
 
 
@@ -106,6 +122,88 @@ def plan(
         policy=policy,
     )
     return _make_plan(micro_batches, world_size, target_batch, max_micro_batch, note)
+
+
+def single_step_size(
+    max_micro_batch: int, target_batch: int, world_size: int, single_step_max: int | None, multiple_of: int = 1
+) -> int | None:
+    """The micro-batch of a one-step update (A = 1) that the single-step figure holds where the accumulating
+    one does not, else None. The rule, the same for every target so that a target that changes between calls
+    only moves along it: the target must be met exactly in one step (D divides T, multiple_of divides T / D),
+    T / D must be above the accumulating m_max (at or below it the accumulating plan is one step already) and
+    within the single step's m_max (measured by single-step trials up to their cap; above it nothing says a
+    single step fits, and a plan with A >= 2 accumulates, so the accumulating m_max bounds it).
+
+    >>> single_step_size(26, 64, 2, 40), single_step_size(26, 65, 2, 80), single_step_size(26, 82, 2, 40)
+    (32, None, None)
+    """
+    if single_step_max is None or world_size < 1 or multiple_of < 1:
+        return None
+    per_replica, rest = divmod(target_batch, world_size)
+    if rest or per_replica % multiple_of:
+        return None
+    return per_replica if max_micro_batch < per_replica <= single_step_max else None
+
+
+def plan_with_single_step(
+    max_micro_batch: int,
+    target_batch: int,
+    world_size: int = 1,
+    *,
+    single_step_max: int | None = None,
+    max_accumulation_steps: int | None = None,
+    multiple_of: int = 1,
+    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
+) -> Plan:
+    """The plan of a stored profile: one step of T / D (A = 1) where :func:`single_step_size` says the
+    single-step figure holds it, else :func:`plan` from the accumulating ``max_micro_batch``.
+
+    ``single_step_max``: the single step's m_max (``Profile.single_step.max_micro_batch``, or what is left of
+    it under a stricter limit); None where there is none. A one-step plan's ``max_micro_batch`` is that figure
+    and its ``note`` says which case applied (:func:`is_single_step` reads it back from the numbers).
+
+    Raises:
+        ValueError: as :func:`plan` does (the input is checked the same way in both cases).
+    """
+    accumulating = plan(
+        max_micro_batch,
+        target_batch,
+        world_size,
+        max_accumulation_steps=max_accumulation_steps,
+        multiple_of=multiple_of,
+        policy=policy,
+    )
+    size = single_step_size(max_micro_batch, target_batch, world_size, single_step_max, multiple_of)
+    if size is None or single_step_max is None:
+        return accumulating
+    note = (
+        f"one step per update (A = 1): micro-batch {size} per replica is within the single step's max micro-batch "
+        f"{single_step_max} (measured without accumulation: its forwards hold no gradient set); an accumulating "
+        f"job fits {max_micro_batch}"
+    )
+    return _make_plan([(size, 1)], world_size, target_batch, single_step_max, note)
+
+
+def plan_profile(
+    profile: Profile, target_batch: int, world_size: int = 1, *, policy: PlanPolicy = DEFAULT_PLAN_POLICY
+) -> Plan:
+    """:func:`plan_with_single_step` on a stored profile's own figures (its accumulating m_max, its
+    single-step m_max where it has one, its multiple_of)."""
+    single = profile.single_step
+    return plan_with_single_step(
+        profile.max_micro_batch,
+        target_batch,
+        world_size,
+        single_step_max=single.max_micro_batch if single is not None else None,
+        multiple_of=profile.multiple_of,
+        policy=policy,
+    )
+
+
+def is_single_step(chosen: Plan, max_micro_batch: int) -> bool:
+    """Whether a plan is the one-step case of :func:`plan_with_single_step`: one micro-batch above the
+    accumulating m_max."""
+    return chosen.accumulation_steps == 1 and chosen.micro_batch > max_micro_batch
 
 
 def pipeline_plan(

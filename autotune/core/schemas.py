@@ -481,6 +481,9 @@ class Suggestion(_Model):
     activation_checkpointing: ActivationCheckpointing = "none"
     # objective=throughput: the timed samples per second of this plan (None: not timed).
     samples_per_second: Annotated[float, Field(gt=0)] | None = None
+    # One step per update (A = 1) from the profile's single-step figure (Profile.single_step), above the
+    # accumulating max_micro_batch; False: planned from max_micro_batch (autotune.core.plan.plan_with_single_step).
+    single_step: bool = False
 
     @model_validator(mode="after")
     def _default_micro_batches(self) -> Suggestion:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from autotune.core.cards import Card, resolve_card
 from autotune.core.errors import AutotuneError, BudgetError
 from autotune.core.mesh import Mesh
-from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, pipeline_plan, plan
+from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, pipeline_plan, plan_with_single_step
 from autotune.core.schemas import OFFLOADS, PRECISIONS, STRATEGIES, Offload, Plan, Precision, Strategy
 
 if TYPE_CHECKING:
@@ -172,19 +172,22 @@ class ProbeConfig:
         """This config with some of its fields changed (EstimateConfig.with_setup changes its probe's)."""
         return dataclasses.replace(self, **changes)
 
-    def plan_for(self, m_max: int, warnings: list[str]) -> Plan | None:
+    def plan_for(self, m_max: int, warnings: list[str], single_step_max: int | None = None) -> Plan | None:
         """The plan of the target batch at m_max (None without a target), appending to warnings what a
-        datasheet must say: no plan reaches the target, the plan is not exact, m_max is the cap."""
+        datasheet must say: no plan reaches the target, the plan is not exact, m_max is the cap. With
+        single_step_max (Profile.single_step), the one plan every reader of the profile makes
+        (autotune.core.plan.plan_with_single_step)."""
         the_plan = None
         if self.target_batch:
             try:
                 the_plan = (
                     self._pipeline_plan(m_max, self.target_batch)
                     if self.mesh.pp > 1
-                    else plan(
+                    else plan_with_single_step(
                         m_max,
                         self.target_batch,
                         self.data_parallel,
+                        single_step_max=single_step_max,
                         multiple_of=self.multiple_of,
                         policy=self.plan_policy,
                     )

@@ -140,29 +140,16 @@ def suggestion_from_profile(
     notes: list[str],
     policy: str = "balanced",
 ) -> Suggestion:
-    """The answer a local probe gives: the profile's plan when it was made for this target and world size,
-    else one planned here from its ``max_micro_batch``; ``notes`` join the profile's warnings."""
-    from autotune.core.plan import plan
+    """The answer a local probe gives, ``notes`` joined to the profile's warnings: the plan of
+    ``autotune.core.plan.plan_profile`` (one step from ``Profile.single_step`` where it holds the target, else
+    from the accumulating ``max_micro_batch``), which the probe stored for its own target and /suggest makes
+    of the stored profile, so a job asking again gets the answer it got the first time."""
+    from autotune.core.plan import is_single_step, plan_profile
 
-    # The probe planned with the same policy; any other target or world size is planned here. A one-step plan
-    # above the accumulating m_max (Profile.single_step) is not taken: the service plans a stored profile from
-    # its max_micro_batch, and a job asking again must get the answer it got the first time.
-    stored = profile.plan
-    if (
-        stored is not None
-        and stored.target_batch == target_batch
-        and stored.world_size == world_size
-        and stored.micro_batch <= profile.max_micro_batch
-    ):
-        chosen = stored
-    else:
-        chosen = plan(
-            profile.max_micro_batch,
-            target_batch,
-            world_size,
-            multiple_of=profile.multiple_of,
-            policy=policy,  # type: ignore[arg-type]
-        )
+    chosen = plan_profile(profile, target_batch, world_size, policy=policy)  # type: ignore[arg-type]
+    single = is_single_step(chosen, profile.max_micro_batch)
+    single_trials = profile.single_step.trials if single and profile.single_step is not None else []
+    peak = next((t.peak_bytes for t in single_trials if t.micro_batch == chosen.micro_batch and t.fits), None)
     found = [*profile.warnings, *([chosen.note] if chosen.note else []), *notes]
     return Suggestion.from_plan(
         chosen,
@@ -172,11 +159,12 @@ def suggestion_from_profile(
         device_name=profile.device.name,
         max_micro_batch=profile.max_micro_batch,
         multiple_of=profile.multiple_of,
-        peak_bytes=profile.peak_at(chosen.micro_batch),
+        peak_bytes=peak if single else profile.peak_at(chosen.micro_batch),
         budget_bytes=profile.budget_bytes,
         strategy=profile.strategy,
         activation_checkpointing=profile.activation_checkpointing,
         samples_per_second=timed_rate(profile, chosen),
+        single_step=single,
         warnings=list(dict.fromkeys(found)),
     )
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, case, func, select
 
-from autotune.core.schemas import DeviceContext, Fit, Throughput
+from autotune.core.schemas import DeviceContext, Fit, SingleStep, Throughput
 from autotune_server.models import ObservationRow, ProfileRow, TrialRow
 from autotune_server.repository import deciding_trial, device_context, major_minor
 
@@ -65,6 +65,10 @@ class Candidate:
     # outside the allocator (``repository.device_context``), which /suggest re-derives the estimate with
     # (autotune_server.measured_context); None otherwise, or where nothing is measured.
     measured_context: DeviceContext | None = None
+    # A = 1 (Profile.single_step, read from the stored document; no column of its own): the single step's m_max
+    # and its own trials as (micro_batch, peak_bytes, fits, oom); None and () where the profile has none.
+    single_step_max: int | None = None
+    single_step_trials: tuple[tuple[int, int, bool, bool], ...] = ()
 
     @property
     def uses_ddp(self) -> bool:
@@ -129,6 +133,9 @@ _COLUMNS = (
     ProfileRow.device_kind,
     ProfileRow.torch_version,
 )
+# Profile.single_step lives in the stored document only (a JSON path, on SQLite and PostgreSQL alike): read for
+# the profiles of the device asked about, whose own trials a one-step plan rests on.
+_SINGLE_STEP = ProfileRow.document["single_step"].label("single_step")
 # At most this many kinds of profile of one (fingerprint, device) are read per lookup.
 _HERE_LIMIT = 64
 
@@ -167,6 +174,21 @@ def _throughput(value: Any) -> tuple[Throughput, ...]:
         return tuple(Throughput.model_validate(t) for t in value or ())
     except (ValueError, TypeError):
         return ()
+
+
+def _single_step(value: Any) -> dict[str, Any]:
+    """Candidate's single-step fields from the stored Profile.single_step (validated on upload; a row written by
+    hand that does not parse simply has none)."""
+    if not value:
+        return {}
+    try:
+        single = SingleStep.model_validate(value)
+    except (ValueError, TypeError):
+        return {}
+    return {
+        "single_step_max": single.max_micro_batch,
+        "single_step_trials": tuple((t.micro_batch, t.peak_bytes, t.fits, t.oom) for t in single.trials if not t.fake),
+    }
 
 
 def _smallest_peak(trials: tuple[tuple[int, int, bool, bool], ...]) -> int | None:
@@ -252,6 +274,7 @@ def lookup(
     ranked = (
         select(
             *_COLUMNS,
+            _SINGLE_STEP,
             oom_at.label("oom_at"),
             func.row_number()
             .over(
@@ -314,6 +337,7 @@ def lookup(
                     smallest_peak=max(steps[int(row.id)]) if steps[int(row.id)] else _smallest_peak(deciding),
                     outside_allocator_bytes=tuple(outside[int(row.id)]),
                     measured_context=contexts.get(int(row.id)),
+                    **_single_step(row.single_step),
                 )
             )
     # The whole peak of each profile's smallest measured deciding micro-batch (larger on a tie).

@@ -35,7 +35,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sqlalchemy.orm import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from autotune.core.plan import micro_batches_text
+from autotune.core.plan import is_single_step, micro_batches_text
 from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
 from autotune.core.units import format_bytes as human_bytes
@@ -506,7 +506,17 @@ def trial_counts(profile: Profile) -> str:
     return text + (f", {fake} fake" if fake else "")
 
 
+def _single_step_plan(profile: Profile) -> bool:
+    """Whether the stored plan is one step from the single-step figure (autotune.core.plan.is_single_step)."""
+    plan, single = profile.plan, profile.single_step
+    return plan is not None and single is not None and is_single_step(plan, profile.max_micro_batch)
+
+
 def _predicted_peak(profile: Profile, micro_batch: int) -> tuple[float | None, str]:
+    if _single_step_plan(profile) and profile.single_step is not None:  # measured by the single-step trials
+        single = next((t for t in profile.single_step.trials if t.micro_batch == micro_batch and t.fits), None)
+        if single is not None:
+            return float(single.peak_bytes), "measured without accumulation"
     measured = profile.peak_at(micro_batch)
     if measured is not None:
         return float(measured), "estimated by a fake trial" if profile.source == "estimate" else "measured"
@@ -600,6 +610,7 @@ def _profile_page(profile_id: str, request: Request, session: Session) -> HTMLRe
         "chosen": chosen,
         "chosen_peak": peak,
         "chosen_peak_source": peak_source,
+        "single_step_plan": _single_step_plan(profile),
         "figures": {
             **chart_figures(profile, observations, [to_profile(r) for r in policy_siblings(session, row)]),
             **(lengths.figures if lengths is not None else {}),

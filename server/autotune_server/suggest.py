@@ -36,7 +36,14 @@ from typing import Literal
 
 from sqlalchemy import Connection
 
-from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy, in_tokens, micro_batch_for_limit, plan
+from autotune.core.plan import (
+    DEFAULT_PLAN_POLICY,
+    PlanPolicy,
+    in_tokens,
+    is_single_step,
+    micro_batch_for_limit,
+    plan_with_single_step,
+)
 from autotune.core.schemas import Plan, Suggestion, SuggestQuery
 from autotune.core.units import limit_bytes_unrounded
 from autotune_server import drift, measured_context, policy, sequence
@@ -51,10 +58,20 @@ Label = Literal["measured", "predicted", "estimated"]
 
 
 def _plan(
-    m_max: int, target_batch: int, world_size: int, multiple_of: int, policy: PlanPolicy = DEFAULT_PLAN_POLICY
+    m_max: int,
+    target_batch: int,
+    world_size: int,
+    multiple_of: int,
+    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
+    *,
+    single_step_max: int | None = None,
 ) -> Plan:
+    """The plan every reader of a profile makes (``plan_with_single_step``: one step from the single step's
+    m_max where it holds the target, else from the accumulating m_max), its ValueError as the API's 422."""
     try:
-        return plan(m_max, target_batch, world_size, multiple_of=multiple_of, policy=policy)
+        return plan_with_single_step(
+            m_max, target_batch, world_size, single_step_max=single_step_max, multiple_of=multiple_of, policy=policy
+        )
     except ValueError as exc:
         message = str(exc).splitlines()[0]  # a pydantic error's later lines echo internals, not advice
         # The query parameter at fault; otherwise the stored profile's figures (max_micro_batch below
@@ -191,6 +208,7 @@ def _suggestion(
 ) -> Suggestion:
     if chosen.note:
         warnings.append(chosen.note)
+    single = is_single_step(chosen, m_max)
     return Suggestion.from_plan(
         chosen,
         source=source,
@@ -203,7 +221,22 @@ def _suggestion(
         peak_bytes=peak,
         budget_bytes=budget_bytes,
         warnings=warnings,
+        single_step=single,
     )
+
+
+def _single_step_within(c: Candidate, limit: float) -> int | None:
+    """The single step's m_max within a limit stricter than the one c was measured within: the largest size
+    its own single-step trials measured within it (None: none, or c has no single-step figure)."""
+    if c.single_step_max is None:
+        return None
+    within = [
+        m
+        for m, peak, fits, oom in c.single_step_trials
+        if fits and not oom and peak <= limit and m <= c.single_step_max
+    ]
+    found = _round_down(max(within, default=0), c.multiple_of)
+    return found if found >= 1 else None
 
 
 def _predicted_peak(c: Candidate, micro_batch: int) -> int:
@@ -227,6 +260,8 @@ def _measured(
     if mismatch is not None:
         warnings.append(mismatch)
     m_max = c.max_micro_batch
+    # A = 1 (Profile.single_step): held to the same limit, drift and OOM reports as m_max below.
+    single_max = c.single_step_max
     used_budget = query.budget_bytes if query.budget_bytes is not None else c.budget_bytes
     if query.budget_bytes is not None or query.headroom is not None:
         used_headroom = query.headroom if query.headroom is not None else c.headroom
@@ -239,6 +274,7 @@ def _measured(
                 m for m, peak, fits, oom in c.trials if fits and not oom and peak <= limit and m <= c.max_micro_batch
             ]
             m_max = _round_down(max(within, default=0), c.multiple_of)
+            single_max = _single_step_within(c, limit)
             if m_max < 1:
                 # Nothing measured is within the stricter limit: predict from this profile's fit.
                 return _fallback_prediction(
@@ -264,7 +300,12 @@ def _measured(
                 "with it to use it"
             )
     job_headroom = query.headroom if query.headroom is not None else c.headroom
-    m_max = drift.within_drift(c, m_max, limit_bytes_unrounded(used_budget, job_headroom), warnings)
+    drifted = drift.within_drift(c, m_max, limit_bytes_unrounded(used_budget, job_headroom), warnings)
+    if drifted < m_max:  # the jobs peak above the trials: a one-step plan would rest on the same trials, larger
+        single_max = None
+    m_max = drifted
+    if c.oom_at is not None and single_max is not None and c.oom_at <= single_max:
+        single_max = _round_down(c.oom_at - 1, c.multiple_of)
     if c.oom_at is not None and c.oom_at <= m_max:
         capped = _round_down(c.oom_at - 1, c.multiple_of)
         if capped < 1:
@@ -274,8 +315,9 @@ def _measured(
             )
         m_max = capped
         warnings.append(f"a job reported an out-of-memory error at micro-batch {c.oom_at}: capped at {m_max}")
-    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan)
-    peak = next((p for m, p, fits, oom in c.trials if m == chosen.micro_batch and fits and not oom), None)
+    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan, single_step_max=single_max)
+    trials = c.single_step_trials if is_single_step(chosen, m_max) else c.trials
+    peak = next((p for m, p, fits, oom in trials if m == chosen.micro_batch and fits and not oom), None)
     return _suggestion(
         c,
         chosen,

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 from functools import cache
+from typing import Any
 
 import pytest
 from torch.profiler import ProfilerActivity, profile
 
 from autotune.core.consistency import profile_problems
+from autotune.core.plan import plan_profile
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.task import ProbeTask
 from examples.gpt import GPTConfig, make_task
@@ -59,7 +61,7 @@ def budget() -> int:
     return (single + accumulating) // 2
 
 
-def _config(**changes: object) -> ProbeConfig:
+def _config(**changes: Any) -> ProbeConfig:
     return dataclasses.replace(
         ProbeConfig(device="cpu", budget_bytes=budget(), headroom=0, max_micro_batch=64), **changes
     )
@@ -86,6 +88,8 @@ def test_a_target_met_in_one_step_is_planned_without_accumulation() -> None:
     assert plan is not None and (plan.micro_batch, plan.accumulation_steps, plan.exact) == (M, 1, True)
     assert profile_.max_micro_batch < M and not profile_problems(profile_)
     assert any(f"target {M} is met without accumulation (A = 1)" in w for w in profile_.warnings)
+    # The plan /suggest, the client and estimate make of the stored profile (autotune.core.plan.plan_profile).
+    assert plan == plan_profile(profile_, M)
 
 
 def test_a_target_one_step_cannot_hold_accumulates() -> None:
@@ -95,6 +99,7 @@ def test_a_target_one_step_cannot_hold_accumulates() -> None:
     plan = profile_.plan
     assert plan is not None and plan.accumulation_steps >= 2 and plan.micro_batch <= profile_.max_micro_batch
     assert any("the plan accumulates" in w for w in profile_.warnings)
+    assert plan == plan_profile(profile_, M + 1)
 
 
 def test_no_single_step_search_where_it_cannot_change_the_answer() -> None:
