@@ -48,16 +48,13 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def _check_mesh(args: argparse.Namespace) -> None:
-    """The meshes measured today, refused before any work where they are not: context parallelism (torch's
-    context_parallel has no rule for the CPU's attention, so no truth here), a pipeline on an emulated card, a
-    pipeline composed with tensor parallelism or fsdp (each measured alone)."""
+    """The meshes measured today, refused before any work where they are not: context parallelism with anything
+    but ddp or on an emulated card (autotune/measure/context_parallel.py), a pipeline composed with tensor
+    parallelism or fsdp (each measured alone)."""
     cp, pp, tp = getattr(args, "cp", 1) or 1, getattr(args, "pp", 1) or 1, getattr(args, "tp", 1) or 1
-    if cp > 1:
-        raise CliError(f"--cp {cp}: context parallelism is not measured yet (tp and pp are)")
-    if pp > 1 and getattr(args, "gpu", None):
+    if cp > 1 and (getattr(args, "gpu", None) or tp > 1 or pp > 1 or getattr(args, "strategy", "ddp") == "fsdp"):
         raise CliError(
-            f"--pp {pp} with --gpu: a pipeline is not estimated on an emulated card yet; "
-            "autotune estimate --pp without --gpu answers with CPU semantics, autotune probe --pp on the card"
+            f"--cp {cp}: context parallelism is measured alone, over ddp, not on an emulated card (--gpu) yet"
         )
     if pp > 1 and (tp > 1 or getattr(args, "strategy", "ddp") == "fsdp"):
         raise CliError(f"--pp {pp} with --tp or --strategy fsdp: a pipeline is measured alone (over ddp) today")

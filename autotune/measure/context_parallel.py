@@ -1,0 +1,339 @@
+"""Context parallelism (``--cp N``): one rank of a context-parallel group, measured in one process, with the
+attention as PyTorch's own ``context_parallel`` runs it.
+
+The job this measures is the ordinary one transformers' Trainer (``_prepare_context_parallel_inputs``) and
+accelerate (``maybe_context_parallel``) run over torch's
+``torch.distributed.tensor.experimental.context_parallel``: a causal LM with ``attn_implementation="sdpa"``;
+each micro-batch's ``input_ids``, ``labels``, ``shift_labels`` (the labels padded with -100 and shifted by one,
+the way the Trainer makes them) and ``position_ids`` (``arange(L)`` expanded over the batch) are the buffers
+``context_parallel`` shards in place along the sequence (dimension 1), none restored; forward and backward run
+inside it; each attention module's mask is dropped for ``is_causal=True`` (accelerate's
+``_attach_context_parallel_hooks``); the gradients are all-reduced by DDP over every rank (the cp ranks hold
+the same parameters). torch's defaults are kept: the head-tail load balancer (on when L is a multiple of
+2 x cp: rank r holds the r-th and the (2 cp - 1 - r)-th of 2 cp chunks) and the ``allgather`` rotation
+(``set_rotate_method``: the key/value shards are all-gathered once per attention call, forward and backward;
+the gradients of key and value still travel the ring by all-to-all in backward, as torch does for either
+rotation).
+
+The CPU kernel. torch's ring attention (``_templated_ring_attention`` and its backward) calls
+``aten._scaled_dot_product_flash_attention`` (or the efficient or cuDNN kernels) on each rank's shards, which
+have CUDA kernels only, and the DTensor dispatcher it hooks into knows no CPU attention: on the CPU, SDPA
+decomposes to ``aten._scaled_dot_product_flash_attention_for_cpu``, for which torch registers no
+context-parallel rule. :func:`install_cpu_flash_attention` adds the two missing pieces, and nothing else:
+
+- a CPU kernel for ``aten._scaled_dot_product_flash_attention`` and its backward (``torch.library``): an
+  adapter that calls the CPU flash kernels (``_scaled_dot_product_flash_attention_for_cpu`` and
+  ``..._backward``) and fills the CUDA signature's extra outputs (sequence offsets, RNG state, debug mask)
+  with empty tensors, which hold no memory;
+- a context-parallel rule for the CPU flash op and its backward: each routes its DTensor shards to torch's
+  own ``_scaled_dot_product_ring_flash_attention`` (and ``..._backward``), unchanged, and wraps the local
+  results back as DTensors sharded like the query.
+
+So the ring, its rotation, its load balancing, its merging of partial outputs and its buffers are torch's, and
+the memory each rank holds is the ring's; only the per-block attention kernel is the CPU flash kernel (whose
+scratch, a few KiB per call, is the CPU's, not a card's). The truth in tests/autotune/_cp_worker.py installs the
+same kernel in each of its real processes: without it the job cannot run on the CPU at all.
+
+As ``--strategy fsdp`` and ``--tp`` do, one process answers for one rank of the job's W ranks through a fake
+process group of size W over a ``(dp, cp)`` mesh, ``dp = D = W / cp``: ``context_parallel`` really shards the
+buffers, the collectives do nothing and the buffers they return (the all-gathered key/value, the rotated key
+and value gradients) are real allocations in this process. The ranks of a cp group do not hold the same work:
+with the load balancer on, at ring step i a rank r >= i attends its whole query to the first half of the
+arriving key/value, and a rank r < i attends the second half of its query to all of it (partial outputs, then
+merged in place); the probe measures the rank named by ``rank`` (:data:`MEASURED_RANK` by default, the most
+loaded in the comparison with real processes; docs/meshes.md gives the figures).
+
+What is refused, one line each: a model that is not a causal LM over ``input_ids`` and ``labels``, an attention
+other than ``sdpa``, a sequence length cp does not divide, ``--strategy fsdp`` or ``--tp`` with ``--cp``
+(measured alone, over ddp, today).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.mesh import Mesh
+from autotune.measure.strategies import Strategy, _is_fake
+from autotune.tasks.task import ProbeTask
+
+__all__ = ["MEASURED_RANK", "ROTATION", "ContextParallel", "install_cpu_flash_attention"]
+
+# torch's default rotation (and accelerate's cp_comm_strategy default).
+ROTATION = "allgather"
+# The cp rank the probe measures when none is named: the most loaded one against the real processes.
+MEASURED_RANK = 0
+
+_aten = torch.ops.aten
+_library: Any = None
+
+
+def _flash_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    return_debug_mask: bool = False,
+    *,
+    scale: float | None = None,
+) -> tuple[Any, ...]:
+    """``aten._scaled_dot_product_flash_attention`` on the CPU: the CPU flash kernel, with the CUDA
+    signature's other outputs empty (the CUDA kernel returns them undefined for a dense batch)."""
+    out, logsumexp = _aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, scale=scale
+    )
+    empty = query.new_empty(0)
+    return out, logsumexp, empty, empty, 0, 0, empty, empty, empty
+
+
+def _flash_cpu_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    cum_seq_q: torch.Tensor,
+    cum_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    dropout_p: float,
+    is_causal: bool,
+    philox_seed: torch.Tensor,
+    philox_offset: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten._scaled_dot_product_flash_attention_backward`` on the CPU: the CPU flash kernel's backward (the
+    sequence offsets and the RNG state are for variable-length batches and dropout, neither of which the ring
+    passes)."""
+    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(  # type: ignore[no-any-return]
+        grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale
+    )
+
+
+def _as_dtensor(local: torch.Tensor, like: Any, last: int | None = None) -> Any:
+    """local as a DTensor laid out like ``like`` (the query's sequence sharding); ``last`` replaces the
+    global shape's last dimension, and a local of fewer dimensions (the log-sum-exp) drops the trailing ones."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    shape = list(like.shape)[: local.dim()]
+    if last is not None:
+        shape[-1] = last
+    stride = torch.empty(shape, device="meta").stride()
+    meta = TensorMeta(torch.Size(shape), stride, local.dtype)
+    return DTensor(local, DTensorSpec(like._spec.mesh, like._spec.placements, meta), requires_grad=False)
+
+
+def _ring_flash_cpu(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The context-parallel rule of the CPU flash op: torch's ring flash attention over the query's mesh."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    query, key, value = args[:3]
+    dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+    is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+    if kwargs.get("attn_mask") is not None:
+        raise NotImplementedError("context parallel attention takes no attn_mask (torch's ring has none)")
+    out, logsumexp, *_ = ring._scaled_dot_product_ring_flash_attention(
+        query.device_mesh,
+        query.to_local(),
+        key.to_local(),
+        value.to_local(),
+        dropout_p,
+        is_causal,
+        scale=kwargs.get("scale"),
+    )
+    return _as_dtensor(out, query, last=value.shape[-1]), _as_dtensor(logsumexp, query)
+
+
+def _ring_flash_cpu_backward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The context-parallel rule of the CPU flash backward: torch's ring flash attention backward."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    grad_out, query, key, value, out, logsumexp, dropout_p, is_causal = args[:8]
+    empty = query.to_local().new_empty(0)
+    grads = ring._scaled_dot_product_ring_flash_attention_backward(
+        query.device_mesh,
+        grad_out.to_local(),
+        query.to_local(),
+        key.to_local(),
+        value.to_local(),
+        out.to_local(),
+        logsumexp.to_local(),
+        empty,
+        empty,
+        0,
+        0,
+        dropout_p,
+        is_causal,
+        empty,
+        empty,
+        scale=kwargs.get("scale"),
+    )
+    return _as_dtensor(grads[0], query), _as_dtensor(grads[1], key), _as_dtensor(grads[2], value)
+
+
+def install_cpu_flash_attention() -> None:
+    """Let torch's context-parallel ring attention run on the CPU (the module's docstring says how). Once per
+    process; the DTensor rules are torch's ``custom_ops`` table, which ``context_parallel`` reads on entry."""
+    global _library
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    if _library is None:
+        # Registered only when no CPU kernel exists (a torch that grows one keeps its own).
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_dot_product_flash_attention", "CPU"):
+            library = torch.library.Library("aten", "IMPL")
+            library.impl("_scaled_dot_product_flash_attention", _flash_cpu, "CPU")
+            library.impl("_scaled_dot_product_flash_attention_backward", _flash_cpu_backward, "CPU")
+            _library = library
+        else:
+            _library = False
+    ring.custom_ops[_aten._scaled_dot_product_flash_attention_for_cpu.default] = _ring_flash_cpu
+    ring.custom_ops[_aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _ring_flash_cpu_backward
+
+
+def _drop_mask(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    # accelerate's _attach_context_parallel_hooks: the ring takes no mask; causal attention is is_causal=True.
+    if "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None
+        kwargs["is_causal"] = True
+    return args, kwargs
+
+
+def _check_model(model: nn.Module, task: ProbeTask, cp: int) -> None:
+    where = f"{type(model).__name__} of task {task.name!r}"
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None)
+    if config is None or not type(model).__name__.endswith("ForCausalLM"):
+        raise TaskError(
+            f"--cp {cp}: context parallelism is measured for hf: causal LMs (input_ids, labels); {where} is not one"
+        )
+    if attention != "sdpa":
+        raise TaskError(
+            f"--cp {cp}: torch's context parallelism runs SDPA attention only; {where} uses {attention!r} "
+            "(attn_implementation='sdpa')"
+        )
+    if task.seq_len is not None and task.seq_len % cp:
+        raise TaskError(f"--cp {cp} does not divide the sequence length {task.seq_len}")
+
+
+class ContextParallel(Strategy):
+    """One rank (``rank``) of a cp group of W ranks: each micro-batch under torch's ``context_parallel``, DDP
+    over every rank."""
+
+    name = "ddp"
+
+    def __init__(
+        self, world_size: int, mesh: Mesh, *, inner: str = "ddp", rank: int = MEASURED_RANK, rotation: str = ROTATION
+    ) -> None:
+        super().__init__(world_size)
+        if inner != "ddp" or mesh.tp > 1 or mesh.pp > 1:
+            raise AutotuneError(f"--cp {mesh.cp} is measured alone over ddp today (asked: {inner}, {mesh.describe()})")
+        if not 0 <= rank < mesh.cp:
+            raise AutotuneError(f"the measured cp rank must be in [0, {mesh.cp}), got {rank}")
+        self.mesh = mesh
+        self.replicas = mesh.data_parallel(world_size)
+        self.rank = rank
+        self.rotation = rotation
+        self._device_mesh: Any = None
+        self._group: Any = None
+        # The context_parallel a forward entered; closed after its backward (by sync's exit).
+        self._inside = ExitStack()
+
+    @property
+    def describes_replicas(self) -> bool:
+        return False
+
+    @contextmanager
+    def process_group(self, device: torch.device) -> Iterator[Any]:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise AutotuneError(
+                "--cp probes one rank of N through a fake process group, and a process group is already "
+                "initialized in this process: probe before init_process_group, or from `autotune probe`"
+            )
+        install_cpu_flash_attention()
+        rotation = ring._cp_options.rotate_method
+        ring.set_rotate_method(self.rotation)
+        # The measured rank is (dp 0, cp rank): global rank ``rank`` of the (dp, cp) mesh.
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
+        try:
+            self._device_mesh = init_device_mesh(
+                device.type, (self.replicas, self.mesh.cp), mesh_dim_names=("dp", "cp")
+            )
+            self._group = dist.group.WORLD
+            yield self._group
+        finally:
+            self._inside.close()
+            self._device_mesh = self._group = None
+            ring._cp_options.rotate_method = rotation
+            dist.destroy_process_group()
+
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """Before each forward: the batch made ready as transformers' Trainer makes it for context parallelism,
+        and torch's context_parallel entered over it (left by sync's exit, after the backward)."""
+        from torch.distributed.tensor.experimental import context_parallel
+
+        input_ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
+        if not (isinstance(input_ids, torch.Tensor) and isinstance(labels, torch.Tensor) and input_ids.dim() == 2):
+            raise TaskError(f"--cp {self.mesh.cp}: the batch must hold input_ids and labels of shape (m, L)")
+        length = input_ids.shape[1]
+        if length % self.mesh.cp:
+            raise TaskError(f"--cp {self.mesh.cp} does not divide the sequence length {length} (--seq-len)")
+        shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+        position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+        buffers = [input_ids, labels, shift_labels, position_ids]
+        self._inside.close()
+        self._inside.enter_context(
+            context_parallel(
+                self._device_mesh["cp"],
+                buffers=buffers,
+                buffer_seq_dims=[1] * len(buffers),
+                no_restore_buffers=set(buffers),
+            )
+        )
+        return args, {**kwargs, "shift_labels": shift_labels, "position_ids": position_ids}
+
+    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if task.offload == "params":
+            raise TaskError("--offload params needs --strategy fsdp, which --cp is not measured with yet")
+        _check_model(model, task, self.mesh.cp)
+        for name, module in model.named_modules():
+            if name.endswith("self_attn"):
+                module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
+        model.register_forward_pre_hook(self._enter, with_kwargs=True)
+        if _is_fake(model):
+            # DDP's constructor broadcasts the weights, which fake tensors cannot carry: the fake pre-search
+            # leaves the gradient buckets out, as it does under plain ddp, and the real trials put them back.
+            return model
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+        device_ids = [device.index] if device.type == "cuda" else None
+        replicated = DistributedDataParallel(model, device_ids=device_ids, process_group=self._group)
+        # The fake group's all-reduce completes with no value, which DDP's reducer refuses; a real one reduces
+        # each bucket in place and hands the same buffer back, which is what noop_hook returns.
+        replicated.register_comm_hook(None, noop_hook)
+        return replicated
+
+    @contextmanager
+    def sync(self, model: nn.Module, last: bool) -> Iterator[None]:
+        # DDP over every rank: only a group's last micro-batch all-reduces. The context_parallel its forward
+        # entered is left here, after the backward ran inside it, as a job's train context does.
+        with model.no_sync() if not last and hasattr(model, "no_sync") else nullcontext():  # type: ignore[operator]
+            try:
+                yield
+            finally:
+                self._inside.close()

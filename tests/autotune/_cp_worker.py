@@ -1,0 +1,171 @@
+"""One rank of a real context-parallel job on gloo (spawned by test_context_parallel.py): the truth for --cp.
+
+Shares no measuring code with the probe: a tiny Llama built the ordinary way
+(``LlamaForCausalLM(LlamaConfig(..., attn_implementation="sdpa"))``), each attention module's mask dropped for
+``is_causal=True`` by a pre-hook (accelerate's ``_attach_context_parallel_hooks``, written out), DDP over every
+rank, and each micro-batch prepared the way transformers' Trainer prepares one for context parallelism
+(``shift_labels`` padded with -100 and shifted, ``position_ids`` an expanded ``arange``) and run under PyTorch's
+``context_parallel(mesh, buffers=[input_ids, labels, shift_labels, position_ids], buffer_seq_dims=[1, 1, 1, 1],
+no_restore_buffers=...)`` around forward and backward (no_sync on the first micro-batch); 2 micro-batches, an
+AdamW step, zero_grad, twice. torch's defaults: the head-tail load balancer, the ``allgather`` rotation (or the
+one asked for).
+
+What it does share is the job's CPU attention kernel (autotune/measure/context_parallel.py's
+``install_cpu_flash_attention``): torch's ring attention calls CUDA-only flash kernels, so without that adapter
+this job cannot run on the CPU at all. It measures nothing.
+
+Each rank's peak is the CPU allocator's own count: its running total (``total_allocated``, which each memory
+event carries), with c10's flag ``caffe2_report_cpu_memory_usage`` on from the rank's start so that the frees
+gloo's threads make come off it, less the total before the run's first event. Real collectives make a run's
+peak vary above a floor (tests/autotune/_tp_worker.py): each size runs until the most loaded rank's peak is at or
+below the figure asked about, at most MAX_REPEATS times; every run's per-rank figures are reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+MAX_REPEATS = 6
+
+
+def run(
+    rank: int,
+    world_size: int,
+    seq_len: int,
+    rendezvous: str,
+    out_dir: str,
+    config: dict[str, Any],
+    sizes: dict[int, int],
+    rotation: str = "allgather",
+) -> None:
+    try:
+        _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation)
+    except BaseException:
+        Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _drop_mask(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    if "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None
+        kwargs["is_causal"] = True
+    return args, kwargs
+
+
+def _model(config: dict[str, Any]) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa"))  # type: ignore[call-arg]
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
+    model.train()
+    return DistributedDataParallel(model)
+
+
+def _steps(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int) -> None:
+    from torch.distributed.tensor.experimental import context_parallel
+
+    model: Any = _model(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    generator = torch.Generator().manual_seed(micro_batch)
+    for _ in range(2):
+        for index in range(2):
+            with model.no_sync() if index == 0 else contextlib.nullcontext():
+                input_ids = torch.randint(0, config["vocab_size"], (micro_batch, seq_len), generator=generator)
+                labels = input_ids.clone()
+                shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+                position_ids = torch.arange(seq_len).expand(micro_batch, -1)
+                buffers = [input_ids, labels, shift_labels, position_ids]
+                with context_parallel(
+                    mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)
+                ):
+                    loss = (
+                        model(
+                            input_ids=input_ids, labels=labels, shift_labels=shift_labels, position_ids=position_ids
+                        ).loss
+                        / 2
+                    )
+                    loss.backward()
+                del input_ids, labels, shift_labels, position_ids, buffers, loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del model, optimizer
+
+
+def _count_every_thread() -> None:
+    """c10's flag caffe2_report_cpu_memory_usage on: the CPU allocator's total counts every thread's frees."""
+    library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
+def _peak_bytes(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int) -> int:
+    gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _steps(mesh, config, seq_len, micro_batch)
+    found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            found.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    found.sort()
+    _, first_bytes, first_total = found[0]
+    return max(total for _, _, total in found) - (first_total - first_bytes)
+
+
+def _runs(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, floor: int) -> list[list[int]]:
+    """Every rank's peak of each run at micro_batch, until the most loaded one is at or below floor (every rank
+    runs as many: they agree through an all-gather)."""
+    figures: list[list[int]] = []
+    while len(figures) < MAX_REPEATS:
+        mine = torch.tensor([_peak_bytes(mesh, config, seq_len, micro_batch)])
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        figures.append([int(peak.item()) for peak in every])
+        if max(figures[-1]) <= floor:
+            break
+    return figures
+
+
+def _run(
+    rank: int,
+    world_size: int,
+    seq_len: int,
+    rendezvous: str,
+    out_dir: str,
+    config: dict[str, Any],
+    sizes: dict[int, int],
+    rotation: str,
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    from autotune.measure.context_parallel import install_cpu_flash_attention
+
+    _count_every_thread()
+    install_cpu_flash_attention()
+    set_rotate_method(rotation)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+        runs = {m: _runs(mesh["cp"], config, seq_len, m, floor) for m, floor in sizes.items()}
+        if rank == 0:
+            Path(out_dir, "runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
