@@ -14,6 +14,7 @@ from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of, moe
 from autotune.core.units import limit_bytes
 
 if TYPE_CHECKING:
+    from autotune.core.schemas import Profile
     from autotune.orchestrate.config import DeviceKind, EstimateConfig
 
 __all__ = ["add_parsers", "run_estimate"]
@@ -145,6 +146,27 @@ def run_estimate(args: argparse.Namespace) -> int:
         return _estimate_task(args, config, task)
 
 
+def single_step_not_estimated(profile: Profile) -> None:
+    """Say on the datasheet where a target one step (A = 1) might hold is planned accumulating: fake trials run
+    the accumulating job only, so an estimate has no single-step figure (Profile.single_step) and plans from
+    its m_max, as /suggest then does (autotune.core.plan.plan_with_single_step); a probe on the card measures it."""
+    plan = profile.plan
+    if plan is None or plan.accumulation_steps == 1 or profile.single_step is not None or profile.pipeline:
+        return
+    per_replica, rest = divmod(plan.target_batch, plan.world_size)
+    if rest or per_replica % profile.multiple_of or per_replica > profile.micro_batch_cap:
+        return
+    fit = profile.fit  # the activations alone above the limit: one gradient set less cannot make it fit
+    if fit is not None and fit.bytes_per_sample * per_replica > profile.limit_bytes:
+        return
+    profile.warnings.append(
+        f"target {plan.target_batch} would be micro-batch {per_replica} per replica in one step (A = 1), above the "
+        f"accumulating max micro-batch {profile.max_micro_batch}: a single step holds up to one gradient set less, "
+        "but fake trials estimate the accumulating job only, so the plan accumulates; `autotune probe` with the "
+        "target measures the single step on the device"
+    )
+
+
 def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
     from autotune.cli.report import trial_line
     from autotune.orchestrate.estimate import estimate
@@ -179,6 +201,8 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
         return [estimate(t, c, on_trial=progress)]
 
     profiles = [p for group in for_each_policy(task, config, policies_of(args), run) for p in group]
+    for profile in profiles:
+        single_step_not_estimated(profile)
     code = emit_profiles(profiles, args, as_array=bool(lengths))
     # The policies compete at each length, not the lengths with each other.
     every_length: list[int | None] = list(lengths) if lengths else [None]

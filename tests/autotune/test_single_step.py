@@ -129,3 +129,26 @@ def test_the_single_step_trial_is_the_ordinary_one_micro_batch_loop(micro_batch:
     finally:
         runner.close()
     assert trial.peak_bytes == single_step_peak_bytes(TASK, micro_batch)
+
+
+def test_an_estimate_says_it_has_no_single_step_figure() -> None:
+    """Fake trials run the accumulating job only: where one step might hold the target the datasheet says the
+    plan accumulates and a probe measures the single step (autotune estimate, autotune.cli.estimate)."""
+    from autotune.cli.estimate import single_step_not_estimated
+    from autotune.core.plan import plan
+    from tests.factories import make_profile
+
+    said = "fake trials estimate the accumulating job only"
+    # m_max 24 (10 GiB + 2.5 GiB x m within 72 GiB); one step of 26 might hold: said, and planned accumulating.
+    near = make_profile(max_micro_batch=24, source="estimate")
+    near.plan = plan(24, 26)
+    single_step_not_estimated(near)
+    assert near.plan == plan_profile(near, 26) and near.plan.accumulation_steps == 2
+    assert any(said in w and "micro-batch 26 per replica" in w for w in near.warnings)
+    # The activations alone at 32 per replica (80 GiB by the fit) are over the limit; a one-step target within
+    # m_max, and an inexact one (3 replicas, 77), need no word.
+    for target, world in ((32, 1), (24, 1), (77, 3)):
+        other = make_profile(max_micro_batch=24, source="estimate")
+        other.plan = plan(24, target, world)
+        single_step_not_estimated(other)
+        assert not any(said in w for w in other.warnings), (target, world)

@@ -121,3 +121,14 @@ def test_a_profile_without_a_single_step_plans_as_before(client: TestClient) -> 
     _upload(client, make_profile(max_micro_batch=ACCUMULATING))
     got = _suggest(client, target_batch=SINGLE)
     assert (got.accumulation_steps, got.single_step) == (2, False)
+
+
+def test_the_datasheet_says_which_case_its_plan_is(client: TestClient) -> None:
+    accumulates = single_step_profile()  # its plan is for 32, which one step does not hold
+    page = client.get(f"/profiles/{_upload(client, accumulates)}").text
+    assert f"without accumulation (A = 1): m max = {SINGLE}" in page
+    assert f"accumulating (A ≥ 2, m ≤ {ACCUMULATING}): one step fits {SINGLE}, under the target's {CAP}" in page
+    one_step = single_step_profile()
+    one_step.plan = plan_profile(one_step, SINGLE)
+    page = client.get(f"/profiles/{_upload(client, one_step)}").text
+    assert f"one step per update (A = 1): m = {SINGLE} is within the single step's max micro-batch" in page
