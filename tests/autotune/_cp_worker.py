@@ -169,3 +169,50 @@ def _run(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def check_ring(rank: int, world_size: int, rendezvous: str, out_dir: str) -> None:
+    """torch's ring attention on the CPU kernel against plain SDPA, under each rotation: causal attention over
+    (2, 4, 32, 8) query, key and value sharded as context_parallel shards them (head-tail), forward and backward,
+    gathered back with context_parallel_unshard; rank 0 writes the largest differences by rotation."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        from autotune.measure.context_parallel import install_cpu_flash_attention
+
+        install_cpu_flash_attention()
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+        try:
+            mesh = init_device_mesh("cpu", (world_size,))
+            differences = {}
+            for rotation in ("allgather", "alltoall"):
+                set_rotate_method(rotation)
+                differences[rotation] = _ring_differences(mesh)
+            if rank == 0:
+                Path(out_dir, "ring.json").write_text(json.dumps(differences))
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _ring_differences(mesh: Any) -> list[float]:
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 32, 8, generator=generator) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    expected.backward(grad)
+    sharded = [t.clone() for t in (q, k, v, grad)]
+    with context_parallel(mesh, buffers=sharded, buffer_seq_dims=[2, 2, 2, 2]):
+        local = [t.detach().clone().requires_grad_() for t in sharded[:3]]
+        out = torch.nn.functional.scaled_dot_product_attention(*local, is_causal=True)
+        out.backward(sharded[3])
+        gathered = context_parallel_unshard(mesh, [out.detach()] + [t.grad for t in local], [2, 2, 2, 2])
+    wanted = [expected.detach()] + [t.grad for t in leaves]
+    return [float((a - b).abs().max()) for a, b in zip(gathered, wanted, strict=True)]  # type: ignore[operator]
