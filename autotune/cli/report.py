@@ -158,11 +158,14 @@ def datasheet(profile: Profile) -> str:
                 f"  plan             m={plan.micro_batch} x A={plan.accumulation_steps} x D={plan.world_size} "
                 f"= {plan.effective_batch} {verdict}"
             )
-    peak = profile.peak_at(chosen)
+    # A one-step plan (A = 1) above m_max was measured by the single-step trials, not the accumulating line.
+    single = profile.single_step.trials if profile.single_step and plan and plan.accumulation_steps == 1 else []
+    one_step = next((t.peak_bytes for t in single if t.micro_batch == chosen and t.fits), None)
+    peak = one_step if one_step is not None else profile.peak_at(chosen)
     if peak is not None:
         lines.append(
             f"  peak at m={chosen:<6d} {format_bytes(peak)} ({100 * peak / profile.budget_bytes:.1f}% of budget"
-            + (", estimated)" if profile.source == "estimate" else ")")
+            + (", estimated)" if profile.source == "estimate" else ", one step)" if one_step is not None else ")")
         )
     elif (predicted := profile.predicted_peak(chosen)) is not None:
         lines.append(f"  peak at m={chosen:<6d} ~{format_bytes(predicted)} (from the fit)")

@@ -90,6 +90,12 @@ def test_a_target_met_in_one_step_is_planned_without_accumulation() -> None:
     assert any(f"target {M} is met without accumulation (A = 1)" in w for w in profile_.warnings)
     # The plan /suggest, the client and estimate make of the stored profile (autotune.core.plan.plan_profile).
     assert plan == plan_profile(profile_, M)
+    # The datasheet's peak is the single-step trial's (within the limit), not the accumulating line's.
+    from autotune.cli.report import datasheet
+
+    single_peak = next(t.peak_bytes for t in profile_.single_step.trials if t.micro_batch == M)
+    assert single_peak <= budget() and f"peak at m={M:<6d} " in datasheet(profile_)
+    assert "one step)" in datasheet(profile_)
 
 
 def test_a_target_one_step_cannot_hold_accumulates() -> None:
