@@ -95,9 +95,13 @@ def format_suggestion(s: Suggestion) -> str:
         where = f"activation checkpointing {s.activation_checkpointing}, {where}"
     if s.samples_per_second is not None:
         where += f", {s.samples_per_second:.4g} samples/s timed"
+    # A one-step plan (A = 1) is above max_micro_batch, the accumulating job's: say which case applied.
+    bound = f"max micro-batch {s.max_micro_batch}" + (
+        " accumulating; one step per update (A = 1) measured without accumulation" if s.single_step else ""
+    )
     line = (
         f"micro_batch={s.micro_batch} accumulation_steps={s.accumulation_steps} world_size={s.world_size} "
-        f"effective_batch={s.effective_batch} ({exact}; {where}; max micro-batch {s.max_micro_batch})"
+        f"effective_batch={s.effective_batch} ({exact}; {where}; {bound})"
     )
     if s.seq_len is not None and s.tokens_per_update is not None:
         line += (

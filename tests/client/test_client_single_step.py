@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import autotune.orchestrate.probe
+from autotune.cli.client_commands import format_suggestion
 from autotune.core.plan import plan_profile
 from autotune.core.schemas import Profile, SingleStep, Trial
 from autotune.orchestrate.probe import ProbeConfig
@@ -73,6 +74,8 @@ def test_the_local_answer_equals_the_servers_for_every_target(in_process_server:
                 fingerprint=profile.fingerprint, target_batch=target, world_size=world, device_name="cpu"
             )
             assert _plan_of(local) == _plan_of(served), (target, world)
+            if served.single_step:  # autotune suggest's line says which case applied
+                assert "one step per update (A = 1)" in format_suggestion(served).splitlines()[0]
             one_step = ACCUMULATING < target // world <= SINGLE and target % world == 0
             assert served.single_step is one_step and (served.accumulation_steps == 1) is (target // world <= SINGLE)
 
