@@ -211,6 +211,8 @@ def _plan_problems(profile: Profile) -> list[Problem]:
     if plan is None:
         return []
     m_max, unit = _m_max_for(profile, plan.accumulation_steps), profile.multiple_of
+    if plan.micro_batch <= profile.max_micro_batch:  # planned from it, single step or not (core.plan.plan_profile)
+        m_max = profile.max_micro_batch
     problems = []
     sizes = [size for size, _ in plan.micro_batches]
     if plan.micro_batch > m_max:

@@ -55,6 +55,15 @@ def test_the_single_step_field_round_trips_through_the_store(client: TestClient)
     assert Profile.model_validate(got).single_step == profile.single_step
 
 
+def test_the_store_takes_the_plan_of_the_shared_rule_for_any_target(client: TestClient) -> None:
+    """Whatever target a probe planned, its stored plan is plan_profile's, which the store's checks accept."""
+    for seed, target in enumerate((ACCUMULATING - 4, ACCUMULATING, SINGLE, SINGLE + 1)):
+        profile = single_step_profile()
+        profile.plan, profile.created_at = plan_profile(profile, target), profile.created_at.replace(second=seed)
+        response = client.post("/api/v1/profiles", json=profile.model_dump(mode="json"), headers=WRITE)
+        assert response.status_code == 201, (target, response.text)
+
+
 def test_a_target_the_single_step_holds_is_one_step(client: TestClient) -> None:
     _upload(client, single_step_profile())
     got = _suggest(client, target_batch=SINGLE)
