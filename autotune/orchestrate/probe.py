@@ -32,6 +32,7 @@ from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_ba
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.optimizers import refuse_under_sharding
 from autotune.tasks.task import ProbeTask
 
 # ProbeConfig lives in autotune/orchestrate/config.py (the config family); imported here too, where the
@@ -301,6 +302,7 @@ def probe_with_meter(
             "--seq-len L1,L2,... (autotune.orchestrate.lengths.probe_lengths), or bind one with task.at_length(L)"
         )
     task = config.applied_to(task)
+    refuse_under_sharding(task.optimizer, strategy=config.strategy, tp=config.mesh.tp)
     started = time.perf_counter()
     strategy = (
         stage_strategy(config) if config.mesh.pp > 1 else make_strategy(config.strategy, config.world_size, config.mesh)

@@ -18,6 +18,11 @@ NAME is a ``torch.optim`` class (any case), ``package.module.Class``, or one of 
   parameter through ``torch.compile(fullgraph=True)``, and under the probe's meters (dispatch modes that count
   every storage, real or fake) dynamo compiles no frame, so the step fails ("found no compiled frames").
 
+Under ``--strategy fsdp`` or ``--tp`` the parameters are DTensors; bitsandbytes' update ops
+(``bitsandbytes.optimizer_update_32bit``, ``optimizer_update_8bit_blockwise``) have no DTensor sharding rule,
+so ``adamw8bit`` cannot step them, in the job as in the probe: :func:`refuse_under_sharding` says so before
+any work.
+
 Values are typed: ``true``/``false``, ``none``, integers, numbers; nothing else (an optimizer's memory
 options are flags and sizes). Keys are checked against the class's signature before any work.
 
@@ -45,6 +50,7 @@ __all__ = [
     "SpecOptimizer",
     "optimizer_factory",
     "parse_optimizer_spec",
+    "refuse_under_sharding",
 ]
 
 OptionValue = bool | int | float | None
@@ -257,3 +263,28 @@ def optimizer_factory(
         given = ", ".join(f"{key}={_value_text(value)}" for key, value in kwargs.items()) or "its defaults"
         raise TaskError(f"{flag} {parsed.text}: {cls.__name__} cannot be built with {given}: {first}") from None
     return factory
+
+
+# Libraries whose optimizers cannot step DTensor parameters (FSDP2's shards, tensor parallelism), and why.
+_NO_DTENSOR = {
+    "bitsandbytes": (
+        "bitsandbytes' update ops (bitsandbytes.optimizer_update_32bit, optimizer_update_8bit_blockwise) have no "
+        "DTensor sharding rule, so its step fails on sharded parameters, in the job as here; use --strategy ddp "
+        "(measured exact) or a torch.optim class"
+    ),
+}
+
+
+def refuse_under_sharding(optimizer: object, *, strategy: str, tp: int = 1) -> None:
+    """Refuse, in one line, a spec whose optimizer cannot step the DTensor parameters of ``--strategy fsdp`` or
+    ``--tp N`` (a factory of the user's is not known before its first step, and its error then says it).
+
+    Raises:
+        TaskError: naming the spec, the flag and the cause.
+    """
+    if not isinstance(optimizer, SpecOptimizer) or (strategy != "fsdp" and tp <= 1):
+        return
+    why = _NO_DTENSOR.get(optimizer.cls.__module__.partition(".")[0])
+    if why is not None:
+        flag = "--strategy fsdp" if strategy == "fsdp" else f"--tp {tp}"
+        raise TaskError(f"--optimizer {optimizer.spec.text} under {flag}: {why}")

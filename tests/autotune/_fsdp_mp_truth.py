@@ -1,10 +1,14 @@
-"""One rank of a real 2-process FSDP2 job on gloo, bf16 as torchtitan runs it (spawned by test_fsdp.py).
+"""One rank of a real 2-process FSDP2 (or DDP) job on gloo, bf16 as torchtitan runs it by default (spawned by
+test_fsdp.py, and by test_optimizer_ranks.py with an optimizer, a precision and a GPT config of its own).
 
 The truth for ``--strategy fsdp --precision bf16``, sharing no code with the probe: the GPT built the ordinary
 way, each block then the root wrapped by ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``, the last block with ``reshard_after_forward=False`` (torchtitan's ``apply_fsdp``), no
-autocast; 2 micro-batches forward and backward, an AdamW step, zero_grad, twice. The peak is the CPU
-allocator's own running total of allocated bytes, rank 0's written to a file; one run per size.
+autocast; 2 micro-batches forward and backward, an AdamW step, zero_grad, twice. ``optimizer`` names one of
+tests/autotune/_ordinary_optimizers.py's constructors (torch's or the library's own, not the project's spec);
+``precision="fp32"`` wraps without a policy; ``strategy="ddp"`` wraps the whole model in DistributedDataParallel
+instead, the first micro-batch under ``no_sync`` (one all-reduce per step, as the probe's ddp trial). The peak is
+the CPU allocator's own running total of allocated bytes, rank 0's written to a file; one run per size.
 
 Why the allocator's total and not the sum of the profiler's memory events: the profiler records the
 allocations and frees made on the threads it profiles. gloo's worker thread sometimes drops the last reference
@@ -26,20 +30,37 @@ import gc
 import json
 import os
 import traceback
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from examples import gpt
+from tests.autotune._ordinary_optimizers import DEFAULT, ORDINARY
 
 
-def run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int]) -> None:
+@dataclass(frozen=True)
+class Job:
+    """What each rank runs: the optimizer's key in _ordinary_optimizers.ORDINARY (None: torch's AdamW), the
+    precision ("bf16": FSDP2's policy, no autocast; "fp32": no policy), examples/gpt.py's GPTConfig fields
+    (empty: its default), "fsdp" or "ddp"."""
+
+    optimizer: str | None = None
+    precision: str = "bf16"
+    gpt_config: dict[str, Any] = field(default_factory=dict)
+    strategy: str = "fsdp"
+
+
+def run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job = Job()) -> None:
     try:
         count_every_thread()
-        _run(rank, world_size, rendezvous, out_dir, sizes)
+        _run(rank, world_size, rendezvous, out_dir, sizes, job)
     except BaseException:
         Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
         raise
@@ -52,24 +73,41 @@ def count_every_thread() -> None:
     ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
-def _steps(mesh: object, micro_batch: int) -> None:
+def _wrapped(model: nn.Module, mesh: Any, job: Job) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
-    task = gpt.make_task(precision="bf16")
-    model = gpt.GPT(gpt.GPTConfig())
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    blocks = list(model.blocks)
+    if job.strategy == "ddp":
+        return DistributedDataParallel(model)
+    bf16 = job.precision == "bf16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
+    blocks = list(model.blocks)  # type: ignore[arg-type]
     for index, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=index < len(blocks) - 1, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _optimizer(job: Job) -> Callable[[Any], torch.optim.Optimizer]:
+    return DEFAULT if job.optimizer is None else ORDINARY[job.optimizer]
+
+
+def _steps(mesh: Any, micro_batch: int, job: Job) -> None:
+    config = gpt.GPTConfig(**job.gpt_config)
+    task = gpt.make_task(config, precision=job.precision)
+    model = _wrapped(gpt.GPT(config), mesh, job)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = _optimizer(job)(model.parameters())
     for _ in range(2):
-        for _ in range(2):
-            batch = task.batch(micro_batch)
-            loss = task.compute_loss(model, batch) / 2
-            loss.backward()
-            del batch, loss
+        for index in range(2):
+            # ddp: the gradients all-reduce on the last micro-batch of the step only.
+            sync = job.strategy != "ddp" or index == 1
+            with nullcontext() if sync else model.no_sync():  # type: ignore[operator]
+                batch = task.batch(micro_batch)
+                loss = task.compute_loss(model, batch) / 2
+                loss.backward()
+                del batch, loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     del model, optimizer
@@ -87,24 +125,29 @@ def _cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
     return sorted(found)
 
 
-def _peak_bytes(mesh: object, micro_batch: int) -> int:
+def _peak_bytes(mesh: object, micro_batch: int, job: Job) -> int:
     gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _steps(mesh, micro_batch)
+        _steps(mesh, micro_batch, job)
     events = _cpu_allocations(prof)
     _, first_bytes, first_total = events[0]
     before = first_total - first_bytes
     return max(total for _, _, total in events) - before
 
 
-def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int]) -> None:
+def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job) -> None:
+    """One job per spawn: two jobs one after the other in the same processes do not peak as each alone does
+    (fused AdamW after foreach=false under fsdp: +35,968 bytes at m=3)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world_size,))
-        peaks = {m: _peak_bytes(mesh, m) for m in sizes}
+        # A script imports its libraries before it trains: bitsandbytes' import makes two 64-byte code tables
+        # (nf4, fp4) that live as long as the process, and an import inside the profile would count them.
+        _optimizer(job)([nn.Parameter(torch.zeros(1))])
+        peaks = {m: _peak_bytes(mesh, m, job) for m in sizes}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): p for m, p in peaks.items()}))
     finally:
         dist.destroy_process_group()

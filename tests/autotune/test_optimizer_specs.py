@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,6 +24,7 @@ from autotune.tasks.optimizers import optimizer_factory, parse_optimizer_spec
 from examples.gpt import GPT, GPTConfig, make_task
 from tests.autotune._allocator_truth import allocator_peak_bytes
 from tests.autotune._hf_configs import write_config
+from tests.autotune._ordinary_optimizers import ORDINARY
 
 MiB = 1 << 20
 TINY = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=2)
@@ -131,27 +131,6 @@ def test_a_factory_named_model_gets_the_model_and_one_of_params_its_parameters()
     assert task_fingerprint(task) == _fingerprint()
     measured = probe(task, ProbeConfig(device="cpu", budget_bytes=2 * MiB, target_batch=8, presearch=False))
     assert measured.max_micro_batch >= 1
-
-
-def _adafactor(params: Any) -> torch.optim.Optimizer:
-    from transformers.optimization import Adafactor
-
-    return Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False, warmup_init=False)
-
-
-def _adamw8bit(params: Any) -> torch.optim.Optimizer:
-    import bitsandbytes as bnb
-
-    return bnb.optim.AdamW8bit(params)  # type: ignore[no-any-return]
-
-
-# spec -> the optimizer written out the ordinary way, as a training script builds it.
-ORDINARY: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "torch.optim.AdamW:foreach=false": lambda ps: torch.optim.AdamW(ps, foreach=False),
-    "torch.optim.AdamW:fused=true": lambda ps: torch.optim.AdamW(ps, fused=True),
-    "adafactor": _adafactor,
-    "adamw8bit": _adamw8bit,
-}
 
 
 # zero_grad "keep" under one optimizer: it changes the loop, not the step.
