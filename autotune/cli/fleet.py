@@ -46,14 +46,20 @@ def budget_list(text: str) -> list[int]:
 
 
 def card_list(text: str) -> list[str]:
-    """``"h100,a100-80gb"`` -> the catalog's short names; an unknown card is one line naming the known ones."""
-    from autotune.core.errors import AutotuneError
-    from autotune.fleet.pairs import parse_cards
+    """``"h100,a100-80gb"`` -> the catalog's short names; a name the catalog does not know is kept as written,
+    for ``--gpu-memory`` to describe (:func:`_cards`: without it, one line naming the known cards)."""
+    from autotune.core.cards import lookup
 
-    try:
-        return parse_cards(text)
-    except AutotuneError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--gpu: ").removeprefix("--gpu ")) from None
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no card (e.g. h100,a100-80gb; `autotune gpus` lists them)")
+    found = []
+    for name in names:
+        try:
+            found.append(lookup(name).short_name)
+        except ValueError:
+            found.append(name)
+    return list(dict.fromkeys(found))
 
 
 def add_parsers(sub: Any) -> None:
@@ -75,6 +81,13 @@ def add_parsers(sub: Any) -> None:
         "node's CPU as `autotune estimate --gpu` does, its memory the default budget",
     )
     add_probe_options(p)
+    p.add_argument(
+        "--gpu-memory",
+        type=size,
+        metavar="BYTES",
+        help="with --gpu naming one card: its memory (e.g. 96GiB), for a card the catalog lacks or one with other "
+        "memory, as `autotune estimate --gpu NAME --gpu-memory` takes it",
+    )
     p.add_argument(
         "--context-bytes",
         type=size,
@@ -185,12 +198,36 @@ def _estimate_pairs(args: argparse.Namespace) -> list[Any]:
         [task_spec(spec, args) for spec in args.tasks],
         accelerators=None,
         device=None,
-        cards=args.gpu,
+        cards=_cards(args),
         budgets=args.budget or [None],
         config_for=_estimate_config_for(args),
         working_dir=args.working_dir,
         estimate=EstimateOptions(seq_lens=tuple(args.seq_len or ()), moe_load_factor=args.moe_load_factor),
     )
+
+
+def _cards(args: argparse.Namespace) -> list[str]:
+    """The cards of --gpu: catalog cards, or with --gpu-memory one card described by its name and memory (the
+    closest catalog card's architecture, as `autotune estimate --gpu-memory` takes it)."""
+    from autotune.core.cards import resolve_card
+    from autotune.core.errors import AutotuneError
+    from autotune.fleet.pairs import parse_cards
+
+    if args.gpu_memory is None:
+        try:
+            return parse_cards(",".join(args.gpu))
+        except AutotuneError as exc:
+            raise CliError(str(exc)) from None
+    if len(args.gpu) != 1:
+        raise CliError(
+            f"--gpu-memory is one card's memory: --gpu names {len(args.gpu)} cards ({', '.join(args.gpu)}); "
+            "run one fleet per card memory"
+        )
+    try:
+        resolve_card(args.gpu[0], args.gpu_memory)
+    except ValueError as exc:
+        raise CliError(f"--gpu {args.gpu[0]!r} --gpu-memory {args.gpu_memory}: {exc}") from None
+    return list(args.gpu)
 
 
 def _refuse_probe_only(args: argparse.Namespace) -> None:

@@ -90,7 +90,7 @@ def test_two_cards_store_one_estimate_each_as_autotune_estimate_answers(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--gpu", "h100,v100"], "argument --gpu: unknown card 'v100': known cards are h100, h100-pcie, h200"),
+        (["--gpu", "h100,v100"], "--gpu: unknown card 'v100': known cards are h100, h100-pcie, h200"),
         (["--gpu", "h100", "--accelerators", "H100"], "argument --accelerators: not allowed with argument --gpu"),
         (["--gpu", "h100", "--device", "cpu"], "argument --device: not allowed with argument --gpu"),
         (["--gpu", "h100", "--no-presearch"], "--no-presearch is a probe's option, not an estimate's (--gpu)"),

@@ -124,6 +124,25 @@ def test_the_command_line_takes_probe_options_and_a_budget_list() -> None:
     assert args.ray_address is None and args.max_retries == 3 and args.working_dir == Path(".")
 
 
+def test_offload_and_gpu_memory_reach_each_pairs_config_as_probe_and_estimate_take_them() -> None:
+    """--offload on probe pairs and estimate pairs, --gpu-memory on an estimate pair for a card the catalog lacks:
+    in the config each pair's worker runs (no Ray: the pairs are made on the driver)."""
+    from autotune.cli.fleet import _estimate_pairs, _probe_pairs
+
+    parse = build_parser().parse_args
+    common = ["fleet", "examples/gpt.py:task", "--output", "x", "--strategy", "fsdp", "--world-size", "2"]
+    probes = _probe_pairs(parse([*common, "--device", "cpu", "--budget", "8MiB", "--offload", "params"]))
+    assert [pair.config.offload for pair in probes] == ["params"]
+    card = parse([*common, "--gpu", "h100-nvl-96", "--gpu-memory", "96GiB", "--offload", "activations"])
+    (estimate,) = _estimate_pairs(card)
+    # The card described by name and memory (the closest catalog card's architecture), its memory the budget.
+    assert estimate.config.card.memory_bytes == 96 << 30 and estimate.config.card.assumed_from.startswith("h100")
+    assert estimate.budget_bytes == estimate.config.card.device_total_bytes
+    assert estimate.setup.offload == "activations" and estimate.on.startswith("h100-nvl-96")
+    (catalog,) = _estimate_pairs(parse([*common, "--gpu", "h100"]))
+    assert catalog.config.card.assumed_from is None and catalog.setup.offload is None
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -133,6 +152,10 @@ def test_the_command_line_takes_probe_options_and_a_budget_list() -> None:
         (["--device", "cpu", "--accelerators", "H100", "--output", "x"], "not allowed with argument"),
         (["--output", "x"], "one of the arguments --accelerators --device --gpu is required"),
         (["--device", "cpu", "--budget", "8MiB", "--output", "x", "--headroom", "1.5"], "headroom"),
+        (["--device", "cpu", "--budget", "8MiB", "--output", "x", "--gpu-memory", "96GiB"], "give --gpu NAME"),
+        (["--gpu", "h100,l4", "--gpu-memory", "96GiB", "--output", "x"], "--gpu-memory is one card's memory"),
+        (["--gpu", "h100-nvl-96", "--output", "x"], "--gpu: unknown card 'h100-nvl-96'"),
+        (["--device", "cpu", "--budget", "8MiB", "--output", "x", "--offload", "params"], "needs --strategy fsdp"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(
