@@ -484,4 +484,17 @@ def verify_cli(
     except ValueError as exc:
         return False, f"autotune verify: {exc}"
     verdict = "ok" if report.ok else f"FAILED ({report.cause or 'unknown cause'})"
-    return report.ok, f"{task.name}: {verdict}: {report.message}"
+    return report.ok, f"{task.name}: {verdict}: {report.message}{compiled_note(task)}"
+
+
+def compiled_note(task: ProbeTask) -> str:
+    """What verify says of a compiled task (``task.compile``): it compared the eager model's gradients. Not
+    sensible to compile here: the question is the accumulation's arithmetic, which compiling does not change (the
+    loss, the split and the division are the task's), and a compiled float64 model would be one more compilation
+    for each of the comparison's passes, and reorders sums, blurring the 1e-12 agreement the verdict reads."""
+    if task.compile is None:
+        return ""
+    return (
+        f" (the task is compiled ({task.compile}): verify ran the model eager, in float64: compiling changes neither "
+        "the loss nor how accumulation divides it)"
+    )

@@ -9,10 +9,15 @@ has ``repeats`` timings and the run has taken ``min_seconds`` (fast GPU steps ne
 Medians per size and for the step give the seconds of any update of those sizes
 (autotune/core/recommend.py); batches are made before the clock starts, as a DataLoader would have them
 ready. The meter's accounting is off while timing, so the figures are the model's own speed.
+
+A compiled task (``task.compile``) is timed compiled, as the job runs: the model compiled in the task's mode (under
+``budget:R``, at that activation memory budget), each size with a static graph of its own
+(``compiled.static_shapes``: a job at one m compiles one), the compilations in the warm-up, off the clock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -25,6 +30,7 @@ from torch import nn
 
 from autotune.core.schemas import MicroBatchCount, Plan, Throughput
 from autotune.measure.meters import Meter
+from autotune.measure.meters.compiled import CompiledCpuMeter, compiled_for, compiles_on, static_shapes
 from autotune.measure.oom import is_oom
 from autotune.measure.strategies import Strategy
 from autotune.measure.trial import build_model, build_on_meta, make_batch
@@ -101,6 +107,9 @@ def _timed(
     """The timings; the model, optimizer and batches die with this frame."""
     device = meter.device
     model = strategy.wrap(build_model(task, meter, build_on_meta(task)), task, device)
+    if task.compile is not None and compiles_on(meter):  # timed as the job runs it: compiled (module docstring)
+        torch._dynamo.reset()  # a fresh compiler, as the job's process has
+        model = compiled_for(task, model)
     optimizer = task.make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
     per_size: dict[int, list[float]] = {size: [] for size in wanted}
@@ -162,12 +171,18 @@ def time_sizes(
     cost whatever else runs). Raises what the run raises (an OOM included: the caller decides).
     """
     wanted = sorted(set(sizes), reverse=True)
-    with strategy.process_group(meter.device):
+    # The compiled meter counts what its hold spans leave (the timed model's build) into every later trial's base:
+    # the timed model is gone after the run, so its bytes leave the base.
+    base_bytes = meter.live_bytes if isinstance(meter, CompiledCpuMeter) else None
+    shapes = static_shapes() if task.compile is not None else contextlib.nullcontext()
+    with strategy.process_group(meter.device), shapes:
         try:
             per_size, steps = _timed(task, meter, strategy, wanted, repeats, min_seconds, clock)
         finally:
             gc.collect()
             meter.release()
+            if isinstance(meter, CompiledCpuMeter) and base_bytes is not None:
+                meter.forget(meter.live_bytes - base_bytes)
     return Timings(per_size=per_size, steps=steps)
 
 

@@ -477,7 +477,9 @@ def probe_lengths(
     from autotune.orchestrate.probe import probe_with_meter
 
     task = _checked(task, config, lengths)
-    meter = make_meter(resolve_device(config.device), config.budget_bytes)
+    # A compiled task's trials at every length run compiled, on the meter that sees the compiled code's buffers: each
+    # length's probe compiles and confirms static as a single-length probe does (docs/compile.md).
+    meter = make_meter(resolve_device(config.device), config.budget_bytes, compiled=task.compile is not None)
     try:
         limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
         strategy = make_strategy(config.strategy, config.world_size, config.mesh)
