@@ -45,6 +45,7 @@ class CardSearch:
     warnings: list[str]
     fit: dict[str, float] | None
     no_fit: bool
+    pipeline: dict[str, Any] | None = None  # --pp: each stage's figure at m_max and the bubble (PipelineStages)
 
 
 def search_on_card(
@@ -114,6 +115,7 @@ def search_on_card(
             warnings=list(one["warnings"]),
             fit=one.get("fit"),
             no_fit=bool(one.get("no_fit")),
+            pipeline=one.get("pipeline"),
         )
         for one in found["lengths"]
     ]
@@ -122,6 +124,7 @@ def search_on_card(
 def child_search(request: dict[str, Any]) -> dict[str, Any]:
     """In the child (torch with the emulation loaded): the search, trial by trial replayed."""
     import dataclasses
+    from contextlib import nullcontext
 
     import torch
 
@@ -143,16 +146,25 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
         task = dataclasses.replace(task, **changes)
     device = device_facts()
     mesh = Mesh.parse(request.get("mesh") or "")  # the job's mesh label (autotune/core/mesh.py)
-    strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"]), mesh))
+    # A pipeline's stages run in no process group of their own (autotune/emulation/card_pipeline.py).
+    strategy = (
+        None if mesh.pp > 1 else fake_strategy(make_strategy(request["strategy"], int(request["world_size"]), mesh))
+    )
     torch.set_num_threads(1)  # fake tensors compute nothing
     routing = moe_routing(float(request.get("moe_load_factor") or 1.0))
     multiple_of = int(request["multiple_of"])
     results: list[dict[str, Any]] = []
     hint: int | None = None
     previous: tuple[int, int] | None = None  # (L, m_max) of the last length that fitted
-    with routing, strategy.process_group(torch.device("cuda", 0)), frozen_heap():
+    group = nullcontext() if strategy is None else strategy.process_group(torch.device("cuda", 0))
+    with routing, group, frozen_heap():
         for seq_len in request["seq_lens"]:
             at_length = task if seq_len is None else task.at_length(int(seq_len))
+            if strategy is None:
+                from autotune.emulation.card_pipeline import pipeline_search_on_card
+
+                results.append(pipeline_search_on_card(at_length, request, device["name"]))
+                continue
             if previous is not None and seq_len is not None:
                 # Activations grow about as L: the last length's answer, scaled, is where to start.
                 hint = max(multiple_of, previous[1] * previous[0] // int(seq_len) // multiple_of * multiple_of)

@@ -50,6 +50,7 @@ stages are taken to keep the dtype a ``meta`` forward gives them (autocast is no
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -319,6 +320,14 @@ def _meta_forward(task: ProbeTask, model: nn.Module, micro_batch: int) -> None:
         raise _StageExit(output)
 
     handle = model.register_forward_hook(stop)
+    # A memory policy turns an hf: model's KV cache off (autotune/measure/policies.py), on the config the stages
+    # share with this meta copy; without a cache transformers looks for packed sequences in the position ids, a
+    # value read that cannot run on meta. The cache changes no shape that crosses a stage (Llama 3.1 8B at
+    # --ac full stopped here).
+    config: Any = getattr(model, "config", None)
+    cache = getattr(config, "use_cache", None)
+    if cache is False:
+        config.use_cache = True
     try:
         with torch.no_grad(), torch.device("meta"):
             task.compute_loss(model, _meta_batch(task, micro_batch))
@@ -326,6 +335,8 @@ def _meta_forward(task: ProbeTask, model: nn.Module, micro_batch: int) -> None:
         pass
     finally:
         handle.remove()
+        if cache is False:
+            config.use_cache = False
 
 
 def _record_calls(
@@ -772,6 +783,10 @@ def _hooks_removed(stages: list[_Stage]) -> Iterator[None]:
                 handle.remove()
 
 
+# One stage's measurement (the meter's reading, oom) -> the figure the search decides on, with oom.
+StageFigure = Callable[[Callable[[], tuple[MemoryReading, bool]]], tuple[MemoryReading, bool]]
+
+
 class PipelineTrials:
     """Trials of every stage of a pipeline at a micro-batch size, one stage at a time on one meter.
 
@@ -792,6 +807,7 @@ class PipelineTrials:
         microbatches: int,
         virtual_stages: int = 1,
         strategy: Strategy | None = None,
+        stage_figure: StageFigure | None = None,
     ) -> None:
         refusal = pipeline_refusal(schedule, stages, microbatches, None)
         if refusal is not None:
@@ -806,6 +822,9 @@ class PipelineTrials:
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.virtual_stages = virtual_stages if schedule == "interleaved-1f1b" else 1
         self.strategy = strategy or StageStrategy(1)
+        # An emulated card's figure of a stage (autotune/emulation/card_search.py): the stage's allocations
+        # replayed through the caching allocator; None: the meter's own reading.
+        self.stage_figure = stage_figure
         self.warnings: list[str] = []
         self.stage_peaks: dict[int, list[int]] = {}
         recorder = build_on_meta(task, self.warnings)
@@ -865,7 +884,10 @@ class PipelineTrials:
         readings: list[MemoryReading] = []
         oom = False
         for stage_index in range(self.stages):
-            reading, oom = self.measure_stage(stage_index, micro_batch)
+            if self.stage_figure is None:
+                reading, oom = self.measure_stage(stage_index, micro_batch)
+            else:
+                reading, oom = self.stage_figure(functools.partial(self.measure_stage, stage_index, micro_batch))
             readings.append(reading)
             if oom:
                 break

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from autotune.core import units
 from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, outside_allocator, outside_allocator_stand_in
 from autotune.core.errors import AutotuneError, CannotFitError
-from autotune.core.schemas import Device, Fit, Profile, Trial
+from autotune.core.schemas import Device, Fit, PipelineStages, Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.orchestrate.config import EstimateConfig
 from autotune.orchestrate.estimated import estimated_profile
@@ -184,7 +184,7 @@ def _on_card(
         made.append((at_length, found, trials))
     if not made:
         raise CannotFitError(nothing_fits[0])
-    return [
+    profiles = [
         estimated_profile(
             at_length,
             config,
@@ -198,3 +198,6 @@ def _on_card(
         )
         for at_length, found, trials in made
     ]
+    for profile, (_, found, _) in zip(profiles, made, strict=True):  # --pp: each stage's figure (issue 34)
+        profile.pipeline = PipelineStages.model_validate(found.pipeline) if found.pipeline else None
+    return profiles

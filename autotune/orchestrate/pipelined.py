@@ -3,8 +3,9 @@
 
 The probe runs real trials only: the fake pre-search and the single-step case do not apply (every step runs the
 schedule's K micro-batches). ``estimate_pipeline`` runs the same search on fake trials (the fake meter counts each
-stage as the CPU meter does, with no storage) for ``autotune estimate --pp N`` with CPU semantics; an emulated
-card's estimate (``--gpu``) of a pipeline is not made yet. K is ``--pp-microbatches``, or pp where it is not given
+stage as the CPU meter does, with no storage) for ``autotune estimate --pp N`` with CPU semantics; on an emulated
+card (``--gpu``) the emulated child runs ``search_pipeline`` with each stage's trial replayed through the caching
+allocator (autotune/emulation/card_pipeline.py). K is ``--pp-microbatches``, or pp where it is not given
 (the least 1F1B runs; the plan may choose any K up to the one measured, since a stage's peak grows with K).
 """
 
@@ -22,11 +23,11 @@ from autotune.core.schemas import Device, PipelineStages, Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters import Meter
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.pipeline import PipelineTrials, StageStrategy
+from autotune.measure.pipeline import PipelineTrials, StageFigure, StageStrategy
 from autotune.measure.strategies import Strategy
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
 from autotune.orchestrate.estimated import estimated_profile
-from autotune.search.boundary import SearchResult, find_max_micro_batch, reported
+from autotune.search.boundary import FAR_EXTRAPOLATION, SearchResult, find_max_micro_batch, reported
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["PipelineSearch", "estimate_pipeline", "measured_microbatches", "search_pipeline", "stage_strategy"]
@@ -72,6 +73,9 @@ def search_pipeline(
     limit_bytes: int,
     warnings: list[str],
     on_trial: Callable[[Trial], None] | None,
+    *,
+    stage_figure: StageFigure | None = None,
+    far_extrapolation: float = FAR_EXTRAPOLATION,
 ) -> PipelineSearch:
     """m_max of the pipeline: the largest m at which every stage fits, by the boundary search over
     :class:`PipelineTrials`, with each stage's peak at m_max, the most loaded stage and the bubble (also a
@@ -87,13 +91,18 @@ def search_pipeline(
         microbatches=k,
         virtual_stages=mesh.virtual_stages,
         strategy=strategy,
+        stage_figure=stage_figure,
     )
 
     trial = reported(trials, on_trial)
 
     try:
         result = find_max_micro_batch(
-            trial, limit_bytes=limit_bytes, max_micro_batch=config.max_micro_batch, multiple_of=config.multiple_of
+            trial,
+            limit_bytes=limit_bytes,
+            max_micro_batch=config.max_micro_batch,
+            multiple_of=config.multiple_of,
+            far_extrapolation=far_extrapolation,
         )
     finally:
         trials.close()

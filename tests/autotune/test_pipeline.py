@@ -8,6 +8,7 @@ code of the probe), at m_max and m_max + 1; and the probe's m_max at a budget be
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -237,6 +238,19 @@ def test_an_hf_llama_is_cut_by_its_decoder_layers() -> None:
     assert trial.fits and len(trials.stage_peaks[1]) == 2
 
 
+def test_an_hf_llama_whose_blocks_are_checkpointed_is_cut_at_every_stage() -> None:
+    """--ac turns the model's KV cache off on the config every stage shares; the next stage's meta forward then
+    looked for packed sequences, a value read meta cannot answer (Llama 3.1 8B, --pp 2 --ac full, stopped there)."""
+    pytest.importorskip("transformers")
+    from autotune.tasks.load import load_task
+
+    task = dataclasses.replace(
+        load_task("hf:examples/configs/tiny-llama.json").at_length(16), activation_checkpointing="full"
+    )
+    trials = PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)
+    assert trials(1).fits and len(trials.stage_peaks[1]) == 2
+
+
 def test_the_estimate_is_the_fake_replay_and_equals_the_real_ranks(real_peaks: dict[str, list[int]]) -> None:
     from autotune.measure.meters.fake import FakeMeter
     from autotune.orchestrate.config import EstimateConfig
@@ -282,8 +296,6 @@ def test_a_gpt_whose_loss_reads_a_count_is_cut_too() -> None:
 
 
 def test_checkpointed_stages_equal_the_real_ranks(real_peaks: dict[str, list[int]]) -> None:
-    import dataclasses
-
     task = dataclasses.replace(llama_task(), activation_checkpointing="full")
     trials = PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
     trials(3)
@@ -299,7 +311,6 @@ def test_checkpointed_stages_equal_the_real_ranks(real_peaks: dict[str, list[int
 
 
 def test_offload_under_a_pipeline_is_refused_in_one_line() -> None:
-    import dataclasses
 
     task = dataclasses.replace(llama_task(), offload="activations")
     with pytest.raises(AutotuneError, match="^--pp 2 is not measured with --offload activations yet$"):

@@ -1,0 +1,62 @@
+"""`autotune estimate --gpu NAME --pp N`: a pipeline on an emulated card. Each stage's fake trial (the stage built
+alone, its schedule replayed, autotune/measure/pipeline.py) runs in the emulated child with CUDA semantics and is
+replayed through the caching allocator's model on its own rank (autotune/emulation/card_pipeline.py).
+
+What is checked against the CPU stage trials (whose figures tests/autotune/test_pipeline.py holds equal to real gloo
+ranks): the same stages, K and bubble; each stage's card figure at least its CPU-semantics live bytes plus the memory
+outside the allocator (the card holds the same tensors, in allocator blocks, with CUDA's own kernels' extras); the
+answer the most loaded stage's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+from autotune.core.schemas import Profile
+from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.pipeline import PipelineTrials
+from autotune.tasks.hf import hf_task
+from tests.autotune._hf_configs import write_config
+
+pytest.importorskip("transformers")
+SEQ_LEN, M_CAP, K = 512, 4, 4
+
+
+def test_a_pipeline_estimates_on_an_emulated_card_stage_by_stage(cuda_python: str, tmp_path: Path) -> None:
+    folder = write_config(tmp_path, "llama", tie_word_embeddings=False, max_position_embeddings=SEQ_LEN)
+    out = tmp_path / "pp.json"
+    code = main(
+        ["estimate", f"hf:{folder}", "--gpu", "h100", "--world-size", "2", "--pp", "2", "--pp-schedule", "1f1b",
+         "--pp-microbatches", str(K), "--seq-len", str(SEQ_LEN), "--max-seq-len", str(SEQ_LEN),
+         "--max-micro-batch", str(M_CAP), "--target-batch", "16", "--output", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    (raw,) = json.loads(out.read_text())
+    profile = Profile.model_validate(raw)
+    assert profile.device.name == "NVIDIA H100 80GB HBM3" and profile.source == "estimate"
+    assert profile.max_micro_batch == M_CAP  # a tiny model: the cap
+    stages = profile.pipeline
+    assert stages is not None and stages.microbatches == K
+    assert stages.bubble_fraction == pytest.approx(1 / (K + 1))
+    assert len(stages.stage_peak_bytes) == 2
+    assert stages.most_loaded_stage == stages.stage_peak_bytes.index(max(stages.stage_peak_bytes))
+    at_cap = next(t for t in profile.trials if t.micro_batch == M_CAP)
+    assert at_cap.fake and at_cap.peak_bytes == max(stages.stage_peak_bytes)
+    outside = at_cap.outside_allocator_bytes
+    assert outside and at_cap.allocated_bytes and at_cap.allocated_bytes <= at_cap.peak_bytes - outside
+    # The plan: m x K x D = T with D = W / pp = 1 replica, K at most the one measured.
+    plan = profile.plan
+    assert plan is not None and plan.exact and (plan.micro_batch, plan.accumulation_steps) == (M_CAP, K)
+
+    cpu = PipelineTrials(
+        hf_task(folder).at_length(SEQ_LEN), FakeMeter(1 << 40, "cpu"), limit_bytes=1 << 40, stages=2,
+        schedule="1f1b", microbatches=K,
+    )  # fmt: skip
+    cpu(M_CAP)
+    print(f"card stages {stages.stage_peak_bytes} (outside {outside}); CPU stages {cpu.stage_peaks[M_CAP]}")
+    for card_figure, cpu_peak in zip(stages.stage_peak_bytes, cpu.stage_peaks[M_CAP], strict=True):
+        assert card_figure - outside >= cpu_peak
