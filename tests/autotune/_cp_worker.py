@@ -206,13 +206,14 @@ def _ring_differences(mesh: Any) -> list[float]:
     generator = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(2, 4, 32, 8, generator=generator) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(leaves[0], leaves[1], leaves[2], is_causal=True)
     expected.backward(grad)
     sharded = [t.clone() for t in (q, k, v, grad)]
     with context_parallel(mesh, buffers=sharded, buffer_seq_dims=[2, 2, 2, 2]):
         local = [t.detach().clone().requires_grad_() for t in sharded[:3]]
-        out = torch.nn.functional.scaled_dot_product_attention(*local, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(local[0], local[1], local[2], is_causal=True)
         out.backward(sharded[3])
-        gathered = context_parallel_unshard(mesh, [out.detach()] + [t.grad for t in local], [2, 2, 2, 2])
+        grads: list[torch.Tensor] = [t.grad for t in local]  # type: ignore[misc]
+        gathered = context_parallel_unshard(mesh, [out.detach(), *grads], [2, 2, 2, 2])
     wanted = [expected.detach()] + [t.grad for t in leaves]
     return [float((a - b).abs().max()) for a, b in zip(gathered, wanted, strict=True)]  # type: ignore[operator]
