@@ -1,15 +1,16 @@
-"""Meshes on emulated cards (issue 34): m_max per rank of Llama 3.1 8B- and 70B-shaped configs at L = 8192 on
-emulated H100s (80 GB), one `autotune estimate` per mesh, as a user runs it.
+"""Meshes on emulated cards (issue 34): m_max per rank of Llama 3.1 8B-, 70B- and Mixtral 8x7B-shaped configs at
+L = 8192 on emulated H100s (80 GB), one `autotune estimate` per mesh, as a user runs it.
 
     nice .venv/bin/python bench/meshes.py            # every mesh (minutes each; under 1 GiB of RSS)
     nice .venv/bin/python bench/meshes.py --only 8b  # one model
 
 The meshes are the issue's: fsdp 8; fsdp 4 x tp 2; fsdp 2 x tp 2 x pp 2 (1F1B, K = 8); cp 2; and tp 8 alone. What
-the project cannot estimate yet is printed as its one-line refusal or error (pp on an emulated card, pp with tp or
-fsdp, cp, fsdp x tp fake trials), so the table says where the answer stops. AdamW runs with foreach=false under tp:
-foreach AdamW fails on lists that mix plain tensors (the norms, outside the tp plan) and DTensors, as the real job
-would. Each row gives m_max per rank (the most loaded rank or stage), the reserved bytes at m = 1, the wall seconds
-and the peak RSS of the CLI and its emulation child (wait4). Figures only.
+the project cannot estimate yet is printed as its one-line refusal or error (pp with tp or fsdp, cp, Mixtral's
+expert tensor parallelism), so the table says where the answer stops. A pipeline's row adds each stage's figure at
+m_max, the most loaded stage and the bubble. Mixtral 8x7B's shapes (8 experts, top-2) run beside the Llamas.
+AdamW runs with foreach=false under tp: foreach AdamW fails on lists that mix plain tensors (the norms, outside the
+tp plan) and DTensors, as the real job would. Each row gives m_max per rank (the most loaded rank or stage), the
+reserved bytes at m = 1, the wall seconds and the peak RSS of the CLI and its emulation child (wait4). Figures only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ GiB = 1 << 30
 MODELS = {
     "8b": "hf:examples/configs/llama-3.1-8b.json?weights_dtype=bf16&optimizer=AdamW:foreach=false",
     "70b": "hf:bench/configs/llama-3.1-70b.json?weights_dtype=bf16&optimizer=AdamW:foreach=false",
+    # Mixtral 8x7B's shapes: 8 experts, top-2 routing, routed evenly (--moe-load-factor 1, the default).
+    "mixtral": "hf:bench/configs/mixtral-8x7b.json?weights_dtype=bf16&optimizer=AdamW:foreach=false",
 }
 COMMON = ("--gpu", "h100", "--precision", "bf16", "--seq-len", "8192", "--ac", "full", "--max-micro-batch", "8")
 MESHES = {
@@ -62,6 +65,13 @@ def run(model: str, mesh: tuple[str, ...]) -> dict[str, object]:
         profile = json.loads(out.read_text())
     profile = profile[0] if isinstance(profile, list) else profile
     result["max_micro_batch"] = profile["max_micro_batch"]
+    stages = profile.get("pipeline")
+    if stages:  # each stage's figure at m_max (reserved + outside), the most loaded, the bubble
+        figures = " / ".join(f"{peak / GiB:.2f}" for peak in stages["stage_peak_bytes"])
+        result["note"] = (
+            f"stages {figures} GiB at m_max, most loaded {stages['most_loaded_stage']}, "
+            f"bubble {stages['bubble_fraction']:.3f}"
+        )
     at_one = next((t for t in profile["trials"] if t["micro_batch"] == 1), None)
     if at_one is not None:
         result["reserved_at_1"] = at_one["peak_bytes"] - (at_one.get("outside_allocator_bytes") or 0)
@@ -73,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=sorted(MODELS), help="one model")
     parser.add_argument("--mesh", choices=sorted(MESHES), help="one mesh")
     args = parser.parse_args(argv)
-    print(f"{'model':5} {'mesh':34} {'m_max':>5} {'reserved@1':>11} {'wall s':>7} {'RSS':>9}  note")
+    print(f"{'model':7} {'mesh':34} {'m_max':>5} {'reserved@1':>11} {'wall s':>7} {'RSS':>9}  note")
     for name, model in MODELS.items():
         if args.only and name != args.only:
             continue
@@ -84,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             reserved = got.get("reserved_at_1")
             shown = f"{reserved / GiB:.2f} GiB" if isinstance(reserved, int) else "-"
             print(
-                f"{name:5} {label:34} {got.get('max_micro_batch', '-')!s:>5} {shown:>11} "
-                f"{got['seconds']:7.0f} {got['rss_bytes'] / GiB:7.2f} GiB  {got.get('error', '')}",
+                f"{name:7} {label:34} {got.get('max_micro_batch', '-')!s:>5} {shown:>11} "
+                f"{got['seconds']:7.0f} {got['rss_bytes'] / GiB:7.2f} GiB  {got.get('error', got.get('note', ''))}",
                 flush=True,
             )
     return 0

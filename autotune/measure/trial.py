@@ -17,6 +17,7 @@ the next measurement is as clean as a fresh process's. Any other error stops the
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import time
@@ -368,6 +369,12 @@ def frozen_heap() -> Iterator[None]:
             gc.unfreeze()
 
 
+def _fake_and_sharded(meter: Meter, strategy: Strategy) -> bool:
+    from autotune.measure.meters.fake import FakeMeter
+
+    return isinstance(meter, FakeMeter) and not strategy.describes_replicas
+
+
 class TrialRunner:
     """Trials of one task on one meter, with the model built once and reused.
 
@@ -410,10 +417,16 @@ class TrialRunner:
         if not self.reuse_model:
             return None
         if self._model is None:
-            model = build_model(self.task, self.meter, build_on_meta(self.task, self.warnings))
-            with self.meter.hold():
-                self._model = self.strategy.wrap(model, self.task, self.meter.device)
-                offload_params_to_host(self._model, self.task.offload, self.meter)
+            # A sharded job (fsdp, tp) never holds its whole model on one device: a fake model is built whole and
+            # then sharded, so its build runs past the budget (Mixtral 8x7B's 93 GB on an 80 GB card under fsdp 8);
+            # what the trials start from is the shards. A real device cannot do that and keeps the budget.
+            whole = self.meter.unbounded() if _fake_and_sharded(self.meter, self.strategy) else contextlib.nullcontext()
+            with whole:
+                model = build_model(self.task, self.meter, build_on_meta(self.task, self.warnings))
+                with self.meter.hold():
+                    self._model = self.strategy.wrap(model, self.task, self.meter.device)
+                    offload_params_to_host(self._model, self.task.offload, self.meter)
+                del model
             if self.task.compile is not None:
                 from autotune.measure.meters.compiled import compile_and_warm, compiles_on
 

@@ -311,7 +311,6 @@ def test_checkpointed_stages_equal_the_real_ranks(real_peaks: dict[str, list[int
 
 
 def test_offload_under_a_pipeline_is_refused_in_one_line() -> None:
-
     task = dataclasses.replace(llama_task(), offload="activations")
     with pytest.raises(AutotuneError, match="^--pp 2 is not measured with --offload activations yet$"):
         PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)
