@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             got = run(model, mesh)
             reserved = got.get("reserved_at_1")
             shown = f"{reserved / GiB:.2f} GiB" if isinstance(reserved, int) else "-"
+            seconds, rss_bytes = float(str(got["seconds"])), int(str(got["rss_bytes"]))
             print(
                 f"{name:7} {label:34} {got.get('max_micro_batch', '-')!s:>5} {shown:>11} "
-                f"{got['seconds']:7.0f} {got['rss_bytes'] / GiB:7.2f} GiB  {got.get('error', got.get('note', ''))}",
+                f"{seconds:7.0f} {rss_bytes / GiB:7.2f} GiB  {got.get('error', got.get('note', ''))}",
                 flush=True,
             )
     return 0

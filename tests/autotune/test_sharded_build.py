@@ -22,7 +22,7 @@ def test_a_fake_sharded_model_larger_than_the_budget_is_measured_from_its_shards
               "num_key_value_heads": 8, "tie_word_embeddings": False}  # fmt: skip
     task = hf_task(write_config(tmp_path, "llama", **config)).at_length(16)
     whole_bytes = sum(p.numel() * p.element_size() for p in task.model().parameters())
-    peaks = []
+    peaks: list[int] = []
     for budget in (1 << 40, None):  # unbounded, then at the first trial's own peak
         limit = budget or peaks[0]
         meter, strategy = FakeMeter(limit, "cpu"), Sharded(64)
