@@ -61,19 +61,43 @@ __all__ = [
 _MARK = "autotune.phase."
 
 
-def _memory_events(prof: Any) -> tuple[list[tuple[int, int]], list[tuple[int, str]]]:
-    """(start ns, bytes) of every allocator event, and (start ns, phase) of every checkpoint marker."""
-    allocations: list[tuple[int, int]] = []
+def _memory_events(prof: Any) -> tuple[list[tuple[int, int, int]], list[tuple[int, str]]]:
+    """(start ns, bytes, address) of every allocator event (a release's bytes negative), and (start ns, phase) of
+    every checkpoint marker."""
+    from torch._C._profiler import _ExtraFields_Allocation
+
+    allocations: list[tuple[int, int, int]] = []
     marks: list[tuple[int, str]] = []
-    for event in prof.profiler.kineto_results.events():
-        name = event.name()
-        if name == "[memory]":
-            allocations.append((event.start_ns(), event.nbytes()))
-        elif name.startswith(_MARK):
-            marks.append((event.start_ns(), name.removeprefix(_MARK)))
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation):
+            allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+        elif node.name.startswith(_MARK):
+            marks.append((node.start_time_ns, node.name.removeprefix(_MARK)))
     allocations.sort(key=lambda item: item[0])
     marks.sort(key=lambda item: item[0])
     return allocations, marks
+
+
+def _counted(events: list[tuple[int, int, int]], held: dict[int, int], fresh: dict[int, int]) -> list[tuple[int, int]]:
+    """(start ns, bytes) of the events this meter counts: every allocation (into ``fresh``, by address), and the
+    release of a block allocated in a span it tracked (``held``: the hold spans' blocks; ``fresh``: this span's).
+    The release of a block from before (a model of an earlier trial that the collector frees during this one) is
+    left out: its allocation was never counted, and its release read the peak low (a GPT-2 config's static trial
+    at m_max once 917,508 B below an ordinary compile's)."""
+    counted: list[tuple[int, int]] = []
+    for at, nbytes, address in events:
+        if nbytes > 0:
+            fresh[address] = nbytes
+            counted.append((at, nbytes))
+        elif address in fresh:
+            counted.append((at, -fresh.pop(address)))
+        elif address in held:
+            counted.append((at, -held.pop(address)))
+    return counted
 
 
 class CompiledCpuMeter(CpuMeter):
@@ -87,12 +111,14 @@ class CompiledCpuMeter(CpuMeter):
         super().__init__(budget_bytes)
         self._base_bytes = 0  # what the hold spans left allocated: the weights and what compilation keeps
         self._profiling = False
+        self._holders: list[weakref.finalize[Any, Any]] = []  # a held model's death takes its bytes out of the base
+        self._held_blocks: dict[int, int] = {}  # address -> bytes of what the hold spans allocated and kept
 
     @contextmanager
-    def _profiled(self) -> Iterator[tuple[list[tuple[int, int]], list[tuple[int, str]]]]:
+    def _profiled(self) -> Iterator[tuple[list[tuple[int, int, int]], list[tuple[int, str]]]]:
         from torch.profiler import ProfilerActivity, profile
 
-        allocations: list[tuple[int, int]] = []
+        allocations: list[tuple[int, int, int]] = []
         marks: list[tuple[int, str]] = []
         self._profiling = True
         try:
@@ -115,7 +141,9 @@ class CompiledCpuMeter(CpuMeter):
             return
         with self._profiled() as (allocations, _):
             yield
-        self._base_bytes += sum(nbytes for _, nbytes in allocations)
+        fresh: dict[int, int] = {}
+        self._base_bytes += sum(nbytes for _, nbytes in _counted(allocations, self._held_blocks, fresh))
+        self._held_blocks.update(fresh)
 
     def adopt(self, module: nn.Module) -> None:
         """Nothing to add: the allocator saw the weights being made, in the hold span."""
@@ -141,7 +169,7 @@ class CompiledCpuMeter(CpuMeter):
                     failed = True
                     raise
         finally:
-            self._last = self._read(allocations, marks)
+            self._last = self._read(_counted(allocations, self._held_blocks, {}), marks)
         if not failed and self._enforce and self._last.peak_bytes > self.budget_bytes:
             raise CpuOutOfMemoryError(
                 f"CPU meter (compiled): out of memory (DefaultCPUAllocator: can't allocate memory): the step "
@@ -178,6 +206,20 @@ class CompiledCpuMeter(CpuMeter):
     def forget(self, nbytes: int) -> None:
         """A model held since the base was ``nbytes`` died (its weights, what its compilation kept)."""
         self._base_bytes = max(0, self._base_bytes - nbytes)
+
+    def held_by(self, model: Any) -> None:
+        """``model`` holds what the hold spans left: when it dies (outside the meter's spans, the runner's close),
+        those bytes leave the base."""
+        self._holders.append(weakref.finalize(model, self.forget, self._base_bytes))
+
+    def clear_base(self) -> None:
+        """A fresh build follows and nothing before it counts (the static confirmation's): the base is 0, and a
+        model of before that dies later (a cycle the collector has not broken yet) takes nothing out of it."""
+        for holder in self._holders:
+            holder.detach()
+        self._holders.clear()
+        self._held_blocks.clear()
+        self._base_bytes = 0
 
     def _tracking(self) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -379,7 +421,7 @@ def compile_and_warm(
     meter.compile_seconds = (meter.compile_seconds or 0.0) + seconds
     if isinstance(meter, CompiledCpuMeter):
         # The model dies outside the meter's spans (the runner's close): its bytes leave the base then.
-        weakref.finalize(compiled, meter.forget, meter.live_bytes)
+        meter.held_by(compiled)
     return compiled, seconds
 
 
@@ -441,7 +483,11 @@ def _static_trial(task: Any, meter: Any, strategy: Any, micro_batch: int, limit_
     from autotune.measure.trial import TrialRunner
 
     torch._dynamo.reset()  # nothing cached from the dynamic search or another size
-    gc.collect()  # the search's model dies before this one is built: its bytes leave the meter's base
+    gc.collect()
+    if isinstance(meter, CompiledCpuMeter):
+        # Only this model's bytes are its base, as in a fresh process: the search's model, dying late, would take
+        # its own out of this one's (a GPT-2 config read 917,508 B low at m_max so).
+        meter.clear_base()
     runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, host_limit_bytes=host)
     with static_shapes():
         try:
