@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import math
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -65,9 +66,14 @@ class TinyGPT(nn.Module):
         return self.head(x)
 
 
-def batch(m: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (m, SEQ), generator=torch.Generator().manual_seed(m))
+def batch(m: int, seq_len: int = SEQ) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (m, seq_len), generator=torch.Generator().manual_seed(m))
     return {"input_ids": ids, "labels": ids}
+
+
+def fixed_batch(m: int) -> dict[str, torch.Tensor]:
+    """batch at SEQ only (a task whose batch takes no seq_len is not sequence-aware)."""
+    return batch(m)
 
 
 def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -77,18 +83,22 @@ def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
 BUDGET = 1_450_000  # compiled, m = 8 peaks at about 1.39 MB; eager at about 2.2 MB
 
 
-def allocator_peak(m: int, *, compiled: bool) -> int:
-    """The CPU allocator's peak over an ordinary build, torch.compile (the first call compiles, at m) and two
-    accumulated AdamW steps at m: its memory events' running sum."""
+def allocator_peak(m: int, *, compiled: bool, budget: float | None = None, seq_len: int = SEQ) -> int:
+    """The CPU allocator's peak over what a user writes: build, torch.compile(model) (its first call compiles, at
+    m, under the compiler's activation memory budget where one is given) and two accumulated AdamW steps at m:
+    the memory events' running sum."""
+    import torch._functorch.config as functorch_config
+
     torch._dynamo.reset()  # a fresh process's compiler: nothing cached from another size or model
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    ratio = functorch_config.patch(activation_memory_budget=budget) if budget is not None else nullcontext()
+    with ratio, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = TinyGPT()
         run = torch.compile(model) if compiled else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             for _ in range(2):
-                b = batch(m)
+                b = batch(m, seq_len=seq_len)
                 (loss(run, b) / 2).backward()
                 del b
             optimizer.step()
@@ -103,7 +113,7 @@ def allocator_peak(m: int, *, compiled: bool) -> int:
 
 
 def make_task(**changes: Any) -> ProbeTask:
-    return ProbeTask(name="tiny-gpt-gelu-new", model=TinyGPT, batch=batch, loss=loss, **changes)
+    return ProbeTask(name="tiny-gpt-gelu-new", model=TinyGPT, batch=fixed_batch, loss=loss, **changes)
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +233,142 @@ def test_suggest_passes_a_compiled_models_mode_on_and_warns_where_it_cannot() ->
     from autotune_client import job_fingerprint
 
     compiled = torch.compile(TinyGPT(), mode="max-autotune")  # lazy: nothing compiles until it is called
-    assert job_fingerprint(compiled, example=batch(1)) == task_fingerprint(make_task(compile="max-autotune"))
+    assert job_fingerprint(compiled, example=fixed_batch(1)) == task_fingerprint(make_task(compile="max-autotune"))
     assert job_fingerprint(TinyGPT(), example=batch(1)) == task_fingerprint(make_task())
     with pytest.warns(UserWarning, match="aot_eager backend: autotune compiles with inductor only"):
         other = job_fingerprint(torch.compile(TinyGPT(), backend="aot_eager"), example=batch(1))
     assert other == task_fingerprint(make_task())
+
+
+# --- The static confirmation (autotune/measure/meters/compiled.py: confirm_static) ---------------------------------
+
+
+def _trial(m: int, peak: int, limit: int) -> Any:
+    from autotune.core.schemas import Trial
+
+    return Trial(micro_batch=m, peak_bytes=peak, fits=peak <= limit, oom=peak > limit)
+
+
+@pytest.mark.parametrize(
+    ("static_peaks", "answer", "tried"),
+    [
+        ({7: 90, 8: 110}, 7, [7, 8]),  # the dynamic answer stands
+        ({7: 101, 6: 99}, 6, [7, 6]),  # static m_max does not fit: one step down
+        ({7: 95, 8: 99, 9: 100, 10: 130}, 9, [7, 8, 9, 10]),  # static fits above: up until one does not
+        ({7: 110, 6: 105, 5: 95}, 5, [7, 6, 5]),
+    ],
+)
+def test_the_static_confirmation_decides(
+    static_peaks: dict[int, int], answer: int, tried: list[int], monkeypatch: Any
+) -> None:
+    """The search's answer (7, dynamic trials at 7 fitting and 8 not) against static trials that read other peaks:
+    the static ones decide and replace the dynamic trials at their sizes."""
+    from autotune.measure.meters import compiled
+    from autotune.search.boundary import SearchResult
+
+    limit = 100
+    ran: list[int] = []
+
+    def static_trial(task: Any, meter: Any, strategy: Any, m: int, limit_bytes: int, host: Any) -> Any:
+        ran.append(m)
+        return _trial(m, static_peaks[m], limit_bytes)
+
+    monkeypatch.setattr(compiled, "_static_trial", static_trial)
+    monkeypatch.setattr(compiled, "compiles_on", lambda meter: True)
+    dynamic = SearchResult(max_micro_batch=7, trials=[_trial(m, 12 * m, limit) for m in (4, 7, 8, 9)])
+    notes: list[str] = []
+
+    class Meter:
+        compile_seconds = 3.0
+
+    config = ProbeConfig(device="cpu", budget_bytes=1000, max_micro_batch=64)
+    found = compiled.confirm_static(make_task(compile="default"), Meter(), config, None, limit, dynamic, notes)
+    assert found.max_micro_batch == answer and ran == tried
+    by_size = {t.micro_batch: t for t in found.trials}
+    assert [t.micro_batch for t in found.trials].count(7) == 1 and by_size[7].peak_bytes == static_peaks[7]
+    assert by_size[4].peak_bytes == 48  # a size not confirmed keeps its dynamic trial
+    assert by_size[answer].fits and not by_size[answer + 1].fits
+    assert len(notes) == 1 and notes[0].startswith("static confirmation") and f"{len(tried)} compilations" in notes[0]
+    assert ("-> " + str(answer)) in notes[0] if answer != 7 else "->" not in notes[0]
+
+
+def test_an_eager_task_is_not_confirmed() -> None:
+    from autotune.measure.meters import compiled
+    from autotune.search.boundary import SearchResult
+
+    result = SearchResult(max_micro_batch=3, trials=[])
+    config = ProbeConfig(device="cpu", budget_bytes=1000)
+    assert compiled.confirm_static(make_task(), object(), config, None, 100, result, []) is result
+
+
+# --- The compiler's memory budget, end to end (--ac budget:R) ---------------------------------------------------------
+
+BUDGETS = {"budget:1": 1.0, "budget:0.5": 0.5}
+
+
+@pytest.fixture(scope="module")
+def budget_profiles() -> dict[str, Any]:
+    config = ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0)
+    return {policy: probe(make_task(compile="default", activation_checkpointing=policy), config) for policy in BUDGETS}
+
+
+@pytest.mark.slow  # two probes (three compilations each) and four compilations of the truth
+def test_two_budgets_give_two_answers_each_equal_to_an_ordinary_compile_under_that_budget(
+    budget_profiles: dict[str, Any],
+) -> None:
+    answers = {policy: found.max_micro_batch for policy, found in budget_profiles.items()}
+    assert answers["budget:0.5"] > answers["budget:1"], answers  # the partitioner's ratio moves m_max
+    for policy, found in budget_profiles.items():
+        assert found.activation_checkpointing == policy
+        real = {t.micro_batch: t for t in found.trials if not t.fake}
+        m_max = found.max_micro_batch
+        for m in (m_max, m_max + 1):
+            assert real[m].peak_bytes == allocator_peak(m, compiled=True, budget=BUDGETS[policy]), (policy, m)
+        assert real[m_max].fits and not real[m_max + 1].fits
+
+
+# --- Timed runs, verify and lengths of a compiled task ----------------------------------------------------------------
+
+
+@pytest.mark.slow  # a compilation (seconds with inductor's caches warm, a minute cold on a loaded machine)
+def test_timed_runs_of_a_compiled_task_run_compiled_and_leave_the_meters_base() -> None:
+    from torch._dynamo.utils import counters
+
+    from autotune.measure.meters.compiled import CompiledCpuMeter
+    from autotune.measure.strategies import Replicated
+    from autotune.measure.throughput import time_sizes
+
+    meter = CompiledCpuMeter(BUDGET)
+    base = meter.live_bytes
+    graphs = counters["stats"]["unique_graphs"]
+    timings = time_sizes(make_task(compile="default"), meter, Replicated(1), [4], repeats=1, min_seconds=0.0)
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled, static at 4: what the job at m = 4 runs
+    assert list(timings.per_size) == [4] and timings.repeats >= 1
+    assert meter.live_bytes == base  # the timed model left the base of later trials
+    graphs = counters["stats"]["unique_graphs"]
+    time_sizes(make_task(), meter, Replicated(1), [4], repeats=1, min_seconds=0.0)
+    assert counters["stats"]["unique_graphs"] == graphs  # an eager task compiles nothing
+
+
+def test_verify_of_a_compiled_task_says_it_ran_eager() -> None:
+    from autotune.loop.verify import verify_cli
+
+    ok, line = verify_cli(make_task(compile="default"), 8, 2, None)
+    assert ok and len(line.splitlines()) == 1
+    assert "the task is compiled (default): verify ran the model eager" in line
+    assert "compiled" not in verify_cli(make_task(), 8, 2, None)[1]
+
+
+@pytest.mark.slow  # a compiled probe per length (three compilations each) and two of the truth
+def test_lengths_of_a_compiled_task_run_compiled_and_equal_an_ordinary_compile() -> None:
+    from autotune.orchestrate.lengths import probe_lengths
+
+    task = ProbeTask(name="tiny-gpt-gelu-new-seq", model=TinyGPT, batch=batch, loss=loss, compile="default")
+    run = probe_lengths(task, ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0), [16, 32], max_seq_len=64)
+    assert [at.seq_len for at in run.profiles] == [16, 32]
+    for at in run.profiles:
+        assert at.compile_seconds is not None
+        assert any(w.startswith("static confirmation") for w in at.warnings), at.warnings
+        real = {t.micro_batch: t for t in at.trials if not t.fake}
+        m_max = at.max_micro_batch
+        assert real[m_max].peak_bytes == allocator_peak(m_max, compiled=True, seq_len=at.seq_len or SEQ)
