@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/emulated.py [--budget 2GiB] [--cards h100,h200] [--tasks examples/gpt.py:task,...]
     .venv/bin/python bench/emulated.py --part 7b    # the 7B fsdp x 8 estimate at four lengths on an emulated H100
+    .venv/bin/python bench/emulated.py --part cnn   # the CNN on an emulated H200 against the card (cuDNN workspaces)
 
 The examples' table also has a Llama-style bf16 model (``hf:`` of a config written here: 8 layers, hidden
 512, 8 heads over 2 key-value heads, L = 512, bf16 autocast): its attention is cuDNN's on sm_90 and flash on
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-KNOWN_H200_M_MAX = {("examples/gpt.py:task", "2GiB"): 1212}
+KNOWN_H200_M_MAX = {("examples/gpt.py:task", "2GiB"): 1212, ("examples/cnn.py:task", "2GiB"): 1152}
 LLAMA_CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 512,
     "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -35,7 +37,9 @@ LLAMA_FLAGS = ["--seq-len", "512", "--max-seq-len", "512", "--precision", "bf16"
 LLAMA_BUDGET = "16GiB"  # 55 M parameters with AdamW in fp32 and a 32000-word head: 2 GiB holds no sequence
 
 
-def _estimate(task: str, budget: str, extra: list[str]) -> tuple[int, int, float, int]:
+def _estimate(
+    task: str, budget: str, extra: list[str], env: dict[str, str] | None = None
+) -> tuple[int, int, float, int]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "p.json"
         started = time.perf_counter()
@@ -43,6 +47,7 @@ def _estimate(task: str, budget: str, extra: list[str]) -> tuple[int, int, float
             [sys.executable, "-m", "autotune.cli", "estimate", task, "--budget", budget, "--output", str(out), *extra],
             capture_output=True,
             text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         seconds = time.perf_counter() - started
         if done.returncode != 0:
@@ -89,9 +94,37 @@ def part_7b() -> None:
     print(f"  wall {seconds:.1f} s (target < 150 s), peak RSS {rss / 2**30:.2f} GiB (target < 2 GiB)")
 
 
+# The CNN example on the real H200 of 2026-11-30 (../shared/gpu-runs/2026-11-30-h200-gpu_check.log): m = 234 at
+# 1 GiB (bench/gpu_train_check.py), 1152 at 2 GiB (the CLI probe: fit 797.70 MiB + 926.51 KiB per sample);
+# at 3 and 4 GiB that fit's line, not a measurement.
+CNN_CARD = {
+    "1GiB": "234 (card)",
+    "2GiB": "1152 (card)",
+    "3GiB": "2174 (card's fit line)",
+    "4GiB": "3192 (card's fit line)",
+}
+
+
+def part_cnn() -> None:
+    """`autotune estimate examples/cnn.py:task --gpu h200` at four budgets with cuDNN's convolution workspaces at
+    the stated bound (autotune/core/kernel_temporaries.py: convolution_workspace_bound), and at 2 GiB under
+    CUDNN_CONV_WSCAP_DBG caps (each workspace min(bound, cap))."""
+    print("| budget | CUDNN_CONV_WSCAP_DBG | m_max | figure at m_max (MiB) | seconds | fake trials | real H200 |")
+    print("|---|---|---|---|---|---|---|")
+    runs = [(budget, None) for budget in CNN_CARD] + [("2GiB", cap) for cap in ("0", "64", "256", "512")]
+    for budget, cap in runs:
+        env = None if cap is None else {"CUDNN_CONV_WSCAP_DBG": cap}
+        try:
+            m, figure, seconds, trials = _estimate("examples/cnn.py:task", budget, ["--gpu", "h200"], env)
+            cells = f"{m} | {figure / 2**20:.1f} | {seconds:.1f} | {trials}"
+        except SystemExit as exc:  # no size fits: the estimate's one line
+            cells = f"none ({str(exc).split('error: ', 1)[-1]}) | | | "
+        print(f"| {budget} | {cap or 'not set'} | {cells} | {CNN_CARD[budget] if cap is None else ''} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=["examples", "7b"], default="examples")
+    parser.add_argument("--part", choices=["examples", "7b", "cnn"], default="examples")
     parser.add_argument("--budget", default="2GiB")
     parser.add_argument("--cards", default="h100,h200")
     parser.add_argument("--tasks", default="examples/gpt.py:task,examples/mlp.py:task,examples/cnn.py:task")
@@ -99,11 +132,14 @@ def main() -> None:
     if args.part == "7b":
         part_7b()
         return
+    if args.part == "cnn":
+        part_cnn()
+        return
     print("| task | semantics | m_max | figure at m_max (MiB) | seconds | fake trials | s per trial | real H200 |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(LLAMA_CONFIG))
-        tasks = [(task, [], args.budget) for task in args.tasks.split(",")]
+        tasks: list[tuple[str, list[str], str]] = [(task, [], args.budget) for task in args.tasks.split(",")]
         tasks.append((f"hf:{folder}", LLAMA_FLAGS, LLAMA_BUDGET))
         for task, flags, budget in tasks:
             name = f"llama-style bf16 (hf config, L=512, {budget})" if task.startswith("hf:") else task
@@ -117,6 +153,7 @@ def main() -> None:
                     f"{seconds / max(1, trials):.2f} | {real} |",
                     flush=True,
                 )
+
 
 if __name__ == "__main__":
     main()

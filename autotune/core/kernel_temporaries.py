@@ -28,15 +28,16 @@ Covered (each with its conditions in its docstring): the mem-efficient attention
 attention's backward (the cudnn-frontend SDPA backward node's workspace), the embedding's backward
 (``Embedding.cu``, ``EmbeddingBackwardKernel.cu``), layer norm's backward (``layer_norm_kernel.cu``),
 bitsandbytes' 4-bit matmul where it dequantizes the weight first (``gemm_4bit``'s unfused path), and cuDNN's
-convolution workspaces as a stated bound for a job run with cuDNN's workspace cap
-(``native/cudnn/Conv_v8.cpp``: not a size cuDNN would choose, which only its heuristics know; see
-:func:`convolution_workspace`). Not covered, and so not in any figure: those workspaces without the cap,
-the split reductions' buffers of ``Reduce.cuh`` (a few KiB to a few MiB), cuDNN's own engine workspace for
-attention, and compute capabilities below 8.0. Torch-free, on the floor beside allocator.py.
+convolution workspaces as a stated bound, two column matrices of the convolution's GEMM lowering per cuDNN
+call (``native/cudnn/Conv_v8.cpp`` takes what cuDNN's top engine asks, a size only its heuristics know; see
+:func:`convolution_workspace_bound`). Not covered, and so not in any figure: the split reductions' buffers of
+``Reduce.cuh`` (a few KiB to a few MiB), cuDNN's own engine workspace for attention, and compute capabilities
+below 8.0. Torch-free, on the floor beside allocator.py.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 __all__ = [
@@ -47,7 +48,11 @@ __all__ = [
     "CONV_WORKSPACE_CAP_VARIABLE",
     "DEFAULT_CONV_WORKSPACE_CAP_BYTES",
     "conv_workspace_cap_bytes",
+    "convolution_output_spatial",
     "convolution_workspace",
+    "convolution_workspace_bound",
+    "CONV_WORKSPACE_COLUMN_MATRICES",
+    "im2col_columns_bytes",
     "cudnn_attention_backward",
     "dequantized_4bit_weight",
     "embedding_dense_backward",
@@ -70,15 +75,16 @@ LAYER_NORM_MAX_GRID = 64 * 1024 // 2
 # kernel_forward.h: kAlignLSE, the logsumexp's padding of the query length.
 LSE_ALIGN = 32
 # cuDNN's cap on the workspace of the convolution engines it offers, in MiB (PyTorch's "CUDA Environment
-# Variables" page lists it beside CUBLAS_WORKSPACE_CONFIG: the workspace cuDNN may take per allocation).
+# Variables" page lists it beside CUBLAS_WORKSPACE_CONFIG: the workspace cuDNN may take per allocation). Where
+# the job's environment sets it, each workspace is min(bound, cap).
 CONV_WORKSPACE_CAP_VARIABLE = "CUDNN_CONV_WSCAP_DBG"
-# Where the job's environment sets no cap, no bound holds and none is assumed: the workspace is left out of
-# the figure and the estimate says so. A constant bound assumed without the cap is no use: the one workspace
-# measured here scales with the batch (the CNN example on the H200 of 2026-11-30: a few MiB at m = 1, at
-# least 379 MiB at m = 1153, where the card's figure crossed the 1843 MiB limit and the replay without
-# workspaces reads 1464 MiB), and a constant one in every convolution answers m = 1760 at 256 MiB and m = 71
-# at 512 MiB (a cached workspace split by an activation, then a second segment) where the card held 1152.
 DEFAULT_CONV_WORKSPACE_CAP_BYTES: int | None = None
+# Column matrices of the GEMM lowering per cuDNN convolution call in the stated bound. One is the explicit-GEMM
+# engine's workspace; it is not enough for the one card measured (the CNN example on the H200 of 2026-11-30
+# held m = 1152 at 2 GiB, fit 926.51 KiB per sample; with one matrix the emulated H200 answers 1976, fit 467
+# KiB per sample); two answer 1056, fit 904 KiB per sample. Calibrated on that card, not derived from cuDNN's
+# engines: see docs/cuda-estimates.md for the figures, including the factors that answer above the card.
+CONV_WORKSPACE_COLUMN_MATRICES = 2
 
 
 def peak_bytes(steps: Sequence[Step]) -> int:
@@ -366,7 +372,8 @@ def dequantized_4bit_weight(
 
 def conv_workspace_cap_bytes(environ: Mapping[str, str]) -> int | None:
     """The cap on each cuDNN convolution's workspace in bytes: cuDNN's ``CUDNN_CONV_WSCAP_DBG`` (MiB) where
-    the environment sets it to a whole number, else :data:`DEFAULT_CONV_WORKSPACE_CAP_BYTES` (None: no cap).
+    the environment sets it to a whole number, else :data:`DEFAULT_CONV_WORKSPACE_CAP_BYTES` (None: no cap,
+    the stated bound alone).
 
     >>> conv_workspace_cap_bytes({"CUDNN_CONV_WSCAP_DBG": "256"})
     268435456
@@ -379,34 +386,94 @@ def conv_workspace_cap_bytes(environ: Mapping[str, str]) -> int | None:
     return DEFAULT_CONV_WORKSPACE_CAP_BYTES
 
 
-def convolution_workspace(cudnn_calls: int, *, cap_bytes: int) -> list[Step]:
+def im2col_columns_bytes(
+    batch: int, in_channels: int, kernel_size: Sequence[int], out_spatial: Sequence[int], *, itemsize: int
+) -> int:
+    """The column matrix of a convolution lowered to one GEMM: every input value each output position reads,
+    ``N x C_in x prod(kernel) x prod(output positions)`` elements of the input's dtype (over all groups: a
+    group's columns are its C_in / groups channels). This is the workspace of cuDNN's explicit-GEMM engine
+    (``CUDNN_CONVOLUTION_FWD_ALGO_GEMM``: an explicit matrix product, its workspace the input's matrix), and the
+    same matrix is what a backward-data GEMM scatters from and a backward-weight GEMM reads.
+
+    The CNN example's second convolution, 16 -> 32 channels, 3 x 3, 16 x 16 positions, fp32, one image:
+
+    >>> im2col_columns_bytes(1, 16, (3, 3), (16, 16), itemsize=4)
+    147456
+    """
+    elements = batch * in_channels * math.prod(kernel_size) * math.prod(out_spatial)
+    return elements * itemsize
+
+
+def convolution_output_spatial(
+    in_spatial: Sequence[int],
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> list[int]:
+    """A convolution's output positions per dimension (ATen's ``conv_output_size``).
+
+    >>> convolution_output_spatial((32, 32), (3, 3), (1, 1), (1, 1), (1, 1))
+    [32, 32]
+    >>> convolution_output_spatial((224,), (7,), (2,), (3,), (1,))
+    [112]
+    """
+    return [
+        (size + 2 * pad - dil * (k - 1) - 1) // s + 1
+        for size, k, s, pad, dil in zip(in_spatial, kernel_size, stride, padding, dilation, strict=True)
+    ]
+
+
+def convolution_workspace_bound(
+    batch: int, x_channels: int, kernel_size: Sequence[int], y_spatial: Sequence[int], *, itemsize: int
+) -> int:
+    """The stated bound on one cuDNN convolution call's workspace: :data:`CONV_WORKSPACE_COLUMN_MATRICES`
+    column matrices (:func:`im2col_columns_bytes`) of the call, where ``x_channels`` are the channels of the
+    convolution's input side (C_in over all groups; a transposed convolution's output) and ``y_spatial`` the
+    positions of its output side (a transposed convolution's input). The same for the forward, backward-data
+    and backward-weight calls of one convolution: each lowers the same column matrix.
+
+    The CNN example (3 x 32 x 32 images, 3 x 3 convolutions with padding 1, fp32) at m = 1152, its three
+    layers' bounds in MiB:
+
+    >>> [convolution_workspace_bound(1152, c, (3, 3), (s, s), itemsize=4) // 2**20
+    ...  for c, s in ((3, 32), (16, 16), (32, 8))]
+    [243, 324, 162]
+    """
+    columns = im2col_columns_bytes(batch, x_channels, kernel_size, y_spatial, itemsize=itemsize)
+    return CONV_WORKSPACE_COLUMN_MATRICES * columns
+
+
+def convolution_workspace(cudnn_calls: int, *, bound_bytes: int, cap_bytes: int | None = None) -> list[Step]:
     """The workspaces of a convolution op that runs on cuDNN, one per cuDNN call in order (the forward: one;
     ``convolution_backward``: grad_input, then grad_weight, each that its output mask asks for), each at
-    the stated bound ``cap_bytes`` and freed before the next.
+    the stated bound ``bound_bytes`` (:func:`convolution_workspace_bound`), or at cuDNN's cap
+    ``CUDNN_CONV_WSCAP_DBG`` where the job sets a smaller one, and freed before the next.
 
     What PyTorch's non-benchmark path does (``run_single_conv`` in native/cudnn/Conv_v8.cpp, PyTorch 2.11 -
-    2.13; ``torch.backends.cudnn.benchmark`` is off by default): it builds the plan of cuDNN's top heuristic
-    engine config (``CUDNN_HEUR_MODE_INSTANT``) and ``run_conv_plan`` asks the caching allocator for
-    ``plan.getWorkspaceSize()`` bytes, with no cap of PyTorch's own; where the allocator raises
-    ``OutOfMemoryError`` (or the plan fails) it tries the heuristics' other configs in order, then cuDNN's
-    fallback list, and only past all of them fails. Only the benchmark path bounds the workspace, by the
-    largest block the allocator could give (``get_available_workspace``: ``cacheInfo``). Conv_v7.cpp (with
-    ``TORCH_CUDNN_V8_API_DISABLED=1``) does the same over cuDNN's algorithm list. So the workspace is what
-    the top engine asks whenever the allocator can give it, a size cuDNN's heuristics choose per shape and
-    card: no rule gives it without the library (which does not start under the emulation: ``cudnnCreate``
-    fails on the stand-in driver). The one cap that holds is cuDNN's own, ``CUDNN_CONV_WSCAP_DBG``; this
-    rule gives each call that cap, an upper bound for a job run with it (not checked on a card here).
+    2.13; ``torch.backends.cudnn.benchmark`` is off by default): ``get_configs_from_heuristics`` lists the
+    engine configs of cuDNN's heuristics (``CUDNN_HEUR_MODE_INSTANT``), ``try_configs`` builds each in turn,
+    and ``run_conv_plan`` asks the caching allocator for ``plan.getWorkspaceSize()`` bytes, with no cap of
+    PyTorch's own; where the allocator raises ``OutOfMemoryError`` (or the plan fails) the next config is
+    tried, then cuDNN's fallback list. Only the benchmark path limits the workspace, to the largest block the
+    allocator could give (``generate_and_filter_plans``: ``get_available_workspace``, ``cacheInfo``), which
+    says nothing of the size chosen. So the workspace is what the top engine asks, a size only cuDNN's
+    heuristics know (they cannot be asked under the emulation: ``cudnnCreate`` fails on the stand-in driver),
+    and no shape formula bounds every engine (pytorch/pytorch issue 31500: a 1 x 1 transposed convolution of
+    a 2 GiB fp16 input asked 48 GiB). The bound here is a statement, checked against the one card measured.
 
-    Two calls under a 512 MiB cap: the backward's grad_input, then grad_weight, one workspace at a time:
+    The backward of the CNN example's second convolution at m = 1152, under no cap and under a 64 MiB cap:
 
-    >>> steps = convolution_workspace(2, cap_bytes=512 * 2**20)
-    >>> steps
-    [('workspace', 536870912), ('workspace', -1), ('workspace', 536870912), ('workspace', -1)]
-    >>> peak_bytes(steps) // 2**20
-    512
-    >>> convolution_workspace(1, cap_bytes=0)
+    >>> bound = convolution_workspace_bound(1152, 16, (3, 3), (16, 16), itemsize=4)
+    >>> steps = convolution_workspace(2, bound_bytes=bound)
+    >>> [n // 2**20 for _, n in steps if n != FREE], peak_bytes(steps) // 2**20
+    ([324, 324], 324)
+    >>> [n // 2**20 for _, n in convolution_workspace(1, bound_bytes=bound, cap_bytes=64 * 2**20) if n != FREE]
+    [64]
+    >>> convolution_workspace(1, bound_bytes=bound, cap_bytes=0)
     []
     """
-    if cap_bytes <= 0:
+    each = bound_bytes if cap_bytes is None else min(bound_bytes, cap_bytes)
+    if each <= 0:
         return []
-    return [step for _ in range(cudnn_calls) for step in (("workspace", cap_bytes), ("workspace", FREE))]
+    return [step for _ in range(cudnn_calls) for step in (("workspace", each), ("workspace", FREE))]

@@ -217,13 +217,13 @@ def test_a_card_that_cannot_be_emulated_falls_back_to_cpu_semantics_and_says_why
 
 
 def test_what_no_rule_gives_is_said(h200_estimate: Profile, cuda_python: str, tmp_path: Path) -> None:
-    """Convolutions take cuDNN workspaces that cuDNN's heuristics size per shape: no rule gives them, and an
-    estimate that ran one says its figure leaves them out (the GPT example runs none)."""
-    assert not any("the figure leaves out" in w for w in h200_estimate.warnings)
+    """Convolutions take cuDNN workspaces that cuDNN's heuristics size per shape: the figure gives them a stated
+    bound, and an estimate that ran one says so (the GPT example runs none)."""
+    assert not any("cuDNN convolution workspaces" in w for w in h200_estimate.warnings)
     out = tmp_path / "cnn.json"
     code = main(["estimate", "examples/cnn.py:task", "--gpu", "h200", "--budget", "2GiB", "--max-micro-batch", "8",
                  "--output", str(out)])  # fmt: skip
     assert code == 0
     profile = Profile.model_validate(json.loads(out.read_text()))
-    (warning,) = [w for w in profile.warnings if "the figure leaves out" in w]
-    assert "cuDNN convolution workspaces" in warning
+    (warning,) = [w for w in profile.warnings if "cuDNN convolution workspaces" in w]
+    assert "a stated bound" in warning

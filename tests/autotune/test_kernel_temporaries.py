@@ -154,22 +154,24 @@ def test_every_rule_frees_what_it_allocates() -> None:
         efficient_attention_backward(3, 1, 77, 91, 40, 40, itemsize=4, capability=(8, 0)),
         flash_attention_backward(1, 4, 4, 10, 10, 64, itemsize=2, sm_count=108),
         embedding_dense_backward(10_000, 8, 50_000, index_itemsize=4),
-        convolution_workspace(2, cap_bytes=1 << 20),
+        convolution_workspace(2, bound_bytes=1 << 20),
     ):
         assert _balanced(steps), steps
 
 
-def test_convolution_workspace_is_the_cap_per_cudnn_call_one_at_a_time() -> None:
+def test_convolution_workspace_is_the_bound_per_cudnn_call_one_at_a_time_under_the_cap() -> None:
     """Conv_v8.cpp: one workspace per cuDNN call (run_conv_plan), taken and given back inside it; the backward
     of a convolution with an input that needs a gradient makes two calls (grad_input, then grad_weight), the
-    first layer's (an input that needs none) one. Under a 256 MiB cap: 256 MiB at a time, never 512."""
-    cap = 256 * 2**20
-    assert convolution_workspace(1, cap_bytes=cap) == [("workspace", cap), ("workspace", FREE)]
-    backward = convolution_workspace(2, cap_bytes=cap)
-    assert backward == [("workspace", cap), ("workspace", FREE)] * 2
-    assert peak_bytes(backward) == cap
-    assert convolution_workspace(0, cap_bytes=cap) == []
-    assert convolution_workspace(2, cap_bytes=0) == []  # a cap of 0: engines without a workspace only
+    first layer's (an input that needs none) one. Each is the stated bound, or CUDNN_CONV_WSCAP_DBG's cap where
+    that is smaller: 100 MiB under a 256 MiB cap, 256 MiB of a 300 MiB bound; one at a time, never both."""
+    bound, cap = 100 * 2**20, 256 * 2**20
+    assert convolution_workspace(1, bound_bytes=bound) == [("workspace", bound), ("workspace", FREE)]
+    backward = convolution_workspace(2, bound_bytes=bound, cap_bytes=cap)
+    assert backward == [("workspace", bound), ("workspace", FREE)] * 2
+    assert peak_bytes(backward) == bound
+    assert peak_bytes(convolution_workspace(2, bound_bytes=300 * 2**20, cap_bytes=cap)) == cap
+    assert convolution_workspace(0, bound_bytes=bound) == []
+    assert convolution_workspace(2, bound_bytes=bound, cap_bytes=0) == []  # a cap of 0: no workspace
 
 
 def test_the_cap_is_cudnns_variable_in_mib_and_none_without_it() -> None:
@@ -181,7 +183,7 @@ def test_the_cap_is_cudnns_variable_in_mib_and_none_without_it() -> None:
 
 def test_a_convolution_off_cudnn_takes_no_workspace_and_the_warning_says_which_case() -> None:
     """The meter's reading of a convolution: ATen's own backend selection decides whether cuDNN runs it (on
-    CPU tensors it never does); the warning says the workspaces are left out without a cap, bounded with one."""
+    CPU tensors it never does); the warning says the workspaces are a stated bound, and the cap where set."""
     import torch
 
     from autotune.measure.meters.temporaries import KernelFacts, op_temporaries, unmodelled
@@ -192,7 +194,8 @@ def test_a_convolution_off_cudnn_takes_no_workspace_and_the_warning_says_which_c
     forward_args = (images, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
     assert op_temporaries(aten.convolution.default, forward_args, facts) == []
     capped = unmodelled(aten.convolution.default, facts)
-    assert capped is not None and "a workspace of 64 MiB" in capped and "CUDNN_CONV_WSCAP_DBG=64" in capped
+    assert capped is not None and "capped at 64 MiB by the job's CUDNN_CONV_WSCAP_DBG" in capped
     uncapped = unmodelled(aten.convolution_backward.default, KernelFacts(capability=(9, 0), sm_count=132))
-    assert uncapped is not None and uncapped.startswith("the figure leaves out cuDNN convolution workspaces")
+    assert uncapped is not None and uncapped.startswith("cuDNN convolution workspaces are a stated bound")
+    assert "capped" not in uncapped and "\n" not in uncapped
     assert unmodelled(aten.mm.default, facts) is None

@@ -35,7 +35,7 @@ class KernelFacts:
 
     capability: tuple[int, int]
     sm_count: int
-    # cuDNN's CUDNN_CONV_WSCAP_DBG in bytes, None where the job sets none (then no bound holds).
+    # cuDNN's CUDNN_CONV_WSCAP_DBG in bytes, None where the job sets none (then the stated bound alone).
     conv_workspace_cap_bytes: int | None = None
 
 
@@ -174,24 +174,50 @@ def _on_cudnn(inputs: Any, weight: Any, args: tuple[Any, ...], bias_sizes: Any) 
     return backend.name in _CUDNN_BACKENDS
 
 
+def _conv_workspace(
+    cudnn_calls: int, inputs: Any, weight: Any, y_spatial: Any, groups: Any, facts: KernelFacts
+) -> list[Step]:
+    # The "x" side of cuDNN's call has weight.shape[1] * groups channels (a transposed convolution's weight is
+    # (C_in, C_out / groups, k...): its x side is its output); the column matrix spans the y side's positions.
+    bound = rules.convolution_workspace_bound(
+        int(inputs.shape[0]),
+        int(weight.shape[1]) * int(groups),
+        [int(k) for k in weight.shape[2:]],
+        [int(n) for n in y_spatial],
+        itemsize=inputs.element_size(),
+    )
+    return rules.convolution_workspace(cudnn_calls, bound_bytes=bound, cap_bytes=facts.conv_workspace_cap_bytes)
+
+
 def _convolution(args: tuple[Any, ...], facts: KernelFacts) -> list[Step]:
     # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     inputs, weight = args[0], args[1]
-    cap = facts.conv_workspace_cap_bytes
-    if cap is None or not _on_cudnn(inputs, weight, tuple(args[3:9]), None):
+    stride, padding, dilation, transposed, _, groups = args[3:9]
+    if not _on_cudnn(inputs, weight, tuple(args[3:9]), None):
         return []
-    return rules.convolution_workspace(1, cap_bytes=cap)
+    if transposed:  # cuDNN runs it as a backward-data call: the transposed convolution's input is the y side
+        y_spatial = list(inputs.shape[2:])
+    else:
+        y_spatial = rules.convolution_output_spatial(
+            [int(n) for n in inputs.shape[2:]],
+            [int(k) for k in weight.shape[2:]],
+            [int(n) for n in stride],
+            [int(n) for n in padding],
+            [int(n) for n in dilation],
+        )
+    return _conv_workspace(1, inputs, weight, y_spatial, groups, facts)
 
 
 def _convolution_backward(args: tuple[Any, ...], facts: KernelFacts) -> list[Step]:
     # (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
     #  output_mask): cuDNN runs grad_input's and grad_weight's convolutions, each its own workspace
-    inputs, weight, mask = args[1], args[2], args[10]
-    cap = facts.conv_workspace_cap_bytes
-    if cap is None or not _on_cudnn(inputs, weight, tuple(args[4:10]), args[3]):
+    grad_output, inputs, weight, mask = args[0], args[1], args[2], args[10]
+    transposed, groups = args[7], args[9]
+    if not _on_cudnn(inputs, weight, tuple(args[4:10]), args[3]):
         return []
     calls = int(bool(mask[0])) + int(bool(mask[1]))
-    return rules.convolution_workspace(calls, cap_bytes=cap)
+    y_spatial = inputs.shape[2:] if transposed else grad_output.shape[2:]
+    return _conv_workspace(calls, inputs, weight, y_spatial, groups, facts)
 
 
 # bitsandbytes' CUDA backend (backends/cuda/ops.py, 0.50): past this many rows of the input (tokens), gemm_4bit
@@ -247,18 +273,11 @@ _BOUNDED = (aten.convolution.default, aten.convolution_backward.default)
 def _conv_workspace_sentence(facts: KernelFacts | None) -> str:
     cap = facts.conv_workspace_cap_bytes if facts is not None else rules.conv_workspace_cap_bytes(os.environ)
     variable = rules.CONV_WORKSPACE_CAP_VARIABLE
-    if cap is not None:
-        mib = cap // 2**20
-        return (
-            f"the figure gives each cuDNN convolution a workspace of {mib} MiB, the cap the job's {variable}={mib} "
-            "sets: a bound, not the size cuDNN's heuristics choose per shape"
-        )
+    capped = f", capped at {cap // 2**20} MiB by the job's {variable}" if cap is not None else ""
     return (
-        "the figure leaves out cuDNN convolution workspaces: cuDNN's heuristics choose their size per shape, and "
-        "PyTorch takes what the top engine asks wherever the allocator can give it, with no cap of its own, so the "
-        "card's figure can be much higher (the CNN example on the H200 of 2026-11-30: at least 379 MiB of them at "
-        f"m = 1153, m_max 1152 at 2 GiB where this estimate answers 2048); run the job and the estimate with "
-        f"{variable}=N (cuDNN's cap, MiB) for a figure that bounds them at N MiB each"
+        "cuDNN convolution workspaces are a stated bound, not cuDNN's choice: each cuDNN call gets "
+        f"{rules.CONV_WORKSPACE_COLUMN_MATRICES} column matrices of its GEMM lowering (N x C_in x kernel x output "
+        f"positions){capped} (docs/cuda-estimates.md)"
     )
 
 
