@@ -71,6 +71,19 @@ MEASURED_RANK = 0
 
 _aten = torch.ops.aten
 _library: Any = None
+# The dispatch modes live around the job's forward (the probe's meter), taken by ContextParallel before each
+# forward: torch's ring runs inside a DTensor handler, where those modes are off (a mode is popped while it
+# dispatches), so without them its own allocations (each block's output, the rotated key/value, the merges,
+# the gradients' buffers) would not be counted. Empty in a job that has none (the truth's processes).
+_outer_modes: list[Any] = []
+
+
+@contextmanager
+def _under_outer_modes() -> Iterator[None]:
+    with ExitStack() as stack:
+        for mode in _outer_modes:
+            stack.enter_context(mode)
+        yield
 
 
 def _flash_cpu(
@@ -141,15 +154,16 @@ def _ring_flash_cpu(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
     if kwargs.get("attn_mask") is not None:
         raise NotImplementedError("context parallel attention takes no attn_mask (torch's ring has none)")
-    out, logsumexp, *_ = ring._scaled_dot_product_ring_flash_attention(
-        query.device_mesh,
-        query.to_local(),
-        key.to_local(),
-        value.to_local(),
-        dropout_p,
-        is_causal,
-        scale=kwargs.get("scale"),
-    )
+    with _under_outer_modes():
+        out, logsumexp, *_ = ring._scaled_dot_product_ring_flash_attention(
+            query.device_mesh,
+            query.to_local(),
+            key.to_local(),
+            value.to_local(),
+            dropout_p,
+            is_causal,
+            scale=kwargs.get("scale"),
+        )
     return _as_dtensor(out, query, last=value.shape[-1]), _as_dtensor(logsumexp, query)
 
 
@@ -159,24 +173,25 @@ def _ring_flash_cpu_backward(op_call: Any, args: tuple[Any, ...], kwargs: dict[s
 
     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal = args[:8]
     empty = query.to_local().new_empty(0)
-    grads = ring._scaled_dot_product_ring_flash_attention_backward(
-        query.device_mesh,
-        grad_out.to_local(),
-        query.to_local(),
-        key.to_local(),
-        value.to_local(),
-        out.to_local(),
-        logsumexp.to_local(),
-        empty,
-        empty,
-        0,
-        0,
-        dropout_p,
-        is_causal,
-        empty,
-        empty,
-        scale=kwargs.get("scale"),
-    )
+    with _under_outer_modes():
+        grads = ring._scaled_dot_product_ring_flash_attention_backward(
+            query.device_mesh,
+            grad_out.to_local(),
+            query.to_local(),
+            key.to_local(),
+            value.to_local(),
+            out.to_local(),
+            logsumexp.to_local(),
+            empty,
+            empty,
+            0,
+            0,
+            dropout_p,
+            is_causal,
+            empty,
+            empty,
+            scale=kwargs.get("scale"),
+        )
     return _as_dtensor(grads[0], query), _as_dtensor(grads[1], key), _as_dtensor(grads[2], value)
 
 
@@ -295,6 +310,10 @@ class ContextParallel(Strategy):
         position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
         buffers = [input_ids, labels, shift_labels, position_ids]
         self._inside.close()
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        _outer_modes[:] = _get_current_dispatch_mode_stack()
+        self._inside.callback(_outer_modes.clear)
         self._inside.enter_context(
             context_parallel(
                 self._device_mesh["cp"],
