@@ -11,9 +11,10 @@
   Alpaca): peak memory allocated 51.6 (fused AdamW), 39.3 (bitsandbytes 8-bit), 39.1 (torchao 8-bit), 33.2
   (torchao 4-bit), read as GiB (torchtune's memory log divides by 1024**3). Assumed, not published there:
   torchtune's full-finetune low-memory recipe's batch 2 with activation checkpointing, and Alpaca samples
-  padded to L = 512. Compared: the estimate's allocated bytes at m = 2. 4-bit states are refused today
-  (torchao steps through torch.compile(fullgraph=True), which compiles no frame under the probe's meters):
-  the refusal line is printed.
+  padded to L = 512. Compared: the estimate's allocated bytes at m = 2. 4-bit states are refused on an
+  emulated card (torchao steps each parameter through torch.compile(fullgraph=True): dynamo does not trace on
+  fake tensors, and torchao builds its 4-bit code table with .tolist()); they are measured on the CPU only
+  (tests/autotune/test_torchao_optimizers.py): the refusal line is printed.
 - **qlora**, Llama 3.1 8B with LoRA r16 over an NF4 base on an RTX 4090 at L = 2048, every layer checkpointed
   (QLoRA recipes turn gradient checkpointing on: peft's prepare_model_for_kbit_training does by default): m_max
   and the reserved bytes at m = 1; no published figure to compare.
@@ -52,12 +53,13 @@ class Recipe:
     source: str
 
 
-TORCHTITAN = ("--gpu", "h100-96gb", "--strategy", "fsdp", "--world-size", "8", "--precision", "bf16")
+TORCHTITAN: tuple[str, ...] = ("--gpu", "h100-96gb", "--strategy", "fsdp", "--world-size", "8", "--precision", "bf16")
 TORCHTITAN += ("--seq-len", "8192", "--micro-batches", "2", "--max-micro-batch", "4")
-TORCHAO = ("--gpu", "a100-80gb", "--weights-dtype", "bf16", "--ac", "full", "--seq-len", "512")
+TORCHAO: tuple[str, ...] = ("--gpu", "a100-80gb", "--weights-dtype", "bf16", "--ac", "full", "--seq-len", "512")
 TORCHAO += ("--micro-batches", "2", "--max-micro-batch", "8")
-QLORA = ("--gpu", "rtx-4090", "--lora-rank", "16", "--quantize", "nf4", "--weights-dtype", "bf16", "--ac", "full")
-QLORA += ("--seq-len", "2048", "--micro-batches", "1", "--max-micro-batch", "8")
+QLORA: tuple[str, ...] = ("--gpu", "rtx-4090", "--lora-rank", "16", "--quantize", "nf4")
+QLORA += ("--weights-dtype", "bf16", "--ac", "full", "--seq-len", "2048")
+QLORA += ("--micro-batches", "1", "--max-micro-batch", "8")
 RECIPES = (
     Recipe("torchtitan", "llama3.1-8b fsdp x8 op", (LLAMA31_8B, *TORCHTITAN, "--ac", "op"), 2, 82.4, "reserved",
            "torchtitan docs/performance.md, 8 x H100 96 GB"),

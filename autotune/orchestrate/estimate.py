@@ -35,6 +35,7 @@ from autotune.orchestrate.estimated import estimated_profile
 from autotune.search.boundary import NoFitError
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeTrials, fake_search
+from autotune.tasks.optimizers import refuse_compiled_step
 from autotune.tasks.task import ProbeTask
 
 # EstimateConfig lives in autotune/orchestrate/config.py (the config family); imported here too, where the
@@ -78,6 +79,8 @@ def estimate(
     config.validate()
     setup = config.probe
     assert setup.budget_bytes is not None  # validate() refused None
+    # torchao's compiled step cannot run on fake tensors: refused before any work (autotune/tasks/optimizers.py).
+    refuse_compiled_step(task.optimizer, allocator_count=False, world_size=setup.world_size)
     warnings: list[str] = []
     if (setup.compile or task.compile) is not None:  # fake trials run the eager model (docs/compile.md)
         from autotune.measure.meters.compiled import estimated_eager
@@ -179,6 +182,7 @@ def estimate_for_card_at_lengths(
 ) -> list[Profile]:
     """``autotune estimate --gpu --seq-len``: every length's estimate for config.card in one emulated child;
     where the card cannot be emulated here, each length with CPU semantics, saying why (estimate() does)."""
+    refuse_compiled_step(task.optimizer, allocator_count=False, world_size=1)
     try:
         return estimate_on_card_lengths(task, config, lengths, on_trial=on_trial)
     except EmulationUnavailable as exc:

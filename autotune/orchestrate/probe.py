@@ -21,7 +21,8 @@ from autotune.core.plan import nonnegative_fit, plan
 from autotune.core.schemas import Fit, Profile, SingleStep, Trial
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
-from autotune.measure.meters.compiled import compiled_job, confirm_static
+from autotune.measure.meters.compiled import CompiledCpuMeter, compiled_job, confirm_static
+from autotune.measure.meters.cuda import CudaMeter
 from autotune.measure.offload import host_capped_hint, offload_fields
 from autotune.measure.strategies import Replicated, Strategy, make_strategy
 from autotune.measure.throughput import timed_updates
@@ -32,7 +33,7 @@ from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_ba
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.tasks.fingerprint import task_fingerprint
-from autotune.tasks.optimizers import refuse_under_sharding
+from autotune.tasks.optimizers import compiled_step, refuse_compiled_step, refuse_under_sharding
 from autotune.tasks.task import ProbeTask
 
 # ProbeConfig lives in autotune/orchestrate/config.py (the config family); imported here too, where the
@@ -303,6 +304,10 @@ def probe_with_meter(
         )
     task = config.applied_to(task)
     refuse_under_sharding(task.optimizer, strategy=config.strategy, tp=config.mesh.tp)
+    if compiled_step(task.optimizer) is not None:  # torchao's: the allocator's count, no fake pre-search
+        allocator_count = isinstance(meter, CompiledCpuMeter | CudaMeter)
+        refuse_compiled_step(task.optimizer, allocator_count=allocator_count, world_size=config.world_size)
+        config = config.with_setup(presearch=False)
     started = time.perf_counter()
     strategy = (
         stage_strategy(config) if config.mesh.pp > 1 else make_strategy(config.strategy, config.world_size, config.mesh)
@@ -453,7 +458,8 @@ def probe(
             "use `autotune probe file.py:name --device all` or "
             "autotune.orchestrate.multi.probe_all_devices(spec, config)"
         )
-    meter = make_meter(device, config.budget_bytes, compiled=config.applied_to(task).compile is not None)
+    compiled = config.applied_to(task).compile is not None or compiled_step(task.optimizer) is not None
+    meter = make_meter(device, config.budget_bytes, compiled=compiled)
     try:
         return probe_with_meter(task, meter, config, on_trial=on_trial)
     finally:

@@ -14,9 +14,13 @@ NAME is a ``torch.optim`` class (any case), ``package.module.Class``, or one of 
 - ``adamw8bit``: bitsandbytes' ``AdamW8bit`` (the Trainer's ``adamw_bnb_8bit``, the 8-bit Adam of the HF
   single-GPU guide): blockwise 8-bit moments, fp32 state for tensors under ``min_8bit_size`` (4096) elements;
 - ``adamw4bit``: torchao's ``AdamW4bit`` (the Trainer's ``adamw_torch_4bit``; bitsandbytes has no 4-bit
-  states). Refused for now, as is every ``torchao.optim`` class (:data:`_UNMEASURABLE`): torchao steps each
-  parameter through ``torch.compile(fullgraph=True)``, and under the probe's meters (dispatch modes that count
-  every storage, real or fake) dynamo compiles no frame, so the step fails ("found no compiled frames").
+  states). torchao steps each parameter through ``torch.compile(fullgraph=True)``, so a job with any
+  ``torchao.optim`` class is measured as a compiled job is (:func:`compiled_step`): on the CPU by the allocator's
+  own count (``CompiledCpuMeter``; exact against the ordinary loop), with no fake pre-search, one device. The
+  rest is refused in one line (:func:`refuse_compiled_step`): under the CPU's dispatch meter dynamo compiles no
+  frame ("found no compiled frames"); on fake tensors (the pre-search, an emulated card) dynamo does not trace
+  and torchao builds its 4-bit code table with ``.tolist()`` (a data-dependent op fake tensors cannot run);
+  under ``--world-size`` > 1 it is not measured yet.
 
 Under ``--strategy fsdp`` or ``--tp`` the parameters are DTensors; bitsandbytes' update ops
 (``bitsandbytes.optimizer_update_32bit``, ``optimizer_update_8bit_blockwise``) have no DTensor sharding rule,
@@ -50,6 +54,8 @@ __all__ = [
     "SpecOptimizer",
     "optimizer_factory",
     "parse_optimizer_spec",
+    "compiled_step",
+    "refuse_compiled_step",
     "refuse_under_sharding",
 ]
 
@@ -205,12 +211,7 @@ def _import_class(spec: OptimizerSpec, flag: str) -> type[Any]:
 
 
 # Libraries whose optimizers cannot step under the probe's meters, and why (one line each).
-_UNMEASURABLE = {
-    "torchao": (
-        "torchao's low-bit optimizers step through torch.compile(fullgraph=True), which compiles no frame under "
-        "the probe's meters (dispatch modes that count every storage): the step fails; bitsandbytes' adamw8bit runs"
-    ),
-}
+_UNMEASURABLE: dict[str, str] = {}
 
 
 def _check_keys(spec: OptimizerSpec, cls: type[Any], kwargs: dict[str, OptionValue], flag: str) -> None:
@@ -223,9 +224,7 @@ def _check_keys(spec: OptimizerSpec, cls: type[Any], kwargs: dict[str, OptionVal
     known = [name for name, p in parameters.items() if name != "params" and p.kind is not p.VAR_POSITIONAL]
     for key in kwargs:
         if key not in known:
-            raise TaskError(
-                f"{flag} {spec.text}: {cls.__name__} takes no option {key!r} (it takes {', '.join(known)})"
-            )
+            raise TaskError(f"{flag} {spec.text}: {cls.__name__} takes no option {key!r} (it takes {', '.join(known)})")
 
 
 def optimizer_factory(
@@ -288,3 +287,41 @@ def refuse_under_sharding(optimizer: object, *, strategy: str, tp: int = 1) -> N
     if why is not None:
         flag = "--strategy fsdp" if strategy == "fsdp" else f"--tp {tp}"
         raise TaskError(f"--optimizer {optimizer.spec.text} under {flag}: {why}")
+
+
+# Libraries whose optimizers step through torch.compile (what the probe must measure as a compiled job).
+_COMPILED_STEP = {
+    "torchao": "torchao's low-bit optimizers step through torch.compile(fullgraph=True), one parameter a call"
+}
+
+
+def compiled_step(optimizer: object) -> str | None:
+    """What compiles the optimizer's step (torchao's), None for an eager one or a factory of the user's."""
+    if not isinstance(optimizer, SpecOptimizer):
+        return None
+    return _COMPILED_STEP.get(optimizer.cls.__module__.partition(".")[0])
+
+
+def refuse_compiled_step(optimizer: object, *, allocator_count: bool, world_size: int) -> None:
+    """Refuse, in one line, a compiled step (:func:`compiled_step`) where it is not measured: anywhere but a meter
+    that counts what the allocator hands out (``allocator_count``: the CPU's ``CompiledCpuMeter``, a card's caching
+    allocator), and under more than one rank.
+
+    Raises:
+        TaskError: naming the spec and the cause.
+    """
+    why = compiled_step(optimizer)
+    if why is None:
+        return
+    assert isinstance(optimizer, SpecOptimizer)
+    if not allocator_count:
+        raise TaskError(
+            f"--optimizer {optimizer.spec.text}: {why}, which runs on the CPU (--device cpu, measured by the "
+            "allocator's own count) or a card, not on fake tensors (an emulated card, --gpu: dynamo does not trace "
+            "under FakeTensorMode, and torchao builds its 4-bit code table with .tolist())"
+        )
+    if world_size > 1:
+        raise TaskError(
+            f"--optimizer {optimizer.spec.text} --world-size {world_size}: {why}; measured on one device only "
+            "(not against real ranks yet)"
+        )
