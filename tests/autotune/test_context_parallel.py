@@ -81,6 +81,40 @@ def test_cp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(tmp_path: Path)
         assert abs(peaks[m_max + 1] - truth[m_max + 1]) <= SLACK_BYTES
 
 
+# An attention-heavy Llama: one block of 8 heads of 64 over a hidden size of 32, so that the peak is in the ring.
+ATTENTION_HEAVY = {
+    "tie_word_embeddings": False,
+    "vocab_size": 32,
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 32,
+    "max_position_embeddings": 1024,
+}
+
+
+def test_the_rings_own_buffers_are_counted_under_each_rotation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's ring runs inside a DTensor handler, where the meter's mode is off: counted only because the CPU rules
+    re-enter it. The allgather rotation holds the whole sequence's key and value at once, alltoall one shard."""
+    from autotune.measure.context_parallel import ContextParallel
+
+    task = hf_task(write_config(tmp_path, "llama", **ATTENTION_HEAVY)).at_length(256)
+    peaks = {}
+    for rotation in ("allgather", "alltoall"):
+        monkeypatch.setitem(ContextParallel.__init__.__kwdefaults__, "rotation", rotation)  # type: ignore[arg-type]
+        config = ProbeConfig(
+            device="cpu", budget_bytes=28_500_000, headroom=0.0, strategy="ddp", world_size=2, mesh=Mesh(cp=2)
+        )
+        measured = probe(task, config)
+        peaks[rotation] = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
+    m = 4
+    key_value_bytes = m * 8 * (256 // 2) * 64 * 4 * 2  # one rank's key and value shards, fp32
+    # allgather holds cp = 2 shards of each where alltoall holds one arriving shard: the difference is one shard.
+    assert peaks["allgather"][m] - peaks["alltoall"][m] == key_value_bytes, peaks
+
+
 def test_torchs_ring_attention_on_the_cpu_kernel_equals_plain_sdpa(tmp_path: Path) -> None:
     from tests.autotune import _cp_worker
 
