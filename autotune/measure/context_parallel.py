@@ -30,8 +30,12 @@ context-parallel rule. :func:`install_cpu_flash_attention` adds the two missing 
   results back as DTensors sharded like the query.
 
 So the ring, its rotation, its load balancing, its merging of partial outputs and its buffers are torch's, and
-the memory each rank holds is the ring's; only the per-block attention kernel is the CPU flash kernel (whose
-scratch, a few KiB per call, is the CPU's, not a card's). The truth in tests/autotune/_cp_worker.py installs the
+the memory each rank holds is the ring's; only the per-block attention kernel is the CPU flash kernel. Its own
+scratch (the backward's about 1.1 MB for a (4, 8, 128, 64) block, allocated and freed inside the kernel) is the
+CPU's, and the CPU meter does not see it, as for any CPU SDPA backward: where a rank's peak falls inside that
+kernel the probe reads low by it (docs/meshes.md gives the figures). The ring itself runs inside a DTensor
+handler, where the probe's dispatch modes are off; the rules re-enter them (``_outer_modes``) so that the
+ring's allocations are counted. The truth in tests/autotune/_cp_worker.py installs the
 same kernel in each of its real processes: without it the job cannot run on the CPU at all.
 
 As ``--strategy fsdp`` and ``--tp`` do, one process answers for one rank of the job's W ranks through a fake
