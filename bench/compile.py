@@ -2,7 +2,8 @@
 m_max eager and compiled, the peaks at the compiled m_max (eager: the CPU allocator's own count of an ordinary
 training step; compiled: the probe's trial, and the allocator's count of the model compiled the ordinary way,
 torch.compile + the same step, at m_max and m_max + 1), the eager fake pre-search's m_max against the compiled
-real one (the bound the datasheet's estimate carries), trial counts and seconds with compilation apart.
+real one (the bound the datasheet's estimate carries), trial counts and seconds with compilation apart, and the
+static confirmation's line (what the dynamic search read at m_max and m_max + 1, the static compilations' seconds).
 
     .venv/bin/python bench/compile.py            # every case (compiles: minutes on a 2-core machine)
     .venv/bin/python bench/compile.py gpt hf-gpt2 # some of them
@@ -104,6 +105,9 @@ def _row(name: str, task: ProbeTask, budget_mib: float) -> None:
     truth = {k: allocator_peak(task, k, compiled=True) for k in (m, m + 1) if k in real}
     exact = all(real[k].peak_bytes == v for k, v in truth.items())
     trial_seconds = sum(t.seconds for t in real.values())
+    # The static confirmation's line (autotune/measure/meters/compiled.py: confirm_static): its trials decided, what
+    # the dynamic search read at those sizes, and its compilations' seconds.
+    confirmation = next((w for w in compiled.warnings if w.startswith("static confirmation")), "no static confirmation")
     print(
         f"{name:8} {budget_mib:5.1f}MiB  m_max eager {eager.max_micro_batch:4d}  compiled {m:4d}  "
         f"(the eager fake pre-search's estimate: {fake_m})"
@@ -120,6 +124,7 @@ def _row(name: str, task: ProbeTask, budget_mib: float) -> None:
         f"real ({len(fake)} fake) in {compiled.seconds:.1f}s of which compilation {compiled.compile_seconds:.1f}s, "
         f"trials {trial_seconds:.1f}s"
     )
+    print(f"          {confirmation}")
 
 
 def main(argv: list[str]) -> None:

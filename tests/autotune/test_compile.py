@@ -94,7 +94,7 @@ def allocator_peak(m: int, *, compiled: bool, budget: float | None = None, seq_l
     ratio = functorch_config.patch(activation_memory_budget=budget) if budget is not None else nullcontext()
     with ratio, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = TinyGPT()
-        run = torch.compile(model) if compiled else model
+        run: nn.Module = torch.compile(model) if compiled else model  # type: ignore[assignment]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             for _ in range(2):
@@ -183,7 +183,7 @@ def test_the_cli_refuses_in_one_line(flags: list[str], says: str, tmp_path: Any,
             ["probe", "examples/mlp.py:task", "--device", "cpu", "--budget", "8MiB", "--output", str(output)] + flags
         )
     except SystemExit as exc:  # the parser's own refusal
-        code = exc.code
+        code = exc.code  # type: ignore[assignment]
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
@@ -232,11 +232,12 @@ def test_a_model_the_compiler_fails_on_is_one_line_naming_the_op(tmp_path: Any, 
 def test_suggest_passes_a_compiled_models_mode_on_and_warns_where_it_cannot() -> None:
     from autotune_client import job_fingerprint
 
-    compiled = torch.compile(TinyGPT(), mode="max-autotune")  # lazy: nothing compiles until it is called
+    compiled: Any = torch.compile(TinyGPT(), mode="max-autotune")  # lazy: nothing compiles until it is called
     assert job_fingerprint(compiled, example=fixed_batch(1)) == task_fingerprint(make_task(compile="max-autotune"))
     assert job_fingerprint(TinyGPT(), example=batch(1)) == task_fingerprint(make_task())
     with pytest.warns(UserWarning, match="aot_eager backend: autotune compiles with inductor only"):
-        other = job_fingerprint(torch.compile(TinyGPT(), backend="aot_eager"), example=batch(1))
+        aot_eager: Any = torch.compile(TinyGPT(), backend="aot_eager")
+        other = job_fingerprint(aot_eager, example=batch(1))
     assert other == task_fingerprint(make_task())
 
 
