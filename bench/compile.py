@@ -105,7 +105,7 @@ def _row(name: str, task: ProbeTask, budget_mib: float) -> None:
     truth = {k: allocator_peak(task, k, compiled=True) for k in (m, m + 1) if k in real}
     exact = all(real[k].peak_bytes == v for k, v in truth.items())
     trial_seconds = sum(t.seconds for t in real.values())
-    # The static confirmation's line (autotune/measure/meters/compiled.py: confirm_static): its trials decided, what
+    # The static confirmation's line (autotune/search/static.py: confirm_static): its trials decided, what
     # the dynamic search read at those sizes, and its compilations' seconds.
     confirmation = next((w for w in compiled.warnings if w.startswith("static confirmation")), "no static confirmation")
     print(

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.core.units import format_bytes  # noqa: E402
 from autotune.measure.meters import CpuMeter  # noqa: E402
-from autotune.measure.strategies import make_strategy  # noqa: E402
+from autotune.measure.strategy_choice import make_strategy  # noqa: E402
 from autotune.measure.trial import TrialRunner  # noqa: E402
 from autotune.orchestrate.probe import ProbeConfig, probe  # noqa: E402
 from examples import gpt  # noqa: E402

@@ -59,21 +59,11 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
     """One length's pipeline search in the child (``task`` at its length): what child_search returns per length,
     with ``pipeline`` (PipelineStages as JSON) where a size fit."""
     from autotune.core.mesh import Mesh
-    from autotune.orchestrate.config import ProbeConfig
-    from autotune.orchestrate.pipelined import search_pipeline
     from autotune.search.boundary import NoFitError
+    from autotune.search.pipelined import search_pipeline, stage_strategy
 
     mesh = Mesh.parse(request.get("mesh") or "")
     budget_bytes = int(request["budget_bytes"])
-    config = ProbeConfig(
-        device="cuda",
-        budget_bytes=budget_bytes,
-        world_size=int(request["world_size"]),
-        max_micro_batch=int(request["max_micro_batch"]),
-        multiple_of=int(request["multiple_of"]),
-        strategy=request["strategy"],
-        mesh=mesh,
-    )
     meter = FakeMeter(budget_bytes, "cuda", device_name)
     figure = replayed_stage(
         meter,
@@ -82,8 +72,6 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
         outside_bytes=int(request["outside_bytes"]),
         alloc_conf=request.get("alloc_conf"),
     )
-    from autotune.orchestrate.pipelined import stage_strategy
-
     trials: dict[int, Trial] = {}
     warnings: list[str] = []
     found: dict[str, Any] = {"seq_len": task.seq_len, "max_micro_batch": 0, "fit": None, "no_fit": False}
@@ -91,11 +79,13 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
         result = search_pipeline(
             task,
             meter,
-            config,
-            stage_strategy(config),
+            mesh,
+            stage_strategy(request["strategy"], mesh),
             int(request["limit_bytes"]),
             warnings,
             lambda trial: trials.__setitem__(trial.micro_batch, trial.model_copy(update={"fake": True})),
+            max_micro_batch=int(request["max_micro_batch"]),
+            multiple_of=int(request["multiple_of"]),
             stage_figure=figure,
             far_extrapolation=1e9,  # fake trials: an overshoot costs no device
         )

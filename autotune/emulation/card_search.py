@@ -90,8 +90,7 @@ def search_on_card(
         "budget_bytes": chosen.device_total_bytes,
         "limit_bytes": limit_bytes,
         "outside_bytes": outside_bytes,
-        "workspace_bytes": [cublas_workspace_bytes(chosen, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))]
-        * CUBLAS_HANDLES,
+        "workspace_bytes": [cublas_workspace_bytes(chosen, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))] * CUBLAS_HANDLES,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "max_micro_batch": max_micro_batch,
         "multiple_of": multiple_of,
@@ -131,7 +130,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
     from autotune.core.mesh import Mesh
     from autotune.emulation.fake_cuda import device_facts, prepare_fake_cuda
     from autotune.measure.meters.fake import moe_routing
-    from autotune.measure.strategies import make_strategy
+    from autotune.measure.strategy_choice import make_strategy
     from autotune.measure.trial import frozen_heap
     from autotune.search.presearch import fake_strategy
     from autotune.search.reserved import reserved_search

@@ -48,7 +48,7 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
     from autotune.core.mesh import Mesh
     from autotune.core.schemas import MAX_BYTES
     from autotune.measure.meters.fake import FakeMeter
-    from autotune.measure.strategies import make_strategy
+    from autotune.measure.strategy_choice import make_strategy
     from autotune.measure.trial import TrialRunner, frozen_heap
     from autotune.search.presearch import fake_strategy
     from autotune.search.reserved import renumbered

@@ -37,10 +37,9 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
-from autotune.core.schemas import STRATEGIES
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["FSDP_MIN_TORCH", "Replicated", "Sharded", "Strategy", "TensorParallel", "make_strategy", "shard_units"]
+__all__ = ["FSDP_MIN_TORCH", "Replicated", "Sharded", "Strategy", "TensorParallel", "shard_units"]
 
 FSDP_MIN_TORCH = "2.6"
 _LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-autocast": torch.bfloat16, "fp16": torch.float16}
@@ -335,21 +334,3 @@ def _mesh_coordinates_outside_fake_modes() -> Iterator[None]:
         yield
     finally:
         DeviceMesh._compute_coordinate_on_dim = original  # type: ignore[method-assign]
-
-
-def make_strategy(name: str, world_size: int, mesh: Mesh | None = None) -> Strategy:
-    """The strategy called name ("ddp" or "fsdp") at world_size; with a mesh of tp > 1, rank 0 of its
-    tensor-parallel group (autotune/measure/tensor_parallel.py), name then over the data-parallel replicas."""
-    if mesh is not None and not mesh.trivial:
-        if mesh.cp > 1:  # one rank of a context-parallel group: autotune/measure/context_parallel.py
-            from autotune.measure.context_parallel import ContextParallel
-
-            return ContextParallel(world_size, mesh, inner=name)
-        if mesh.pp > 1:
-            raise AutotuneError(f"--pp is not measured here (asked: {mesh.describe()})")
-        return TensorParallel(world_size, mesh, inner=name)
-    if name == "ddp":
-        return Replicated(world_size)
-    if name == "fsdp":
-        return Sharded(world_size)
-    raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")

@@ -27,7 +27,7 @@ import torch
 
 from autotune.core import units
 from autotune.core.schemas import Device, Profile, Trial
-from autotune.measure.strategies import make_strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import frozen_heap
 from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card, estimate_on_card_lengths
 from autotune.orchestrate.config import DeviceKind, EstimateConfig

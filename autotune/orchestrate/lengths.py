@@ -34,7 +34,8 @@ from autotune.core.plan import TargetError, target_in_sequences
 from autotune.core.schemas import MAX_SEQ_LEN, Fit, LongestSeqLen, Profile, Surface, Trial
 from autotune.core.surface import PeakSurface
 from autotune.measure.meters import make_meter, resolve_device
-from autotune.measure.strategies import Strategy, make_strategy
+from autotune.measure.strategies import Strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
 from autotune.search.boundary import NoFitError

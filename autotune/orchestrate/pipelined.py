@@ -1,133 +1,28 @@
-"""The probe of a pipeline-parallel job (``--pp N``): the search over micro-batch sizes on every stage's trial
-(autotune/measure/pipeline.py), the answer the most loaded stage's, and what the datasheet says of each stage.
+"""The estimate of a pipeline-parallel job (``--pp N``) with CPU semantics: the pipeline's search
+(autotune/search/pipelined.py, which the probe runs on real trials) on fake trials, the fake meter counting each
+stage as the CPU meter does, with no storage. On an emulated card (``--gpu``) the emulated child runs the same
+search with each stage's trial replayed through the caching allocator (autotune/emulation/card_pipeline.py).
 
-The probe runs real trials only: the fake pre-search and the single-step case do not apply (every step runs the
-schedule's K micro-batches). ``estimate_pipeline`` runs the same search on fake trials (the fake meter counts each
-stage as the CPU meter does, with no storage) for ``autotune estimate --pp N`` with CPU semantics; on an emulated
-card (``--gpu``) the emulated child runs ``search_pipeline`` with each stage's trial replayed through the caching
-allocator (autotune/emulation/card_pipeline.py). K is ``--pp-microbatches``, or pp where it is not given
-(the least 1F1B runs; the plan may choose any K up to the one measured, since a stage's peak grows with K).
+The probe of a pipeline runs real trials only: the fake pre-search and the single-step case do not apply (every
+step runs the schedule's K micro-batches).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from autotune.core import units
-from autotune.core.errors import AutotuneError
-from autotune.core.schemas import Device, PipelineStages, Profile, Trial
-from autotune.core.units import format_bytes
-from autotune.measure.meters import Meter
+from autotune.core.schemas import Device, Profile, Trial
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.pipeline import PipelineTrials, StageFigure, StageStrategy
-from autotune.measure.strategies import Strategy
-from autotune.orchestrate.config import EstimateConfig, ProbeConfig
+from autotune.orchestrate.config import EstimateConfig
 from autotune.orchestrate.estimated import estimated_profile
-from autotune.search.boundary import FAR_EXTRAPOLATION, SearchResult, find_max_micro_batch, reported
+from autotune.search.pipelined import search_pipeline, stage_strategy
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["PipelineSearch", "estimate_pipeline", "measured_microbatches", "search_pipeline", "stage_strategy"]
-
-
-@dataclass
-class PipelineSearch(SearchResult):
-    """The search's result with what the profile says of the stages (None when no size fit)."""
-
-    pipeline: PipelineStages | None = None
-
-
-def measured_microbatches(config: ProbeConfig) -> int:
-    """K the stages' trials run: ``--pp-microbatches``, else pp."""
-    return config.mesh.pp_microbatches or config.mesh.pp
-
-
-def stage_strategy(config: ProbeConfig) -> Strategy:
-    """How a stage holds its part of the model: whole, as one replica of D (a data-parallel wrapper over the
-    stage, DDP's buckets, is not measured).
-
-    Raises:
-        AutotuneError: a pipeline composed with what is not measured with it yet (fsdp, tp, cp).
-    """
-    mesh = config.mesh
-    if config.strategy != "ddp" or mesh.tp > 1 or mesh.cp > 1:
-        raise AutotuneError(
-            f"--pp {mesh.pp} is measured with --strategy ddp and no --tp or --cp yet "
-            f"(asked: --strategy {config.strategy}, {mesh.describe()})"
-        )
-    return StageStrategy(1)
-
-
-def _blocks_text(blocks: range) -> str:
-    return str(blocks.start) if len(blocks) == 1 else f"{blocks.start}-{blocks.stop - 1}"
-
-
-def search_pipeline(
-    task: ProbeTask,
-    meter: Meter,
-    config: ProbeConfig,
-    strategy: Strategy,
-    limit_bytes: int,
-    warnings: list[str],
-    on_trial: Callable[[Trial], None] | None,
-    *,
-    stage_figure: StageFigure | None = None,
-    far_extrapolation: float = FAR_EXTRAPOLATION,
-) -> PipelineSearch:
-    """m_max of the pipeline: the largest m at which every stage fits, by the boundary search over
-    :class:`PipelineTrials`, with each stage's peak at m_max, the most loaded stage and the bubble (also a
-    line of the warnings, for the datasheet)."""
-    mesh = config.mesh
-    k = measured_microbatches(config)
-    trials = PipelineTrials(
-        task,
-        meter,
-        limit_bytes=limit_bytes,
-        stages=mesh.pp,
-        schedule=mesh.pp_schedule,
-        microbatches=k,
-        virtual_stages=mesh.virtual_stages,
-        strategy=strategy,
-        stage_figure=stage_figure,
-    )
-
-    trial = reported(trials, on_trial)
-
-    try:
-        result = find_max_micro_batch(
-            trial,
-            limit_bytes=limit_bytes,
-            max_micro_batch=config.max_micro_batch,
-            multiple_of=config.multiple_of,
-            far_extrapolation=far_extrapolation,
-        )
-    finally:
-        trials.close()
-        warnings.extend(w for w in trials.warnings if w not in warnings)
-    peaks = trials.stage_peaks.get(result.max_micro_batch)
-    if peaks is not None:
-        heaviest = trials.most_loaded(result.max_micro_batch)
-        ranges = trials.layout.ranges  # rank i holds stages i, i + pp, ... (one but under interleaved 1F1B)
-        held = [", ".join(_blocks_text(ranges[s]) for s in range(i, len(ranges), mesh.pp)) for i in range(mesh.pp)]
-        stages = ", ".join(f"stage {i} (blocks {held[i]}) {format_bytes(p)}" for i, p in enumerate(peaks))
-        warnings.append(
-            f"pipeline {mesh.describe()}, at K = {k}: each stage's peak at m = {result.max_micro_batch}: "
-            f"{stages}; the most loaded is stage {heaviest}, whose m_max is the answer; bubble "
-            f"{'(pp - 1) / (V K + pp - 1)' if mesh.virtual_stages > 1 else '(pp - 1) / (K + pp - 1)'} "
-            f"= {mesh.bubble_fraction(k):.3f}"
-        )
-        stages_said = PipelineStages(
-            microbatches=k,
-            stage_peak_bytes=peaks,
-            most_loaded_stage=heaviest,
-            bubble_fraction=mesh.bubble_fraction(k),
-        )
-    else:
-        stages_said = None
-    return PipelineSearch(result.max_micro_batch, result.trials, result.fit, pipeline=stages_said)
+__all__ = ["estimate_pipeline"]
 
 
 def estimate_pipeline(
@@ -149,7 +44,17 @@ def estimate_pipeline(
     started = time.perf_counter()
     meter = FakeMeter(setup.budget_bytes, device_type, device_name)
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
-    result = search_pipeline(task, meter, setup, stage_strategy(setup), limit_bytes, warnings, on_trial)
+    result = search_pipeline(
+        task,
+        meter,
+        setup.mesh,
+        stage_strategy(setup.strategy, setup.mesh),
+        limit_bytes,
+        warnings,
+        on_trial,
+        max_micro_batch=setup.max_micro_batch,
+        multiple_of=setup.multiple_of,
+    )
     device = Device(
         kind=config.device_kind, name=device_name, total_bytes=setup.budget_bytes, torch_version=torch.__version__
     )

@@ -21,17 +21,19 @@ from autotune.core.plan import nonnegative_fit, plan
 from autotune.core.schemas import Fit, Profile, SingleStep, Trial
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
-from autotune.measure.meters.compiled import CompiledCpuMeter, compiled_job, confirm_static
+from autotune.measure.meters.compiled import CompiledCpuMeter, compiled_job
 from autotune.measure.meters.cuda import CudaMeter
 from autotune.measure.offload import host_capped_hint, offload_fields
-from autotune.measure.strategies import Replicated, Strategy, make_strategy
+from autotune.measure.strategies import Replicated, Strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.throughput import timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.config import ProbeConfig
-from autotune.orchestrate.pipelined import PipelineSearch, search_pipeline, stage_strategy
 from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease, reported
 from autotune.search.diagnose import no_fit_error
+from autotune.search.pipelined import PipelineSearch, search_pipeline, stage_strategy
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
+from autotune.search.static import confirm_static
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.optimizers import compiled_step, refuse_compiled_step, refuse_under_sharding
 from autotune.tasks.task import ProbeTask
@@ -82,7 +84,21 @@ def _search(
     """Pre-search on fake trials (unless turned off, impossible, or ``presearched`` already), then
     real trials from its answer; also the m_max they started from (None: no pre-search)."""
     if config.mesh.pp > 1:  # every stage's trial replays its schedule (autotune/orchestrate/pipelined.py)
-        return search_pipeline(task, meter, config, strategy, limit_bytes, warnings, on_trial), None, None
+        return (
+            search_pipeline(
+                task,
+                meter,
+                config.mesh,
+                strategy,
+                limit_bytes,
+                warnings,
+                on_trial,
+                max_micro_batch=config.max_micro_batch,
+                multiple_of=config.multiple_of,
+            ),
+            None,
+            None,
+        )
     fake: FakeSearch | None = presearched
     if fake is None and config.presearch:
         try:
@@ -310,7 +326,9 @@ def probe_with_meter(
         config = config.with_setup(presearch=False)
     started = time.perf_counter()
     strategy = (
-        stage_strategy(config) if config.mesh.pp > 1 else make_strategy(config.strategy, config.world_size, config.mesh)
+        stage_strategy(config.strategy, config.mesh)
+        if config.mesh.pp > 1
+        else make_strategy(config.strategy, config.world_size, config.mesh)
     )
     fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size, mesh=config.mesh)
     limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)

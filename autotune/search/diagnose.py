@@ -31,7 +31,8 @@ from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.schemas import MAX_BYTES, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.strategies import Replicated, Strategy, make_strategy
+from autotune.measure.strategies import Replicated, Strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import run_trial
 from autotune.tasks.task import ProbeTask
 

@@ -376,7 +376,7 @@ def hold_lane_model(setup: LaneSetup) -> tuple[ProbeTask, ExitStack, FakeTrials]
     """In a lane's worker (autotune/search/lanes.py): the run's task loaded from its spec, and its fake
     model held inside a fake process group and a frozen heap that live as long as the returned stack."""
     from autotune.core.mesh import Mesh
-    from autotune.measure.strategies import make_strategy
+    from autotune.measure.strategy_choice import make_strategy
     from autotune.measure.trial import frozen_heap
     from autotune.tasks.load import load_task
 

@@ -23,7 +23,7 @@ from autotune.measure.policies import (
     policy_for,
     wrapped_blocks,
 )
-from autotune.measure.strategies import make_strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.fingerprint import task_fingerprint

@@ -241,7 +241,7 @@ def test_suggest_passes_a_compiled_models_mode_on_and_warns_where_it_cannot() ->
     assert other == task_fingerprint(make_task())
 
 
-# --- The static confirmation (autotune/measure/meters/compiled.py: confirm_static) ---------------------------------
+# --- The static confirmation (autotune/search/static.py: confirm_static) ---------------------------------
 
 
 def _trial(m: int, peak: int, limit: int) -> Any:
@@ -264,7 +264,7 @@ def test_the_static_confirmation_decides(
 ) -> None:
     """The search's answer (7, dynamic trials at 7 fitting and 8 not) against static trials that read other peaks:
     the static ones decide and replace the dynamic trials at their sizes."""
-    from autotune.measure.meters import compiled
+    from autotune.search import static
     from autotune.search.boundary import SearchResult
 
     limit = 100
@@ -274,8 +274,8 @@ def test_the_static_confirmation_decides(
         ran.append(m)
         return _trial(m, static_peaks[m], limit_bytes)
 
-    monkeypatch.setattr(compiled, "_static_trial", static_trial)
-    monkeypatch.setattr(compiled, "compiles_on", lambda meter: True)
+    monkeypatch.setattr(static, "_static_trial", static_trial)
+    monkeypatch.setattr(static, "compiles_on", lambda meter: True)
     dynamic = SearchResult(max_micro_batch=7, trials=[_trial(m, 12 * m, limit) for m in (4, 7, 8, 9)])
     notes: list[str] = []
 
@@ -283,7 +283,7 @@ def test_the_static_confirmation_decides(
         compile_seconds = 3.0
 
     config = ProbeConfig(device="cpu", budget_bytes=1000, max_micro_batch=64)
-    found = compiled.confirm_static(make_task(compile="default"), Meter(), config, None, limit, dynamic, notes)
+    found = static.confirm_static(make_task(compile="default"), Meter(), config, None, limit, dynamic, notes)
     assert found.max_micro_batch == answer and ran == tried
     by_size = {t.micro_batch: t for t in found.trials}
     assert [t.micro_batch for t in found.trials].count(7) == 1 and by_size[7].peak_bytes == static_peaks[7]
@@ -294,12 +294,12 @@ def test_the_static_confirmation_decides(
 
 
 def test_an_eager_task_is_not_confirmed() -> None:
-    from autotune.measure.meters import compiled
+    from autotune.search import static
     from autotune.search.boundary import SearchResult
 
     result = SearchResult(max_micro_batch=3, trials=[])
     config = ProbeConfig(device="cpu", budget_bytes=1000)
-    assert compiled.confirm_static(make_task(), object(), config, None, 100, result, []) is result
+    assert static.confirm_static(make_task(), object(), config, None, 100, result, []) is result
 
 
 # --- The compiler's memory budget, end to end (--ac budget:R) ---------------------------------------------------------

@@ -9,7 +9,8 @@ from torch import nn
 from autotune.core.curve import PeakCurve
 from autotune.measure.meters import CpuMeter
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.strategies import Replicated, Strategy, make_strategy
+from autotune.measure.strategies import Replicated, Strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.search.boundary import find_max_micro_batch
 from autotune.search.presearch import TRACED_SIZES, fake_search

@@ -8,7 +8,8 @@ from torch import nn
 
 from autotune.measure.meters import CpuMeter, CpuOutOfMemoryError
 from autotune.measure.meters.fake import FakeMeter, FakeTrialError
-from autotune.measure.strategies import Replicated, make_strategy
+from autotune.measure.strategies import Replicated
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner, _cycle
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.load import load_task

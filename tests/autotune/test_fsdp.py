@@ -18,7 +18,8 @@ from torch.multiprocessing.spawn import ProcessException
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.measure.meters import CpuMeter
-from autotune.measure.strategies import Sharded, make_strategy, shard_units
+from autotune.measure.strategies import Sharded, shard_units
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.fingerprint import task_fingerprint

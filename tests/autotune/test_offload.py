@@ -28,7 +28,7 @@ from autotune.cli import main
 from autotune.core.consistency import check_profile
 from autotune.core.errors import AutotuneError, ExitCode
 from autotune.measure.meters import CpuMeter
-from autotune.measure.strategies import make_strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.fingerprint import task_fingerprint

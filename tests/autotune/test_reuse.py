@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autotune.measure.meters import CpuMeter
-from autotune.measure.strategies import make_strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner, run_trial
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.load import load_task

@@ -12,7 +12,7 @@ from torch import nn
 from autotune.core.errors import TaskError
 from autotune.core.surface import PeakSurface
 from autotune.measure.meters import CpuMeter
-from autotune.measure.strategies import make_strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.lengths import LengthsRun, check_lengths, estimate_lengths, probe_lengths, target_at_length
 from autotune.orchestrate.probe import ProbeConfig, probe

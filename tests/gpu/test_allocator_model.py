@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autotune.measure.meters import CudaMeter
-from autotune.measure.strategies import make_strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.probe import RESERVED_PREDICTION, ProbeConfig, probe
 from autotune.search.reserved import CUBLAS_HANDLES, cublas_workspace_bytes, reserved_search

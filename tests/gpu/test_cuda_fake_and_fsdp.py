@@ -8,7 +8,7 @@ import torch
 
 from autotune.measure.meters import CudaMeter
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.strategies import make_strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.load import load_task

@@ -4,7 +4,7 @@ see), and the longest length at m = 1."""
 
 from __future__ import annotations
 
-from autotune.measure.strategies import make_strategy
+from autotune.measure.strategy_choice import make_strategy
 from autotune.orchestrate.lengths import probe_lengths
 from autotune.orchestrate.probe import ProbeConfig
 from autotune.search.presearch import fake_surface

@@ -16,14 +16,13 @@ the same event stream. The budget is enforced after the span: a trial whose peak
 fit" (the CPU has the memory to run it; the budget is the card's being emulated).
 
 Also here: what a trial needs to run the model compiled (:func:`compile_model`, :func:`mark_dynamic_batch`,
-:func:`memory_budget`, :func:`compile_failure`), and the static confirmation of a compiled search's answer
-(:func:`confirm_static`: m_max and m_max + 1 each compiled on its own at its size, as a job at one m compiles).
+:func:`memory_budget`, :func:`compile_failure`). The static confirmation of a compiled search's answer is the
+search floor's (autotune/search/static.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 import warnings
 import weakref
@@ -36,7 +35,6 @@ from torch import nn
 
 from autotune.core.errors import TaskError
 from autotune.core.policy_names import parse_policy
-from autotune.core.schemas import Trial
 from autotune.measure.meters.base import FORWARD_BACKWARD, STEP, MemoryReading
 from autotune.measure.meters.cpu import CpuMeter, CpuOutOfMemoryError
 
@@ -51,7 +49,6 @@ __all__ = [
     "compiled_mode_of",
     "compiles_on",
     "compiled_for",
-    "confirm_static",
     "estimated_eager",
     "mark_dynamic_batch",
     "memory_budget",
@@ -474,91 +471,3 @@ def compiled_job(task: Any, meter: Any, *, presearch: bool) -> list[str]:
     if presearch:
         notes.append(EAGER_PRESEARCH)
     return notes
-
-
-def _static_trial(task: Any, meter: Any, strategy: Any, micro_batch: int, limit_bytes: int, host: int | None) -> Trial:
-    """One trial of a model built afresh and compiled static at ``micro_batch`` (its warm-up runs there), by a
-    fresh compiler: what a job that trains at that m compiles and runs. Its compilation is within the meter's
-    ``compile_seconds``, apart from the trial's seconds."""
-    from autotune.measure.trial import TrialRunner
-
-    torch._dynamo.reset()  # nothing cached from the dynamic search or another size
-    gc.collect()
-    if isinstance(meter, CompiledCpuMeter):
-        # Only this model's bytes are its base, as in a fresh process: the search's model, dying late, would take
-        # its own out of this one's (a GPT-2 config read 917,508 B low at m_max so).
-        meter.clear_base()
-    runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, host_limit_bytes=host)
-    with static_shapes():
-        try:
-            return runner(micro_batch)
-        finally:
-            runner.close()
-            gc.collect()
-
-
-def confirm_static(
-    task: Any,
-    meter: Any,
-    config: Any,
-    strategy: Any,
-    limit_bytes: int,
-    result: Any,
-    warnings: list[str],
-    on_trial: Callable[[Trial], None] | None = None,
-) -> Any:
-    """The compiled search's answer confirmed by static compilations (docs/compile.md, "The static confirmation").
-
-    The search's trials share one graph compiled with the micro-batch dimension dynamic; a job that trains at one m
-    compiles a static graph at that m, whose peak can differ (a GPT-2 config: 1.9 % above the dynamic one at
-    m_max). Here m_max and m_max + multiple_of are each built afresh, compiled static at their size and measured
-    (:func:`_static_trial`); these trials decide: where m_max does not fit, the sizes below are tried, one step
-    at a time, until one does; where m_max + multiple_of fits, the sizes above, until one does not (or the cap).
-    The dynamic trials at a size confirmed here leave the result (the warning keeps what they read).
-
-    Returns ``result`` as it is where nothing compiles (an eager task, fake trials, a pipeline's stages), else a
-    SearchResult with the static answer and trials.
-
-    Raises:
-        NoFitError: not even multiple_of fits compiled static.
-    """
-    from autotune.search.boundary import NoFitError, SearchResult
-
-    if task.compile is None or not compiles_on(meter) or config.mesh.pp > 1:
-        return result
-    unit, cap = config.multiple_of, config.max_micro_batch
-    confirmed: dict[int, Trial] = {}
-    seconds_before = meter.compile_seconds or 0.0
-
-    def fits(micro_batch: int) -> bool:
-        trial = _static_trial(task, meter, strategy, micro_batch, limit_bytes, config.host_budget_bytes)
-        confirmed[micro_batch] = trial
-        if on_trial is not None:
-            on_trial(trial)
-        return trial.fits
-
-    m_max = result.max_micro_batch
-    if fits(m_max):
-        while m_max + unit <= cap and fits(m_max + unit):
-            m_max += unit
-    else:
-        while True:
-            m_max -= unit
-            if m_max < unit:
-                raise NoFitError(confirmed[unit], f"micro-batch {unit} does not fit (compiled static)")
-            if fits(m_max):
-                break
-    dynamic = {t.micro_batch: t for t in result.trials if t.micro_batch in confirmed}
-    read = ", ".join(
-        f"m={m} {t.peak_bytes:,} B {'fits' if t.fits else 'does not fit'}"
-        + (f" (dynamic {dynamic[m].peak_bytes:,} B{', OOM' if dynamic[m].oom else ''})" if m in dynamic else "")
-        for m, t in sorted(confirmed.items())
-    )
-    changed = "" if m_max == result.max_micro_batch else f"; the dynamic search's {result.max_micro_batch} -> {m_max}"
-    seconds = (meter.compile_seconds or 0.0) - seconds_before
-    warnings.append(
-        f"static confirmation (each size built afresh and compiled with dynamic=False at it, as a job at one m "
-        f"compiles): {read}{changed}; {len(confirmed)} compilations in {seconds:.1f}s of compile_seconds"
-    )
-    trials = [t for t in result.trials if t.micro_batch not in confirmed] + list(confirmed.values())
-    return SearchResult(max_micro_batch=m_max, trials=trials, fit=result.fit)
