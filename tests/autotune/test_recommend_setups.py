@@ -55,6 +55,23 @@ def test_without_timings_the_stated_ordering_decides() -> None:
     assert [o.label for o in options_for([default, _profile(12, seed=5, policy="full")])] == [None, None]
 
 
+def test_the_compilers_memory_budget_is_chosen_among_like_any_policy() -> None:
+    """issue 35, item 4: one profile per --ac budget:R of a compiled job; the recommendation chooses R by the
+    same rules, the fewest steps first, then the least recomputation (a larger R recomputes less)."""
+    # budget:1 (the min-cut's default) holds 12 per micro-batch (8 steps for T = 96), budget:0.5 32 (3 steps),
+    # budget:0 48 (2 steps): the fewest steps.
+    keep_all = _profile(12, seed=1, policy="budget:1")
+    half = _profile(32, seed=2, policy="budget:0.5")
+    assert recommend(options_for([keep_all, half, _profile(48, seed=3, policy="budget:0")])).policy == "budget:0"
+    # budget:0 at 40 needs 3 steps too (32 x 3): then the least recomputation, R = 0.5.
+    assert recommend(options_for([keep_all, half, _profile(40, seed=3, policy="budget:0")])).policy == "budget:0.5"
+    # As many steps: the larger R wins, it recomputes less.
+    also_half = _profile(32, seed=4, policy="budget:0.75")
+    assert recommend(options_for([half, also_half]), "throughput").policy == "budget:0.75"
+    # Against block-level policies: a ratio sorts by how much it may recompute.
+    assert recommend(options_for([_profile(32, seed=5, policy="full"), half]), "throughput").policy == "budget:0.5"
+
+
 def test_an_option_that_misses_the_target_is_passed_over() -> None:
     held = _profile(12, seed=1)
     # m_max 40 with multiple_of 40 reaches 80 or 120, never 96.
