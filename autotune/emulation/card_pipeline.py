@@ -80,7 +80,7 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
             task,
             meter,
             mesh,
-            stage_strategy(request["strategy"], mesh),
+            stage_strategy(request["strategy"], mesh, int(request["world_size"])),
             int(request["limit_bytes"]),
             warnings,
             lambda trial: trials.__setitem__(trial.micro_batch, trial.model_copy(update={"fake": True})),

@@ -42,6 +42,12 @@ data loader makes the whole batch, inputs and targets, on every rank, and ``sche
 views), on every stage. Truth: ``tests/autotune/test_pipeline.py`` runs 2 real processes on gloo with
 ``PipelineStage`` and ``Schedule1F1B`` / ``ScheduleGPipe`` / ``ScheduleInterleaved1F1B``: equal to the byte.
 
+Over FSDP2 (``--strategy fsdp``, :class:`ShardedStage`): the stage is cut and ``fully_shard``-ed on ``meta`` over
+its data-parallel group of D = W / pp, then only its shards are given storage, as torchtitan builds pp x fsdp; the
+replay drives the wrapper as ``PipelineStage`` does (gradients accumulated unsharded and units kept gathered over
+the step's K backwards, one reduce-scatter at its end). Truth: ``tests/autotune/test_pipeline_fsdp.py``, 4 real
+processes (pp 2 x dp 2) on gloo, 1F1B (and GPipe, once by hand): equal to the byte on every rank.
+
 Where this is not exact: a model that combines several modules before its first block (GPT-2's token and
 position embeddings added) makes, on a stage past the first, one transient activation-sized tensor the real
 stage does not (the sum, replaced by the arriving activation at the first block); activations crossing
@@ -76,6 +82,7 @@ __all__ = [
     "Action",
     "PipelineTrials",
     "StageLayout",
+    "ShardedStage",
     "StageStrategy",
     "pipeline_refusal",
     "schedule_actions",
@@ -195,15 +202,147 @@ def pipeline_refusal(schedule: str, stages: int, microbatches: int, blocks: int 
 
 class StageStrategy(Strategy):
     """How a pipeline stage holds its part of the model here: whole, in no process group (the replay stands in
-    for the pipeline's sends and receives; a data-parallel wrapper over the stage is not measured)."""
+    for the pipeline's sends and receives; a data-parallel wrapper over the stage, DDP's buckets, is not
+    measured). A sharding strategy (:class:`ShardedStage`) shards the stage on ``meta`` before it is given
+    storage and takes part in the replay through the hooks below, as ``PipelineStage`` drives its wrapper."""
 
     name = "ddp"
+    # Whether the stage is wrapped on meta (shard_stage) before its parameters are given storage.
+    shards = False
 
     def process_group(self, device: torch.device) -> AbstractContextManager[Any]:
         return nullcontext()
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         return model
+
+    def shard_stage(self, model: nn.Module, task: ProbeTask, held: set[int]) -> None:
+        """Wrap the stage's module (on ``meta``, its other blocks dropped) in place; ``held``: the ids of the
+        parameters the stage holds (the others stay on ``meta`` and are never run)."""
+
+    def forward_ended(self, model: nn.Module, output: Any) -> Any:
+        """The stage's output when its forward stopped at its last block, before the model's own end."""
+        return output
+
+    def backward_begins(self, model: nn.Module) -> None:
+        """Before each micro-batch's backward."""
+
+    def grads_reduced(self, model: nn.Module) -> None:
+        """After the step's last backward, before the gradients are divided by K."""
+
+
+class ShardedStage(StageStrategy):
+    """A stage wrapped by FSDP2 over its data-parallel group, torchtitan's pp x fsdp: rank 0 of a ``(pp, dp)``
+    device mesh in a fake process group of the world size W, the stage's blocks then its root ``fully_shard``-ed
+    over the dp sub-mesh of D = W / pp (the last block not resharded after forward, as :class:`Sharded` wraps a
+    whole model), on ``meta``: only the shards are ever given storage (torchtitan's ``to_empty`` after
+    ``fully_shard``). The parameters the stage does not hold stay on ``meta``, ignored by FSDP2.
+
+    ``PipelineStage`` drives an FSDP2 module its own way (torch/distributed/pipelining/stage.py): before every
+    micro-batch's backward it turns gradient sync and resharding after backward off, so each unit stays gathered
+    and its gradient accumulates unsharded over the K micro-batches; after the step's last backward
+    (``perform_reduce_grad``) it turns them on, runs every unit's ``post_backward`` (reduce-scatter, reshard) and
+    the root's final callback, then divides the sharded gradients by K. The replay calls the same methods at the
+    same points."""
+
+    name = "fsdp"
+    shards = True
+
+    def __init__(self, world_size: int, stages: int) -> None:
+        from autotune.measure.strategies import FSDP_MIN_TORCH
+
+        replicas = world_size // stages
+        if replicas < 2:
+            raise AutotuneError(
+                f"--strategy fsdp with --pp {stages} needs at least 2 data-parallel replicas: --world-size "
+                f"{world_size} / --pp {stages} is {replicas} (use --strategy ddp, or a larger --world-size; "
+                f"FSDP2 needs torch >= {FSDP_MIN_TORCH})"
+            )
+        super().__init__(world_size)
+        self.stages, self.replicas = stages, replicas
+        self._dp_mesh: Any = None
+        self._entered = 0
+
+    @property
+    def describes_replicas(self) -> bool:
+        return False
+
+    def autocast_dtype(self, precision: str) -> torch.dtype | None:
+        # bf16 under FSDP2 is its MixedPrecisionPolicy alone, as Sharded runs it.
+        if precision == "bf16":
+            return None
+        return super().autocast_dtype(precision)
+
+    @contextmanager
+    def process_group(self, device: torch.device) -> Iterator[Any]:
+        from autotune.measure.strategies import _fsdp_api
+
+        if self._entered:  # the probe enters it around the search, and the search again
+            self._entered += 1
+            try:
+                yield None
+            finally:
+                self._entered -= 1
+            return
+        _, _, fake_store = _fsdp_api()
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if dist.is_initialized():
+            raise AutotuneError(
+                "--strategy fsdp --pp probes rank 0 of N through a fake process group, and a process group is "
+                "already initialized in this process: probe before init_process_group, or from `autotune probe`"
+            )
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
+        self._entered = 1
+        try:
+            mesh = init_device_mesh(device.type, (self.stages, self.replicas), mesh_dim_names=("pp", "dp"))
+            self._dp_mesh = mesh["dp"]
+            yield dist.group.WORLD
+        finally:
+            self._entered = 0
+            self._dp_mesh = None
+            dist.destroy_process_group()
+
+    def shard_stage(self, model: nn.Module, task: ProbeTask, held: set[int]) -> None:
+        from autotune.measure.strategies import _LOW_PRECISION, _fsdp_api, shard_units
+
+        if self._dp_mesh is None:
+            raise AutotuneError("--strategy fsdp --pp: the stage was built outside its process group")
+        fully_shard, mixed_precision_policy, _ = _fsdp_api()
+        ignored = {p for p in model.parameters() if id(p) not in held}
+        units = [u for u in shard_units(model, task.shard_classes) if any(p not in ignored for p in u.parameters())]
+        kwargs: dict[str, Any] = {"mesh": self._dp_mesh}
+        low = _LOW_PRECISION.get(task.precision)
+        if low is not None:
+            kwargs["mp_policy"] = mixed_precision_policy(param_dtype=low, reduce_dtype=torch.float32)
+        for index, unit in enumerate(units):
+            fully_shard(unit, reshard_after_forward=index < len(units) - 1, **kwargs)
+        fully_shard(model, ignored_params=ignored or None, **kwargs)
+
+    def forward_ended(self, model: nn.Module, output: Any) -> Any:
+        # The root's forward did not return (the stage stopped at its last block): its post-forward, which the
+        # real stage's module runs when it returns, registers the pre-backward hook on the output.
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard.state(model)._post_forward(model, (), output)  # type: ignore[attr-defined]
+
+    def backward_begins(self, model: nn.Module) -> None:
+        model.set_is_last_backward(False)  # type: ignore[operator]
+        model.set_reshard_after_backward(False)  # type: ignore[operator]
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+
+    def grads_reduced(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        model.set_is_last_backward(True)  # type: ignore[operator]
+        model.set_reshard_after_backward(True)  # type: ignore[operator]
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        state = fully_shard.state(model)  # type: ignore[attr-defined]
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
 
 
 class _StageExit(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -513,21 +652,82 @@ def _meta_model(task: ProbeTask) -> nn.Module:
     return model
 
 
-def _build_stage(task: ProbeTask, layout: StageLayout, stage: int, device: torch.device, model: nn.Module) -> _Stage:
-    """The stage's module: ``model``, the task's model on ``meta`` (built outside any meter's span: under the
-    fake meter's mode meta tensors would come out fake), its own parameters given storage and initialised, the
-    other blocks dropped, hooks that make its forward the stage's."""
-    stages = len(layout.ranges)
-    _materialize_parameters(model, layout.stage_parameters[stage], device)
+def _keep_blocks(layout: StageLayout, stage: int, model: nn.Module) -> list[nn.Module]:
+    """Drop the blocks the stage does not hold from the model's list; the blocks kept."""
     parent_name, _, attribute = layout.container.rpartition(".")
     parent = model.get_submodule(parent_name)
     blocks = list(getattr(parent, attribute).children())
     kept = [blocks[i] for i in layout.ranges[stage]]
     setattr(parent, attribute, nn.ModuleList(kept))
-    _initialise(model)
+    return kept
+
+
+def _shard_on_meta(
+    task: ProbeTask, layout: StageLayout, stage: int, model: nn.Module, strategy: StageStrategy
+) -> set[int]:
+    """A sharding strategy's stage, on ``meta`` (outside the meter's span: no storage yet): the other blocks
+    dropped, the task's memory policy applied, then wrapped. The ids of the parameters it does not hold (they
+    keep their identity; the ones it holds are replaced by their shards)."""
+    keep = layout.stage_parameters[stage]
+    held = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in keep}
+    _keep_blocks(layout, stage, model)
     model.train()
-    # The task's memory policy on the stage's blocks, as build_model applies it to a whole model.
     apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
+    not_held = {id(p) for p in model.parameters() if id(p) not in held}
+    strategy.shard_stage(model, task, held)
+    return not_held
+
+
+def _materialize_shards(model: nn.Module, not_held: set[int], device: torch.device) -> None:
+    """Storage on ``device`` for the shards of the parameters the stage holds (``to_empty`` module by module, as
+    torchtitan gives a sharded model storage) and for every buffer; small normal values for the shards."""
+    made: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            params = [p for p in module._parameters.values() if p is not None]
+            if any(id(p) not in not_held for p in params):
+                module.to_empty(device=device, recurse=False)
+            for name, buffer in module._buffers.items():
+                if buffer is None or not buffer.is_meta:
+                    continue
+                if id(buffer) not in made:
+                    made[id(buffer)] = torch.empty_like(buffer, device=device)
+                module._buffers[name] = made[id(buffer)]
+        for param in model.parameters():
+            if param.is_meta:
+                continue
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if local.is_floating_point():
+                local.normal_(0.0, 0.02)
+            else:
+                local.zero_()
+        for buffer in model.buffers():
+            buffer.zero_()
+
+
+def _build_stage(
+    task: ProbeTask,
+    layout: StageLayout,
+    stage: int,
+    device: torch.device,
+    model: nn.Module,
+    not_held: set[int] | None = None,
+) -> _Stage:
+    """The stage's module: ``model``, the task's model on ``meta`` (built outside any meter's span: under the
+    fake meter's mode meta tensors would come out fake), its own parameters given storage and initialised, the
+    other blocks dropped, hooks that make its forward the stage's. ``not_held`` (from :func:`_shard_on_meta`):
+    the model is already cut and sharded, and only its shards are given storage."""
+    stages = len(layout.ranges)
+    if not_held is not None:
+        _materialize_shards(model, not_held, device)
+        kept = list(model.get_submodule(layout.container).children())
+    else:
+        _materialize_parameters(model, layout.stage_parameters[stage], device)
+        kept = _keep_blocks(layout, stage, model)
+        _initialise(model)
+        model.train()
+        # The task's memory policy on the stage's blocks, as build_model applies it to a whole model.
+        apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
     flow = _Flow()
     built = _Stage(stage, stages, model, flow, layout.ranges[stage].start, len(kept))
 
@@ -549,7 +749,8 @@ def _build_stage(task: ProbeTask, layout: StageLayout, stage: int, device: torch
                 return args, {**kwargs, "hidden_states": flow.arrival}
             return None
 
-        built.handles.append(kept[0].register_forward_pre_hook(arrive, with_kwargs=True))
+        # prepend: before a wrapper's own pre-hook (FSDP2's), which then sees the arrival as the real stage's does.
+        built.handles.append(kept[0].register_forward_pre_hook(arrive, with_kwargs=True, prepend=True))
         for name in layout.prefix_modules:
             if name:
                 _stub(model.get_submodule(name), name, flow)
@@ -584,7 +785,7 @@ class _Replay:
         self,
         task: ProbeTask,
         stage: _Stage,
-        strategy: Strategy,
+        strategy: StageStrategy,
         device: torch.device,
         schedule: str,
         microbatches: int,
@@ -610,6 +811,7 @@ class _Replay:
             else:
                 self._one_f_one_b(batches, arrivals, grads_in)
             del batches
+            self.strategy.grads_reduced(stage.model)
             with torch.no_grad():
                 for param in stage.model.parameters():
                     if param.grad is not None:
@@ -640,7 +842,7 @@ class _Replay:
             with self.strategy.autocast(self.task.precision, self.device):
                 loss = self.task.compute_loss(stage.model, batches[index])
         except _StageExit as stop:
-            output = _first_tensor(stop.output)
+            output = _first_tensor(self.strategy.forward_ended(stage.model, stop.output))
         else:
             output = flow.output
         finally:
@@ -651,6 +853,7 @@ class _Replay:
     def _backward(self, index: int, cache: dict[int, Any], arrivals: list[torch.Tensor], grads_in: list[torch.Tensor]):
         """One backward: the gradient of the stage's input (None on the first stage)."""
         (output, loss) = cache.pop(index)
+        self.strategy.backward_begins(self.stage.model)
         if self.stage.last:
             torch.autograd.backward([loss])
         else:
@@ -821,7 +1024,15 @@ class PipelineTrials:
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.virtual_stages = virtual_stages if schedule == "interleaved-1f1b" else 1
-        self.strategy = strategy or StageStrategy(1)
+        strategy = strategy or StageStrategy(1)
+        if not isinstance(strategy, StageStrategy):  # autotune/search/pipelined.py's stage_strategy makes one
+            raise AutotuneError(f"--pp {stages}: a stage is held by a stage strategy, not {type(strategy).__name__}")
+        self.strategy: StageStrategy = strategy
+        if self.strategy.shards and self.virtual_stages > 1:
+            raise AutotuneError(
+                f"--strategy {self.strategy.name} with --pp-schedule {schedule} is not measured yet "
+                "(measured: 1f1b, gpipe)"
+            )
         # An emulated card's figure of a stage (autotune/emulation/card_search.py): the stage's allocations
         # replayed through the caching allocator; None: the meter's own reading.
         self.stage_figure = stage_figure
@@ -852,12 +1063,18 @@ class PipelineTrials:
         meter = self.meter
         oom = False
         metas = [_meta_model(self.task) for _ in range(self.virtual_stages)]
+        # A sharding strategy cuts and wraps the stage on meta first: only its shards are ever given storage.
+        not_held = (
+            _shard_on_meta(self.task, self.layout, stage_index, metas[0], self.strategy)
+            if self.strategy.shards
+            else None
+        )
         try:
             with meter.measure():
                 replays = []
                 for chunk in range(self.virtual_stages):  # rank r holds stages r, r + pp, ...
                     index = stage_index + chunk * self.stages
-                    stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0))
+                    stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0), not_held)
                     stage.flow.shapes = shapes
                     replays.append(
                         _Replay(

@@ -48,7 +48,7 @@ def estimate_pipeline(
         task,
         meter,
         setup.mesh,
-        stage_strategy(setup.strategy, setup.mesh),
+        stage_strategy(setup.strategy, setup.mesh, setup.world_size),
         limit_bytes,
         warnings,
         on_trial,

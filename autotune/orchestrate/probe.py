@@ -326,7 +326,7 @@ def probe_with_meter(
         config = config.with_setup(presearch=False)
     started = time.perf_counter()
     strategy = (
-        stage_strategy(config.strategy, config.mesh)
+        stage_strategy(config.strategy, config.mesh, config.world_size)
         if config.mesh.pp > 1
         else make_strategy(config.strategy, config.world_size, config.mesh)
     )

@@ -18,7 +18,7 @@ from autotune.core.mesh import Mesh
 from autotune.core.schemas import PipelineStages, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters import Meter
-from autotune.measure.pipeline import PipelineTrials, StageFigure, StageStrategy
+from autotune.measure.pipeline import PipelineTrials, ShardedStage, StageFigure, StageStrategy
 from autotune.measure.strategies import Strategy
 from autotune.search.boundary import FAR_EXTRAPOLATION, SearchResult, find_max_micro_batch, reported
 from autotune.tasks.task import ProbeTask
@@ -38,18 +38,26 @@ def measured_microbatches(mesh: Mesh) -> int:
     return mesh.pp_microbatches or mesh.pp
 
 
-def stage_strategy(strategy: str, mesh: Mesh) -> Strategy:
-    """How a stage holds its part of the model: whole, as one replica of D (a data-parallel wrapper over the
-    stage, DDP's buckets, is not measured).
+def stage_strategy(strategy: str, mesh: Mesh, world_size: int) -> StageStrategy:
+    """How a stage holds its part of the model: whole, as one replica of D (ddp: a data-parallel wrapper over the
+    stage, DDP's buckets, is not measured), or sharded by FSDP2 over its data-parallel group of D = W / pp
+    (fsdp, :class:`ShardedStage`).
 
     Raises:
-        AutotuneError: a pipeline composed with what is not measured with it yet (fsdp, tp, cp).
+        AutotuneError: a pipeline composed with what is not measured with it yet (tp, cp; fsdp under the
+            interleaved schedule or with fewer than 2 replicas).
     """
-    if strategy != "ddp" or mesh.tp > 1 or mesh.cp > 1:
+    if mesh.tp > 1 or mesh.cp > 1:
         raise AutotuneError(
-            f"--pp {mesh.pp} is measured with --strategy ddp and no --tp or --cp yet "
+            f"--pp {mesh.pp} is measured with --strategy ddp or fsdp and no --tp or --cp yet "
             f"(asked: --strategy {strategy}, {mesh.describe()})"
         )
+    if strategy == "fsdp":
+        if mesh.pp_schedule == "interleaved-1f1b":
+            raise AutotuneError(
+                f"--strategy fsdp with --pp-schedule {mesh.pp_schedule} is not measured yet (measured: 1f1b, gpipe)"
+            )
+        return ShardedStage(world_size, mesh.pp)
     return StageStrategy(1)
 
 
@@ -90,13 +98,16 @@ def search_pipeline(
     trial = reported(trials, on_trial)
 
     try:
-        result = find_max_micro_batch(
-            trial,
-            limit_bytes=limit_bytes,
-            max_micro_batch=max_micro_batch,
-            multiple_of=multiple_of,
-            far_extrapolation=far_extrapolation,
-        )
+        # A sharded stage's process group: the probe has entered it around its search already; the estimate and an
+        # emulated card's child enter it here (a ddp stage's is none).
+        with strategy.process_group(meter.device):
+            result = find_max_micro_batch(
+                trial,
+                limit_bytes=limit_bytes,
+                max_micro_batch=max_micro_batch,
+                multiple_of=multiple_of,
+                far_extrapolation=far_extrapolation,
+            )
     finally:
         trials.close()
         warnings.extend(w for w in trials.warnings if w not in warnings)
