@@ -5,8 +5,9 @@ L = 8192 on emulated H100s (80 GB), one `autotune estimate` per mesh, as a user 
     nice .venv/bin/python bench/meshes.py --only 8b  # one model
 
 The meshes are the issue's: fsdp 8; fsdp 4 x tp 2; fsdp 2 x tp 2 x pp 2 (1F1B, K = 8); cp 2; and tp 8 alone. What
-the project cannot estimate yet is printed as its one-line refusal or error (pp with tp or fsdp, cp, Mixtral's
-expert tensor parallelism), so the table says where the answer stops. A pipeline's row adds each stage's figure at
+the project cannot estimate yet is printed as its one-line refusal or error (pp with tp or fsdp, cp with fsdp: cp
+composes with ddp only, the ddp 4 x cp 2 row; Mixtral's expert tensor parallelism), so the table says where the
+answer stops. A pipeline's row adds each stage's figure at
 m_max, the most loaded stage and the bubble. Mixtral 8x7B's shapes (8 experts, top-2) run beside the Llamas.
 AdamW runs with foreach=false under tp: foreach AdamW fails on lists that mix plain tensors (the norms, outside the
 tp plan) and DTensors, as the real job would. Each row gives m_max per rank (the most loaded rank or stage), the
@@ -43,6 +44,8 @@ MESHES = {
     ),
     "pp 2 (1F1B, K 8)": ("--world-size", "2", "--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "8"),
     "fsdp 4 x cp 2": ("--strategy", "fsdp", "--world-size", "8", "--cp", "2"),
+    # cp composes with ddp only today (autotune/measure/context_parallel.py): ddp over the 4 replicas of a cp 2 pair.
+    "ddp 4 x cp 2": ("--world-size", "8", "--cp", "2"),
 }  # fmt: skip
 
 

@@ -49,14 +49,12 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 def _check_mesh(args: argparse.Namespace) -> None:
     """The meshes measured today, refused before any work where they are not: context parallelism with anything
-    but ddp or on an emulated card (autotune/measure/context_parallel.py), a pipeline composed with tensor
+    but ddp (autotune/measure/context_parallel.py), a pipeline composed with tensor
     parallelism (a pipeline over fsdp is measured, autotune/measure/pipeline.py's ShardedStage, but not under the
     interleaved schedule)."""
     cp, pp, tp = getattr(args, "cp", 1) or 1, getattr(args, "pp", 1) or 1, getattr(args, "tp", 1) or 1
-    if cp > 1 and (getattr(args, "gpu", None) or tp > 1 or pp > 1 or getattr(args, "strategy", "ddp") == "fsdp"):
-        raise CliError(
-            f"--cp {cp}: context parallelism is measured alone, over ddp, not on an emulated card (--gpu) yet"
-        )
+    if cp > 1 and (tp > 1 or pp > 1 or getattr(args, "strategy", "ddp") == "fsdp"):
+        raise CliError(f"--cp {cp}: context parallelism is measured alone, over ddp, today")
     if pp > 1 and tp > 1:
         raise CliError(f"--pp {pp} with --tp {tp}: a pipeline is measured over ddp or fsdp, without --tp, today")
     if (

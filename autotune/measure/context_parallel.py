@@ -38,6 +38,13 @@ handler, where the probe's dispatch modes are off; the rules re-enter them (``_o
 ring's allocations are counted. The truth in tests/autotune/_cp_worker.py installs the
 same kernel in each of its real processes: without it the job cannot run on the CPU at all.
 
+On an emulated card (``autotune estimate --gpu``; fake CUDA tensors in the emulated child) none of that is
+installed: SDPA reaches ``aten._scaled_dot_product_flash_attention`` on CUDA (flash for bf16 on an sm80+ card;
+fp32 takes the math path, whose causal mask DTensor refuses, as a real job's would be) and torch's own
+context-parallel rule runs the ring, with the op's fake kernel per block. That rule too calls the ring with the
+dispatch modes off: for as long as the process group lives the ring's two functions re-enter them
+(``_ring_under_outer_modes``), so the ring's buffers are counted there as on the CPU.
+
 As ``--strategy fsdp`` and ``--tp`` do, one process answers for one rank of the job's W ranks through a fake
 process group of size W over a ``(dp, cp)`` mesh, ``dp = D = W / cp``: ``context_parallel`` really shards the
 buffers, the collectives do nothing and the buffers they return (the all-gathered key/value, the rotated key
@@ -48,8 +55,8 @@ merged in place); the probe measures the rank named by ``rank`` (:data:`MEASURED
 loaded in the comparison with real processes; docs/meshes.md gives the figures).
 
 What is refused, one line each: a model that is not a causal LM over ``input_ids`` and ``labels``, an attention
-other than ``sdpa``, a sequence length cp does not divide, ``--strategy fsdp`` or ``--tp`` with ``--cp``
-(measured alone, over ddp, today).
+other than ``sdpa``, a sequence length cp does not divide, ``--strategy fsdp``, ``--tp`` or ``--pp`` with
+``--cp`` (measured alone, over ddp, today).
 """
 
 from __future__ import annotations
@@ -199,6 +206,35 @@ def _ring_flash_cpu_backward(op_call: Any, args: tuple[Any, ...], kwargs: dict[s
     return _as_dtensor(grads[0], query), _as_dtensor(grads[1], key), _as_dtensor(grads[2], value)
 
 
+# torch's ring, forward and backward: what its own context-parallel rules (``_sdpa_handler``, the CUDA kernels')
+# call, by name, on the local shards.
+_RING_FUNCTIONS = ("_templated_ring_attention", "_templated_ring_attention_backward")
+
+
+@contextmanager
+def _ring_under_outer_modes() -> Iterator[None]:
+    """On CUDA the attention's context-parallel rules are torch's own, which call the ring with the dispatch modes
+    off, as the CPU rules do: for as long as the block runs, the ring's two functions re-enter them."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    originals = {name: getattr(ring, name) for name in _RING_FUNCTIONS}
+
+    def counted(function: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with _under_outer_modes():
+                return function(*args, **kwargs)
+
+        return run
+
+    for name, function in originals.items():
+        setattr(ring, name, counted(function))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(ring, name, function)
+
+
 def install_cpu_flash_attention() -> None:
     """Let torch's context-parallel ring attention run on the CPU (the module's docstring says how). Once per
     process; the DTensor rules are torch's ``custom_ops`` table, which ``context_parallel`` reads on entry."""
@@ -282,7 +318,13 @@ class ContextParallel(Strategy):
                 "--cp probes one rank of N through a fake process group, and a process group is already "
                 "initialized in this process: probe before init_process_group, or from `autotune probe`"
             )
-        install_cpu_flash_attention()
+        # On the CPU the ring's per-block kernel is the adapter; on CUDA (fake CUDA tensors on an emulated card)
+        # SDPA reaches torch's own CUDA flash (or efficient, cuDNN) op and its context-parallel rule.
+        counting = ExitStack()
+        if device.type == "cpu":
+            install_cpu_flash_attention()
+        else:
+            counting.enter_context(_ring_under_outer_modes())
         rotation = ring._cp_options.rotate_method
         ring.set_rotate_method(self.rotation)
         # The measured rank is (dp 0, cp rank): global rank ``rank`` of the (dp, cp) mesh.
@@ -297,6 +339,7 @@ class ContextParallel(Strategy):
             self._inside.close()
             self._device_mesh = self._group = None
             ring._cp_options.rotate_method = rotation
+            counting.close()
             dist.destroy_process_group()
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -334,6 +377,21 @@ class ContextParallel(Strategy):
         if task.offload == "params":
             raise TaskError("--offload params needs --strategy fsdp, which --cp is not measured with yet")
         _check_model(model, task, self.mesh.cp)
+        config = model.config
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if (
+            device.type == "cuda"
+            and task.precision == "fp32"
+            and task.weights_dtype in (None, "fp32")
+            and kv_heads != heads
+        ):
+            # transformers passes enable_gqa=True without a mask; flash takes bf16/fp16 only, the efficient kernel
+            # no GQA: SDPA's math path, whose causal mask torch's ring cannot shard (a real job fails there too).
+            raise TaskError(
+                f"--cp {self.mesh.cp}: fp32 attention over grouped key/value heads ({kv_heads} for {heads}) takes "
+                "SDPA's math path on CUDA, which torch's context parallelism cannot run: --precision bf16 (flash)"
+            )
         for name, module in model.named_modules():
             if name.endswith("self_attn"):
                 module.register_forward_pre_hook(_drop_mask, with_kwargs=True)

@@ -46,7 +46,8 @@ def estimated_profile(
     config's target; DDP's buckets said to be left out where there are replicas)."""
     setup = config.probe
     assert setup.budget_bytes is not None
-    if setup.strategy == "ddp" and setup.data_parallel > 1:  # DDP over the data-parallel replicas only
+    # DDP over the data-parallel replicas; under --cp over every rank (the cp ranks hold the same parameters).
+    if setup.strategy == "ddp" and (setup.data_parallel > 1 or setup.mesh.cp > 1):
         warnings.append(DDP_BUCKETS_LEFT_OUT)
     if task.tags.get("quantize"):
         from autotune.tasks.quantize import fake_kernel_note
