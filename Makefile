@@ -30,7 +30,7 @@ $(CUDA_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_PIP) install --quiet torch==$(TORCH_VERSION) numpy
 	$(CUDA_VENV)/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda is None)'
-	$(CUDA_PIP) install --quiet -e . 'transformers>=5,<6' 'peft>=0.13' 'bitsandbytes>=0.45'
+	$(CUDA_PIP) install --quiet -e . 'transformers>=5,<6' 'peft>=0.13' 'bitsandbytes>=0.45' 'torchao>=0.10'
 	touch $@
 
 # Debian's chromium for the browser tests (Playwright's own browser download cannot work here).

@@ -11,10 +11,9 @@
   Alpaca): peak memory allocated 51.6 (fused AdamW), 39.3 (bitsandbytes 8-bit), 39.1 (torchao 8-bit), 33.2
   (torchao 4-bit), read as GiB (torchtune's memory log divides by 1024**3). Assumed, not published there:
   torchtune's full-finetune low-memory recipe's batch 2 with activation checkpointing, and Alpaca samples
-  padded to L = 512. Compared: the estimate's allocated bytes at m = 2. 4-bit states are refused on an
-  emulated card (torchao steps each parameter through torch.compile(fullgraph=True): dynamo does not trace on
-  fake tensors, and torchao builds its 4-bit code table with .tolist()); they are measured on the CPU only
-  (tests/autotune/test_torchao_optimizers.py): the refusal line is printed.
+  padded to L = 512. Compared: the estimate's allocated bytes at m = 2. torchao's 4-bit step is compiled
+  (torch.compile(fullgraph=True)), which dynamo does not trace on fake tensors: the emulated card runs it eagerly,
+  its states torchao's own, its temporaries the eager ops' (docs/recipes.md says what that assumes).
 - **qlora**, Llama 3.1 8B with LoRA r16 over an NF4 base on an RTX 4090 at L = 2048, every layer checkpointed
   (QLoRA recipes turn gradient checkpointing on: peft's prepare_model_for_kbit_training does by default): m_max
   and the reserved bytes at m = 1; no published figure to compare.

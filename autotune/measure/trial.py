@@ -37,6 +37,7 @@ from autotune.measure.oom import is_oom
 from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Replicated, Strategy
 from autotune.tasks.batches import has_tensor, map_tensors
+from autotune.tasks.optimizers import eager_step
 from autotune.tasks.task import ProbeTask, weights_dtype_refusal
 
 __all__ = [
@@ -226,7 +227,7 @@ def _cycle(
                 del batch, loss
         meter.checkpoint(FORWARD_BACKWARD)
         # Under --offload params the step runs on the CPU: what it makes is host memory.
-        with step_on_host(task.offload, optimizer):
+        with step_on_host(task.offload, optimizer), _fake_step(task, meter):
             if scaler is not None:
                 scaler.step(optimizer)
                 scaler.update()
@@ -369,6 +370,14 @@ def frozen_heap() -> Iterator[None]:
             gc.unfreeze()
 
 
+def _fake_step(task: ProbeTask, meter: Meter) -> contextlib.AbstractContextManager[None]:
+    """A compiled optimizer step (torchao's) run eagerly where the trial is fake: dynamo does not trace fake
+    tensors (autotune/tasks/optimizers.py, eager_step)."""
+    from autotune.measure.meters.fake import FakeMeter
+
+    return eager_step(task.optimizer) if isinstance(meter, FakeMeter) else contextlib.nullcontext()
+
+
 def _fake_and_sharded(meter: Meter, strategy: Strategy) -> bool:
     from autotune.measure.meters.fake import FakeMeter
 
@@ -496,7 +505,8 @@ def measure_weights(task: ProbeTask, meter: Meter) -> int | None:
         for param in model.parameters():
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
-        optimizer.step()  # creates the lazily allocated optimizer state
+        with _fake_step(task, meter):
+            optimizer.step()  # creates the lazily allocated optimizer state
         optimizer.zero_grad(set_to_none=True)
 
     measured = True

@@ -35,7 +35,7 @@ from autotune.orchestrate.estimated import estimated_profile
 from autotune.search.boundary import NoFitError
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeTrials, fake_search
-from autotune.tasks.optimizers import refuse_compiled_step
+from autotune.tasks.optimizers import eager_step_note, refuse_compiled_step
 from autotune.tasks.task import ProbeTask
 
 # EstimateConfig lives in autotune/orchestrate/config.py (the config family); imported here too, where the
@@ -79,9 +79,9 @@ def estimate(
     config.validate()
     setup = config.probe
     assert setup.budget_bytes is not None  # validate() refused None
-    # torchao's compiled step cannot run on fake tensors: refused before any work (autotune/tasks/optimizers.py).
-    refuse_compiled_step(task.optimizer, allocator_count=False, world_size=setup.world_size)
-    warnings: list[str] = []
+    # torchao's compiled step runs eagerly on fake tensors, on one device (autotune/tasks/optimizers.py).
+    refuse_compiled_step(task.optimizer, allocator_count=False, fake=True, world_size=setup.world_size)
+    warnings: list[str] = [note] if (note := eager_step_note(task.optimizer)) else []
     if (setup.compile or task.compile) is not None:  # fake trials run the eager model (docs/compile.md)
         from autotune.measure.meters.compiled import estimated_eager
 
@@ -182,9 +182,14 @@ def estimate_for_card_at_lengths(
 ) -> list[Profile]:
     """``autotune estimate --gpu --seq-len``: every length's estimate for config.card in one emulated child;
     where the card cannot be emulated here, each length with CPU semantics, saying why (estimate() does)."""
-    refuse_compiled_step(task.optimizer, allocator_count=False, world_size=1)
+    refuse_compiled_step(task.optimizer, allocator_count=False, fake=True, world_size=1)
     try:
-        return estimate_on_card_lengths(task, config, lengths, on_trial=on_trial)
+        profiles = estimate_on_card_lengths(task, config, lengths, on_trial=on_trial)
     except EmulationUnavailable as exc:
         config = dataclasses.replace(config, emulation_failed=str(exc))
-    return [estimate(task.at_length(seq_len), config, on_trial=on_trial) for seq_len in lengths]
+        return [estimate(task.at_length(seq_len), config, on_trial=on_trial) for seq_len in lengths]
+    note = eager_step_note(task.optimizer)
+    if note is not None:
+        for profile in profiles:
+            profile.warnings.insert(0, note)
+    return profiles

@@ -48,6 +48,7 @@ from autotune.search.presearch import (
     fake_surface,
     hold_lane_model,
 )
+from autotune.tasks.optimizers import compiled_step
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
@@ -480,7 +481,9 @@ def probe_lengths(
     task = _checked(task, config, lengths)
     # A compiled task's trials at every length run compiled, on the meter that sees the compiled code's buffers: each
     # length's probe compiles and confirms static as a single-length probe does (docs/compile.md).
-    meter = make_meter(resolve_device(config.device), config.budget_bytes, compiled=task.compile is not None)
+    # A torchao optimizer's step is compiled too (autotune/tasks/optimizers.py), as probe() reads it.
+    compiled = task.compile is not None or compiled_step(task.optimizer) is not None
+    meter = make_meter(resolve_device(config.device), config.budget_bytes, compiled=compiled)
     try:
         limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
         strategy = make_strategy(config.strategy, config.world_size, config.mesh)

@@ -16,11 +16,13 @@ NAME is a ``torch.optim`` class (any case), ``package.module.Class``, or one of 
 - ``adamw4bit``: torchao's ``AdamW4bit`` (the Trainer's ``adamw_torch_4bit``; bitsandbytes has no 4-bit
   states). torchao steps each parameter through ``torch.compile(fullgraph=True)``, so a job with any
   ``torchao.optim`` class is measured as a compiled job is (:func:`compiled_step`): on the CPU by the allocator's
-  own count (``CompiledCpuMeter``; exact against the ordinary loop), with no fake pre-search, one device. The
-  rest is refused in one line (:func:`refuse_compiled_step`): under the CPU's dispatch meter dynamo compiles no
-  frame ("found no compiled frames"); on fake tensors (the pre-search, an emulated card) dynamo does not trace
-  and torchao builds its 4-bit code table with ``.tolist()`` (a data-dependent op fake tensors cannot run);
-  under ``--world-size`` > 1 it is not measured yet.
+  own count (``CompiledCpuMeter``; exact against the ordinary loop), with no fake pre-search, one device. On fake
+  tensors (``autotune estimate``, an emulated card) dynamo does not trace, so the fake trial runs torchao's own
+  step eagerly (:func:`eager_step`): its states built by its own constructors (``OptimState4bit.zeros``: codes
+  packed two a byte, an fp32 scale per block, the 16-entry code table), its ``single_param_adam`` op by op; what
+  that leaves out is said on the datasheet (:func:`eager_step_note`). The rest is refused in one line
+  (:func:`refuse_compiled_step`): under the CPU's dispatch meter dynamo compiles no frame ("found no compiled
+  frames"); under ``--world-size`` > 1 it is not measured yet.
 
 Under ``--strategy fsdp`` or ``--tp`` the parameters are DTensors; bitsandbytes' update ops
 (``bitsandbytes.optimizer_update_32bit``, ``optimizer_update_8bit_blockwise``) have no DTensor sharding rule,
@@ -36,10 +38,11 @@ options are flags and sizes). Keys are checked against the class's signature bef
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +58,8 @@ __all__ = [
     "optimizer_factory",
     "parse_optimizer_spec",
     "compiled_step",
+    "eager_step",
+    "eager_step_note",
     "refuse_compiled_step",
     "refuse_under_sharding",
 ]
@@ -302,10 +307,10 @@ def compiled_step(optimizer: object) -> str | None:
     return _COMPILED_STEP.get(optimizer.cls.__module__.partition(".")[0])
 
 
-def refuse_compiled_step(optimizer: object, *, allocator_count: bool, world_size: int) -> None:
+def refuse_compiled_step(optimizer: object, *, allocator_count: bool, world_size: int, fake: bool = False) -> None:
     """Refuse, in one line, a compiled step (:func:`compiled_step`) where it is not measured: anywhere but a meter
     that counts what the allocator hands out (``allocator_count``: the CPU's ``CompiledCpuMeter``, a card's caching
-    allocator), and under more than one rank.
+    allocator) or fake trials (``fake``: the step run eagerly, :func:`eager_step`), and under more than one rank.
 
     Raises:
         TaskError: naming the spec and the cause.
@@ -314,14 +319,75 @@ def refuse_compiled_step(optimizer: object, *, allocator_count: bool, world_size
     if why is None:
         return
     assert isinstance(optimizer, SpecOptimizer)
-    if not allocator_count:
+    if not (allocator_count or fake):
         raise TaskError(
             f"--optimizer {optimizer.spec.text}: {why}, which runs on the CPU (--device cpu, measured by the "
-            "allocator's own count) or a card, not on fake tensors (an emulated card, --gpu: dynamo does not trace "
-            "under FakeTensorMode, and torchao builds its 4-bit code table with .tolist())"
+            "allocator's own count), on a card, or eagerly on fake tensors (autotune estimate, an emulated card), "
+            "not under the CPU's dispatch meter (dynamo compiles no frame there)"
         )
     if world_size > 1:
         raise TaskError(
             f"--optimizer {optimizer.spec.text} --world-size {world_size}: {why}; measured on one device only "
             "(not against real ranks yet)"
         )
+
+
+# torchao's code tables (lru_cached Python lists, built with .tolist(): a data-dependent read fake tensors cannot
+# answer): built here, on real tensors, before a fake step first asks for them.
+_TORCHAO_TABLES = ("torchao.optim.subclass_4bit", "torchao.optim.subclass_8bit")
+
+
+def _warm_code_tables() -> None:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # real tensors: outside FakeTensorMode and every counting mode
+        for name in _TORCHAO_TABLES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            for attribute, value in vars(module).items():
+                if attribute.startswith("get_qmap") and hasattr(value, "cache_info"):
+                    value()
+
+
+def _uncompiled(model: Any = None, **_options: Any) -> Any:
+    """``torch.compile`` as the identity: the function itself, run op by op (also as a decorator factory)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+@contextlib.contextmanager
+def eager_step(optimizer: object) -> Iterator[None]:
+    """Around a fake trial's optimizer step: a compiled step (:func:`compiled_step`, torchao's) runs eagerly, op by
+    op, on the fake tensors, where dynamo does not trace (``fullgraph=True`` then fails: "found no compiled
+    frames"). torchao's step calls ``torch.compile(single_param_adam, ...)(...)`` per parameter: for the span,
+    ``torch.compile`` hands back the function itself, so the states are built by torchao's own constructors and
+    updated by its own ops; its code tables are built first, on real tensors. Nothing for any other optimizer."""
+    if compiled_step(optimizer) is None:
+        yield
+        return
+    import torch
+
+    _warm_code_tables()
+    compile_ = torch.compile
+    torch.compile = _uncompiled  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+
+
+def eager_step_note(optimizer: object) -> str | None:
+    """What a fake trial of a compiled step measured and what it assumed (the datasheet's warning), None for
+    another optimizer."""
+    why = compiled_step(optimizer)
+    if why is None:
+        return None
+    assert isinstance(optimizer, SpecOptimizer)
+    return (
+        f"--optimizer {optimizer.spec.text}: {why}; the fake trials ran it eagerly, op by op: its states are "
+        "torchao's own (built by its constructors); the step's temporaries are its eager ops', assumed to stand for "
+        "the buffers of the kernels torch.compile makes of them (on the CPU the eager ops hold 24 bytes per element "
+        "of the parameter stepped for fp32, 28 for bf16, inductor's kernels 26; a card's Triton kernels are not "
+        "measured)"
+    )

@@ -101,8 +101,17 @@ def test_eight_bit_adam_holds_less_than_fused_adamw(folder: Path) -> None:
         peaks.append(min(t["step_bytes"] for t in profile["trials"] if t.get("step_bytes")))
     # Two one-byte moments against two bf16 ones: the step's floor is lower.
     assert peaks[0] < peaks[1]
-    refused = run(tiny([*eight_bit[:-1], "adamw4bit"]), folder)
-    assert refused.returncode == 2 and "torchao's low-bit optimizers step through torch.compile" in refused.stderr
+
+
+def test_four_bit_adam_runs_eagerly_on_fake_tensors(folder: Path) -> None:
+    (command,) = commands("## Llama 2 7B in full bf16 with torchao's 4-bit AdamW on an A100 80 GB")
+    assert command[-2:] == ["--optimizer", "adamw4bit"]
+    done = run([*tiny(command), "--output", "four.json"], folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = json.loads((folder / "four.json").read_text())
+    profile = profile[0] if isinstance(profile, list) else profile
+    assert profile["source"] == "estimate" and profile["max_micro_batch"] >= 1
+    assert any("the fake trials ran it eagerly" in warning for warning in profile["warnings"])
 
 
 def test_qlora_runs(folder: Path) -> None:
