@@ -10,8 +10,6 @@ attention on the CPU through install_cpu_flash_attention, whose results are chec
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from autotune.cli import main
 from autotune.core.mesh import Mesh
 from autotune.measure.context_parallel import MEASURED_RANK
 from autotune.orchestrate.probe import ProbeConfig, probe
@@ -46,32 +45,41 @@ def _spawn(target: Any, args: tuple[Any, ...], out: Path) -> None:
         pytest.fail(f"the 2-process job failed: {exc}\n{errors}")
 
 
-def _truth(floors: dict[int, int], tmp_path: Path) -> dict[int, list[list[int]]]:
-    """Each run's per-rank peaks at each size, over 2 real processes (cp = 2), until the most loaded rank is at or
-    below the size's floor (the probe's figure; a huge one for one run)."""
+@pytest.fixture(scope="module")
+def cp_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The probe's answer at cp = 2 and, in one spawn of 2 real processes (cp = 2), each run's per-rank peaks at
+    m_max and m_max + 1, until the most loaded rank is at or below the size's floor (the probe's figure; three runs
+    where the probe has none), then the ring's differences from plain SDPA under each rotation."""
     from tests.autotune import _cp_worker
 
-    config: dict[str, Any] = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
-    config["tie_word_embeddings"] = False
-    out = tmp_path / "truth"
-    out.mkdir()
-    _spawn(_cp_worker.run, (2, SEQ_LEN, str(out / "rendezvous"), str(out), config, floors), out)
-    return {int(m): runs for m, runs in json.loads((out / "runs.json").read_text()).items()}
-
-
-def test_cp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(tmp_path: Path) -> None:
+    tmp_path = tmp_path_factory.mktemp("cp")
     task = hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False)).at_length(SEQ_LEN)
     config = ProbeConfig(
         device="cpu", budget_bytes=1_500_000, headroom=0.0, strategy="ddp", world_size=2, mesh=Mesh(cp=2)
     )
     measured = probe(task, config)
     m_max = measured.max_micro_batch
-    assert measured.mesh == {"cp": 2}
     # A trial that crossed the budget stopped there: its figure is where it stopped, not its peak.
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
-    runs = _truth({m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1, 1 << 62)}, tmp_path)
+    floors = {m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1)}
+    worker_config: dict[str, Any] = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
+    worker_config["tie_word_embeddings"] = False
+    out = tmp_path / "truth"
+    out.mkdir()
+    args = (2, SEQ_LEN, str(out / "rendezvous"), str(out), worker_config, floors, "allgather", True)
+    _spawn(_cp_worker.run, args, out)
+    runs = {int(m): figures for m, figures in json.loads((out / "runs.json").read_text()).items()}
+    ring = json.loads((out / "ring.json").read_text())
+    return {"measured": measured, "peaks": peaks, "runs": runs, "ring": ring}
+
+
+def test_cp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(cp_job: dict[str, Any]) -> None:
+    measured, peaks, runs = cp_job["measured"], cp_job["peaks"], cp_job["runs"]
+    m_max = measured.max_micro_batch
+    assert measured.mesh == {"cp": 2}
     print(f"cp 2 (ddp x2, L={SEQ_LEN}): m_max {m_max}; probe {peaks}; real ranks' peaks, runs {runs}")
-    floor = {m: min(figures, key=max) for m, figures in runs.items()}  # the run whose most loaded rank is lowest
+    # Each rank's least run: a run reads above a rank's floor, never below (tests/autotune/_cp_worker.py).
+    floor = {m: [min(rank) for rank in zip(*figures, strict=True)] for m, figures in runs.items()}
     # The rank the probe measures is the most loaded one (the head-tail balancer gives it the partial merges).
     assert all(ranks.index(max(ranks)) == MEASURED_RANK for ranks in floor.values())
     truth = {m: max(ranks) for m, ranks in floor.items()}
@@ -115,24 +123,11 @@ def test_the_rings_own_buffers_are_counted_under_each_rotation(tmp_path: Path, m
     assert peaks["allgather"][m] - peaks["alltoall"][m] == key_value_bytes, peaks
 
 
-def test_torchs_ring_attention_on_the_cpu_kernel_equals_plain_sdpa(tmp_path: Path) -> None:
-    from tests.autotune import _cp_worker
-
-    _spawn(_cp_worker.check_ring, (2, str(tmp_path / "rendezvous"), str(tmp_path)), tmp_path)
-    differences = json.loads((tmp_path / "ring.json").read_text())
+def test_torchs_ring_attention_on_the_cpu_kernel_equals_plain_sdpa(cp_job: dict[str, Any]) -> None:
+    differences = cp_job["ring"]  # checked in the truth's processes (tests/autotune/_cp_worker.py)
     assert set(differences) == {"allgather", "alltoall"}
     for rotation, (out, grad_q, grad_k, grad_v) in differences.items():
         assert max(out, grad_q, grad_k, grad_v) < 1e-5, (rotation, differences[rotation])
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autotune.cli", "probe", *args, "--device", "cpu", "--budget", "1MiB"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(
@@ -142,10 +137,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         ("gpt", ["--cp", "2", "--world-size", "2"], "context parallelism is measured for hf: causal LMs"),
     ],
 )
-def test_a_job_cp_cannot_take_is_one_line_and_exit_2(tmp_path: Path, target: str, flags: list[str], line: str) -> None:
+def test_a_job_cp_cannot_take_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str, flags: list[str], line: str
+) -> None:
     output = tmp_path / "profile.json"
     task = f"hf:{write_config(tmp_path, 'llama')}" if target == "llama" else "examples/gpt.py"
-    done = _cli(task, *flags, "--output", str(output))
-    errors = [text for text in done.stderr.splitlines() if text.startswith("autotune: error:")]
-    assert done.returncode == 2 and len(errors) == 1 and line in errors[0], done.stderr[-2000:]
+    code = main(["probe", task, *flags, "--device", "cpu", "--budget", "1MiB", "--output", str(output)])
+    stderr = capsys.readouterr().err
+    errors = [text for text in stderr.splitlines() if text.startswith("autotune: error:")]
+    assert code == 2 and len(errors) == 1 and line in errors[0], stderr[-2000:]
     assert not output.exists()
