@@ -49,20 +49,16 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 def _check_mesh(args: argparse.Namespace) -> None:
     """The meshes measured today, refused before any work where they are not: context parallelism with anything
-    but ddp (autotune/measure/context_parallel.py), a pipeline composed with tensor
-    parallelism (a pipeline over fsdp is measured, autotune/measure/pipeline.py's ShardedStage, but not under the
-    interleaved schedule)."""
+    but ddp (autotune/measure/context_parallel.py), a pipeline over fsdp or tp under the interleaved schedule (over
+    them a pipeline is measured under 1f1b and gpipe: autotune/measure/pipeline.py's ShardedStage)."""
     cp, pp, tp = getattr(args, "cp", 1) or 1, getattr(args, "pp", 1) or 1, getattr(args, "tp", 1) or 1
     if cp > 1 and (tp > 1 or pp > 1 or getattr(args, "strategy", "ddp") == "fsdp"):
         raise CliError(f"--cp {cp}: context parallelism is measured alone, over ddp, today")
-    if pp > 1 and tp > 1:
-        raise CliError(f"--pp {pp} with --tp {tp}: a pipeline is measured over ddp or fsdp, without --tp, today")
-    if (
-        pp > 1
-        and getattr(args, "strategy", "ddp") == "fsdp"
-        and getattr(args, "pp_schedule", None) == "interleaved-1f1b"
-    ):
-        raise CliError(f"--pp {pp} --strategy fsdp: --pp-schedule interleaved-1f1b is not measured over fsdp yet")
+    sharded = getattr(args, "strategy", "ddp") == "fsdp" or tp > 1
+    if pp > 1 and sharded and getattr(args, "pp_schedule", None) == "interleaved-1f1b":
+        raise CliError(
+            f"--pp {pp} with --strategy fsdp or --tp: --pp-schedule interleaved-1f1b is not measured over them yet"
+        )
 
 
 def _check_compile_policies(args: argparse.Namespace) -> None:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -216,9 +217,9 @@ class StageStrategy(Strategy):
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         return model
 
-    def shard_stage(self, model: nn.Module, task: ProbeTask, held: set[int]) -> None:
-        """Wrap the stage's module (on ``meta``, its other blocks dropped) in place; ``held``: the ids of the
-        parameters the stage holds (the others stay on ``meta`` and are never run)."""
+    def shard_stage(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
+        """Wrap the stage's module (on ``meta``, its other blocks dropped) in place; ``not_held``: the ids of the
+        parameters the stage does not hold (they stay on ``meta`` and are never run)."""
 
     def forward_ended(self, model: nn.Module, output: Any) -> Any:
         """The stage's output when its forward stopped at its last block, before the model's own end."""
@@ -232,11 +233,14 @@ class StageStrategy(Strategy):
 
 
 class ShardedStage(StageStrategy):
-    """A stage wrapped by FSDP2 over its data-parallel group, torchtitan's pp x fsdp: rank 0 of a ``(pp, dp)``
-    device mesh in a fake process group of the world size W, the stage's blocks then its root ``fully_shard``-ed
-    over the dp sub-mesh of D = W / pp (the last block not resharded after forward, as :class:`Sharded` wraps a
-    whole model), on ``meta``: only the shards are ever given storage (torchtitan's ``to_empty`` after
-    ``fully_shard``). The parameters the stage does not hold stay on ``meta``, ignored by FSDP2.
+    """A stage wrapped over its data-parallel and tensor-parallel groups, torchtitan's pp x fsdp (x tp): rank 0 of a
+    ``(pp, dp, tp)`` device mesh in a fake process group of the world size W (D = W / (pp x tp)). With tp > 1 the
+    stage's modules are first parallelized by DTensor with the task's plan (autotune/measure/tensor_parallel.py)
+    over the tp sub-mesh, the modules the stage does not hold left out; under fsdp the stage's blocks then its root
+    are ``fully_shard``-ed over the dp sub-mesh (the last block not resharded after forward, as :class:`Sharded`
+    wraps a whole model). All on ``meta``: only the shards are ever given storage (torchtitan's ``to_empty`` after
+    ``parallelize_module`` and ``fully_shard``). The parameters the stage does not hold stay on ``meta``, ignored
+    by FSDP2.
 
     ``PipelineStage`` drives an FSDP2 module its own way (torch/distributed/pipelining/stage.py): before every
     micro-batch's backward it turns gradient sync and resharding after backward off, so each unit stays gathered
@@ -245,22 +249,25 @@ class ShardedStage(StageStrategy):
     the root's final callback, then divides the sharded gradients by K. The replay calls the same methods at the
     same points."""
 
-    name = "fsdp"
     shards = True
 
-    def __init__(self, world_size: int, stages: int) -> None:
+    def __init__(self, world_size: int, stages: int, *, tp: int = 1, inner: str = "fsdp") -> None:
         from autotune.measure.strategies import FSDP_MIN_TORCH
 
-        replicas = world_size // stages
-        if replicas < 2:
+        replicas = world_size // (stages * tp)
+        if inner == "fsdp" and replicas < 2:
             raise AutotuneError(
-                f"--strategy fsdp with --pp {stages} needs at least 2 data-parallel replicas: --world-size "
-                f"{world_size} / --pp {stages} is {replicas} (use --strategy ddp, or a larger --world-size; "
-                f"FSDP2 needs torch >= {FSDP_MIN_TORCH})"
+                f"--strategy fsdp with --pp {stages}"
+                + (f" and --tp {tp}" if tp > 1 else "")
+                + f" needs at least 2 data-parallel replicas: --world-size {world_size} / "
+                + (f"(--pp {stages} x --tp {tp})" if tp > 1 else f"--pp {stages}")
+                + f" is {replicas} (use --strategy ddp, or a larger --world-size; FSDP2 needs torch >= "
+                f"{FSDP_MIN_TORCH})"
             )
         super().__init__(world_size)
-        self.stages, self.replicas = stages, replicas
-        self._dp_mesh: Any = None
+        self.name = inner
+        self.stages, self.replicas, self.tp, self.inner = stages, max(1, replicas), tp, inner
+        self._device_mesh: Any = None
         self._entered = 0
 
     @property
@@ -269,7 +276,7 @@ class ShardedStage(StageStrategy):
 
     def autocast_dtype(self, precision: str) -> torch.dtype | None:
         # bf16 under FSDP2 is its MixedPrecisionPolicy alone, as Sharded runs it.
-        if precision == "bf16":
+        if self.inner == "fsdp" and precision == "bf16":
             return None
         return super().autocast_dtype(precision)
 
@@ -290,37 +297,68 @@ class ShardedStage(StageStrategy):
 
         if dist.is_initialized():
             raise AutotuneError(
-                "--strategy fsdp --pp probes rank 0 of N through a fake process group, and a process group is "
-                "already initialized in this process: probe before init_process_group, or from `autotune probe`"
+                f"--strategy {self.inner} --pp probes rank 0 of N through a fake process group, and a process group "
+                "is already initialized in this process: probe before init_process_group, or from `autotune probe`"
             )
         dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
         self._entered = 1
         try:
-            mesh = init_device_mesh(device.type, (self.stages, self.replicas), mesh_dim_names=("pp", "dp"))
-            self._dp_mesh = mesh["dp"]
+            self._device_mesh = init_device_mesh(
+                device.type, (self.stages, self.replicas, self.tp), mesh_dim_names=("pp", "dp", "tp")
+            )
             yield dist.group.WORLD
         finally:
             self._entered = 0
-            self._dp_mesh = None
+            self._device_mesh = None
             dist.destroy_process_group()
 
-    def shard_stage(self, model: nn.Module, task: ProbeTask, held: set[int]) -> None:
-        from autotune.measure.strategies import _LOW_PRECISION, _fsdp_api, shard_units
+    def shard_stage(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
+        from autotune.measure.strategies import _LOW_PRECISION, _fsdp_api, _is_fake, shard_units
 
-        if self._dp_mesh is None:
-            raise AutotuneError("--strategy fsdp --pp: the stage was built outside its process group")
+        if self._device_mesh is None:
+            raise AutotuneError(f"--strategy {self.inner} --pp: the stage was built outside its process group")
+        if self.tp > 1:
+            self._parallelize(model, task, not_held)
+        if self.inner != "fsdp":
+            return
         fully_shard, mixed_precision_policy, _ = _fsdp_api()
-        ignored = {p for p in model.parameters() if id(p) not in held}
+        ignored = {p for p in model.parameters() if id(p) in not_held}
         units = [u for u in shard_units(model, task.shard_classes) if any(p not in ignored for p in u.parameters())]
-        kwargs: dict[str, Any] = {"mesh": self._dp_mesh}
+        kwargs: dict[str, Any] = {"mesh": self._device_mesh["dp"]}
         low = _LOW_PRECISION.get(task.precision)
         if low is not None:
             kwargs["mp_policy"] = mixed_precision_policy(param_dtype=low, reduce_dtype=torch.float32)
-        for index, unit in enumerate(units):
-            fully_shard(unit, reshard_after_forward=index < len(units) - 1, **kwargs)
-        fully_shard(model, ignored_params=ignored or None, **kwargs)
+        from autotune.measure.strategies import _mesh_coordinates_outside_fake_modes
+
+        fake = self.tp > 1 and _is_fake(model)
+        with _mesh_coordinates_outside_fake_modes() if fake else nullcontext():
+            for index, unit in enumerate(units):
+                fully_shard(unit, reshard_after_forward=index < len(units) - 1, **kwargs)
+            fully_shard(model, ignored_params=ignored or None, **kwargs)
+
+    def _parallelize(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
+        """The task's tensor-parallel plan over the tp sub-mesh, on the modules the stage holds."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from autotune.measure.tensor_parallel import check_tp_plan
+
+        styles = check_tp_plan(model, task, self.tp)
+        kept: dict[str, Any] = {}
+        for name, style in styles.items():
+            if type(style).__name__ == "SequenceParallel":
+                raise AutotuneError(
+                    f"--pp {self.stages} with --tp {self.tp}: the plan's sequence-parallel style on {name} shards "
+                    "the activations that cross the stages, which is not measured yet"
+                )
+            params = list(model.get_submodule(name).parameters())
+            if not params or any(id(p) not in not_held for p in params):
+                kept[name] = style
+        # src_data_rank=None: each rank keeps its own initial shard (no scatter), as TensorParallel does.
+        parallelize_module(model, self._device_mesh["tp"], kept, src_data_rank=None)
 
     def forward_ended(self, model: nn.Module, output: Any) -> Any:
+        if self.inner != "fsdp":
+            return output
         # The root's forward did not return (the stage stopped at its last block): its post-forward, which the
         # real stage's module runs when it returns, registers the pre-backward hook on the output.
         from torch.distributed.fsdp import fully_shard
@@ -328,11 +366,15 @@ class ShardedStage(StageStrategy):
         return fully_shard.state(model)._post_forward(model, (), output)  # type: ignore[attr-defined]
 
     def backward_begins(self, model: nn.Module) -> None:
+        if self.inner != "fsdp":
+            return
         model.set_is_last_backward(False)  # type: ignore[operator]
         model.set_reshard_after_backward(False)  # type: ignore[operator]
         model.set_requires_gradient_sync(False)  # type: ignore[operator]
 
     def grads_reduced(self, model: nn.Module) -> None:
+        if self.inner != "fsdp":
+            return
         from torch.distributed.fsdp import fully_shard
 
         model.set_is_last_backward(True)  # type: ignore[operator]
@@ -674,7 +716,7 @@ def _shard_on_meta(
     model.train()
     apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
     not_held = {id(p) for p in model.parameters() if id(p) not in held}
-    strategy.shard_stage(model, task, held)
+    strategy.shard_stage(model, task, not_held)
     return not_held
 
 
@@ -839,10 +881,17 @@ class _Replay:
         flow.output = None
         loss = None
         try:
-            with self.strategy.autocast(self.task.precision, self.device):
-                loss = self.task.compute_loss(stage.model, batches[index])
+            with self.strategy.autocast(self.task.precision, self.device), warnings.catch_warnings():
+                # Under tp a stage's output (a block's, or the gathered logits) is a DTensor's local view, as the real
+                # stage returns it; FSDP2 warns of in-place ops on such a view, which the replay does not run.
+                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+                try:
+                    loss = self.task.compute_loss(stage.model, batches[index])
+                except _StageExit as stop:
+                    stop.output = self.strategy.forward_ended(stage.model, stop.output)
+                    raise
         except _StageExit as stop:
-            output = _first_tensor(self.strategy.forward_ended(stage.model, stop.output))
+            output = _first_tensor(stop.output)
         else:
             output = flow.output
         finally:

@@ -40,24 +40,25 @@ def measured_microbatches(mesh: Mesh) -> int:
 
 def stage_strategy(strategy: str, mesh: Mesh, world_size: int) -> StageStrategy:
     """How a stage holds its part of the model: whole, as one replica of D (ddp: a data-parallel wrapper over the
-    stage, DDP's buckets, is not measured), or sharded by FSDP2 over its data-parallel group of D = W / pp
-    (fsdp, :class:`ShardedStage`).
+    stage, DDP's buckets, is not measured); sharded by FSDP2 over its data-parallel group of D = W / (pp x tp)
+    (fsdp); with tp > 1 parallelized over its tensor-parallel group first (:class:`ShardedStage`).
 
     Raises:
-        AutotuneError: a pipeline composed with what is not measured with it yet (tp, cp; fsdp under the
-            interleaved schedule or with fewer than 2 replicas).
+        AutotuneError: a pipeline composed with what is not measured with it yet (cp; fsdp or tp under the
+            interleaved schedule; fsdp with fewer than 2 replicas).
     """
-    if mesh.tp > 1 or mesh.cp > 1:
+    if mesh.cp > 1:
         raise AutotuneError(
-            f"--pp {mesh.pp} is measured with --strategy ddp or fsdp and no --tp or --cp yet "
+            f"--pp {mesh.pp} is measured with --strategy ddp or fsdp and --tp, not --cp, yet "
             f"(asked: --strategy {strategy}, {mesh.describe()})"
         )
-    if strategy == "fsdp":
+    if strategy == "fsdp" or mesh.tp > 1:
         if mesh.pp_schedule == "interleaved-1f1b":
+            said = "--strategy fsdp" if strategy == "fsdp" else f"--tp {mesh.tp}"
             raise AutotuneError(
-                f"--strategy fsdp with --pp-schedule {mesh.pp_schedule} is not measured yet (measured: 1f1b, gpipe)"
+                f"{said} with --pp-schedule {mesh.pp_schedule} is not measured yet (measured: 1f1b, gpipe)"
             )
-        return ShardedStage(world_size, mesh.pp)
+        return ShardedStage(world_size, mesh.pp, tp=mesh.tp, inner=strategy)
     return StageStrategy(1)
 
 

@@ -1,19 +1,22 @@
-"""One rank of a real 4-process pipeline over FSDP2 on gloo: pp 2 x dp 2 (spawned by test_pipeline_fsdp.py).
+"""One rank of a real pipeline over FSDP2 and/or tp on gloo: pp 2 x dp 2, pp 2 x tp 2, pp 2 x dp 2 x tp 2 (spawned by
+test_pipeline_fsdp.py and bench/pipeline_meshes.py).
 
-The truth for ``--strategy fsdp --pp 2 --world-size 4``, sharing no code with the probe, built as torchtitan
-builds it: a ``(pp, dp)`` device mesh; rank r runs pipeline stage ``r // 2`` and is rank ``r % 2`` of its
-data-parallel group. Each stage's module is the tiny Llama of tests/autotune/_pipeline_worker.py built on
-``meta`` and cut by hand (the stage's blocks kept, the embedding None past the first stage, the norm and the head
-None before the last), each block then the root wrapped by ``fully_shard`` over the dp sub-mesh (the last block
-not resharded after forward, torchtitan's ``apply_fsdp``), then given storage with ``to_empty`` (only the shards
-are ever made) and small normal values; ``PipelineStage`` over the pp sub-mesh's group with ``Schedule1F1B``
-(torch's pipelining keeps every micro-batch's gradient unsharded and the parameters gathered until the step's
-last backward, then reduce-scatters once: ``perform_reduce_grad``), an AdamW step and ``zero_grad``, twice. The
-peak is the CPU allocator's own running total with c10's flag ``caffe2_report_cpu_memory_usage`` on (every
-thread's frees counted), the least of three runs per size (tests/autotune/_fsdp_mp_truth.py says why: gloo's
-thread drops a collective's input late in some runs); every run's figure is written beside it. FSDP2's
-all-gather is written straight into its output, as NCCL writes it (:func:`_in_place_all_gather`: gloo's own makes
-two transient copies of the whole output that a card's job does not). ``ScheduleGPipe`` runs the same way.
+The truth for ``--strategy fsdp --pp 2 --world-size 4`` (and, with ``tp``, for ``--pp 2 --tp 2``: a stage's blocks
+parallelized by ``parallelize_module`` over the tp sub-mesh first, torchtitan's ``apply_tp``), sharing no code with
+the probe, built as torchtitan builds it: a ``(pp, dp)`` device mesh; rank r runs pipeline stage ``r // 2`` and is
+rank ``r % 2`` of its data-parallel group. Each stage's module is the tiny Llama of
+tests/autotune/_pipeline_worker.py built on ``meta`` and cut by hand (the stage's blocks kept, the embedding None
+past the first stage, the norm and the head None before the last), each block then the root wrapped by
+``fully_shard`` over the dp sub-mesh (the last block not resharded after forward, torchtitan's ``apply_fsdp``), then
+given storage with ``to_empty`` (only the shards are ever made) and small normal values; ``PipelineStage`` over the
+pp sub-mesh's group with ``Schedule1F1B`` (torch's pipelining keeps every micro-batch's gradient unsharded and the
+parameters gathered until the step's last backward, then reduce-scatters once: ``perform_reduce_grad``), an AdamW
+step and ``zero_grad``, twice. The peak is the CPU allocator's own running total with c10's flag
+``caffe2_report_cpu_memory_usage`` on (every thread's frees counted), the least of three runs per size
+(tests/autotune/_fsdp_mp_truth.py says why: gloo's thread drops a collective's input late in some runs); every run's
+figure is written beside it. FSDP2's all-gather is written straight into its output, as NCCL writes it
+(:func:`_in_place_all_gather`: gloo's own makes two transient copies of the whole output that a card's job does
+not). ``ScheduleGPipe`` runs the same way.
 """
 
 from __future__ import annotations
@@ -26,11 +29,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.profiler import ProfilerActivity, profile
 
-from tests.autotune._pipeline_worker import LAYERS, TinyLlama, count_every_thread, lm_loss, make_batch
+from tests.autotune._pipeline_worker import (
+    DIM,
+    HEADS,
+    LAYERS,
+    Block,
+    TinyLlama,
+    _rotate_half,
+    count_every_thread,
+    lm_loss,
+    make_batch,
+)
 
 RUNS_PER_SIZE = 3
 
@@ -57,11 +71,43 @@ def _in_place_all_gather(
         work.wait()
 
 
-def _stage_model(stage: int, stages: int, dp_mesh: Any) -> nn.Module:
+class TpBlock(Block):
+    """The tiny Llama's block with each rank's share of the heads: q, k, v column-wise and o row-wise under
+    tensor parallelism hold DIM / tp of the width, so the heads are counted from the local width."""
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = h.shape
+        x = self.attention_norm(h)
+        q, k, v = (w(x).view(batch, length, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.wo(attention.transpose(1, 2).reshape(batch, length, -1))
+        x = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TpLlama(TinyLlama):
+    """The tiny Llama whose blocks take a tensor-parallel plan (:data:`TP_PLAN`)."""
+
+    def __init__(self, layers: int = LAYERS) -> None:
+        super().__init__(layers)
+        self.layers = nn.ModuleList(TpBlock() for _ in range(layers))
+
+
+# transformers' names for the styles (the probe's task plan); the truth applies PyTorch's own ParallelStyles.
+TP_PLAN = {
+    **{f"layers.*.{name}": "colwise" for name in ("wq", "wk", "wv", "w1", "w3")},
+    **{f"layers.*.{name}": "rowwise" for name in ("wo", "w2")},
+}
+
+
+def _stage_model(stage: int, stages: int, mesh: Any, tp: int) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     with torch.device("meta"):
-        model = TinyLlama(LAYERS)
+        model = TpLlama(LAYERS) if tp > 1 else TinyLlama(LAYERS)
     per_stage = [len(part) for part in torch.arange(LAYERS).tensor_split(stages)]
     start = sum(per_stage[:stage])
     model.layers = nn.ModuleList(list(model.layers)[start : start + per_stage[stage]])
@@ -71,19 +117,25 @@ def _stage_model(stage: int, stages: int, dp_mesh: Any) -> nn.Module:
         model.norm = None
         model.output = None
     blocks = list(model.layers)
-    for index, block in enumerate(blocks):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=index < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh)
+    if tp > 1:  # torchtitan's apply_tp, then apply_fsdp over dp
+        for block in blocks:
+            plan = {name: ColwiseParallel() for name in ("wq", "wk", "wv", "w1", "w3")}
+            plan.update({name: RowwiseParallel() for name in ("wo", "w2")})
+            parallelize_module(block, mesh["tp"], plan)
+    if mesh["dp"].size() > 1:
+        for index, block in enumerate(blocks):
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=index < len(blocks) - 1)
+        fully_shard(model, mesh=mesh["dp"])
     model.to_empty(device="cpu")
     with torch.no_grad():
         for param in model.parameters():
-            param.to_local().normal_(0.0, 0.02)
+            (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
     return model.train()
 
 
 def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -> None:
     stage_index, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
-    model = _stage_model(stage_index, stages, mesh["dp"])
+    model = _stage_model(stage_index, stages, mesh, mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1)
     stage = PipelineStage(model, stage_index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
     schedule = kind(stage, n_microbatches=microbatches, loss_fn=lm_loss)
@@ -129,9 +181,13 @@ def run(
     k: int,
     sizes: list[int],
     schedule_name: str = "1f1b",
+    tp: int = 1,
+    runs_per_size: int = RUNS_PER_SIZE,
 ) -> None:
-    """This rank's peak under ``schedule_name`` (1f1b, gpipe) at each size (the least of RUNS_PER_SIZE runs) to
-    rank{rank}.json, every run's to rank{rank}.runs.json."""
+    """This rank's peak under ``schedule_name`` (1f1b, gpipe) at each size (the least of ``runs_per_size`` runs)
+    to rank{rank}.json, every run's to rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's
+    blocks parallelized over tp (q, k, v and the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp
+    (none where dp is 1)."""
     try:
         count_every_thread()
         from torch.distributed.device_mesh import init_device_mesh
@@ -142,8 +198,12 @@ def run(
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
         try:
             torch.manual_seed(rank)
-            mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
-            runs = {m: [_peak_bytes(mesh, k, m, schedule_name) for _ in range(RUNS_PER_SIZE)] for m in sizes}
+            if tp > 1:  # pp x dp x tp, the tiny Llama's blocks tensor-parallel over tp
+                shape = (stages, world_size // (stages * tp), tp)
+                mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+            else:
+                mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
+            runs = {m: [_peak_bytes(mesh, k, m, schedule_name) for _ in range(runs_per_size)] for m in sizes}
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): min(r) for m, r in runs.items()}))
             Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
         finally:

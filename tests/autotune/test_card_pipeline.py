@@ -60,3 +60,45 @@ def test_a_pipeline_estimates_on_an_emulated_card_stage_by_stage(cuda_python: st
     print(f"card stages {stages.stage_peak_bytes} (outside {outside}); CPU stages {cpu.stage_peaks[M_CAP]}")
     for card_figure, cpu_peak in zip(stages.stage_peak_bytes, cpu.stage_peaks[M_CAP], strict=True):
         assert card_figure - outside >= cpu_peak
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_pipeline_over_fsdp_estimates_on_an_emulated_card(cuda_python: str, tmp_path: Path, tp: int) -> None:
+    """--strategy fsdp --world-size 4 --pp 2 (and fsdp 2 x tp 2 x pp 2 at --world-size 8 --tp 2): each stage
+    sharded over its 2 data-parallel ranks (and parallelized over its 2 tp ranks by the model's own plan) in the child
+    (ShardedStage, whose CPU figures tests/autotune/test_pipeline_fsdp.py and bench/pipeline_meshes.py hold equal to
+    real gloo ranks)."""
+    import torch
+
+    from autotune.core.mesh import Mesh
+    from autotune.search.pipelined import stage_strategy
+
+    folder = write_config(tmp_path, "llama", tie_word_embeddings=False, max_position_embeddings=SEQ_LEN)
+    out = tmp_path / "pp_fsdp.json"
+    world = 4 * tp
+    code = main(
+        ["estimate", f"hf:{folder}", "--gpu", "h100", "--strategy", "fsdp", "--world-size", str(world), "--pp", "2",
+         "--tp", str(tp), "--pp-microbatches", str(K), "--seq-len", str(SEQ_LEN), "--max-seq-len", str(SEQ_LEN),
+         "--max-micro-batch", str(M_CAP), "--target-batch", "32", "--output", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    (raw,) = json.loads(out.read_text())
+    profile = Profile.model_validate(raw)
+    stages = profile.pipeline
+    assert profile.max_micro_batch == M_CAP and stages is not None and len(stages.stage_peak_bytes) == 2
+    at_cap = next(t for t in profile.trials if t.micro_batch == M_CAP)
+    outside = at_cap.outside_allocator_bytes
+    assert outside and at_cap.peak_bytes == max(stages.stage_peak_bytes)
+    # D = 4 / 2 = 2 replicas: T = 32 = m x K x D with m = 4, K = 4.
+    plan = profile.plan
+    assert plan is not None and plan.exact and (plan.micro_batch, plan.accumulation_steps, plan.world_size) == (4, 4, 2)
+    strategy = stage_strategy("fsdp", Mesh(pp=2, tp=tp, pp_microbatches=K), world)
+    with strategy.process_group(torch.device("cpu")):
+        cpu = PipelineTrials(
+            hf_task(folder).at_length(SEQ_LEN), FakeMeter(1 << 40, "cpu"), limit_bytes=1 << 40, stages=2,
+            schedule="1f1b", microbatches=K, strategy=strategy,
+        )  # fmt: skip
+        cpu(M_CAP)
+    print(f"card stages {stages.stage_peak_bytes} (outside {outside}); CPU stages {cpu.stage_peaks[M_CAP]}")
+    for card_figure, cpu_peak in zip(stages.stage_peak_bytes, cpu.stage_peaks[M_CAP], strict=True):
+        assert card_figure - outside >= cpu_peak

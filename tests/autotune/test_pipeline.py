@@ -178,8 +178,8 @@ def test_unmeasured_schedules_and_compositions_are_refused_in_one_line() -> None
         PipelineTrials(
             llama_task(), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=1
         )
-    config = ProbeConfig(device="cpu", budget_bytes=BUDGET, world_size=4, mesh=Mesh(pp=2, tp=2))
-    with pytest.raises(AutotuneError, match="^--pp 2 is measured with --strategy ddp or fsdp and no --tp or --cp"):
+    config = ProbeConfig(device="cpu", budget_bytes=BUDGET, world_size=4, mesh=Mesh(pp=2, cp=2))
+    with pytest.raises(AutotuneError, match="^--pp 2 is measured with --strategy ddp or fsdp and --tp, not --cp"):
         probe(llama_task(), config)
 
 
