@@ -50,19 +50,22 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from examples import gpt
+from tests.autotune._ordinary_checkpointing import checkpointed
 from tests.autotune._ordinary_optimizers import DEFAULT, ORDINARY
 
 
 @dataclass(frozen=True)
 class Job:
     """What each rank runs: the optimizer's key in _ordinary_optimizers.ORDINARY (None: torch's AdamW), the
-    precision ("bf16": FSDP2's policy, no autocast; "fp32": no policy), examples/gpt.py's GPTConfig fields
-    (empty: its default), "fsdp" or "ddp"."""
+        precision ("bf16": FSDP2's policy, no autocast; "fp32": no policy), examples/gpt.py's GPTConfig fields
+        (empty: its default), "fsdp" or "ddp", and a memory policy's name (tests/autotune/_ordinary_checkpointing.py: the
+    blocks in torch's checkpoint_wrapper before FSDP2 shards them, as torchtitan applies it; None: none)."""
 
     optimizer: str | None = None
     precision: str = "bf16"
     gpt_config: dict[str, Any] = field(default_factory=dict)
     strategy: str = "fsdp"
+    policy: str | None = None
 
 
 def run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job = Job()) -> None:
@@ -104,7 +107,10 @@ def _optimizer(job: Job) -> Callable[[Any], torch.optim.Optimizer]:
 def _steps(mesh: Any, micro_batch: int, job: Job) -> None:
     config = gpt.GPTConfig(**job.gpt_config)
     task = gpt.make_task(config, precision=job.precision)
-    model = _wrapped(gpt.GPT(config), mesh, job)
+    model = gpt.GPT(config)
+    if job.policy is not None:
+        model = checkpointed(model, job.policy)
+    model = _wrapped(model, mesh, job)
     model.train()
     optimizer = _optimizer(job)(model.parameters())
     for _ in range(2):

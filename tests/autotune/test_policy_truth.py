@@ -7,82 +7,32 @@ with what it checks."""
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from collections.abc import Callable
-from functools import partial
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from autotune.orchestrate.probe import ProbeConfig, probe
 from examples.gpt import GPT, Block, GPTConfig, make_task
 from tests.autotune._allocator_truth import allocator_peak_bytes
+from tests.autotune._ordinary_checkpointing import checkpointed
 
 MiB = 1 << 20
 TINY = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=4)
-aten = torch.ops.aten
-# torchtitan's save list (its llama parallelize's ``_save_list``), with the CPU's flash-attention kernel, the
-# one scaled_dot_product_attention runs here.
-TORCHTITAN_SAVE = {
-    aten.mm.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_attention_math.default,
-    aten._scaled_dot_product_fused_attention_overrideable.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    aten.max.default,
-}
 
 
-def torchtitan_contexts(save: set[Any], alternate: set[Any]) -> Any:
-    """torchtitan's op-level rule: save the listed ops' outputs but every second matmul's; recompute the rest."""
-    meta: dict[str, int] = defaultdict(int)
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func in alternate:
-            meta[mode] += 1
-        to_save = func in save and not (func in alternate and meta[mode] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-def checkpointed_gpt(wrapped: set[int], context_fn: Callable[[], Any] | None = None) -> nn.Module:
-    """The GPT with the blocks ``wrapped`` in torch's checkpoint_wrapper (non-reentrant torch.utils.checkpoint),
-    as torchtitan applies activation checkpointing before FSDP2 shards the wrapped blocks."""
-    model = GPT(TINY)
-    options = {} if context_fn is None else {"context_fn": context_fn}
-    for index in wrapped:
-        model.blocks[index] = checkpoint_wrapper(
-            model.blocks[index], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options
-        )
-    return model
-
-
-ALL_BLOCKS = set(range(TINY.n_layers))
 # What the meter cannot see: torch.utils.checkpoint keeps the CPU generator's state (torch.get_rng_state(), a
 # tensor made below the dispatcher) for each checkpointed call until its backward, to replay dropout alike.
 # On a CUDA device it is host memory.
 RNG_STATE_BYTES = torch.get_rng_state().nbytes
 WRAPPED = {"every-3": 2, "op": 4, "op:addmm/mm": 4}
-# policy -> the ordinary model under it: every-3 wraps blocks 0 and 3 of 4; op torchtitan's list (the tiny GPT's
-# Linear layers have biases: addmm, so only attention is saved); op:addmm/mm every other matmul of a block.
-MATMULS = {aten.mm.default, aten.addmm.default}
+# policy -> the ordinary model under it (tests/autotune/_ordinary_checkpointing.py): every-3 wraps blocks 0 and 3 of
+# 4; op torchtitan's list (the tiny GPT's Linear layers have biases: addmm, so only attention is saved);
+# op:addmm/mm every other matmul of a block.
 ORDINARY: dict[str, Callable[[], nn.Module]] = {
-    "every-3": lambda: checkpointed_gpt({0, 3}),
-    "op": lambda: checkpointed_gpt(ALL_BLOCKS, partial(torchtitan_contexts, TORCHTITAN_SAVE, {aten.mm.default})),
-    "op:addmm/mm": lambda: checkpointed_gpt(ALL_BLOCKS, partial(torchtitan_contexts, MATMULS, MATMULS)),
+    policy: (lambda policy=policy: checkpointed(GPT(TINY), policy)) for policy in ("every-3", "op", "op:addmm/mm")
 }
 
 
