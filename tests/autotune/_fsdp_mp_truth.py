@@ -58,8 +58,8 @@ from tests.autotune._ordinary_optimizers import DEFAULT, ORDINARY
 class Job:
     """What each rank runs: the optimizer's key in _ordinary_optimizers.ORDINARY (None: torch's AdamW), the
         precision ("bf16": FSDP2's policy, no autocast; "fp32": no policy), examples/gpt.py's GPTConfig fields
-        (empty: its default), "fsdp" or "ddp", and a memory policy's name (tests/autotune/_ordinary_checkpointing.py: the
-    blocks in torch's checkpoint_wrapper before FSDP2 shards them, as torchtitan applies it; None: none)."""
+        (empty: its default), "fsdp" or "ddp", and a memory policy's name (tests/autotune/_ordinary_checkpointing.py:
+    the blocks in torch's checkpoint_wrapper before FSDP2 shards them, as torchtitan applies it; None: none)."""
 
     optimizer: str | None = None
     precision: str = "bf16"
