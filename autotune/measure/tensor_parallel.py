@@ -23,9 +23,23 @@ PyTorch's ParallelStyles:
     embedding_rowwise       RowwiseParallel(input_layouts=Replicate())     (vocabulary-parallel embedding)
     sequence_parallel       SequenceParallel()
     replicate               nothing: every rank holds the whole module
+    moe_tp_experts          MoeTensorParallelExperts (below): the experts module of a mixture of experts
+                            (Mixtral's ``mlp.experts``), its 3-D weights named by the plan's entries under it:
+      packed_colwise          the fused ``gate_up_proj`` (E, 2I, H) on dim 1: (E, 2I/tp, H) per rank
+      rowwise                 ``down_proj`` (E, H, I) on its last dim: (E, H, I/tp) per rank
 
-A style this does not translate (packed and expert-parallel ones) is refused in one line, as is a model
-with no plan, and a model whose heads or key-value heads tp does not divide.
+transformers' ``moe_tp_experts`` (``MoeExpertsParallel``, transformers/distributed/tensor_parallel.py) runs
+the experts' own forward on the rank's local shards (every rank routes every token to every chosen expert and
+computes its share of each expert's width), its input replicated with an all-reduce of its gradient in the
+backward, and all-reduces the output in place (each rank's partial sums). The translation holds the same
+shards (as DTensors, Shard(1) where transformers writes _StridedShard(1, split_factor=2): the same local shape,
+half of the gate's and half of the up projection's rows) and runs the same local forward with the same in-place
+collectives (nothing under the fake process group, no buffer of their own). The router (``mlp.gate``) is not in
+the plan: every rank holds it whole, as in the job.
+
+A style this does not translate (expert-parallel ones: ``ep_plan`` is not measured, packed styles outside an
+experts module) is refused in one line, as is a model with no plan, and a model whose heads or key-value heads
+tp does not divide.
 
 What is assumed: every rank of the tp group holds the same shapes (the divisibility checks make it so), so
 rank 0 is the most loaded; under ``--strategy ddp`` with D > 1 the DDP buckets over the ``dp`` dimension
@@ -40,11 +54,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from autotune.core.errors import TaskError
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["TP_STYLES", "check_tp_plan", "tp_plan_of"]
+__all__ = ["TP_STYLES", "MoeTensorParallelExperts", "check_tp_plan", "tp_plan_of"]
 
 TP_STYLES = (
     "colwise",
@@ -56,7 +71,11 @@ TP_STYLES = (
     "embedding_rowwise",
     "sequence_parallel",
     "replicate",
+    "moe_tp_experts",
 )
+# The styles of a 3-D expert weight under a moe_tp_experts module: the dim each shards (transformers'
+# PackedColwiseParallel.shard_param: ndim - 2; RowwiseParallel.shard_param: -1).
+_EXPERT_WEIGHT_DIMS = {"packed_colwise": 1, "colwise": 1, "rowwise": 2}
 # The config attributes that count heads, as the families spell them.
 _HEAD_KEYS = (("num_attention_heads", "heads"), ("num_key_value_heads", "key-value heads"), ("n_head", "heads"))
 
@@ -84,6 +103,81 @@ def _style(name: str, where: str) -> Any:
     )
 
 
+class _AllReduceInBackward(torch.autograd.Function):
+    """Identity forward, the gradient all-reduced in place in the backward (the experts' replicated input)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllReduceInForward(torch.autograd.Function):
+    """The output all-reduced in place (each rank's partial sums over its share of the experts' width)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class MoeTensorParallelExperts(ParallelStyle):
+    """transformers' ``moe_tp_experts`` as a torch ParallelStyle: each named 3-D weight of the experts module
+    sharded on its dim over the tp mesh (``dims``: parameter name to dim; ``packed``: the fused ones, whose two
+    halves tp must each divide), the module's forward run on the rank's local shards, the input's gradient and
+    the output all-reduced in place."""
+
+    def __init__(self, dims: Mapping[str, int], packed: frozenset[str] = frozenset()) -> None:
+        self.dims = dict(dims)
+        self.packed = packed
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+        for name, dim in self.dims.items():
+            param = module._parameters[name]
+            assert param is not None
+            shard = distribute_tensor(param.data, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
+            module._parameters[name] = nn.Parameter(shard, requires_grad=param.requires_grad)
+        group = device_mesh.get_group()
+        forward = module.forward
+
+        def tp_forward(hidden: Any, *routing: Any, **kwargs: Any) -> Any:
+            if isinstance(hidden, DTensor):
+                hidden = hidden.to_local()
+            hidden = _AllReduceInBackward.apply(hidden, group)
+            if len(routing) >= 2:  # (top_k_index, top_k_weights, ...): the weights' gradient is partial too
+                weights = routing[1].to_local() if isinstance(routing[1], DTensor) else routing[1]
+                routing = (routing[0], _AllReduceInBackward.apply(weights, group), *routing[2:])
+            originals: dict[str, Any] = {
+                name: param for name in self.dims if isinstance(param := module._parameters[name], DTensor)
+            }
+            # The local shards for the forward, the DTensors back after it whatever happens (a checkpoint's
+            # recomputation stops by raising once it has what it needs): a finally, as transformers does.
+            module._parameters.update({name: param.to_local() for name, param in originals.items()})
+            try:
+                output = forward(hidden, *routing, **kwargs)
+            finally:
+                module._parameters.update(originals)
+            return None if output is None else _AllReduceInForward.apply(output, group)
+
+        module.forward = tp_forward  # type: ignore[method-assign]
+        return module
+
+
 def tp_plan_of(model: nn.Module, task: ProbeTask) -> Mapping[str, Any] | None:
     """The plan the job applies: the task's ``tp_plan``, else the model's own (transformers' ``_tp_plan``
     of the instance, which holds the config's ``base_model_tp_plan`` under the base model's prefix), else
@@ -109,16 +203,42 @@ def _pattern(key: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
 
 
+def _experts_style(
+    module: nn.Module, name: str, patterns: list[tuple[str, re.Pattern[str], Any]], where: str
+) -> MoeTensorParallelExperts:
+    """moe_tp_experts on ``name``: its 3-D weights' dims from the plan's entries that name them."""
+    dims: dict[str, int] = {}
+    packed: set[str] = set()
+    for param_name, param in module.named_parameters(recurse=False):
+        for key, pattern, value in patterns:
+            if pattern.match(f"{name}.{param_name}"):
+                if value not in _EXPERT_WEIGHT_DIMS or param.dim() != 3:
+                    raise TaskError(
+                        f"--tp: the style {value!r} of {key} ({param.dim()}-D) under moe_tp_experts in {where} "
+                        f"is not one this measures (packed_colwise, colwise or rowwise on a 3-D expert weight)"
+                    )
+                dims[param_name] = _EXPERT_WEIGHT_DIMS[value]
+                if value == "packed_colwise":
+                    packed.add(param_name)
+                break
+    if not dims:
+        raise TaskError(f"--tp: moe_tp_experts in {where}: the plan shards none of the module's weights")
+    return MoeTensorParallelExperts(dims, frozenset(packed))
+
+
 def _resolved(model: nn.Module, plan: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Each module the plan names, with its ParallelStyle (replicated ones left out)."""
     patterns = [(key, _pattern(key), value) for key, value in plan.items()]
     styles: dict[str, Any] = {}
     matched: set[str] = set()
-    for name, _ in model.named_modules():
+    for name, module in model.named_modules():
         for key, pattern, value in patterns:
             if name and pattern.match(name):
                 matched.add(key)
-                style = _style(value, f"{key} in {where}") if isinstance(value, str) else value
+                if value == "moe_tp_experts":
+                    style: Any = _experts_style(module, name, patterns, f"{key} in {where}")
+                else:
+                    style = _style(value, f"{key} in {where}") if isinstance(value, str) else value
                 if style is not None:
                     styles[name] = style
                 break
@@ -140,6 +260,12 @@ def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int, where
     modules = dict(model.named_modules())
     for name, style in styles.items():
         module = modules[name]
+        if isinstance(style, MoeTensorParallelExperts):
+            for param_name, dim in style.dims.items():
+                width = getattr(module, param_name).shape[dim]
+                if width % (2 * tp if param_name in style.packed else tp):  # packed: gate and up each
+                    raise TaskError(f"--tp {tp} does not divide {name}.{param_name}'s sharded width {width} in {where}")
+            continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
