@@ -1,17 +1,22 @@
 """Meshes on emulated cards (issue 34): m_max per rank of Llama 3.1 8B-, 70B- and Mixtral 8x7B-shaped configs at
 L = 8192 on emulated H100s (80 GB), one `autotune estimate` per mesh, as a user runs it.
 
-    nice .venv/bin/python bench/meshes.py            # every mesh (minutes each; under 1 GiB of RSS)
-    nice .venv/bin/python bench/meshes.py --only 8b  # one model
+    nice .venv/bin/python bench/meshes.py                                  # every mesh (minutes each; 1-2 GiB RSS)
+    nice .venv/bin/python bench/meshes.py --only 8b                        # one model
+    nice .venv/bin/python bench/meshes.py --only 70b --mesh "fsdp 64"      # one mesh of one model
 
-The meshes are the issue's: fsdp 8; fsdp 4 x tp 2; fsdp 2 x tp 2 x pp 2 (1F1B, K = 8); cp 2; and tp 8 alone. What
-the project cannot estimate yet is printed as its one-line refusal or error (pp with tp or fsdp, cp with fsdp: cp
-composes with ddp only, the ddp 4 x cp 2 row; Mixtral's expert tensor parallelism), so the table says where the
-answer stops. A pipeline's row adds each stage's figure at
-m_max, the most loaded stage and the bubble. Mixtral 8x7B's shapes (8 experts, top-2) run beside the Llamas.
-AdamW runs with foreach=false under tp: foreach AdamW fails on lists that mix plain tensors (the norms, outside the
-tp plan) and DTensors, as the real job would. Each row gives m_max per rank (the most loaded rank or stage), the
-reserved bytes at m = 1, the wall seconds and the peak RSS of the CLI and its emulation child (wait4). Figures only.
+8B and Mixtral run at 8 ranks, the issue's meshes: fsdp 8; tp 8; fsdp 4 x tp 2; fsdp 2 x tp 2 x pp 2 (1F1B, K = 8);
+pp 2 alone; cp 2. 70B runs at 64 ranks, as the field runs it (at 8 ranks its bf16 weights, gradients and AdamW
+states alone exceed 80 GB a rank on every mesh): fsdp 64; fsdp 8 x tp 8; fsdp 4 x tp 8 x pp 2 (1F1B, K = 8); cp 2.
+Pipelines compose with fsdp and tp (1F1B and GPipe; autotune/measure/pipeline.py). Context parallelism composes
+with ddp only (autotune/cli/inputs.py refuses it beside fsdp, tp or pp in one line): its rows are ddp x cp 2, and
+`fsdp 4 x cp 2` stays in the 8-rank list to show that refusal. What the project cannot estimate yet is printed as
+its one-line refusal or error ("micro-batch 1 does not fit" included), so the table says where the answer stops.
+A pipeline's row adds each stage's figure at m_max, the most loaded stage and the bubble. Mixtral 8x7B's shapes
+(8 experts, top-2) run beside the Llamas. AdamW runs with foreach=false under tp: foreach AdamW fails on
+lists that mix plain tensors (the norms, outside the tp plan) and DTensors, as the real job would. Each row gives
+m_max per rank (the most loaded rank or stage), the reserved bytes at m = 1, the wall seconds and the peak RSS of
+the CLI and its emulation child (wait4). Figures only.
 """
 
 from __future__ import annotations
@@ -47,6 +52,18 @@ MESHES = {
     # cp composes with ddp only today (autotune/measure/context_parallel.py): ddp over the 4 replicas of a cp 2 pair.
     "ddp 4 x cp 2": ("--world-size", "8", "--cp", "2"),
 }  # fmt: skip
+# 70B at 64 ranks: at 8 its weights, gradients and AdamW states alone exceed a rank's 80 GB on every mesh.
+MESHES_64 = {
+    "fsdp 64": ("--strategy", "fsdp", "--world-size", "64"),
+    "fsdp 8 x tp 8": ("--strategy", "fsdp", "--world-size", "64", "--tp", "8"),
+    "fsdp 4 x tp 8 x pp 2 (1F1B, K 8)": (
+        "--strategy", "fsdp", "--world-size", "64", "--tp", "8", "--pp", "2", "--pp-schedule", "1f1b",
+        "--pp-microbatches", "8",
+    ),
+    # cp composes with ddp only: each rank holds the whole model's weights, gradients and states.
+    "ddp 32 x cp 2": ("--world-size", "64", "--cp", "2"),
+}  # fmt: skip
+MESHES_OF = {"8b": MESHES, "70b": MESHES_64, "mixtral": MESHES}
 
 
 def run(model: str, mesh: tuple[str, ...]) -> dict[str, object]:
@@ -84,13 +101,16 @@ def run(model: str, mesh: tuple[str, ...]) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--only", choices=sorted(MODELS), help="one model")
-    parser.add_argument("--mesh", choices=sorted(MESHES), help="one mesh")
+    parser.add_argument("--mesh", choices=sorted({*MESHES, *MESHES_64}), help="one mesh")
     args = parser.parse_args(argv)
+    chosen = [args.only] if args.only else list(MODELS)
+    if args.mesh and not any(args.mesh in MESHES_OF[name] for name in chosen):
+        parser.error(f"--mesh {args.mesh!r}: not a mesh of {' or '.join(chosen)} (70b runs at 64 ranks)")
     print(f"{'model':7} {'mesh':34} {'m_max':>5} {'reserved@1':>11} {'wall s':>7} {'RSS':>9}  note")
     for name, model in MODELS.items():
         if args.only and name != args.only:
             continue
-        for label, mesh in MESHES.items():
+        for label, mesh in MESHES_OF[name].items():
             if args.mesh and label != args.mesh:
                 continue
             got = run(model, mesh)
