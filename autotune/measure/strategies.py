@@ -39,7 +39,7 @@ from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["FSDP_MIN_TORCH", "Replicated", "Sharded", "Strategy", "TensorParallel", "shard_units"]
+__all__ = ["FSDP_MIN_TORCH", "FakeReplicas", "Replicated", "Sharded", "Strategy", "TensorParallel", "shard_units"]
 
 FSDP_MIN_TORCH = "2.6"
 _LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-autocast": torch.bfloat16, "fp16": torch.float16}
@@ -137,6 +137,42 @@ class Replicated(Strategy):
         if self._group is None or last:
             return nullcontext()
         return model.no_sync()  # type: ignore[operator,no-any-return]
+
+
+class FakeReplicas(Replicated):
+    """DDP for fake trials: DDP's constructor broadcasts the weights and its reducer reads gradient data, which fake
+    tensors do not hold, so the model is not wrapped; what DDP adds to a replica's memory is held instead: the
+    gradient buckets its reducer allocates when it is built, one flat tensor per bucket, beside the gradients
+    (``gradient_as_bucket_view=False``, DDP's default). DDP's first bucketing puts every trainable parameter of one
+    dtype and device in one bucket (torch's ``compute_bucket_size_limits``: no cap unless find_unused_parameters);
+    the buckets it rebuilds after the first backward, 1 MiB then 25 MiB each, come to the same bytes once the old
+    ones are freed, and a card's caching allocator cuts them from the segment the first one left. Only the
+    last micro-batch of a step all-reduces, in place in the buckets: no bytes beyond them."""
+
+    @contextmanager
+    def process_group(self, device: torch.device) -> Iterator[Any]:
+        self.measures_buckets = self.world_size > 1
+        yield None
+
+    def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
+        model = super().wrap(model, task, device)  # its refusals; no group, so the model itself
+        if self.world_size <= 1:
+            return model
+        numel: dict[tuple[torch.dtype, torch.device], int] = {}
+        first: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                key = (parameter.dtype, parameter.device)
+                numel[key] = numel.get(key, 0) + parameter.numel()
+                first.setdefault(key, parameter)
+        # Made from a parameter, so under the fake mode they are fake tensors on its device, counted as DDP's are.
+        model._autotune_ddp_buckets = [  # type: ignore[assignment]
+            first[key].new_empty((count,)) for key, count in numel.items()
+        ]
+        return model
+
+    def sync(self, model: nn.Module, last: bool) -> AbstractContextManager[Any]:
+        return nullcontext()
 
 
 def _fsdp_api() -> tuple[Any, Any, Any]:

@@ -17,7 +17,8 @@ from autotune.tasks.task import ProbeTask
 
 __all__ = ["DDP_BUCKETS_LEFT_OUT", "estimated_profile", "non_monotone_sizes"]
 
-# DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors.
+# DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors: plain ddp's fake trials hold its
+# buckets without it (FakeReplicas); under --tp or --cp the data-parallel wrapper's buckets are not held.
 DDP_BUCKETS_LEFT_OUT = "the estimate leaves out DDP's gradient buckets (about the size of the gradients)"
 
 
@@ -46,8 +47,9 @@ def estimated_profile(
     config's target; DDP's buckets said to be left out where there are replicas)."""
     setup = config.probe
     assert setup.budget_bytes is not None
-    # DDP over the data-parallel replicas; under --cp over every rank (the cp ranks hold the same parameters).
-    if setup.strategy == "ddp" and (setup.data_parallel > 1 or setup.mesh.cp > 1):
+    # DDP over the data-parallel replicas (held by plain ddp's fake trials); under --tp or --pp over the dp
+    # dimension and under --cp over every rank (the cp ranks hold the same parameters), not held.
+    if setup.strategy == "ddp" and ((setup.data_parallel > 1 and not setup.mesh.trivial) or setup.mesh.cp > 1):
         warnings.append(DDP_BUCKETS_LEFT_OUT)
     if task.tags.get("quantize"):
         from autotune.tasks.quantize import fake_kernel_note

@@ -29,7 +29,7 @@ from autotune.core.errors import AutotuneError
 from autotune.core.schemas import MAX_BYTES, Fit, Trial
 from autotune.core.surface import PeakSurface
 from autotune.measure.meters.fake import FakeMeter, moe_routing
-from autotune.measure.strategies import Replicated, Strategy
+from autotune.measure.strategies import FakeReplicas, Replicated, Strategy
 from autotune.measure.trial import TrialRunner
 from autotune.search.boundary import FAKE_FAR_EXTRAPOLATION, find_max_micro_batch, measured_fit
 from autotune.search.lanes import SLOW_BUILD_SECONDS, SLOW_TRIAL_SECONDS, FakeLanes, LaneSetup, Point
@@ -68,10 +68,10 @@ class FakeSearch:
 
 def fake_strategy(strategy: Strategy) -> Strategy:
     """The strategy fake trials run under. DDP's constructor broadcasts the weights over gloo/nccl,
-    which cannot carry fake tensors: the fake trials leave the gradient buckets out (one replica)
-    and the real trials put them back."""
-    if isinstance(strategy, Replicated) and strategy.world_size > 1:
-        return Replicated(1)
+    which cannot carry fake tensors: the fake trials hold DDP's gradient buckets without DDP
+    (:class:`~autotune.measure.strategies.FakeReplicas`)."""
+    if type(strategy) is Replicated and strategy.world_size > 1:
+        return FakeReplicas(strategy.world_size)
     return strategy
 
 

@@ -25,6 +25,8 @@ from torch.multiprocessing.spawn import ProcessException
 from autotune.cli import main
 from autotune.core.errors import TaskError
 from autotune.core.mesh import Mesh
+from autotune.orchestrate.config import EstimateConfig
+from autotune.orchestrate.estimate import estimate
 from autotune.orchestrate.probe import ProbeConfig, probe
 from examples.gpt import GPT, Block, GPTConfig, make_task
 from tests.autotune import _fsdp_mp_truth
@@ -78,6 +80,12 @@ def test_each_option_is_exact_against_two_real_ranks_at_m_max_and_past_it(
     print(f"{strategy} x2 {spec}: m_max {m_max}; probe {peaks[m_max]}, {peaks.get(m_max + 1)}; real rank 0 {real}")
     assert (peaks[m_max], peaks[m_max + 1]) == (real[m_max], real[m_max + 1])
     assert real[m_max] <= profile.limit_bytes < real[m_max + 1]
+    # The estimate's fake trials too: under ddp they hold DDP's gradient buckets without DDP (FakeReplicas), which
+    # they used to leave out (a gradient set low).
+    estimated = estimate(task, EstimateConfig(probe=config, device_kind="cpu", micro_batches=(m_max, m_max + 1)))
+    fake = {t.micro_batch: t.peak_bytes for t in estimated.trials}
+    assert (estimated.max_micro_batch, fake[m_max], fake[m_max + 1]) == (m_max, real[m_max], real[m_max + 1])
+    assert not any("DDP's gradient buckets" in w for w in estimated.warnings)
 
 
 def test_adamw8bit_under_fsdp_fails_in_the_ordinary_job_and_is_refused_in_one_line(
