@@ -70,7 +70,7 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
-from autotune.measure.strategies import Strategy, _is_fake
+from autotune.measure.strategies import Strategy, _is_fake, hold_ddp_buckets
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["MEASURED_RANK", "ROTATION", "ContextParallel", "install_cpu_flash_attention"]
@@ -397,8 +397,9 @@ class ContextParallel(Strategy):
                 module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
         model.register_forward_pre_hook(self._enter, with_kwargs=True)
         if _is_fake(model):
-            # DDP's constructor broadcasts the weights, which fake tensors cannot carry: the fake pre-search
-            # leaves the gradient buckets out, as it does under plain ddp, and the real trials put them back.
+            # DDP's constructor broadcasts the weights, which fake tensors cannot carry: its gradient buckets are
+            # held without it, as plain ddp's fake trials hold them (strategies.FakeReplicas).
+            hold_ddp_buckets(model)
             return model
         from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 

@@ -39,7 +39,16 @@ from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["FSDP_MIN_TORCH", "FakeReplicas", "Replicated", "Sharded", "Strategy", "TensorParallel", "shard_units"]
+__all__ = [
+    "FSDP_MIN_TORCH",
+    "FakeReplicas",
+    "Replicated",
+    "Sharded",
+    "Strategy",
+    "TensorParallel",
+    "hold_ddp_buckets",
+    "shard_units",
+]
 
 FSDP_MIN_TORCH = "2.6"
 _LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-autocast": torch.bfloat16, "fp16": torch.float16}
@@ -139,6 +148,20 @@ class Replicated(Strategy):
         return model.no_sync()  # type: ignore[operator,no-any-return]
 
 
+def hold_ddp_buckets(model: nn.Module) -> None:
+    """Hold on ``model`` the gradient buckets DDP's reducer would allocate for it (:class:`FakeReplicas` says why
+    and how they are cut): one flat tensor per dtype and device of its trainable parameters, made from a
+    parameter, so that under the fake mode they are fake tensors on its device, counted as DDP's are."""
+    numel: dict[tuple[torch.dtype, torch.device], int] = {}
+    first: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            key = (parameter.dtype, parameter.device)
+            numel[key] = numel.get(key, 0) + parameter.numel()
+            first.setdefault(key, parameter)
+    model._autotune_ddp_buckets = [first[key].new_empty((count,)) for key, count in numel.items()]  # type: ignore[assignment]
+
+
 class FakeReplicas(Replicated):
     """DDP for fake trials: DDP's constructor broadcasts the weights and its reducer reads gradient data, which fake
     tensors do not hold, so the model is not wrapped; what DDP adds to a replica's memory is held instead: the
@@ -158,17 +181,7 @@ class FakeReplicas(Replicated):
         model = super().wrap(model, task, device)  # its refusals; no group, so the model itself
         if self.world_size <= 1:
             return model
-        numel: dict[tuple[torch.dtype, torch.device], int] = {}
-        first: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                key = (parameter.dtype, parameter.device)
-                numel[key] = numel.get(key, 0) + parameter.numel()
-                first.setdefault(key, parameter)
-        # Made from a parameter, so under the fake mode they are fake tensors on its device, counted as DDP's are.
-        model._autotune_ddp_buckets = [  # type: ignore[assignment]
-            first[key].new_empty((count,)) for key, count in numel.items()
-        ]
+        hold_ddp_buckets(model)
         return model
 
     def sync(self, model: nn.Module, last: bool) -> AbstractContextManager[Any]:

@@ -47,9 +47,9 @@ def estimated_profile(
     config's target; DDP's buckets said to be left out where there are replicas)."""
     setup = config.probe
     assert setup.budget_bytes is not None
-    # DDP over the data-parallel replicas (held by plain ddp's fake trials); under --tp or --pp over the dp
-    # dimension and under --cp over every rank (the cp ranks hold the same parameters), not held.
-    if setup.strategy == "ddp" and ((setup.data_parallel > 1 and not setup.mesh.trivial) or setup.mesh.cp > 1):
+    # DDP over the data-parallel replicas, and under --cp over every rank (the cp ranks hold the same parameters):
+    # its buckets held by the fake trials; under --tp or --pp over the dp dimension, not held.
+    if setup.strategy == "ddp" and setup.data_parallel > 1 and (setup.mesh.tp > 1 or setup.mesh.pp > 1):
         warnings.append(DDP_BUCKETS_LEFT_OUT)
     if task.tags.get("quantize"):
         from autotune.tasks.quantize import fake_kernel_note
