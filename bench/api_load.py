@@ -140,7 +140,9 @@ def _profile(task: str = "bench:task") -> dict[str, object]:
     }
 
 
-SUGGEST_PATH = f"/api/v1/suggest?fingerprint={FINGERPRINT}&device_name={quote(DEVICE)}&target_batch=1024&world_size=8"
+SUGGEST_PATH = (
+    f"/api/v1/suggest?fingerprint={FINGERPRINT}&device_name={quote(DEVICE)}&target_batch=1024&world_size=8"
+)
 
 
 async def _exchange(
@@ -232,7 +234,9 @@ def _mix(client: str, offset: int, profile_id: int) -> Iterator[Request]:
         skip = 0
 
 
-async def _run_phase(port: int, name: str, clients: int, seconds: float, timeout: float, profile_id: int) -> Phase:
+async def _run_phase(
+    port: int, name: str, clients: int, seconds: float, timeout: float, profile_id: int
+) -> Phase:
     tag = uuid.uuid4().hex[:8]
 
     def requests_of(client: int) -> Iterator[Request]:
@@ -272,7 +276,10 @@ async def _burst(port: int, clients: int, timeout: float) -> Phase:
     request = Request("burst", "POST", "/api/v1/profiles", body)
     start = time.perf_counter()
     await asyncio.gather(
-        *(_client(port, iter([request]), start + 3600, phase, fresh=True, timeout=timeout) for _ in range(clients))
+        *(
+            _client(port, iter([request]), start + 3600, phase, fresh=True, timeout=timeout)
+            for _ in range(clients)
+        )
     )
     phase.seconds = time.perf_counter() - start
     return phase
@@ -401,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=30.0, help="seconds one request may take")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--show-log", action="store_true", help="print the tail of each server's log")
-    parser.add_argument("--postgres-url", default=os.environ.get("AUTOTUNE_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL))
+    parser.add_argument(
+        "--postgres-url", default=os.environ.get("AUTOTUNE_TEST_POSTGRES_URL", DEFAULT_POSTGRES_URL)
+    )
     args = parser.parse_args(argv)
     print(
         f"clients {','.join(map(str, args.clients))}, {args.seconds:g} s per phase, {args.workers} uvicorn "
@@ -414,13 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         for phase in phases:
             print(_line(phase))
             if len(phase.by_kind) > 1:
-                print(
-                    "       "
-                    + "  ".join(
-                        f"{kind} p50 {1000 * _quantile(lat, 0.5):.0f} / p99 {1000 * _quantile(lat, 0.99):.0f} ms"
-                        for kind, lat in phase.by_kind.items()
-                    )
-                )
+                print("       " + "  ".join(
+                    f"{kind} p50 {1000 * _quantile(lat, 0.5):.0f} / p99 {1000 * _quantile(lat, 0.99):.0f} ms"
+                    for kind, lat in phase.by_kind.items()
+                ))
         for clients in args.clients:
             by_name = {p.name: p for p in phases if p.clients == clients}
             if "/healthz" in by_name and "suggest" in by_name:

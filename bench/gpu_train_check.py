@@ -58,7 +58,8 @@ def train_steps(spec: str, meter: CudaMeter, micro_batch: int) -> tuple[int, flo
 def main() -> int:
     failures = []
     print(
-        "| task | budget | m | trials | OOMs | peak in 50 steps | limit | m+1 fits? | NVML device used | meter figure |"
+        "| task | budget | m | trials | OOMs | peak in 50 steps | limit | m+1 fits? | NVML device used "
+        "| meter figure |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for spec, budget, cap in CASES:

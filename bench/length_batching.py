@@ -159,10 +159,8 @@ def run(samples: int, budget_bytes: int, target_tokens: int, seed: int) -> dict[
         f"{time.perf_counter() - started:.1f} s; m_max {cap(8)} at L=8, {cap(median)} at the median L={median}, "
         f"{cap(1000)} at L=1000, {cap(PACK_TO)} rows of {PACK_TO}; covers L {cap.covered[0]}..{cap.covered[1]}"
     )
-    print(
-        f"{samples} samples, {sum(lengths)} tokens (lognormal, median {median}, 8..1000), "
-        f"{target_tokens} tokens per update, budget {budget_bytes} bytes"
-    )
+    print(f"{samples} samples, {sum(lengths)} tokens (lognormal, median {median}, 8..1000), "
+          f"{target_tokens} tokens per update, budget {budget_bytes} bytes")
     dataset = Documents(lengths)
     common: dict[str, Any] = dict(target_tokens=target_tokens, supervised_tokens=[n - 1 for n in lengths], seed=seed)
     plans = [
@@ -185,20 +183,14 @@ def run(samples: int, budget_bytes: int, target_tokens: int, seed: int) -> dict[
             "ooms": sum(peak > budget_bytes for peak in peaks),
         }
     base = results[plans[0].name]["tokens_per_second"]
-    print(
-        f"\n{'plan':36} {'micro-batches':>13} {'updates':>7} {'padding':>8} {'tokens/s':>9} {'vs (a)':>7} "
-        f"{'peak MiB':>9} {'OOMs':>5}"
-    )
+    print(f"\n{'plan':36} {'micro-batches':>13} {'updates':>7} {'padding':>8} {'tokens/s':>9} {'vs (a)':>7} "
+          f"{'peak MiB':>9} {'OOMs':>5}")
     for name, row in results.items():
-        print(
-            f"{name:36} {row['micro_batches']:13.0f} {row['updates']:7.0f} {row['padding']:8.1%} "
-            f"{row['tokens_per_second']:9.0f} {row['tokens_per_second'] / base:6.2f}x "
-            f"{row['peak_bytes'] / 2**20:9.2f} {row['ooms']:5.0f}"
-        )
-    print(
-        f"\nbudget {budget_bytes / 2**20:.2f} MiB (limit {budget_bytes * 0.9 / 2**20:.2f} MiB with 10 % headroom); "
-        f"{time.perf_counter() - started:.0f} s in all"
-    )
+        print(f"{name:36} {row['micro_batches']:13.0f} {row['updates']:7.0f} {row['padding']:8.1%} "
+              f"{row['tokens_per_second']:9.0f} {row['tokens_per_second'] / base:6.2f}x "
+              f"{row['peak_bytes'] / 2**20:9.2f} {row['ooms']:5.0f}")
+    print(f"\nbudget {budget_bytes / 2**20:.2f} MiB (limit {budget_bytes * 0.9 / 2**20:.2f} MiB with 10 % headroom); "
+          f"{time.perf_counter() - started:.0f} s in all")
     return results
 
 

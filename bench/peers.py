@@ -276,7 +276,9 @@ def run_case(
     monotone = fitting == list(range(1, m_true + 1))
     if "accelerate" in peers:
         with clocks["accelerate"]:
-            runs["accelerate"] = _run_peer(device, limit, run_accelerate, task, starting_batch_size=2 * max(m_true, 1))
+            runs["accelerate"] = _run_peer(
+                device, limit, run_accelerate, task, starting_batch_size=2 * max(m_true, 1)
+            )
     auto = runs["autotune"]
     methods = {}
     for key, run in runs.items():

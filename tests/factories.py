@@ -218,14 +218,18 @@ def inconsistent_payloads() -> list[tuple[str, dict[str, Any], str, int | None]]
         "fits above a failure, not declared",
         "non_monotone",
         5,
-        lambda body: body["trials"].append({"micro_batch": 30, "peak_bytes": within, "fits": True, "seconds": 0.2}),
+        lambda body: body["trials"].append(
+            {"micro_batch": 30, "peak_bytes": within, "fits": True, "seconds": 0.2}
+        ),
     )
     case(
         "non-monotone, m_max not below the first failure",
         "max_micro_batch",
         4,
         several(
-            lambda body: body["trials"].append({"micro_batch": 30, "peak_bytes": within, "fits": True, "seconds": 0.2}),
+            lambda body: body["trials"].append(
+                {"micro_batch": 30, "peak_bytes": within, "fits": True, "seconds": 0.2}
+            ),
             set_("non_monotone", True),
             set_("max_micro_batch", 30),
             set_("plan.max_micro_batch", 30),

@@ -247,3 +247,4 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
     warnings = list(dict.fromkeys(w for p in profiles for w in p.warnings))
     lines.extend(f"  warning          {warning}" for warning in warnings)
     return "\n".join(lines)
+

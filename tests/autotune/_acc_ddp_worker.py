@@ -65,7 +65,9 @@ def run(rank: int, world_size: int, rendezvous_file: str, out_dir: str) -> None:
             {
                 "allreduces": allreduces,
                 "first_grads": first_grads,
-                "params": {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()},
+                "params": {
+                    n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()
+                },
                 "denominators": denominators,
                 "counters": (acc.counters.micro_batches, acc.counters.updates, acc.counters.samples),
             },

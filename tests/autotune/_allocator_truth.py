@@ -50,7 +50,9 @@ def _sharded(model: nn.Module, block_classes: tuple[type[nn.Module], ...], mesh:
     return model
 
 
-def _steps(task: Any, micro_batch: int, mesh: Any, build: Callable[[], nn.Module] | None, set_to_none: bool) -> None:
+def _steps(
+    task: Any, micro_batch: int, mesh: Any, build: Callable[[], nn.Module] | None, set_to_none: bool
+) -> None:
     """2 micro-batches forward and backward, an AdamW step, zero_grad; twice (docs/design.md, "The trial")."""
     model = task.model() if build is None else build()
     if mesh is not None:

@@ -185,7 +185,9 @@ def test_scaler_unscale_then_clip_once_then_step_update_scheduler_zero_grad(monk
     scheduler.step = record("scheduler.step", scheduler.step)  # type: ignore[method-assign]
 
     micro = split_batch(mlp.make_batch(12, seed=4), 2)  # 6 micro-batches, A=3: two groups
-    acc = Accumulator(model, opt, accumulation_steps=3, scaler=scaler, scheduler=scheduler, max_grad_norm=max_grad_norm)
+    acc = Accumulator(
+        model, opt, accumulation_steps=3, scaler=scaler, scheduler=scheduler, max_grad_norm=max_grad_norm
+    )
     expected_first_norm = None
     before = [p.detach().clone() for p in model.parameters()]
     calls.clear()
@@ -200,7 +202,9 @@ def test_scaler_unscale_then_clip_once_then_step_update_scheduler_zero_grad(monk
         if i == 0:
             assert norm is not None
             step_size = torch.linalg.vector_norm(
-                torch.stack([(p.detach() - b).norm() for p, b in zip(model.parameters(), before, strict=True)])
+                torch.stack(
+                    [(p.detach() - b).norm() for p, b in zip(model.parameters(), before, strict=True)]
+                )
             )
             # SGD lr=1 moves by the clipped *unscaled* gradient: exactly max_grad_norm. Clipping the
             # scaled gradient and unscaling after would move by max_grad_norm / scale.

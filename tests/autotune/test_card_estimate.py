@@ -26,22 +26,8 @@ GPT = "examples/gpt.py:task"
 # card's search ran them; m = 1 and 2 as its MiB column prints them.
 LIMIT_BYTES = int(2 * GiB * 0.9)
 CARD_PERCENT_OF_LIMIT = {
-    1: 43.9,
-    2: 44.1,
-    414: 63.4,
-    1195: 99.6,
-    1203: 99.6,
-    1926: 122.2,
-    1564: 113.7,
-    1383: 107.5,
-    1293: 103.6,
-    1248: 100.6,
-    1225: 101.5,
-    1214: 100.7,
-    1208: 99.6,
-    1211: 99.6,
-    1212: 99.6,
-    1213: 100.7,
+    1: 43.9, 2: 44.1, 414: 63.4, 1195: 99.6, 1203: 99.6, 1926: 122.2, 1564: 113.7, 1383: 107.5, 1293: 103.6,
+    1248: 100.6, 1225: 101.5, 1214: 100.7, 1208: 99.6, 1211: 99.6, 1212: 99.6, 1213: 100.7,
 }
 CARD_M_MAX = 1212
 # The card's process had loaded fewer kernel modules at its first trials (m = 1, 2, 414) than from m = 1195
@@ -55,20 +41,8 @@ SIZES = ",".join(str(m) for m in sorted(CARD_PERCENT_OF_LIMIT) if m != 1926)
 def h200_estimate(cuda_python: str, tmp_path_factory: pytest.TempPathFactory) -> Profile:
     out = tmp_path_factory.mktemp("card") / "h200.json"
     code = main(
-        [
-            "estimate",
-            GPT,
-            "--gpu",
-            "h200",
-            "--budget",
-            "2GiB",
-            "--target-batch",
-            "512",
-            "--micro-batches",
-            SIZES,
-            "--output",
-            str(out),
-        ]
+        ["estimate", GPT, "--gpu", "h200", "--budget", "2GiB", "--target-batch", "512", "--micro-batches", SIZES,
+         "--output", str(out)]
     )
     assert code == 0
     return Profile.model_validate(json.loads(out.read_text()))
@@ -162,35 +136,14 @@ def test_a_mixture_of_experts_estimates_on_an_emulated_card(
     """Routing runs on CUDA's paths too (Mixtral counts its experts with an int32 histc there, a kernel the
     CPU lacks, and its fp32 experts take _grouped_mm's fallback), under the run's load factor."""
     config = {
-        "model_type": "mixtral",
-        "architectures": ["MixtralForCausalLM"],
-        "vocab_size": 256,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 128,
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     code = main(
-        [
-            "estimate",
-            f"hf:{tmp_path}",
-            "--gpu",
-            "h100",
-            "--seq-len",
-            "64",
-            "--max-seq-len",
-            "64",
-            "--max-micro-batch",
-            "8",
-            "--moe-load-factor",
-            "1.5",
-            "--json",
-        ]
+        ["estimate", f"hf:{tmp_path}", "--gpu", "h100", "--seq-len", "64", "--max-seq-len", "64",
+         "--max-micro-batch", "8", "--moe-load-factor", "1.5", "--json"]
     )
     assert code == 0, capsys.readouterr().err[-2000:]
     (profile,) = json.loads(capsys.readouterr().out)
@@ -214,21 +167,8 @@ def test_lengths_on_an_emulated_card_run_in_one_child(
 
     monkeypatch.setattr(runner, "_run_child", counted)
     code = main(
-        [
-            "estimate",
-            "examples/gpt.py:task_seq",
-            "--gpu",
-            "h200",
-            "--budget",
-            "2GiB",
-            "--seq-len",
-            "256,512",
-            "--max-seq-len",
-            "512",
-            "--precision",
-            "bf16",
-            "--json",
-        ]
+        ["estimate", "examples/gpt.py:task_seq", "--gpu", "h200", "--budget", "2GiB", "--seq-len", "256,512",
+         "--max-seq-len", "512", "--precision", "bf16", "--json"]
     )
     assert code == 0
     profiles = [Profile.model_validate(p) for p in json.loads(capsys.readouterr().out)]
@@ -248,7 +188,6 @@ def test_a_card_that_cannot_be_emulated_falls_back_to_cpu_semantics_and_says_why
     from autotune.emulation import EmulationError
 
     if cause == "no CUDA build":
-
         def missing() -> str:
             raise CudaTorchMissing("no Python with a CUDA build of torch here: make .venv-cuda")
 

@@ -76,18 +76,12 @@ def test_cap_multiple_of_oom_and_unreachable_plans_pass() -> None:
     capped = _profile(max_micro_batch=26, micro_batch_cap=26, trials=_trials(limit, [1, 2, 26]))
     assert profile_problems(capped) == []
     # A cap that is not a multiple: m_max is the largest multiple under it.
-    capped = _profile(
-        max_micro_batch=24,
-        micro_batch_cap=26,
-        multiple_of=8,
-        plan=plan(24, 256, multiple_of=8),
-        trials=_trials(limit, [8, 16, 24]),
-    )
+    capped = _profile(max_micro_batch=24, micro_batch_cap=26, multiple_of=8, plan=plan(24, 256, multiple_of=8),
+                      trials=_trials(limit, [8, 16, 24]))
     assert profile_problems(capped) == []
     # multiple_of: the failure is at m_max + multiple_of, and it was an OOM.
-    multiple = _profile(
-        max_micro_batch=24, multiple_of=8, plan=plan(24, 256, multiple_of=8), trials=_trials(limit, [8, 16, 24], oom=32)
-    )
+    multiple = _profile(max_micro_batch=24, multiple_of=8, plan=plan(24, 256, multiple_of=8),
+                        trials=_trials(limit, [8, 16, 24], oom=32))
     assert profile_problems(multiple) == []
     # No plan (the target was not reachable): the measurement stands.
     assert profile_problems(_profile(plan=None)) == []

@@ -199,7 +199,7 @@ def test_the_ledger_records_allocations_resizes_and_releases(meter: CpuMeter) ->
         a.untyped_storage().resize_(1024)  # and its all-gather's allocation
         a.untyped_storage().resize_(2048)  # another size: the new bytes first, the old freed after
         del a
-    ((held_key, held_bytes),) = recorded.held
+    (held_key, held_bytes), = recorded.held
     assert held_bytes == 64 and held_key == kept.untyped_storage()._cdata
     key = recorded.events[0][0]
     renamed = recorded.events[3][0]

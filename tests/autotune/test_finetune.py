@@ -256,7 +256,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
         ("llama", ["--weights-dtype", "fp16", "--precision", "fp16"], "GradScaler cannot unscale fp16 gradients"),
         ("unknown", [], "architectures NoSuchModelForCausalLM: transformers knows no model class"),
         ("llama", ["--hf-class", "LlamaModel"], "--hf-class LlamaModel: autotune cannot batch LlamaModel: it batches"),
-        ("nopad", [], "finds each sequence's last token by the config's pad_token_id, which is unset"),
+        ("nopad", [], 'finds each sequence\'s last token by the config\'s pad_token_id, which is unset'),
     ],
 )
 def test_bad_fine_tuning_input_is_one_line_exit_2_nothing_stored(

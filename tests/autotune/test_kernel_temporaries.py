@@ -67,9 +67,8 @@ def test_efficient_backward_half_computes_delta_in_the_kernel() -> None:
 def test_efficient_backward_accumulates_grad_k_and_v_past_the_kernels_block() -> None:
     """bf16, head 256: the (128, 64, 65536) kernel cannot keep grad K and V in registers and adds
     num_splits_key * BJ * align_up(K, BI) floats for each (one split: 256 sequences x heads)."""
-    steps = dict(
-        s for s in efficient_attention_backward(64, 4, 256, 256, 256, 256, itemsize=2, capability=H200) if s[1] != FREE
-    )
+    steps = dict(s for s in efficient_attention_backward(64, 4, 256, 256, 256, 256, itemsize=2, capability=H200)
+                 if s[1] != FREE)
     per_head = 4 * (2 * 64 * 256) + (16 + 4 * 128 * 64) * 2 * 4  # gk + gv floats, then 2 x 4 grad-Q tiles
     assert steps["workspace"] == 64 * 4 * per_head
 
@@ -105,11 +104,8 @@ def test_flash_backward_rounds_and_expands_for_grouped_queries() -> None:
         "dv_expanded": 2 * 1000 * 8 * 80 * 2,
     }
     assert _balanced(steps)
-    deterministic = dict(
-        s
-        for s in flash_attention_backward(2, 8, 8, 1000, 1000, 80, itemsize=2, sm_count=132, deterministic=True)
-        if s[1] != FREE
-    )
+    deterministic = dict(s for s in flash_attention_backward(2, 8, 8, 1000, 1000, 80, itemsize=2, sm_count=132,
+                                                             deterministic=True) if s[1] != FREE)
     assert deterministic["dq_accum"] == -(-132 // 16) * 4 * 2 * 1024 * 8 * 96  # one per split of the SMs
 
 

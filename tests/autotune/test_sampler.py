@@ -26,9 +26,8 @@ from tests.factories import surface_gpt_payloads
 IGNORE = gpt.IGNORE_INDEX
 
 
-def lognormal_lengths(
-    count: int, *, median: int = 120, sigma: float = 1.0, low: int = 8, high: int = 1000, seed: int = 0
-) -> list[int]:
+def lognormal_lengths(count: int, *, median: int = 120, sigma: float = 1.0, low: int = 8, high: int = 1000,
+                      seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [min(high, max(low, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(count)]
 
@@ -65,11 +64,8 @@ def check_epoch(
         assert len({len(share) for share in shares}) == 1, [len(share) for share in shares]
         assert all(len(share) >= 1 for share in shares)
         first = shares[0]
-        assert all(
-            (s.position, s.tokens, s.samples, s.short, s.repeated)
-            == (first.position, first.tokens, first.samples, first.short, first.repeated)
-            for s in shares
-        )
+        assert all((s.position, s.tokens, s.samples, s.short, s.repeated) == (first.position, first.tokens,
+                   first.samples, first.short, first.repeated) for s in shares)
         assert first.position == position
         tokens = samples = 0
         for share in shares:
@@ -133,32 +129,18 @@ def token_capacity(tokens: int) -> Callable[[int], int]:
     masked=st.booleans(),
 )
 def test_invariants_over_random_lengths(
-    lengths: list[int],
-    tokens: int,
-    replicas: int,
-    factor: int,
-    pad: int,
-    shuffle: bool,
-    drop_last: bool,
-    seed: int,
-    masked: bool,
+    lengths: list[int], tokens: int, replicas: int, factor: int, pad: int, shuffle: bool, drop_last: bool,
+    seed: int, masked: bool,
 ) -> None:
     cap = token_capacity(tokens)
     supervised = [length - 1 for length in lengths] if masked else None
     most = max(supervised or lengths)
     target = max(1, most) * replicas * factor
-    kwargs = dict(
-        target_tokens=target,
-        pad_to_multiple_of=pad,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        seed=seed,
-        supervised_tokens=supervised,
-    )
+    kwargs = dict(target_tokens=target, pad_to_multiple_of=pad, shuffle=shuffle, drop_last=drop_last, seed=seed,
+                  supervised_tokens=supervised)
     ranks = plans(lengths, cap, replicas, **kwargs)
-    check_epoch(
-        ranks, lengths, cap, target_tokens=target, pad_to_multiple_of=pad, supervised=supervised, drop_last=drop_last
-    )
+    check_epoch(ranks, lengths, cap, target_tokens=target, pad_to_multiple_of=pad, supervised=supervised,
+                drop_last=drop_last)
     # Iteration is the updates' micro-batches in order, and len() counts them.
     sampler = LengthBatchSampler(lengths, cap, num_replicas=replicas, rank=replicas - 1, **kwargs)
     flat = [batch for update in ranks[-1] for batch in update]
@@ -300,11 +282,8 @@ def test_a_sample_longer_than_the_surface_covers_is_named() -> None:
     with pytest.raises(ValueError) as caught:
         LengthBatchSampler([100, 300, 2500, 2049], cap, target_tokens=10_000)
     assert str(caught.value) == "sample 3 has length 2049, longer than the capacity covers (up to 2048)"
-    with pytest.raises(
-        ValueError,
-        match=r"^sample 1 has length 2041 \(padded to 3000\), longer than the capacity "
-        r"covers \(up to 2048\)$",
-    ):
+    with pytest.raises(ValueError, match=r"^sample 1 has length 2041 \(padded to 3000\), longer than the capacity "
+                       r"covers \(up to 2048\)$"):
         LengthBatchSampler([100, 2041], cap, target_tokens=10_000, pad_to_multiple_of=1000)
 
 
@@ -322,11 +301,8 @@ def test_a_capacity_of_zero_or_one_that_fails() -> None:
     def broken(length: int) -> int:
         raise RuntimeError("no surface here\nsecond line")
 
-    with pytest.raises(
-        ValueError,
-        match=r"^capacity\(10\) failed for sample 0 \(length 10\): RuntimeError: no "
-        r"surface here$",
-    ):
+    with pytest.raises(ValueError, match=r"^capacity\(10\) failed for sample 0 \(length 10\): RuntimeError: no "
+                       r"surface here$"):
         LengthBatchSampler([10], broken, target_tokens=1000)
     with pytest.raises(ValueError, match="not a micro-batch size"):
         LengthBatchSampler([10], lambda length: 2.0, target_tokens=1000)  # type: ignore[arg-type,return-value]
@@ -400,13 +376,8 @@ def worst_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 def test_uneven_micro_batches_from_the_sampler_give_the_big_batch_gradient() -> None:
     lengths = lognormal_lengths(60, median=16, low=2, high=64, seed=4)
     dataset = Documents(lengths)
-    sampler = LengthBatchSampler(
-        lengths,
-        token_capacity(160),
-        target_tokens=400,
-        pad_to_multiple_of=4,
-        supervised_tokens=[n - 1 for n in lengths],
-    )
+    sampler = LengthBatchSampler(lengths, token_capacity(160), target_tokens=400, pad_to_multiple_of=4,
+                                 supervised_tokens=[n - 1 for n in lengths])
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=lambda docs: pad(docs, 4))
     torch.manual_seed(0)
     model = gpt.GPT(TINY).double()
@@ -492,9 +463,8 @@ def test_a_real_cpu_run_stays_within_the_budget_where_a_fixed_plan_does_not(prob
     limit = int(BUDGET * 0.9)
     task = gpt.task_seq
     dataset = Documents(lengths, vocab=256)
-    sampler = LengthBatchSampler(
-        lengths, cap, target_tokens=2048, pad_to_multiple_of=8, supervised_tokens=[n - 1 for n in lengths]
-    )
+    sampler = LengthBatchSampler(lengths, cap, target_tokens=2048, pad_to_multiple_of=8,
+                                 supervised_tokens=[n - 1 for n in lengths])
     meter = CpuMeter(BUDGET)
 
     def train(loader: Any, steps: Callable[[Accumulator, Any], Any]) -> list[tuple[int, int, int]]:
@@ -524,13 +494,8 @@ def test_a_real_cpu_run_stays_within_the_budget_where_a_fixed_plan_does_not(prob
     assert max(length for _, length, _ in peaks) >= 480  # the long samples ran, at their own size
     # The fixed plan at the typical length: m_max there for every micro-batch, in random order.
     typical = sorted(lengths)[len(lengths) // 2]
-    fixed = DataLoader(
-        dataset,
-        batch_size=cap(typical),
-        shuffle=True,
-        collate_fn=lambda docs: pad(docs, 8),
-        generator=torch.Generator().manual_seed(0),
-    )
+    fixed = DataLoader(dataset, batch_size=cap(typical), shuffle=True, collate_fn=lambda docs: pad(docs, 8),
+                       generator=torch.Generator().manual_seed(0))
     with pytest.raises(torch.OutOfMemoryError):
         train(fixed, lambda acc, data: acc.groups(data, count=supervised))
 
@@ -597,14 +562,8 @@ def test_the_example_trains_within_the_budget_plain_and_packed(probed: Any) -> N
     dataset = train_lengths.Documents(lengths)
     logged: list[str] = []
     for pack_to in (None, 512):
-        sampler = LengthBatchSampler(
-            lengths,
-            cap,
-            target_tokens=3000,
-            pad_to_multiple_of=8,
-            pack_to=pack_to,
-            supervised_tokens=[n - 1 for n in lengths],
-        )
+        sampler = LengthBatchSampler(lengths, cap, target_tokens=3000, pad_to_multiple_of=8, pack_to=pack_to,
+                                     supervised_tokens=[n - 1 for n in lengths])
         result = train_lengths.train(sampler, dataset, budget_bytes=BUDGET, log=logged.append)
         assert result["updates"] == len(list(sampler.updates())) >= 2
         assert 0 < result["peak_bytes"] <= BUDGET and result["tokens_per_second"] > 0

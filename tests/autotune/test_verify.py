@@ -55,7 +55,9 @@ def test_passes_on_the_cnn_in_eval_mode_and_on_the_mlp_with_an_uneven_split() ->
 
 
 def test_names_a_mean_of_micro_batch_means_when_the_task_has_no_loss_sum() -> None:
-    token_mean_only = ProbeTask(name="gpt-mean", model=gpt.GPT, batch=gpt.task.batch, loss=gpt.token_mean_loss)
+    token_mean_only = ProbeTask(
+        name="gpt-mean", model=gpt.GPT, batch=gpt.task.batch, loss=gpt.token_mean_loss
+    )
     report = verify_gradients(token_mean_only, target_batch=8, micro_batch=2)
     assert not report.ok and report.cause == CAUSE_MEAN_OF_MEANS
     assert "loss_sum" in report.message

@@ -29,7 +29,9 @@ def in_process_server(
 
     path = tmp_path / "store.db"
     shutil.copyfile(_sqlite_template, path)
-    settings = Settings(database_url=f"sqlite:///{path}", api_tokens=(f"tests={WRITE_TOKEN}",), access_log=False)
+    settings = Settings(
+        database_url=f"sqlite:///{path}", api_tokens=(f"tests={WRITE_TOKEN}",), access_log=False
+    )
     with TestClient(create_app(settings), base_url=IN_PROCESS_URL) as app_client:
         # TestClient warns at a per-request timeout, which TunerClient always sends; a plain
         # httpx.Client over the TestClient's own transport (lifespan running) takes it silently.

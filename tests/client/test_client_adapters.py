@@ -25,7 +25,9 @@ def test_adapters(m: int, a: int, d: int) -> None:
         "train_batch_size": m * a * d,
     }
     # DeepSpeed refuses a config where these disagree with the data-parallel world size.
-    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * d
+    assert (
+        ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * d
+    )
 
 
 def test_an_inexact_plan_reports_the_batch_it_really_trains_with() -> None:

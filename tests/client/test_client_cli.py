@@ -78,7 +78,9 @@ def test_suggest_before_and_after_an_upload(in_process_server: Callable[..., Any
 
     code, out, _ = run_suggest()
     assert code == EXIT_OK
-    assert out.startswith(f"micro_batch={got.micro_batch} accumulation_steps={got.accumulation_steps} world_size=2")
+    assert out.startswith(
+        f"micro_batch={got.micro_batch} accumulation_steps={got.accumulation_steps} world_size=2"
+    )
     assert f"profile {profile_id}" in out
 
 

@@ -158,7 +158,9 @@ def test_retry_after_as_http_date_is_honoured() -> None:
 
 def test_a_retry_after_beyond_the_call_timeout_fails_at_once_instead_of_waiting() -> None:
     sleeps: list[float] = []
-    handler, seen = sequence(json_response(429, error_body("rate_limited", "slow down"), headers={"Retry-After": "30"}))
+    handler, seen = sequence(
+        json_response(429, error_body("rate_limited", "slow down"), headers={"Retry-After": "30"})
+    )
     with mock_client(handler, timeout=2.0, sleeps=sleeps) as client, pytest.raises(RateLimitError) as info:
         client.suggest(**SUGGEST_ARGS)
     assert sleeps == []
@@ -170,14 +172,18 @@ def test_back_off_is_capped_and_jittered_downwards() -> None:
     client = TunerClient(base_url=BASE_URL)
     try:
         client._random = lambda: 1.0  # the largest jitter
-        assert client._retry_delay(0, None) == pytest.approx(INITIAL_RETRY_DELAY_SECONDS * (1 - RETRY_JITTER_FRACTION))
+        assert client._retry_delay(0, None) == pytest.approx(
+            INITIAL_RETRY_DELAY_SECONDS * (1 - RETRY_JITTER_FRACTION)
+        )
         client._random = lambda: 0.0
         assert client._retry_delay(30, None) == MAX_RETRY_DELAY_SECONDS
         client._random = __import__("random").random
         delays = {client._retry_delay(2, None) for _ in range(50)}
         assert len(delays) > 1  # real jitter: a sweep's jobs do not retry in lock-step
         assert all(
-            4 * INITIAL_RETRY_DELAY_SECONDS * (1 - RETRY_JITTER_FRACTION) <= d <= 4 * INITIAL_RETRY_DELAY_SECONDS
+            4 * INITIAL_RETRY_DELAY_SECONDS * (1 - RETRY_JITTER_FRACTION)
+            <= d
+            <= 4 * INITIAL_RETRY_DELAY_SECONDS
             for d in delays
         )
     finally:

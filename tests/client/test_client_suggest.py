@@ -149,7 +149,9 @@ def _child_env() -> dict[str, str]:
 # -- a hit: the server answers, nothing is measured -----------------------------------------------
 
 
-def test_a_stored_answer_is_returned_without_any_trial(no_trials: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stored_answer_is_returned_without_any_trial(
+    no_trials: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     expected = make_suggestion()
     handler, seen = sequence(json_response(200, expected.model_dump(mode="json")))
@@ -228,7 +230,9 @@ def test_a_miss_probes_locally_uploads_and_returns_probed(fake_probe: FakeProbe)
 
 
 def test_a_miss_without_probe_if_missing_raises_not_found(fake_probe: FakeProbe) -> None:
-    handler, _ = sequence(json_response(404, error_body("no_matching_profile", "nothing stored; run autotune probe")))
+    handler, _ = sequence(
+        json_response(404, error_body("no_matching_profile", "nothing stored; run autotune probe"))
+    )
     with mock_client(handler) as client, pytest.raises(NotFoundError, match="run autotune probe"):
         suggest(tiny_model(), 40, example=tiny_batch, budget="8MiB", probe_if_missing=False, client=client)
     assert fake_probe.calls == []
@@ -279,7 +283,9 @@ def test_a_silent_server_costs_the_job_no_more_than_the_client_timeout(fake_prob
 
 
 def test_a_request_the_server_rejects_is_raised_not_probed(fake_probe: FakeProbe) -> None:
-    handler, _ = sequence(json_response(422, error_body("validation_error", "device_name: too long", "device_name")))
+    handler, _ = sequence(
+        json_response(422, error_body("validation_error", "device_name: too long", "device_name"))
+    )
     with mock_client(handler) as client, pytest.raises(UnprocessableEntityError):
         suggest(tiny_model(), 40, example=tiny_batch, client=client)
     assert fake_probe.calls == []

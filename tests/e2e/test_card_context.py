@@ -34,20 +34,8 @@ def test_an_estimate_uses_the_context_the_store_measured(
     monkeypatch.setenv("AUTOTUNE_TOKEN", live_server.token)
     out = tmp_path / "estimate.json"
     code = main(
-        [
-            "estimate",
-            "examples/gpt.py:task",
-            "--gpu",
-            "h200",
-            "--budget",
-            "2GiB",
-            "--max-micro-batch",
-            "4",
-            "--server",
-            live_server.url,
-            "--output",
-            str(out),
-        ]
+        ["estimate", "examples/gpt.py:task", "--gpu", "h200", "--budget", "2GiB", "--max-micro-batch", "4",
+         "--server", live_server.url, "--output", str(out)]
     )
     assert code == 0
     profile = Profile.model_validate(json.loads(out.read_text()))

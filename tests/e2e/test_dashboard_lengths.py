@@ -102,7 +102,9 @@ def test_the_table_shows_and_filters_the_length(
     page.fill("input[name=seq_len]", "512")
     page.click("form.filters button[type=submit]")
     page.wait_for_url("**seq_len=512**")
-    assert [r.get_attribute("data-profile-id") for r in page.locator("#profiles tbody tr").all()] == [str(lengths[512])]
+    assert [r.get_attribute("data-profile-id") for r in page.locator("#profiles tbody tr").all()] == [
+        str(lengths[512])
+    ]
 
 
 def test_screenshot_of_a_surface_datasheet(

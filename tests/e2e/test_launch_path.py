@@ -90,11 +90,17 @@ def test_a_job_gets_the_stored_plan_without_measuring(live_server: LiveServer, p
     assert suggestion.world_size == 2
     assert suggestion.max_micro_batch == probed_mlp.max_micro_batch
     assert suggestion.micro_batch <= probed_mlp.max_micro_batch
-    assert suggestion.micro_batch * suggestion.accumulation_steps * 2 == suggestion.effective_batch == TARGET_BATCH
+    assert (
+        suggestion.micro_batch * suggestion.accumulation_steps * 2
+        == suggestion.effective_batch
+        == TARGET_BATCH
+    )
     assert len(stored(live_server)) == 1  # nothing was uploaded
 
 
-def test_a_launch_script_gets_the_same_plan_from_the_cli(live_server: LiveServer, probed_mlp: Profile) -> None:
+def test_a_launch_script_gets_the_same_plan_from_the_cli(
+    live_server: LiveServer, probed_mlp: Profile
+) -> None:
     done = run(
         [
             *autotune_command(),
@@ -123,7 +129,9 @@ def test_a_launch_script_gets_the_same_plan_from_the_cli(live_server: LiveServer
     )
 
 
-def test_an_unknown_model_is_probed_uploaded_and_then_served(live_server: LiveServer, probed_mlp: Profile) -> None:
+def test_an_unknown_model_is_probed_uploaded_and_then_served(
+    live_server: LiveServer, probed_mlp: Profile
+) -> None:
     before = {r.id for r in stored(live_server)}
     first, _ = launch_job(live_server, "wide", "64", "--budget", "8MiB")
     assert first.source == "probed"

@@ -72,11 +72,8 @@ def test_attention_backward_scratch_is_the_rules(batch: int, dtype: torch.dtype,
     head_dim = 16 if dtype == torch.float32 else 64
     qkv = torch.randn(batch, length, 3 * heads * head_dim, device="cuda", dtype=dtype, requires_grad=True)
     q, k, v = (z.view(batch, length, heads, head_dim).transpose(1, 2) for z in qkv.split(heads * head_dim, dim=2))
-    backends = {
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-    }
+    backends = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION}
     try:
         with sdpa_kernel(backends[backend]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -98,10 +95,8 @@ def test_embedding_and_layer_norm_backward_scratch_is_at_least_the_rules() -> No
     embedding = torch.nn.Embedding(256, 64, device="cuda")
     norm = torch.nn.LayerNorm(64, device="cuda")
     indices = torch.randint(0, 256, (1212, 64), device="cuda")
-    for module, watched in (
-        (embedding, aten.embedding_dense_backward.default),
-        (norm, aten.native_layer_norm_backward.default),
-    ):
+    for module, watched in ((embedding, aten.embedding_dense_backward.default),
+                            (norm, aten.native_layer_norm_backward.default)):
         mode = _ScratchOf(watched)
         inputs = indices if module is embedding else torch.randn(1212, 64, 64, device="cuda", requires_grad=True)
         output = module(inputs)

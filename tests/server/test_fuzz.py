@@ -65,7 +65,9 @@ def _fuzz(operation: schemathesis.APIOperation, mode: GenerationMode) -> int:
 
 def test_api_conforms_to_its_schema(database_url: str) -> None:
     app = create_app(
-        Settings(database_url=database_url, api_tokens=(WRITE_TOKEN,), max_body_bytes=256 * 1024, access_log=False)
+        Settings(
+            database_url=database_url, api_tokens=(WRITE_TOKEN,), max_body_bytes=256 * 1024, access_log=False
+        )
     )
     with TestClient(app) as client:
         # Something stored, so that reads and /suggest also take their found paths.

@@ -63,7 +63,10 @@ def test_metrics_count_requests_latency_and_profiles(client: TestClient) -> None
     route = "/api/v1/profiles/{profile_id}"
     assert _sample(text, "autotune_http_requests_total", method="GET", route=route, status="200") == 1
     assert _sample(text, "autotune_http_requests_total", method="GET", route=route, status="404") == 1
-    assert _sample(text, "autotune_http_requests_total", method="POST", route="/api/v1/profiles", status="201") == 2
+    assert (
+        _sample(text, "autotune_http_requests_total", method="POST", route="/api/v1/profiles", status="201")
+        == 2
+    )
     count = _sample(text, "autotune_http_request_duration_seconds_count", method="GET", route=route)
     inf = _sample(text, "autotune_http_request_duration_seconds_bucket", method="GET", route=route, le="+Inf")
     assert count == inf == 2

@@ -91,30 +91,11 @@ def test_rows_stored_before_0002_become_ddp_measurements_with_real_trials(empty_
     command.upgrade(config, "0001")
     # The columns of revision 0001, as a profile stored then filled them.
     profile = dict(
-        id=1,
-        content_hash="a" * 64,
-        schema_version=1,
-        fingerprint="0" * 64,
-        task="t",
-        device_kind="cuda",
-        device_name="GPU",
-        device="{}",
-        devices="[]",
-        precision="fp32",
-        tags="{}",
-        budget_bytes=2**33,
-        headroom=0.1,
-        max_micro_batch=8,
-        micro_batch_cap=4096,
-        multiple_of=1,
-        world_size=4,
-        trial_count=1,
-        oom_count=0,
-        seconds=1.0,
-        warnings="[]",
-        created_at="2026-01-01 00:00:00",
-        uploaded_at="2026-01-01 00:00:00",
-        document="{}",
+        id=1, content_hash="a" * 64, schema_version=1, fingerprint="0" * 64, task="t", device_kind="cuda",
+        device_name="GPU", device="{}", devices="[]", precision="fp32", tags="{}", budget_bytes=2**33,
+        headroom=0.1, max_micro_batch=8, micro_batch_cap=4096, multiple_of=1, world_size=4, trial_count=1,
+        oom_count=0, seconds=1.0, warnings="[]", created_at="2026-01-01 00:00:00",
+        uploaded_at="2026-01-01 00:00:00", document="{}",
     )
     trial = dict(id=1, profile_id=1, position=0, micro_batch=8, peak_bytes=100, fits=True, oom=False, seconds=0.5)
     engine = create_engine(empty_database_url, poolclass=NullPool)

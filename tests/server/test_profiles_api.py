@@ -67,7 +67,9 @@ def test_get_returns_the_profile_as_uploaded(client: TestClient) -> None:
 
 
 def test_uploader_is_the_name_of_the_token_used(client: TestClient) -> None:
-    response = client.post(PROFILES, json=profile_payload(), headers={"Authorization": f"Bearer {OTHER_WRITE_TOKEN}"})
+    response = client.post(
+        PROFILES, json=profile_payload(), headers={"Authorization": f"Bearer {OTHER_WRITE_TOKEN}"}
+    )
     assert response.status_code == 201
     assert client.get(response.headers["location"]).json()["uploader"] == "laptop"
 
@@ -271,7 +273,9 @@ def test_bad_profile_is_422_naming_the_field(
 
 
 def test_malformed_json_is_422_in_the_error_shape(client: TestClient) -> None:
-    response = client.post(PROFILES, content=b"{not json", headers={**WRITE, "Content-Type": "application/json"})
+    response = client.post(
+        PROFILES, content=b"{not json", headers={**WRITE, "Content-Type": "application/json"}
+    )
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "validation_error"
 
