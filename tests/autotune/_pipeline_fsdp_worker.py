@@ -21,7 +21,6 @@ not). ``ScheduleGPipe`` runs the same way.
 
 from __future__ import annotations
 
-import gc
 import json
 import traceback
 from pathlib import Path
@@ -32,7 +31,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.profiler import ProfilerActivity, profile
 
 from tests.autotune._pipeline_worker import (
     DIM,
@@ -43,7 +41,8 @@ from tests.autotune._pipeline_worker import (
     _rotate_half,
     count_every_thread,
     lm_loss,
-    make_batch,
+    profiled_peak_bytes,
+    train_two_steps,
 )
 
 RUNS_PER_SIZE = 3
@@ -140,36 +139,12 @@ def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
     schedule = kind(stage, n_microbatches=microbatches, loss_fn=lm_loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(2):
-        inputs, targets = make_batch(microbatches * micro_batch)
-        if stage_index == 0:
-            schedule.step(inputs, return_outputs=False)
-        else:
-            losses: list[torch.Tensor] = []
-            schedule.step(target=targets, losses=losses, return_outputs=False)
-            del losses
-        del inputs, targets
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train_two_steps(schedule, stage_index == 0, microbatches, micro_batch, [optimizer])
     del schedule, stage, optimizer, model
 
 
 def _peak_bytes(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -> int:
-    gc.collect()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _steps(mesh, microbatches, micro_batch, schedule_name)
-    dist.barrier()
-    events = []
-    pending = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
-        if "Allocation" in str(node.tag) and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
-    events.sort()
-    _, first_bytes, first_total = events[0]
-    return max(total for _, _, total in events) - (first_total - first_bytes)
+    return profiled_peak_bytes(lambda: _steps(mesh, microbatches, micro_batch, schedule_name))
 
 
 def run(

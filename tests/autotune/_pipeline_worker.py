@@ -20,7 +20,9 @@ import gc
 import json
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -142,9 +144,18 @@ def _steps(job: str, rank: int, ranks: int, microbatches: int, micro_batch: int)
         kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
         schedule = kind(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
+    train_two_steps(schedule, rank == 0, microbatches, micro_batch, optimizers)
+    del schedule, stages, optimizers, models
+
+
+def train_two_steps(
+    schedule: Any, first_stage: bool, microbatches: int, micro_batch: int, optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """Two steps of the schedule as a training loop runs them: the first stage feeds the inputs, the others the
+    targets (the last computes the losses, kept until the step ends), then each optimizer steps and zeroes."""
     for _ in range(2):
         inputs, targets = make_batch(microbatches * micro_batch)
-        if rank == 0:
+        if first_stage:
             schedule.step(inputs, return_outputs=False)
         else:
             losses: list[torch.Tensor] = []
@@ -154,7 +165,6 @@ def _steps(job: str, rank: int, ranks: int, microbatches: int, micro_batch: int)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    del schedule, stages, optimizers, models
 
 
 def count_every_thread() -> None:
@@ -165,10 +175,16 @@ def count_every_thread() -> None:
 
 def peak_bytes(schedule_name: str, stage_index: int, stages: int, microbatches: int, micro_batch: int) -> int:
     """The allocator's peak running total over the stage's build and two steps, less the total before them."""
+    return profiled_peak_bytes(lambda: _steps(schedule_name, stage_index, stages, microbatches, micro_batch))
+
+
+def profiled_peak_bytes(steps: Callable[[], None]) -> int:
+    """The CPU allocator's peak running total over ``steps`` (every rank between two barriers), less the total
+    before them."""
     gc.collect()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _steps(schedule_name, stage_index, stages, microbatches, micro_batch)
+        steps()
     dist.barrier()
     events = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]

@@ -29,6 +29,7 @@ from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.probe import probe
 from autotune.tasks.task import ProbeTask
 from tests.autotune import _pipeline_worker as worker
+from tests.autotune._pipeline_cli import refused_line
 
 UNBOUNDED = 1 << 40
 K = 2
@@ -183,15 +184,6 @@ def test_unmeasured_schedules_and_compositions_are_refused_in_one_line() -> None
         probe(llama_task(), config)
 
 
-TASK_FILE = """
-from autotune import ProbeTask
-from tests.autotune import _pipeline_worker as w
-
-task = ProbeTask(name="tiny-llama", model=w.TinyLlama, batch=w.make_batch,
-                 loss=lambda model, batch: w.lm_loss(model(batch[0]), batch[1]))
-"""
-
-
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
@@ -206,18 +198,7 @@ task = ProbeTask(name="tiny-llama", model=w.TinyLlama, batch=w.make_batch,
 def test_bad_pipelines_are_one_line_exit_2_nothing_written(
     flags: list[str], said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from autotune.cli import main
-    from autotune.core.errors import ExitCode
-
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])
-    (tmp_path / "llama_task.py").write_text(TASK_FILE)
-    output = tmp_path / "profile.json"
-    argv = ["probe", f"{tmp_path / 'llama_task.py'}:task", "--device", "cpu", "--budget", "1000000"]
-    code = main([*argv, "--world-size", "4", *flags, "--output", str(output)])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code == ExitCode.USAGE
-    assert lines[-1].startswith("autotune: error: ") and said in lines[-1]
-    assert not output.exists()
+    assert said in refused_line(["--world-size", "4", *flags], tmp_path, monkeypatch, capsys)
 
 
 def test_an_hf_llama_is_cut_by_its_decoder_layers() -> None:

@@ -30,6 +30,7 @@ from autotune.search.pipelined import stage_strategy
 from autotune.tasks.task import ProbeTask
 from tests.autotune import _pipeline_fsdp_worker as fsdp_worker
 from tests.autotune import _pipeline_worker as worker
+from tests.autotune._pipeline_cli import refused_line
 
 UNBOUNDED = 1 << 40
 WORLD, STAGES, K = 4, 2, 2
@@ -164,15 +165,6 @@ def test_what_is_not_measured_over_fsdp_is_refused_in_one_line() -> None:
         stage_strategy("ddp", Mesh(pp=2, tp=2, pp_schedule="interleaved-1f1b", pp_microbatches=2), 8)
 
 
-TASK_FILE = """
-from autotune import ProbeTask
-from tests.autotune import _pipeline_worker as w
-
-task = ProbeTask(name="tiny-llama", model=w.TinyLlama, batch=w.make_batch,
-                 loss=lambda model, batch: w.lm_loss(model(batch[0]), batch[1]))
-"""
-
-
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
@@ -186,15 +178,4 @@ task = ProbeTask(name="tiny-llama", model=w.TinyLlama, batch=w.make_batch,
 def test_bad_pipelines_over_fsdp_are_one_line_exit_2_nothing_written(
     flags: list[str], said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from autotune.cli import main
-    from autotune.core.errors import ExitCode
-
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])
-    (tmp_path / "llama_task.py").write_text(TASK_FILE)
-    output = tmp_path / "profile.json"
-    argv = ["probe", f"{tmp_path / 'llama_task.py'}:task", "--device", "cpu", "--budget", "1000000"]
-    code = main([*argv, "--strategy", "fsdp", *flags, "--output", str(output)])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code == ExitCode.USAGE
-    assert lines[-1].startswith("autotune: error: ") and said in lines[-1]
-    assert not output.exists()
+    assert said in refused_line(["--strategy", "fsdp", *flags], tmp_path, monkeypatch, capsys)

@@ -51,8 +51,8 @@ def test_each_policy_is_exact_against_two_real_ranks_at_m_max_and_past_it(
     profile = probe(task, config)
     assert profile.activation_checkpointing == policy
     m_max = profile.max_micro_batch
-    assert 1 <= m_max < 64
     peaks = {t.micro_batch: t.peak_bytes for t in profile.trials if not t.fake}
+    assert m_max + 1 in peaks, f"the probe measured no real trial past its m_max {m_max}"
     job = Job(precision="fp32", gpt_config=dataclasses.asdict(TINY), strategy=strategy, policy=policy)
     real = real_rank0_peaks(job, [m_max, m_max + 1], tmp_path / "truth")
     print(f"{strategy} x2 {policy}: m_max {m_max}; probe {peaks[m_max]}, {peaks[m_max + 1]}; real rank 0 {real}")

@@ -15,30 +15,17 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from autotune.core.mesh import Mesh
 from autotune.measure.meters.cpu import CpuMeter
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.strategies import TensorParallel
-from autotune.measure.trial import TrialRunner
 from autotune.tasks.hf import hf_task
 from tests.autotune._hf_configs import write_config
+from tests.autotune._tp_trials import LIMIT_BYTES, tp_peaks
 
 pytest.importorskip("transformers")
 pytestmark = [
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed"),
     pytest.mark.filterwarnings("ignore:FSDP2-wrapped module"),
 ]
-LIMIT_BYTES = 1 << 30
-
-
-def _peaks(meter: CpuMeter, task: object, inner: str, world_size: int, sizes: tuple[int, ...]) -> dict[int, int]:
-    strategy = TensorParallel(world_size, Mesh(tp=2), inner=inner)
-    with strategy.process_group(meter.device):
-        runner = TrialRunner(task, meter, limit_bytes=LIMIT_BYTES, strategy=strategy)  # type: ignore[arg-type]
-        try:
-            return {m: runner(m).peak_bytes for m in sizes}
-        finally:
-            runner.close()
 
 
 @pytest.mark.parametrize(("inner", "world_size", "sizes"), [("fsdp", 4, (3,)), ("ddp", 2, (2,))])
@@ -46,8 +33,8 @@ def test_a_fake_tp_trial_counts_what_the_real_one_does(
     tmp_path: Path, inner: str, world_size: int, sizes: tuple[int, ...]
 ) -> None:
     task = hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False)).at_length(16)
-    real = _peaks(CpuMeter(LIMIT_BYTES), task, inner, world_size, sizes)
-    fake = _peaks(FakeMeter(LIMIT_BYTES, "cpu"), task, inner, world_size, sizes)
+    real = tp_peaks(CpuMeter(LIMIT_BYTES), task, inner, world_size, sizes)
+    fake = tp_peaks(FakeMeter(LIMIT_BYTES, "cpu"), task, inner, world_size, sizes)
     print(f"tp 2 x {inner} {world_size}: real {real}, fake {fake}")
     assert fake == real
     if inner == "fsdp":

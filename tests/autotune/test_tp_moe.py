@@ -25,13 +25,13 @@ from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategies import TensorParallel
 from autotune.measure.trial import TrialRunner
 from autotune.tasks.hf import hf_task
+from tests.autotune._tp_trials import LIMIT_BYTES, tp_peaks
 
 pytest.importorskip("transformers")
 pytestmark = [
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed"),
     pytest.mark.filterwarnings("ignore:FSDP2-wrapped module"),
 ]
-LIMIT_BYTES = 1 << 30
 EXPERTS, HIDDEN, WIDTH = 8, 32, 48
 SLACK_BYTES = 64  # the probe holds 8 bytes the ordinary loop does not (as for the Llama)
 CONFIG: dict[str, Any] = {
@@ -71,21 +71,11 @@ def test_each_rank_holds_its_share_of_every_expert(tmp_path: Path) -> None:
         assert tuple(experts.gate_up_proj.grad.to_local().shape) == (EXPERTS, WIDTH, HIDDEN)
 
 
-def _peaks(meter: CpuMeter, task: object, inner: str, world_size: int, sizes: tuple[int, ...]) -> dict[int, int]:
-    strategy = TensorParallel(world_size, Mesh(tp=2), inner=inner)
-    with strategy.process_group(meter.device):
-        runner = TrialRunner(task, meter, limit_bytes=LIMIT_BYTES, strategy=strategy)  # type: ignore[arg-type]
-        try:
-            return {m: runner(m).peak_bytes for m in sizes}
-        finally:
-            runner.close()
-
-
 @pytest.mark.parametrize(("inner", "world_size"), [("ddp", 2), ("fsdp", 4)])
 def test_a_fake_moe_tp_trial_counts_what_the_real_one_does(tmp_path: Path, inner: str, world_size: int) -> None:
     task = hf_task(_mixtral(tmp_path)).at_length(16)
-    real = _peaks(CpuMeter(LIMIT_BYTES), task, inner, world_size, (1, 2))
-    fake = _peaks(FakeMeter(LIMIT_BYTES, "cpu"), task, inner, world_size, (1, 2))
+    real = tp_peaks(CpuMeter(LIMIT_BYTES), task, inner, world_size, (1, 2))
+    fake = tp_peaks(FakeMeter(LIMIT_BYTES, "cpu"), task, inner, world_size, (1, 2))
     print(f"mixtral tp 2 x {inner} {world_size}: real {real}, fake {fake}")
     assert fake == real
     assert real[2] > real[1]
@@ -95,7 +85,7 @@ def test_the_real_trial_is_rank_0_of_a_real_job_on_transformers_own_tp_path(tmp_
     from tests.autotune import _tp_moe_worker
 
     task = hf_task(_mixtral(tmp_path)).at_length(16)
-    probed = _peaks(CpuMeter(LIMIT_BYTES), task, "ddp", 2, (1, 2))
+    probed = tp_peaks(CpuMeter(LIMIT_BYTES), task, "ddp", 2, (1, 2))
     out = tmp_path / "truth"
     out.mkdir()
     try:  # each size runs until the ranks' peak is at or below the probe's (real collectives vary above a floor)
