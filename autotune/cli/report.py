@@ -60,8 +60,11 @@ def strategy_text(profile: Profile) -> str:
 
         mesh = Mesh.from_dict(profile.mesh)
         replicas = profile.world_size // mesh.model_parallel
+        # The cp ranks hold the same parameters: DDP all-reduces and FSDP2 shards over them too (dp_shard_cp).
+        sharded = profile.strategy == "fsdp" and mesh.cp > 1
+        over = f" (sharded over dp x cp = {replicas * mesh.cp} ranks)" if sharded else ""
         return (
-            f"{profile.strategy} over {replicas} data-parallel replicas of {profile.world_size} ranks, "
+            f"{profile.strategy} over {replicas} data-parallel replicas{over} of {profile.world_size} ranks, "
             f"{mesh.describe()} (the figures are rank 0's, for this mesh only)"
         )
     if profile.strategy == "fsdp":

@@ -54,9 +54,15 @@ arriving key/value, and a rank r < i attends the second half of its query to all
 merged in place); the probe measures the rank named by ``rank`` (:data:`MEASURED_RANK` by default, the most
 loaded in the comparison with real processes; docs/meshes.md gives the figures).
 
+Under ``--strategy fsdp`` the gradients are not all-reduced by DDP: FSDP2 shards the model over every rank of the
+(dp, cp) mesh flattened (torchtitan's and accelerate's ``dp_shard_cp``: the cp ranks hold the same parameters, so
+they share its shards and reduce-scatter its gradients together), each decoder block then the root as
+:class:`~autotune.measure.strategies.Sharded` wraps them, with its mixed-precision policy; fsdp over cp alone
+(D = 1) still shards over the cp ranks.
+
 What is refused, one line each: a model that is not a causal LM over ``input_ids`` and ``labels``, an attention
-other than ``sdpa``, a sequence length cp does not divide, ``--strategy fsdp``, ``--tp`` or ``--pp`` with
-``--cp`` (measured alone, over ddp, today).
+other than ``sdpa``, a sequence length cp does not divide, ``--tp`` or ``--pp`` with ``--cp`` (not measured
+together today).
 """
 
 from __future__ import annotations
@@ -70,7 +76,13 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
-from autotune.measure.strategies import Strategy, _is_fake, hold_ddp_buckets
+from autotune.measure.strategies import (
+    Sharded,
+    Strategy,
+    _is_fake,
+    _mesh_coordinates_outside_fake_modes,
+    hold_ddp_buckets,
+)
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["MEASURED_RANK", "ROTATION", "ContextParallel", "install_cpu_flash_attention"]
@@ -281,7 +293,7 @@ def _check_model(model: nn.Module, task: ProbeTask, cp: int) -> None:
 
 class ContextParallel(Strategy):
     """One rank (``rank``) of a cp group of W ranks: each micro-batch under torch's ``context_parallel``, DDP
-    over every rank."""
+    (``inner`` "ddp") or FSDP2 (``inner`` "fsdp") over every rank."""
 
     name = "ddp"
 
@@ -289,10 +301,15 @@ class ContextParallel(Strategy):
         self, world_size: int, mesh: Mesh, *, inner: str = "ddp", rank: int = MEASURED_RANK, rotation: str = ROTATION
     ) -> None:
         super().__init__(world_size)
-        if inner != "ddp" or mesh.tp > 1 or mesh.pp > 1:
-            raise AutotuneError(f"--cp {mesh.cp} is measured alone over ddp today (asked: {inner}, {mesh.describe()})")
+        if inner not in ("ddp", "fsdp") or mesh.tp > 1 or mesh.pp > 1:
+            raise AutotuneError(
+                f"--cp {mesh.cp} is measured over ddp or fsdp, without --tp or --pp, today (asked: {inner}, "
+                f"{mesh.describe()})"
+            )
         if not 0 <= rank < mesh.cp:
             raise AutotuneError(f"the measured cp rank must be in [0, {mesh.cp}), got {rank}")
+        self.name = inner
+        self.inner = inner
         self.mesh = mesh
         self.replicas = mesh.data_parallel(world_size)
         self.rank = rank
@@ -305,6 +322,11 @@ class ContextParallel(Strategy):
     @property
     def describes_replicas(self) -> bool:
         return False
+
+    def autocast_dtype(self, precision: str) -> torch.dtype | None:
+        if self.inner == "fsdp" and precision == "bf16":
+            return None  # FSDP2's MixedPrecisionPolicy alone, as Sharded runs it
+        return super().autocast_dtype(precision)
 
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
@@ -374,8 +396,11 @@ class ContextParallel(Strategy):
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        if task.offload == "params":
-            raise TaskError("--offload params needs --strategy fsdp, which --cp is not measured with yet")
+        if task.offload == "params" and self.inner != "fsdp":
+            raise TaskError(
+                "--offload params needs --strategy fsdp (got ddp): it is FSDP2's CPUOffloadPolicy, which keeps each "
+                "rank's shards on the host; under ddp use --offload activations"
+            )
         _check_model(model, task, self.mesh.cp)
         config = model.config
         heads = getattr(config, "num_attention_heads", None)
@@ -396,6 +421,15 @@ class ContextParallel(Strategy):
             if name.endswith("self_attn"):
                 module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
         model.register_forward_pre_hook(self._enter, with_kwargs=True)
+        if self.inner == "fsdp":
+            # FSDP2 over every rank, the (dp, cp) mesh flattened: the cp ranks hold the same parameters, so their
+            # gradients are reduced together and their shards are cut over all W ranks (torchtitan's and
+            # accelerate's dp_shard_cp mesh). The measured rank is global rank ``rank``: its shard is the
+            # rank-th of W (FSDP2 pads the shards to one size, rank 0's the largest before padding).
+            with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
+                flat = self._device_mesh["dp", "cp"]._flatten("dp_cp")
+                Sharded(self.world_size, mesh=flat).wrap(model, task, device)
+            return model
         if _is_fake(model):
             # DDP's constructor broadcasts the weights, which fake tensors cannot carry: its gradient buckets are
             # held without it, as plain ddp's fake trials hold them (strategies.FakeReplicas).

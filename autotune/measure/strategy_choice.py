@@ -15,7 +15,8 @@ __all__ = ["make_strategy"]
 
 def make_strategy(name: str, world_size: int, mesh: Mesh | None = None) -> Strategy:
     """The strategy called name ("ddp" or "fsdp") at world_size; with a mesh of tp > 1, rank 0 of its
-    tensor-parallel group (autotune/measure/tensor_parallel.py), name then over the data-parallel replicas."""
+    tensor-parallel group (autotune/measure/tensor_parallel.py), name then over the data-parallel replicas; with
+    cp > 1, rank 0 of its context-parallel group, name over every rank (autotune/measure/context_parallel.py)."""
     if mesh is not None and not mesh.trivial:
         if mesh.cp > 1:  # one rank of a context-parallel group: autotune/measure/context_parallel.py
             from autotune.measure.context_parallel import ContextParallel

@@ -101,7 +101,10 @@ class ProbeConfig:
         if self.strategy not in STRATEGIES:
             raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         self.mesh.validate(self.world_size)
-        if self.strategy == "fsdp" and not self.mesh.trivial and self.mesh.data_parallel(self.world_size) < 2:
+        # FSDP2 shards over the data-parallel replicas, and under --cp over the cp ranks too (they hold the same
+        # parameters: torchtitan's dp_shard_cp mesh), so fsdp over cp alone (D = 1) still shards.
+        sharded_over = self.mesh.data_parallel(self.world_size) * self.mesh.cp
+        if self.strategy == "fsdp" and not self.mesh.trivial and sharded_over < 2:
             raise AutotuneError(
                 f"--strategy fsdp shards over the data-parallel replicas, and --world-size {self.world_size} over "
                 f"{self.mesh.describe()} leaves {self.mesh.data_parallel(self.world_size)}: use --strategy ddp or a "

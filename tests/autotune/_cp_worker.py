@@ -3,12 +3,13 @@
 Shares no measuring code with the probe: a tiny Llama built the ordinary way
 (``LlamaForCausalLM(LlamaConfig(..., attn_implementation="sdpa"))``), each attention module's mask dropped for
 ``is_causal=True`` by a pre-hook (accelerate's ``_attach_context_parallel_hooks``, written out), DDP over every
-rank, and each micro-batch prepared the way transformers' Trainer prepares one for context parallelism
-(``shift_labels`` padded with -100 and shifted, ``position_ids`` an expanded ``arange``) and run under PyTorch's
-``context_parallel(mesh, buffers=[input_ids, labels, shift_labels, position_ids], buffer_seq_dims=[1, 1, 1, 1],
-no_restore_buffers=...)`` around forward and backward (no_sync on the first micro-batch); 2 micro-batches, an
-AdamW step, zero_grad, twice. torch's defaults: the head-tail load balancer, the ``allgather`` rotation (or the
-one asked for).
+rank (or, with ``inner`` "fsdp", FSDP2 over every rank as torchtitan shards over its dp_shard_cp mesh: each
+decoder layer, the last kept unsharded after forward, then the root), and each micro-batch prepared the way
+transformers' Trainer prepares one for context parallelism (``shift_labels`` padded with -100 and shifted,
+``position_ids`` an expanded ``arange``) and run under PyTorch's ``context_parallel(mesh, buffers=[input_ids,
+labels, shift_labels, position_ids], buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=...)`` around forward and
+backward (DDP: no_sync on the first micro-batch; FSDP2 reduce-scatters after each); 2 micro-batches, an AdamW step,
+zero_grad, twice. torch's defaults: the head-tail load balancer, the ``allgather`` rotation (or the one asked for).
 
 What it does share is the job's CPU attention kernel (autotune/measure/context_parallel.py's
 ``install_cpu_flash_attention``): torch's ring attention calls CUDA-only flash kernels, so without that adapter
@@ -55,11 +56,12 @@ def run(
     sizes: dict[int, int | None],
     rotation: str = "allgather",
     ring: bool = False,
+    inner: str = "ddp",
 ) -> None:
-    """The job at each size (rank 0 writes runs.json); with ring, then check_ring's comparison in the same processes
-    (rank 0 writes ring.json): one spawn for both."""
+    """The job at each size (rank 0 writes runs.json) under DDP or (inner "fsdp") FSDP2 over every rank; with ring,
+    then check_ring's comparison in the same processes (rank 0 writes ring.json): one spawn for both."""
     try:
-        _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation, ring)
+        _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation, ring, inner)
     except BaseException:
         Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
         raise
@@ -72,7 +74,8 @@ def _drop_mask(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     return args, kwargs
 
 
-def _model(config: dict[str, Any]) -> torch.nn.Module:
+def _model(config: dict[str, Any], inner: str) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -81,18 +84,27 @@ def _model(config: dict[str, Any]) -> torch.nn.Module:
         if name.endswith("self_attn"):
             module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
     model.train()
-    return DistributedDataParallel(model)
+    if inner == "ddp":
+        return DistributedDataParallel(model)
+    # FSDP2 over every rank (the cp ranks hold the same parameters), torchtitan's way: each decoder layer, the last
+    # one kept unsharded after forward, then the root.
+    layers = list(model.model.layers)
+    for index, layer in enumerate(layers):
+        fully_shard(layer, reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model)
+    return model
 
 
-def _steps(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int) -> None:
+def _steps(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, inner: str) -> None:
     from torch.distributed.tensor.experimental import context_parallel
 
-    model: Any = _model(config)
+    model: Any = _model(config, inner)
     optimizer = torch.optim.AdamW(model.parameters())
     generator = torch.Generator().manual_seed(micro_batch)
     for _ in range(2):
         for index in range(2):
-            with model.no_sync() if index == 0 else contextlib.nullcontext():
+            # DDP all-reduces the last micro-batch's gradients only; FSDP2 reduce-scatters after each (torchtitan).
+            with model.no_sync() if index == 0 and inner == "ddp" else contextlib.nullcontext():
                 input_ids = torch.randint(0, config["vocab_size"], (micro_batch, seq_len), generator=generator)
                 labels = input_ids.clone()
                 shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
@@ -120,10 +132,10 @@ def _count_every_thread() -> None:
     ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
-def _peak_bytes(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int) -> int:
+def _peak_bytes(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, inner: str) -> int:
     gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _steps(mesh, config, seq_len, micro_batch)
+        _steps(mesh, config, seq_len, micro_batch, inner)
     found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while pending:
         event = pending.pop()
@@ -136,12 +148,14 @@ def _peak_bytes(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: in
     return max(total for _, _, total in found) - (first_total - first_bytes)
 
 
-def _runs(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, floor: int | None) -> list[list[int]]:
+def _runs(
+    mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, floor: int | None, inner: str
+) -> list[list[int]]:
     """Every rank's peak of each run at micro_batch, until the most loaded one is at or below floor (every rank
     runs as many: they agree through an all-gather); with no floor, UNKNOWN_FLOOR_RUNS runs."""
     figures: list[list[int]] = []
     while len(figures) < (MAX_REPEATS if floor is not None else UNKNOWN_FLOOR_RUNS):
-        mine = torch.tensor([_peak_bytes(mesh, config, seq_len, micro_batch)])
+        mine = torch.tensor([_peak_bytes(mesh, config, seq_len, micro_batch, inner)])
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         figures.append([int(peak.item()) for peak in every])
@@ -160,6 +174,7 @@ def _run(
     sizes: dict[int, int | None],
     rotation: str,
     ring: bool,
+    inner: str,
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -173,7 +188,7 @@ def _run(
     try:
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-        runs = {m: _runs(mesh["cp"], config, seq_len, m, floor) for m, floor in sizes.items()}
+        runs = {m: _runs(mesh["cp"], config, seq_len, m, floor, inner) for m, floor in sizes.items()}
         if rank == 0:
             Path(out_dir, "runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
         if ring:
