@@ -49,6 +49,16 @@ Ops that need data:
      divided by (accumulate's ``_as_int``). Memory does not depend on them. A model of one's own
      that branches on such a value (``if (x > t).any():``) to allocate differently can differ from
      a real trial, which is why real trials confirm the boundary.
+- Positions. An integer ``arange`` made from constants carries its values (made when first read), and integer
+  and boolean tensors computed from values carry theirs (small: a model's position ids are m x L). transformers'
+  mask helpers (``transformers.masking_utils``) take the branch they take on real tensors, not the one they take
+  for a FakeTensor, which they read as a trace (``is_tracing``): without a cache (``--ac``: a checkpointed step
+  keeps none) the model looks for packed sequences in its position ids, and on a trace it cannot read them, so
+  it keeps a causal mask of m x L x L booleans and gives up SDPA's ``is_causal``. On real tensors it reads that
+  the positions it made itself (``arange``) pack nothing, and makes no mask; so does the fake trial now, from
+  the positions' values. Where the values are unknown (position ids or a padding mask from the batch), the
+  scalar read gets its placeholder, and the mask is kept, as before (issue 34: a tiny Llama at tp 2 under
+  ``--ac full`` read 358,724 bytes against the real trial's 358,468 at m = 1, one 16 x 16 mask a micro-batch).
 - Any other op whose output shape depends on data that no rule gives cannot run fake: the trial
   fails with FakeTrialError naming the op, and the probe falls back to real trials.
 
@@ -61,6 +71,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -98,6 +109,8 @@ SCALAR_PLACEHOLDERS = {"bool": False, "int": 1, "float": 1.0}
 
 _LOAD_FACTOR: ContextVar[float] = ContextVar("moe_load_factor", default=1.0)
 _TOPK = (torch.ops.aten.topk.default,)
+# Integer ranges made from constants: their values are known (a model's position ids; the module docstring).
+_ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _EXACT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
@@ -376,7 +389,7 @@ class _FakeCountingMode(_LiveStorageMode):
             and ((healthy := _finite_answer(func, args, out)) is not None)
         ):
             self.values[out] = healthy
-        elif len(self.values) or (isinstance(out, FakeTensor) and out.numel() <= 1):
+        elif len(self.values) or func in _ARANGES or (isinstance(out, FakeTensor) and out.numel() <= 1):
             self._follow(func, args, kwargs, out)
         return out
 
@@ -414,7 +427,9 @@ class _FakeCountingMode(_LiveStorageMode):
         flat = tree_flatten((args, kwargs))[0]
         fakes = [item for item in flat if isinstance(item, FakeTensor)]
         if not fakes:
-            if isinstance(out, FakeTensor) and (out.numel() <= 1 or (self.routing and out.dtype in _EXACT_DTYPES)):
+            if isinstance(out, FakeTensor) and (
+                out.numel() <= 1 or (out.dtype in _EXACT_DTYPES and (self.routing or func in _ARANGES))
+            ):
                 self.values[out] = _Recipe(func, args, kwargs)
             return
         if not any(fake in self.values for fake in fakes):
@@ -431,8 +446,14 @@ class _FakeCountingMode(_LiveStorageMode):
                     self.values.pop(fake, None)
             return
         for fake, real in zip(tree_flatten(out)[0], tree_flatten(real_out)[0], strict=False):
-            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
+            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor) and self._keeps(real):
                 self.values[fake] = real
+
+    def _keeps(self, real: torch.Tensor) -> bool:
+        """Whether a value computed from values is kept: every one once routing began; before, integers, booleans
+        and scalars (a model's rotary tables computed from its positions would be m x L x head_dim floats on the
+        host, read by no scalar read)."""
+        return self.routing or real.dtype in _EXACT_DTYPES or real.numel() <= 1
 
     def _empty_like(self, types: Any, real: torch.Tensor, device: torch.device) -> torch.Tensor:
         return super().__torch_dispatch__(  # type: ignore[no-any-return]
@@ -480,6 +501,28 @@ class _FakeCountingMode(_LiveStorageMode):
             (_grouped_mm_shape(a, b, offs),),
             {"dtype": dtype, "device": a.device},
         )
+
+
+@contextmanager
+def _eager_mask_helpers() -> Iterator[None]:
+    """transformers' mask helpers read a FakeTensor as a trace (``is_tracing``) and skip the scalar reads an eager
+    run makes (the module docstring, "Positions"): while a fake trial runs, a FakeTensor is not a trace to them;
+    dynamo, jit and stream capture still are. Only where transformers is imported already (an hf: task loads it
+    before its trials)."""
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "is_tracing", None)
+    if module is None or original is None:
+        yield
+        return
+
+    def is_tracing(tensor: Any = None) -> bool:
+        return bool(original(None if isinstance(tensor, FakeTensor) else tensor))
+
+    module.is_tracing = is_tracing  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.is_tracing = original  # type: ignore[attr-defined]
 
 
 @contextmanager
@@ -544,6 +587,6 @@ class FakeMeter(CpuMeter):
     def _counting(self) -> Iterator[None]:
         if self.device.type == "cuda" and self.kernel_facts is None:
             self.kernel_facts = kernel_facts(self.device)
-        with _quiet_fake_tensor_log(), self._fake_mode, self._storage_resizes():
+        with _quiet_fake_tensor_log(), self._fake_mode, self._storage_resizes(), _eager_mask_helpers():
             with _FakeCountingMode(self, _LOAD_FACTOR.get()):
                 yield
