@@ -48,6 +48,10 @@ replay drives the wrapper as ``PipelineStage`` does (gradients accumulated unsha
 the step's K backwards, one reduce-scatter at its end). Truth: ``tests/autotune/test_pipeline_fsdp.py``, 4 real
 processes (pp 2 x dp 2) on gloo, 1F1B (and GPipe, once by hand): equal to the byte on every rank.
 
+Over DDP (``--strategy ddp``, D > 1): each stage holds the gradient buckets of the DDP that wraps it over its
+data-parallel group, one flat tensor per dtype of its own trainable parameters (:class:`StageStrategy`). Truth:
+``tests/autotune/test_ddp_buckets_meshes.py``, 4 real processes (pp 2 x dp 2), 1F1B: equal to the byte.
+
 Where this is not exact: a model that combines several modules before its first block (GPT-2's token and
 position embeddings added) makes, on a stage past the first, one transient activation-sized tensor the real
 stage does not (the sum, replaced by the arriving activation at the first block); activations crossing
@@ -73,7 +77,7 @@ from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.oom import is_oom
 from autotune.measure.policies import apply_policy
-from autotune.measure.strategies import Strategy
+from autotune.measure.strategies import Strategy, hold_ddp_buckets
 from autotune.measure.trial import _initialise, build_on_meta, make_batch
 from autotune.tasks.batches import map_tensors
 from autotune.tasks.task import ProbeTask
@@ -203,13 +207,24 @@ def pipeline_refusal(schedule: str, stages: int, microbatches: int, blocks: int 
 
 class StageStrategy(Strategy):
     """How a pipeline stage holds its part of the model here: whole, in no process group (the replay stands in
-    for the pipeline's sends and receives; a data-parallel wrapper over the stage, DDP's buckets, is not
-    measured). A sharding strategy (:class:`ShardedStage`) shards the stage on ``meta`` before it is given
-    storage and takes part in the replay through the hooks below, as ``PipelineStage`` drives its wrapper."""
+    for the pipeline's sends and receives), one of ``replicas`` data-parallel replicas. A sharding strategy
+    (:class:`ShardedStage`) shards the stage on ``meta`` before it is given storage and takes part in the replay
+    through the hooks below, as ``PipelineStage`` drives its wrapper.
+
+    Under ddp with more than one replica the job wraps each stage's module in DDP over its data-parallel group
+    (``PipelineStage(DistributedDataParallel(stage))``: forwards and every backward but the step's last under
+    ``no_sync``, the last one all-reducing in place in the buckets): once the stage has its storage, it holds the
+    buckets DDP's reducer allocates, one flat tensor per dtype of the stage's own trainable parameters
+    (``strategies.hold_ddp_buckets``, real and fake trials alike; truth: tests/autotune/test_ddp_buckets_meshes.py).
+    """
 
     name = "ddp"
     # Whether the stage is wrapped on meta (shard_stage) before its parameters are given storage.
     shards = False
+
+    def __init__(self, world_size: int = 1, *, replicas: int = 1) -> None:
+        super().__init__(world_size)
+        self.replicas = replicas
 
     def process_group(self, device: torch.device) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -220,6 +235,12 @@ class StageStrategy(Strategy):
     def shard_stage(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
         """Wrap the stage's module (on ``meta``, its other blocks dropped) in place; ``not_held``: the ids of the
         parameters the stage does not hold (they stay on ``meta`` and are never run)."""
+
+    def stage_built(self, model: nn.Module) -> None:
+        """After the stage's parameters (or shards) were given storage, inside the measured span: DDP's buckets
+        where DDP wraps the stage (ddp over more than one replica)."""
+        if self.name == "ddp" and self.replicas > 1:
+            hold_ddp_buckets(model)
 
     def forward_ended(self, model: nn.Module, output: Any) -> Any:
         """The stage's output when its forward stopped at its last block, before the model's own end."""
@@ -264,9 +285,9 @@ class ShardedStage(StageStrategy):
                 + f" is {replicas} (use --strategy ddp, or a larger --world-size; FSDP2 needs torch >= "
                 f"{FSDP_MIN_TORCH})"
             )
-        super().__init__(world_size)
+        super().__init__(world_size, replicas=max(1, replicas))
         self.name = inner
-        self.stages, self.replicas, self.tp, self.inner = stages, max(1, replicas), tp, inner
+        self.stages, self.tp, self.inner = stages, tp, inner
         self._device_mesh: Any = None
         self._entered = 0
 
@@ -1124,6 +1145,7 @@ class PipelineTrials:
                 for chunk in range(self.virtual_stages):  # rank r holds stages r, r + pp, ...
                     index = stage_index + chunk * self.stages
                     stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0), not_held)
+                    self.strategy.stage_built(stage.model)
                     stage.flow.shapes = shapes
                     replays.append(
                         _Replay(

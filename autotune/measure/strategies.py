@@ -22,7 +22,8 @@ model the way the job does, and say which micro-batches synchronise gradients.
   unit and defeat the point of sharding.
 - ``--tp N`` (``TensorParallel``, with either of the above over the data-parallel replicas): rank 0 of a
   tensor-parallel group of a ``(dp, tp)`` mesh in a fake process group of the world size, the model
-  parallelized by DTensor with the plan of autotune/measure/tensor_parallel.py (docs/meshes.md).
+  parallelized by DTensor with the plan of autotune/measure/tensor_parallel.py (docs/meshes.md). Under ddp with
+  D > 1 the trial holds DDP's gradient buckets of the rank's local shards (``hold_ddp_buckets``).
 """
 
 from __future__ import annotations
@@ -151,15 +152,24 @@ class Replicated(Strategy):
 def hold_ddp_buckets(model: nn.Module) -> None:
     """Hold on ``model`` the gradient buckets DDP's reducer would allocate for it (:class:`FakeReplicas` says why
     and how they are cut): one flat tensor per dtype and device of its trainable parameters, made from a
-    parameter, so that under the fake mode they are fake tensors on its device, counted as DDP's are."""
+    parameter, so that under the fake mode they are fake tensors on its device, counted as DDP's are.
+
+    A DTensor parameter (``--tp``) counts its local shard: DDP over a tensor-parallel model
+    (``DistributedDataParallel(device_mesh=dp)``, torch's ``_pre_dp_module_transform``) swaps each DTensor for
+    its local tensor before it builds the reducer. A parameter left on ``meta`` (one a pipeline stage does not
+    hold) is not the stage's: DDP over the stage never sees it."""
     numel: dict[tuple[torch.dtype, torch.device], int] = {}
     first: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            key = (parameter.dtype, parameter.device)
-            numel[key] = numel.get(key, 0) + parameter.numel()
-            first.setdefault(key, parameter)
-    model._autotune_ddp_buckets = [first[key].new_empty((count,)) for key, count in numel.items()]  # type: ignore[assignment]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if not parameter.requires_grad or parameter.is_meta:
+                continue
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # a DTensor's shard
+            key = (local.dtype, local.device)
+            numel[key] = numel.get(key, 0) + local.numel()
+            first.setdefault(key, local)
+        buckets = [first[key].new_empty((count,)) for key, count in numel.items()]
+    model._autotune_ddp_buckets = buckets  # type: ignore[assignment]
 
 
 class FakeReplicas(Replicated):
@@ -358,6 +368,14 @@ class TensorParallel(Strategy):
         if self.inner == "fsdp":
             with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
                 Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
+        elif self.replicas > 1:
+            # DDP over the dp sub-mesh (torch's TP + DDP: DistributedDataParallel(device_mesh=dp) swaps each DTensor
+            # parameter for its local tensor, _pre_dp_module_transform) allocates one flat bucket per dtype of the
+            # local shards. Held here, real and fake trials alike, rather than built: that transform leaves the
+            # DTensors as plain attributes after the first forward, so a model reused across trials would hand the
+            # next trial's optimizer its norms alone; and the fake group cannot run DDP on fake tensors. The real
+            # job's other bytes of DDP (its broadcast at construction) pass before the first forward.
+            hold_ddp_buckets(model)
         return model
 
 

@@ -42,8 +42,9 @@ experts module) is refused in one line, as is a model with no plan, and a model 
 tp does not divide.
 
 What is assumed: every rank of the tp group holds the same shapes (the divisibility checks make it so), so
-rank 0 is the most loaded; under ``--strategy ddp`` with D > 1 the DDP buckets over the ``dp`` dimension
-are not counted (the figures are the tp rank's without them).
+rank 0 is the most loaded. Under ``--strategy ddp`` with D > 1 the trials hold DDP's gradient buckets over the
+``dp`` dimension, one flat tensor per dtype of the rank's local shards, as DDP over the dp sub-mesh allocates them
+(``strategies.hold_ddp_buckets``; truth: tests/autotune/test_ddp_buckets_meshes.py).
 """
 
 from __future__ import annotations

@@ -15,11 +15,7 @@ from autotune.orchestrate.config import EstimateConfig
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["DDP_BUCKETS_LEFT_OUT", "estimated_profile", "non_monotone_sizes"]
-
-# DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors: plain ddp's fake trials hold its
-# buckets without it (FakeReplicas); under --tp or --cp the data-parallel wrapper's buckets are not held.
-DDP_BUCKETS_LEFT_OUT = "the estimate leaves out DDP's gradient buckets (about the size of the gradients)"
+__all__ = ["estimated_profile", "non_monotone_sizes"]
 
 
 def non_monotone_sizes(trials: Sequence[Trial]) -> list[int]:
@@ -44,13 +40,11 @@ def estimated_profile(
     torch_version: str,
 ) -> Profile:
     """The estimate's Profile, checked as the store would check it (``source: estimate``; the plan for
-    config's target; DDP's buckets said to be left out where there are replicas)."""
+    config's target)."""
     setup = config.probe
     assert setup.budget_bytes is not None
-    # DDP over the data-parallel replicas, and under --cp over every rank (the cp ranks hold the same parameters):
-    # its buckets held by the fake trials; under --tp or --pp over the dp dimension, not held.
-    if setup.strategy == "ddp" and setup.data_parallel > 1 and (setup.mesh.tp > 1 or setup.mesh.pp > 1):
-        warnings.append(DDP_BUCKETS_LEFT_OUT)
+    # DDP over the data-parallel replicas (under --tp and --pp over the dp dimension, under --cp over every rank):
+    # its buckets are held by the fake trials, so nothing is said of them.
     if task.tags.get("quantize"):
         from autotune.tasks.quantize import fake_kernel_note
 

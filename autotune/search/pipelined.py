@@ -39,9 +39,10 @@ def measured_microbatches(mesh: Mesh) -> int:
 
 
 def stage_strategy(strategy: str, mesh: Mesh, world_size: int) -> StageStrategy:
-    """How a stage holds its part of the model: whole, as one replica of D (ddp: a data-parallel wrapper over the
-    stage, DDP's buckets, is not measured); sharded by FSDP2 over its data-parallel group of D = W / (pp x tp)
-    (fsdp); with tp > 1 parallelized over its tensor-parallel group first (:class:`ShardedStage`).
+    """How a stage holds its part of the model: whole, as one replica of D = W / (pp x tp) (ddp: with D > 1 the stage
+    holds the gradient buckets of the DDP that wraps it over its data-parallel group); sharded by FSDP2 over that
+    group (fsdp); with tp > 1 parallelized over its tensor-parallel group first (:class:`ShardedStage`; under ddp
+    the buckets are of the local shards).
 
     Raises:
         AutotuneError: a pipeline composed with what is not measured with it yet (cp; fsdp or tp under the
@@ -59,7 +60,7 @@ def stage_strategy(strategy: str, mesh: Mesh, world_size: int) -> StageStrategy:
                 f"{said} with --pp-schedule {mesh.pp_schedule} is not measured yet (measured: 1f1b, gpipe)"
             )
         return ShardedStage(world_size, mesh.pp, tp=mesh.tp, inner=strategy)
-    return StageStrategy(1)
+    return StageStrategy(1, replicas=mesh.data_parallel(world_size))
 
 
 def _blocks_text(blocks: range) -> str:

@@ -86,16 +86,18 @@ def test_probe_answers_the_most_loaded_stage_and_plans_k(real_peaks: dict[str, l
         device="cpu",
         budget_bytes=BUDGET,
         headroom=0.0,
-        world_size=4,
-        target_batch=8,
+        # The truth's two ranks, D = 1: with D > 1 each stage would also hold the buckets of the DDP over it
+        # (test_ddp_buckets_meshes.py), which this truth does not run.
+        world_size=2,
+        target_batch=4,
         mesh=Mesh(pp=2, pp_microbatches=K),
     )
     profile = probe(llama_task(), config)
     assert profile.max_micro_batch == 2
     assert max(real_peaks[f"1f1b/{K}/2"]) <= BUDGET < max(real_peaks[f"1f1b/{K}/3"])
     assert profile.plan is not None
-    # D = 4 / 2 = 2 replicas; T = 8 = m x K x D with K = 2, m = 2.
-    assert (profile.plan.micro_batch, profile.plan.accumulation_steps, profile.plan.world_size) == (2, 2, 2)
+    # D = 2 / 2 = 1 replica; T = 4 = m x K x D with K = 2, m = 2.
+    assert (profile.plan.micro_batch, profile.plan.accumulation_steps, profile.plan.world_size) == (2, 2, 1)
     assert profile.plan.exact
     line = next(w for w in profile.warnings if w.startswith("pipeline "))
     assert "the most loaded is stage 0" in line and "bubble (pp - 1) / (K + pp - 1) = 0.333" in line
@@ -247,8 +249,8 @@ def test_the_estimate_is_the_fake_replay_and_equals_the_real_ranks(real_peaks: d
         device_kind="cpu",
         budget_bytes=BUDGET,
         headroom=0.0,
-        world_size=4,
-        target_batch=8,
+        world_size=2,  # the truth's D = 1 (no DDP over the stages), as in the probe's test above
+        target_batch=4,
         mesh=Mesh(pp=2, pp_microbatches=K),
     )
     profile = estimate(llama_task(), config)
