@@ -60,9 +60,15 @@ they share its shards and reduce-scatter its gradients together), each decoder b
 :class:`~autotune.measure.strategies.Sharded` wraps them, with its mixed-precision policy; fsdp over cp alone
 (D = 1) still shards over the cp ranks.
 
+With ``--tp`` (under fsdp: torchtitan's 3-D mesh for long sequences) the mesh is ``(dp, cp, tp)``, tp innermost,
+and the measured rank is tp rank 0 of the cp rank measured: the model is parallelized over the tp ranks first, with
+the plan :class:`~autotune.measure.strategies.TensorParallel` takes (autotune/measure/tensor_parallel.py); the
+query, key and value leave their column-wise projections as local tensors of H / tp heads, which
+``context_parallel``'s SDPA then shards along the sequence over the cp ranks; FSDP2 then shards over dp x cp.
+
 What is refused, one line each: a model that is not a causal LM over ``input_ids`` and ``labels``, an attention
-other than ``sdpa``, a sequence length cp does not divide, ``--tp`` or ``--pp`` with ``--cp`` (not measured
-together today).
+other than ``sdpa``, a sequence length cp does not divide, ``--pp`` with ``--cp``, and ``--tp`` with ``--cp``
+over ddp (not measured today).
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
+from autotune.measure.fake_group import forget_meshes
 from autotune.measure.strategies import (
     Sharded,
     Strategy,
@@ -301,10 +308,10 @@ class ContextParallel(Strategy):
         self, world_size: int, mesh: Mesh, *, inner: str = "ddp", rank: int = MEASURED_RANK, rotation: str = ROTATION
     ) -> None:
         super().__init__(world_size)
-        if inner not in ("ddp", "fsdp") or mesh.tp > 1 or mesh.pp > 1:
+        if inner not in ("ddp", "fsdp") or mesh.pp > 1 or (mesh.tp > 1 and inner != "fsdp"):
             raise AutotuneError(
-                f"--cp {mesh.cp} is measured over ddp or fsdp, without --tp or --pp, today (asked: {inner}, "
-                f"{mesh.describe()})"
+                f"--cp {mesh.cp} is measured over ddp or fsdp, with --tp over fsdp only, and without --pp today "
+                f"(asked: {inner}, {mesh.describe()})"
             )
         if not 0 <= rank < mesh.cp:
             raise AutotuneError(f"the measured cp rank must be in [0, {mesh.cp}), got {rank}")
@@ -315,6 +322,8 @@ class ContextParallel(Strategy):
         self.rank = rank
         self.rotation = rotation
         self._device_mesh: Any = None
+        # Under fsdp: the (dp, cp) dimensions flattened, the mesh FSDP2 shards over.
+        self._shard_mesh: Any = None
         self._group: Any = None
         # The context_parallel a forward entered; closed after its backward (by sync's exit).
         self._inside = ExitStack()
@@ -349,20 +358,26 @@ class ContextParallel(Strategy):
             counting.enter_context(_ring_under_outer_modes())
         rotation = ring._cp_options.rotate_method
         ring.set_rotate_method(self.rotation)
-        # The measured rank is (dp 0, cp rank): global rank ``rank`` of the (dp, cp) mesh.
-        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
+        # The measured rank is (dp 0, cp rank[, tp 0]): global rank ``rank`` x tp of the (dp, cp[, tp]) mesh, tp
+        # innermost as torchtitan lays it out (a tp group's ranks are neighbours, on one host).
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank * self.mesh.tp, world_size=self.world_size)
         try:
-            self._device_mesh = init_device_mesh(
-                device.type, (self.replicas, self.mesh.cp), mesh_dim_names=("dp", "cp")
-            )
+            shape: tuple[int, ...] = (self.replicas, self.mesh.cp)
+            names: tuple[str, ...] = ("dp", "cp")
+            if self.mesh.tp > 1:
+                shape, names = (*shape, self.mesh.tp), (*names, "tp")
+            self._device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            if self.inner == "fsdp":  # made here, outside the fake trials' modes (its rank map is a real tensor)
+                self._shard_mesh = self._device_mesh["dp", "cp"]._flatten("dp_cp")
             self._group = dist.group.WORLD
             yield self._group
         finally:
             self._inside.close()
-            self._device_mesh = self._group = None
+            self._device_mesh = self._shard_mesh = self._group = None
             ring._cp_options.rotate_method = rotation
             counting.close()
             dist.destroy_process_group()
+            forget_meshes()
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """Before each forward: the batch made ready as transformers' Trainer makes it for context parallelism,
@@ -421,14 +436,23 @@ class ContextParallel(Strategy):
             if name.endswith("self_attn"):
                 module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
         model.register_forward_pre_hook(self._enter, with_kwargs=True)
+        if self.mesh.tp > 1:
+            # Tensor parallel inside each cp rank, as TensorParallel parallelizes (its plan, the heads divided per
+            # tp rank): the attention's query, key and value leave their column-wise projections as local tensors
+            # of H / tp heads, which context_parallel's SDPA then shards along the sequence over the cp ranks.
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            from autotune.measure.tensor_parallel import check_tp_plan
+
+            styles = check_tp_plan(model, task, self.mesh.tp)
+            parallelize_module(model, self._device_mesh["tp"], styles, src_data_rank=None)
         if self.inner == "fsdp":
             # FSDP2 over every rank, the (dp, cp) mesh flattened: the cp ranks hold the same parameters, so their
             # gradients are reduced together and their shards are cut over all W ranks (torchtitan's and
             # accelerate's dp_shard_cp mesh). The measured rank is global rank ``rank``: its shard is the
             # rank-th of W (FSDP2 pads the shards to one size, rank 0's the largest before padding).
             with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
-                flat = self._device_mesh["dp", "cp"]._flatten("dp_cp")
-                Sharded(self.world_size, mesh=flat).wrap(model, task, device)
+                Sharded(self.world_size, mesh=self._shard_mesh).wrap(model, task, device)
             return model
         if _is_fake(model):
             # DDP's constructor broadcasts the weights, which fake tensors cannot carry: its gradient buckets are

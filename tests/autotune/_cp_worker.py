@@ -57,11 +57,13 @@ def run(
     rotation: str = "allgather",
     ring: bool = False,
     inner: str = "ddp",
+    tp: int = 1,
 ) -> None:
-    """The job at each size (rank 0 writes runs.json) under DDP or (inner "fsdp") FSDP2 over every rank; with ring,
-    then check_ring's comparison in the same processes (rank 0 writes ring.json): one spawn for both."""
+    """The job at each size (rank 0 writes runs.json) under DDP or (inner "fsdp") FSDP2 over the cp ranks, with
+    tp > 1 each cp rank's model parallelized over tp ranks (a (cp, tp) mesh, world_size = cp x tp); with ring, then
+    check_ring's comparison in the same processes (rank 0 writes ring.json): one spawn for both."""
     try:
-        _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation, ring, inner)
+        _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation, ring, inner, tp)
     except BaseException:
         Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
         raise
@@ -74,31 +76,36 @@ def _drop_mask(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     return args, kwargs
 
 
-def _model(config: dict[str, Any], inner: str) -> torch.nn.Module:
+def _model(mesh: Any, config: dict[str, Any], inner: str) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.parallel import DistributedDataParallel
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.autotune._tp_worker import llama_plan
 
     model = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa"))  # type: ignore[call-arg]
     for name, module in model.named_modules():
         if name.endswith("self_attn"):
             module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
     model.train()
+    if "tp" in mesh.mesh_dim_names:  # transformers' Llama plan over the tp ranks, as the tp truth parallelizes
+        parallelize_module(model, mesh["tp"], llama_plan(model), src_data_rank=None)
     if inner == "ddp":
         return DistributedDataParallel(model)
-    # FSDP2 over every rank (the cp ranks hold the same parameters), torchtitan's way: each decoder layer, the last
-    # one kept unsharded after forward, then the root.
+    # FSDP2 over the cp ranks (they hold the same parameters; with no dp ranks here they are torchtitan's
+    # dp_shard_cp), torchtitan's way: each decoder layer, the last one kept unsharded after forward, then the root.
     layers = list(model.model.layers)
     for index, layer in enumerate(layers):
-        fully_shard(layer, reshard_after_forward=index < len(layers) - 1)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh["cp"], reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model, mesh=mesh["cp"])
     return model
 
 
 def _steps(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, inner: str) -> None:
     from torch.distributed.tensor.experimental import context_parallel
 
-    model: Any = _model(config, inner)
+    model: Any = _model(mesh, config, inner)
     optimizer = torch.optim.AdamW(model.parameters())
     generator = torch.Generator().manual_seed(micro_batch)
     for _ in range(2):
@@ -111,7 +118,7 @@ def _steps(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, in
                 position_ids = torch.arange(seq_len).expand(micro_batch, -1)
                 buffers = [input_ids, labels, shift_labels, position_ids]
                 with context_parallel(
-                    mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)
+                    mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)
                 ):
                     loss = (
                         model(
@@ -175,6 +182,7 @@ def _run(
     rotation: str,
     ring: bool,
     inner: str,
+    tp: int,
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -187,8 +195,11 @@ def _run(
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-        runs = {m: _runs(mesh["cp"], config, seq_len, m, floor, inner) for m, floor in sizes.items()}
+        if tp > 1:  # tp innermost, as torchtitan lays out its mesh
+            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+        runs = {m: _runs(mesh, config, seq_len, m, floor, inner) for m, floor in sizes.items()}
         if rank == 0:
             Path(out_dir, "runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
         if ring:

@@ -43,23 +43,31 @@ def run(
         raise
 
 
-def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def llama_plan(model: torch.nn.Module) -> dict[str, Any]:
+    """The tp plan transformers ships for Llama, written out for parallelize_module: q/k/v/gate/up column-wise,
+    o/down row-wise, the embedding vocabulary-parallel, the LM head column-wise with its logits gathered."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    model = LlamaForCausalLM(LlamaConfig(**config))
     plan: dict[str, Any] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
-    for index in range(len(model.model.layers)):
+    for index in range(len(model.model.layers)):  # type: ignore[union-attr,arg-type]
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             plan[f"model.layers.{index}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"model.layers.{index}.{name}"] = RowwiseParallel()
-    parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
+    return plan
+
+
+def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    parallelize_module(model, mesh["tp"], llama_plan(model), src_data_rank=None)
     if mesh["dp"].size() > 1:
         layers = list(model.model.layers)
         for index, layer in enumerate(layers):

@@ -1,8 +1,8 @@
-"""`autotune estimate --gpu NAME --cp N`: context parallelism on an emulated card, under ddp and fsdp. Rank 0 of
-the cp group (the most loaded, tests/autotune/test_context_parallel.py) runs in the emulated child with fake CUDA
-tensors: SDPA reaches torch's own CUDA flash op and its context-parallel rule (torch's ring flash attention, no CPU
-adapter), the fake process group's collectives hand back fake buffers, and each trial is replayed through the
-caching allocator's model.
+"""`autotune estimate --gpu NAME --cp N`: context parallelism on an emulated card, under ddp, fsdp and fsdp x tp.
+Rank 0 of the cp group (the most loaded, tests/autotune/test_context_parallel.py) runs in the emulated child with
+fake CUDA tensors: SDPA reaches torch's own CUDA flash op and its context-parallel rule (torch's ring flash
+attention, no CPU adapter), the fake process group's collectives hand back fake buffers, and each trial is replayed
+through the caching allocator's model.
 
 What is checked against the same rank's fake trial with CPU semantics (whose figures the real gloo ranks hold,
 tests/autotune/test_context_parallel.py), on an attention-heavy Llama where the peak is in the ring: the card's
@@ -55,22 +55,25 @@ CUBLAS_WORKSPACES = 2 * 32 * 2**20
 ROUNDING_BYTES = 65_536
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("strategy", "tp"), [("ddp", 1), ("fsdp", 1), ("fsdp", 2)])
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")  # fsdp x tp's root returns the gathered logits, a view
 def test_cp2_estimates_on_an_emulated_card_as_the_cpu_rank_plus_cudas_flash_scratch(
-    cuda_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: Strategy
+    cuda_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: Strategy, tp: int
 ) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     folder = write_config(tmp_path, "llama", **CONFIG)
     out = tmp_path / "cp.json"
     code = main(
-        ["estimate", f"hf:{folder}", "--gpu", "h100", "--precision", "bf16", "--world-size", "2", "--cp", "2",
-         "--strategy", strategy, "--seq-len", str(SEQ_LEN), "--max-micro-batch", str(M), "--output", str(out)]
+        ["estimate", f"hf:{folder}", "--gpu", "h100", "--precision", "bf16", "--world-size", str(2 * tp), "--cp", "2",
+         "--tp", str(tp), "--strategy", strategy, "--seq-len", str(SEQ_LEN), "--max-micro-batch", str(M),
+         "--output", str(out)]
     )  # fmt: skip
     assert code == 0
     (raw,) = json.loads(out.read_text())
     profile = Profile.model_validate(raw)
     assert profile.device.name == "NVIDIA H100 80GB HBM3" and profile.source == "estimate"
-    assert profile.mesh == {"cp": 2} and profile.strategy == strategy and profile.max_micro_batch == M  # the cap
+    assert profile.mesh == Mesh(cp=2, tp=tp).as_dict() and profile.strategy == strategy
+    assert profile.max_micro_batch == M  # a tiny model: the cap
     at_m = next(t for t in profile.trials if t.micro_batch == M)
     outside = at_m.outside_allocator_bytes
     assert at_m.fake and outside and at_m.allocated_bytes
@@ -78,7 +81,7 @@ def test_cp2_estimates_on_an_emulated_card_as_the_cpu_rank_plus_cudas_flash_scra
 
     # The same rank (0 of the cp pair), fake, with CPU semantics, in this process.
     task = dataclasses.replace(hf_task(folder).at_length(SEQ_LEN), precision="bf16")
-    cp = ContextParallel(2, Mesh(cp=2), inner=strategy)
+    cp = ContextParallel(2 * tp, Mesh(cp=2, tp=tp), inner=strategy)
     with cp.process_group(torch.device("cpu")):
         runner = TrialRunner(task, FakeMeter(1 << 40, "cpu"), limit_bytes=1 << 40, strategy=cp)
         cpu = runner(M).peak_bytes
@@ -86,9 +89,9 @@ def test_cp2_estimates_on_an_emulated_card_as_the_cpu_rank_plus_cudas_flash_scra
     # CUDA's flash backward over one ring block of the rank's L / 2 = 128 queries: softmax_d (m, H, 128) and
     # dq_accum (m, 128, H, 64), float.
     block = SEQ_LEN // 2
-    flash_scratch = 4 * M * HEADS * block + 4 * M * block * HEADS * HEAD_DIM
+    flash_scratch = 4 * M * HEADS * block + 4 * M * block * HEADS * HEAD_DIM  # H / tp under tp: a bound still
     card = f"card allocated {at_m.allocated_bytes}, reserved + outside {at_m.peak_bytes}"
-    print(f"cp 2 ({strategy}) at m={M}: {card}; CPU {cpu}")
+    print(f"cp 2 x tp {tp} ({strategy}) at m={M}: {card}; CPU {cpu}")
     on_card = at_m.allocated_bytes - CUBLAS_WORKSPACES
     assert cpu - SLACK_BYTES <= on_card <= cpu + flash_scratch + ROUNDING_BYTES
 
