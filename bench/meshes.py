@@ -7,11 +7,13 @@ L = 8192 on emulated H100s (80 GB), one `autotune estimate` per mesh, as a user 
 
 8B and Mixtral run at 8 ranks, the issue's meshes: fsdp 8; tp 8; fsdp 4 x tp 2; fsdp 2 x tp 2 x pp 2 (1F1B, K = 8);
 pp 2 alone; cp 2. 70B runs at 64 ranks, as the field runs it (at 8 ranks its bf16 weights, gradients and AdamW
-states alone exceed 80 GB a rank on every mesh): fsdp 64; fsdp 8 x tp 8; fsdp 4 x tp 8 x pp 2 (1F1B, K = 8); cp 2.
+states alone exceed 80 GB a rank on every mesh): fsdp 64; fsdp 8 x tp 8; fsdp 4 x tp 8 x pp 2 (1F1B, K = 8);
+fsdp 32 x cp 2; ddp 32 x cp 2; fsdp 4 x tp 8 x cp 2.
 Pipelines compose with fsdp and tp (1F1B and GPipe; autotune/measure/pipeline.py). Context parallelism composes
-with ddp only (autotune/cli/inputs.py refuses it beside fsdp, tp or pp in one line): its rows are ddp x cp 2, and
-`fsdp 4 x cp 2` stays in the 8-rank list to show that refusal. What the project cannot estimate yet is printed as
-its one-line refusal or error ("micro-batch 1 does not fit" included), so the table says where the answer stops.
+with ddp and fsdp (FSDP2 over the dp x cp ranks, torchtitan's dp_shard_cp; autotune/cli/inputs.py refuses it beside
+pp, or beside tp over ddp, in one line): its rows are fsdp x cp 2, ddp x cp 2 and fsdp x tp x cp 2. What the
+project cannot estimate yet is printed as its one-line refusal or error ("micro-batch 1 does not fit" included),
+so the table says where the answer stops.
 A pipeline's row adds each stage's figure at m_max, the most loaded stage and the bubble. Mixtral 8x7B's shapes
 (8 experts, top-2) run beside the Llamas. AdamW runs with foreach=false under tp: foreach AdamW fails on
 lists that mix plain tensors (the norms, outside the tp plan) and DTensors, as the real job would. Each row gives
@@ -48,9 +50,12 @@ MESHES = {
         "--pp-microbatches", "8",
     ),
     "pp 2 (1F1B, K 8)": ("--world-size", "2", "--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "8"),
+    # FSDP2 over all 8 ranks (the cp pair shares the shards: dp_shard_cp), each cp pair splitting the sequence.
     "fsdp 4 x cp 2": ("--strategy", "fsdp", "--world-size", "8", "--cp", "2"),
-    # cp composes with ddp only today (autotune/measure/context_parallel.py): ddp over the 4 replicas of a cp 2 pair.
+    # DDP over every rank, each holding the whole model (autotune/measure/context_parallel.py).
     "ddp 4 x cp 2": ("--world-size", "8", "--cp", "2"),
+    # torchtitan's long-context 3-D mesh: tp inside each cp rank, FSDP2 over the dp x cp ranks.
+    "fsdp 2 x tp 2 x cp 2": ("--strategy", "fsdp", "--world-size", "8", "--tp", "2", "--cp", "2"),
 }  # fmt: skip
 # 70B at 64 ranks: at 8 its weights, gradients and AdamW states alone exceed a rank's 80 GB on every mesh.
 MESHES_64 = {
@@ -60,8 +65,10 @@ MESHES_64 = {
         "--strategy", "fsdp", "--world-size", "64", "--tp", "8", "--pp", "2", "--pp-schedule", "1f1b",
         "--pp-microbatches", "8",
     ),
-    # cp composes with ddp only: each rank holds the whole model's weights, gradients and states.
+    # FSDP2 over all 64 ranks, each cp pair splitting the sequence; and under ddp, the whole model on every rank.
+    "fsdp 32 x cp 2": ("--strategy", "fsdp", "--world-size", "64", "--cp", "2"),
     "ddp 32 x cp 2": ("--world-size", "64", "--cp", "2"),
+    "fsdp 4 x tp 8 x cp 2": ("--strategy", "fsdp", "--world-size", "64", "--tp", "8", "--cp", "2"),
 }  # fmt: skip
 MESHES_OF = {"8b": MESHES, "70b": MESHES_64, "mixtral": MESHES}
 
