@@ -73,6 +73,7 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.schemas import Trial
+from autotune.measure.fake_group import forget_meshes
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.oom import is_oom
@@ -332,6 +333,7 @@ class ShardedStage(StageStrategy):
             self._entered = 0
             self._device_mesh = None
             dist.destroy_process_group()
+            forget_meshes()  # fake_group.py: DTensor's caches hold this group's meshes
 
     def shard_stage(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
         from autotune.measure.strategies import _LOW_PRECISION, _fsdp_api, _is_fake, shard_units

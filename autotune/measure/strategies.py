@@ -38,6 +38,7 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
+from autotune.measure.fake_group import forget_meshes
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
@@ -278,6 +279,7 @@ class Sharded(Strategy):
         finally:
             self._mesh = None
             dist.destroy_process_group()
+            forget_meshes()  # fake_group.py: DTensor's caches hold this group's meshes
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         fully_shard, mixed_precision_policy, _ = _fsdp_api()
@@ -355,6 +357,7 @@ class TensorParallel(Strategy):
         finally:
             self._device_mesh = None
             dist.destroy_process_group()
+            forget_meshes()  # fake_group.py: DTensor's caches hold this group's meshes
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
