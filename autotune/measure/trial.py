@@ -250,6 +250,17 @@ def _fresh_cycle(
     _cycle(task, meter, micro_batch, strategy, model, accumulation)
 
 
+# A foreach (or fused) optimizer step over a tensor-parallel model: the parameters outside the tp plan (the norms)
+# stay plain tensors beside the DTensors, and DTensor refuses the mixed lists, on a card (where AdamW defaults to
+# foreach) as in the real job. Said as what to change, not as the op's error.
+_MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
+MIXED_DTENSOR_STEP = (
+    "the optimizer's foreach step got DTensors beside plain tensors (the parameters outside the tp plan, the norms, "
+    "stay plain), which DTensor refuses as the real job's step would: give the optimizer foreach=False "
+    "(hf: tasks: ?optimizer=AdamW:foreach=false)"
+)
+
+
 def run_trial(
     task: ProbeTask,
     meter: Meter,
@@ -304,7 +315,9 @@ def run_trial(
         else:
             first_line = (str(exc).strip().splitlines() or [""])[0]
             failure = f"trial at micro-batch {micro_batch} failed: {type(exc).__name__}: {first_line}"
-            if micro_batch == 1:
+            if _MIXED_DTENSOR in first_line:
+                failure = f"trial at micro-batch {micro_batch} failed: {MIXED_DTENSOR_STEP}"
+            elif micro_batch == 1:
                 failure += " (a model that cannot train on one sample, BatchNorm1d say, needs --multiple-of 2)"
     # Out of the except block the traceback, and with it every frame of _cycle, is gone.
     del meta_model
