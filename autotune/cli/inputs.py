@@ -49,9 +49,8 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 def _check_mesh(args: argparse.Namespace) -> None:
     """The meshes measured today, refused before any work where they are not: context parallelism with --pp, or
-    with --tp over ddp (autotune/measure/context_parallel.py), a pipeline over fsdp or tp under the
-    interleaved schedule (over them a pipeline is measured under 1f1b and gpipe: autotune/measure/pipeline.py's
-    ShardedStage)."""
+    with --tp over ddp (autotune/measure/context_parallel.py). A pipeline over fsdp or tp is measured under every
+    schedule (autotune/measure/pipeline.py's ShardedStage)."""
     cp, pp, tp = getattr(args, "cp", 1) or 1, getattr(args, "pp", 1) or 1, getattr(args, "tp", 1) or 1
     if cp > 1 and pp > 1:
         raise CliError(f"--cp {cp}: context parallelism is not measured with --pp {pp} today")
@@ -59,11 +58,6 @@ def _check_mesh(args: argparse.Namespace) -> None:
         raise CliError(
             f"--cp {cp} with --tp {tp}: measured under --strategy fsdp (FSDP2 over the dp x cp ranks, torchtitan's "
             "way), not over ddp"
-        )
-    sharded = getattr(args, "strategy", "ddp") == "fsdp" or tp > 1
-    if pp > 1 and sharded and getattr(args, "pp_schedule", None) == "interleaved-1f1b":
-        raise CliError(
-            f"--pp {pp} with --strategy fsdp or --tp: --pp-schedule interleaved-1f1b is not measured over them yet"
         )
 
 

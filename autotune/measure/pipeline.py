@@ -45,8 +45,11 @@ views), on every stage. Truth: ``tests/autotune/test_pipeline.py`` runs 2 real p
 Over FSDP2 (``--strategy fsdp``, :class:`ShardedStage`): the stage is cut and ``fully_shard``-ed on ``meta`` over
 its data-parallel group of D = W / pp, then only its shards are given storage, as torchtitan builds pp x fsdp; the
 replay drives the wrapper as ``PipelineStage`` does (gradients accumulated unsharded and units kept gathered over
-the step's K backwards, one reduce-scatter at its end). Truth: ``tests/autotune/test_pipeline_fsdp.py``, 4 real
-processes (pp 2 x dp 2) on gloo, 1F1B (and GPipe, once by hand): equal to the byte on every rank.
+the step's K backwards, one reduce-scatter at its end). Under interleaved 1F1B each of the rank's V stages is sharded
+on its own (torchtitan's model parts) and the replay adds the multi-stage runtime's actions (every stage gathered
+when the step starts, each reduced and resharded right after its own last backward: :class:`_InterleavedReplay`).
+Truth: ``tests/autotune/test_pipeline_fsdp.py``, 4 real processes (pp 2 x dp 2, and pp 2 x tp 2) on gloo, 1F1B (and
+GPipe, once by hand) and interleaved 1F1B (V 2): equal to the byte on every rank.
 
 Over DDP (``--strategy ddp``, D > 1): each stage holds the gradient buckets of the DDP that wraps it over its
 data-parallel group, one flat tensor per dtype of its own trainable parameters (:class:`StageStrategy`). Truth:
@@ -253,6 +256,16 @@ class StageStrategy(Strategy):
     def grads_reduced(self, model: nn.Module) -> None:
         """After the step's last backward, before the gradients are divided by K."""
 
+    def unshard_begins(self, model: nn.Module) -> list[Any]:
+        """When the interleaved schedule's step starts (its UNSHARD action): the pending gathers of the stage."""
+        return []
+
+    def unshard_waited(self, pending: list[Any]) -> None:
+        """Before the stage's first forward or backward of the step: the gathers waited on."""
+
+    def stage_resharded(self, model: nn.Module) -> None:
+        """After the stage's last backward of the step and its reduction (the interleaved schedule's RESHARD)."""
+
 
 class ShardedStage(StageStrategy):
     """A stage wrapped over its data-parallel and tensor-parallel groups, torchtitan's pp x fsdp (x tp): rank 0 of a
@@ -408,6 +421,26 @@ class ShardedStage(StageStrategy):
             for group in each._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+
+    def unshard_begins(self, model: nn.Module) -> list[Any]:
+        if self.inner != "fsdp":
+            return []
+        from torch.distributed.fsdp import FSDPModule
+
+        return [unit.unshard(async_op=True) for unit in model.modules() if isinstance(unit, FSDPModule)]
+
+    def unshard_waited(self, pending: list[Any]) -> None:
+        for handle in pending:
+            handle.wait()
+
+    def stage_resharded(self, model: nn.Module) -> None:
+        if self.inner != "fsdp":
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
 
 
 class _StageExit(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -1002,26 +1035,37 @@ class _InterleavedReplay:
     """One rank's steps under interleaved 1F1B: its V stages (chunks) built side by side, each with its receive
     buffers and its own optimizer (torchtitan builds one per model part), the actions in the schedule's order.
     The runtime of torch's multi-stage schedules waits on every send only when the step ends: every output
-    and every input gradient sent in a step stays referenced until then."""
+    and every input gradient sent in a step stays referenced until then.
+
+    Over FSDP2 the runtime (``_PipelineScheduleRuntime``, lowered by ``_add_unshard_reshard`` and
+    ``_add_reduce_grad``) adds its own actions, replayed through the strategy's hooks: every chunk's units are
+    gathered when the step starts (UNSHARD, asynchronously, in the order the chunks first compute; waited on before
+    the chunk's first compute), and right after a chunk's last backward its gradients are reduce-scattered and
+    divided by K (REDUCE_GRAD, ``perform_reduce_grad``), then its units resharded (RESHARD), while the other chunk
+    may still run backwards."""
 
     def __init__(self, chunks: list[_Replay], ranks: int) -> None:
         self.chunks, self.ranks = chunks, ranks
 
     def run(self, meter: Meter) -> None:
         chunks = self.chunks
-        task, k = chunks[0].task, chunks[0].k
+        task, k, strategy = chunks[0].task, chunks[0].k, chunks[0].strategy
         optimizers = [task.make_optimizer(chunk.stage.model) for chunk in chunks]
         arrivals = [[] if c.stage.first else [c._buffer(c.input_meta, fill="normal") for _ in range(k)] for c in chunks]
         grads_in = [[] if c.stage.last else [c._buffer(c.output_meta, fill="zero") for _ in range(k)] for c in chunks]
         rank = chunks[0].stage.index
         actions = interleaved_actions(rank, self.ranks, k, len(chunks))
+        first_computes = list(dict.fromkeys(local for _, local, _ in actions))
+        last_backward = {local: position for position, (kind, local, _) in enumerate(actions) if kind == "B"}
         for _ in range(OPTIMIZER_STEPS):
             batches = [make_batch(task, chunks[0].micro_batch, chunks[0].device) for _ in range(k)]
+            pending = {local: strategy.unshard_begins(chunks[local].stage.model) for local in first_computes}
             caches: list[dict[int, Any]] = [{} for _ in chunks]
             losses: list[Any] = []
             sent: list[torch.Tensor] = []
-            for kind, local, index in actions:
+            for position, (kind, local, index) in enumerate(actions):
                 chunk = chunks[local]
+                strategy.unshard_waited(pending.pop(local, []))
                 if kind == "F":
                     kept, output = chunk._forward(index, batches, arrivals[local])
                     caches[local][index] = kept
@@ -1030,17 +1074,19 @@ class _InterleavedReplay:
                     else:
                         sent.append(output.detach())
                     del kept, output
-                else:
-                    grad = chunk._backward(index, caches[local], arrivals[local], grads_in[local])
-                    if grad is not None:
-                        sent.append(grad)
-                    del grad
-            del sent, losses, caches, batches
-            with torch.no_grad():
-                for chunk in chunks:
-                    for param in chunk.stage.model.parameters():
-                        if param.grad is not None:
-                            param.grad.div_(k)
+                    continue
+                grad = chunk._backward(index, caches[local], arrivals[local], grads_in[local])
+                if grad is not None:
+                    sent.append(grad)
+                del grad
+                if position == last_backward[local]:
+                    strategy.grads_reduced(chunk.stage.model)
+                    with torch.no_grad():
+                        for param in chunk.stage.model.parameters():
+                            if param.grad is not None:
+                                param.grad.div_(k)
+                    strategy.stage_resharded(chunk.stage.model)
+            del sent, losses, caches, batches, pending
             meter.checkpoint(FORWARD_BACKWARD)
             for optimizer in optimizers:
                 optimizer.step()
@@ -1100,11 +1146,6 @@ class PipelineTrials:
         if not isinstance(strategy, StageStrategy):  # autotune/search/pipelined.py's stage_strategy makes one
             raise AutotuneError(f"--pp {stages}: a stage is held by a stage strategy, not {type(strategy).__name__}")
         self.strategy: StageStrategy = strategy
-        if self.strategy.shards and self.virtual_stages > 1:
-            raise AutotuneError(
-                f"--strategy {self.strategy.name} with --pp-schedule {schedule} is not measured yet "
-                "(measured: 1f1b, gpipe)"
-            )
         # An emulated card's figure of a stage (autotune/emulation/card_search.py): the stage's allocations
         # replayed through the caching allocator; None: the meter's own reading.
         self.stage_figure = stage_figure
@@ -1134,19 +1175,20 @@ class PipelineTrials:
         shapes = _record_shapes(self.task, self._recorder, self.layout, micro_batch)
         meter = self.meter
         oom = False
-        metas = [_meta_model(self.task) for _ in range(self.virtual_stages)]
-        # A sharding strategy cuts and wraps the stage on meta first: only its shards are ever given storage.
-        not_held = (
-            _shard_on_meta(self.task, self.layout, stage_index, metas[0], self.strategy)
-            if self.strategy.shards
-            else None
-        )
+        # Rank r holds stages r, r + pp, ... (one but under interleaved 1F1B).
+        indices = [stage_index + chunk * self.stages for chunk in range(self.virtual_stages)]
+        metas = [_meta_model(self.task) for _ in indices]
+        # A sharding strategy cuts and wraps each stage on meta first, each on its own (torchtitan's model parts):
+        # only its shards are ever given storage.
+        not_held = [
+            _shard_on_meta(self.task, self.layout, index, meta, self.strategy) if self.strategy.shards else None
+            for index, meta in zip(indices, metas, strict=True)
+        ]
         try:
             with meter.measure():
                 replays = []
-                for chunk in range(self.virtual_stages):  # rank r holds stages r, r + pp, ...
-                    index = stage_index + chunk * self.stages
-                    stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0), not_held)
+                for index, held in zip(indices, not_held, strict=True):
+                    stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0), held)
                     self.strategy.stage_built(stage.model)
                     stage.flow.shapes = shapes
                     replays.append(

@@ -45,8 +45,8 @@ def stage_strategy(strategy: str, mesh: Mesh, world_size: int) -> StageStrategy:
     the buckets are of the local shards).
 
     Raises:
-        AutotuneError: a pipeline composed with what is not measured with it yet (cp; fsdp or tp under the
-            interleaved schedule; fsdp with fewer than 2 replicas).
+        AutotuneError: a pipeline composed with what is not measured with it yet (cp; fsdp with fewer than 2
+            replicas).
     """
     if mesh.cp > 1:
         raise AutotuneError(
@@ -54,11 +54,6 @@ def stage_strategy(strategy: str, mesh: Mesh, world_size: int) -> StageStrategy:
             f"(asked: --strategy {strategy}, {mesh.describe()})"
         )
     if strategy == "fsdp" or mesh.tp > 1:
-        if mesh.pp_schedule == "interleaved-1f1b":
-            said = "--strategy fsdp" if strategy == "fsdp" else f"--tp {mesh.tp}"
-            raise AutotuneError(
-                f"{said} with --pp-schedule {mesh.pp_schedule} is not measured yet (measured: 1f1b, gpipe)"
-            )
         return ShardedStage(world_size, mesh.pp, tp=mesh.tp, inner=strategy)
     return StageStrategy(1, replicas=mesh.data_parallel(world_size))
 

@@ -16,7 +16,8 @@ step and ``zero_grad``, twice. The peak is the CPU allocator's own running total
 (tests/autotune/_fsdp_mp_truth.py says why: gloo's thread drops a collective's input late in some runs); every run's
 figure is written beside it. FSDP2's all-gather is written straight into its output, as NCCL writes it
 (:func:`_in_place_all_gather`: gloo's own makes two transient copies of the whole output that a card's job does
-not). ``ScheduleGPipe`` runs the same way.
+not). ``ScheduleGPipe`` runs the same way; ``ScheduleInterleaved1F1B`` with V 2 stages per rank (r, r + pp) of a
+4-block model, each stage's module sharded on its own with its own optimizer (torchtitan's model parts).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from tests.autotune._pipeline_worker import (
     DIM,
     HEADS,
+    INTERLEAVED_LAYERS,
+    INTERLEAVED_VIRTUAL,
     LAYERS,
     Block,
     TinyLlama,
@@ -101,13 +104,13 @@ TP_PLAN = {
 }
 
 
-def _stage_model(stage: int, stages: int, mesh: Any, tp: int) -> nn.Module:
+def _stage_model(stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYERS) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     with torch.device("meta"):
-        model = TpLlama(LAYERS) if tp > 1 else TinyLlama(LAYERS)
-    per_stage = [len(part) for part in torch.arange(LAYERS).tensor_split(stages)]
+        model = TpLlama(layers) if tp > 1 else TinyLlama(layers)
+    per_stage = [len(part) for part in torch.arange(layers).tensor_split(stages)]
     start = sum(per_stage[:stage])
     model.layers = nn.ModuleList(list(model.layers)[start : start + per_stage[stage]])
     if stage > 0:
@@ -133,14 +136,26 @@ def _stage_model(stage: int, stages: int, mesh: Any, tp: int) -> nn.Module:
 
 
 def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -> None:
-    stage_index, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
-    model = _stage_model(stage_index, stages, mesh, mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1)
-    stage = PipelineStage(model, stage_index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
-    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
-    schedule = kind(stage, n_microbatches=microbatches, loss_fn=lm_loss)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_two_steps(schedule, stage_index == 0, microbatches, micro_batch, [optimizer])
-    del schedule, stage, optimizer, model
+    rank, ranks = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
+    # Interleaved: rank r holds stages r, r + pp, ... of a deeper model, each sharded on its own as a separate model
+    # part with its own optimizer (torchtitan's model_parts).
+    virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1
+    layers = INTERLEAVED_LAYERS if virtual > 1 else LAYERS
+    indices = [rank + chunk * ranks for chunk in range(virtual)]
+    models = [_stage_model(index, ranks * virtual, mesh, tp, layers) for index in indices]
+    stages: list[Any] = [
+        PipelineStage(model, index, ranks * virtual, torch.device("cpu"), group=mesh["pp"].get_group())
+        for model, index in zip(models, indices, strict=True)
+    ]
+    if virtual > 1:
+        schedule: Any = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=lm_loss)
+    else:
+        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
+        schedule = kind(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
+    optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
+    train_two_steps(schedule, rank == 0, microbatches, micro_batch, optimizers)
+    del schedule, stages, optimizers, models
 
 
 def _peak_bytes(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -> int:
@@ -159,10 +174,10 @@ def run(
     tp: int = 1,
     runs_per_size: int = RUNS_PER_SIZE,
 ) -> None:
-    """This rank's peak under ``schedule_name`` (1f1b, gpipe) at each size (the least of ``runs_per_size`` runs)
-    to rank{rank}.json, every run's to rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's
-    blocks parallelized over tp (q, k, v and the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp
-    (none where dp is 1)."""
+    """This rank's peak under ``schedule_name`` (1f1b, gpipe, interleaved-1f1b: V 2 stages per rank of a 4-block
+    model) at each size (the least of ``runs_per_size`` runs) to rank{rank}.json, every run's to
+    rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's blocks parallelized over tp (q, k, v and
+    the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp (none where dp is 1)."""
     try:
         count_every_thread()
         from torch.distributed.device_mesh import init_device_mesh

@@ -117,10 +117,6 @@ def _refusals(tmp: Path, url: str) -> list[tuple[list[str], str]]:
         ([*on_cpu, "--world-size", "99999999"], "above 1048576"),
         ([*on_cpu, "--world-size", "8", "--cp", "2", "--pp", "2"], "--cp 2: context parallelism is not measured"),
         ([*on_cpu, "--world-size", "8", "--cp", "2", "--tp", "2"], "--cp 2 with --tp 2: measured under --strategy"),
-        (
-            [*probe, "--world-size", "4", "--pp", "2", "--tp", "2", "--pp-schedule", "interleaved-1f1b"],
-            "--pp 2 with --strategy fsdp or --tp: --pp-schedule interleaved-1f1b is not measured",
-        ),
         (["probe", f"{exits}:task", "--device", "cpu", "--budget", "8MiB"], f"task '{exits}:task'"),
         (
             [
