@@ -82,13 +82,14 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
-from autotune.measure.fake_group import forget_meshes
+from autotune.measure.fake_group import fake_process_group
 from autotune.measure.strategies import (
     Sharded,
     Strategy,
     _is_fake,
     _mesh_coordinates_outside_fake_modes,
     hold_ddp_buckets,
+    parallelize_tp,
 )
 from autotune.tasks.task import ProbeTask
 
@@ -342,7 +343,6 @@ class ContextParallel(Strategy):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental._context_parallel import _attention as ring
-        from torch.testing._internal.distributed.fake_pg import FakeStore
 
         if dist.is_initialized():
             raise AutotuneError(
@@ -360,24 +360,22 @@ class ContextParallel(Strategy):
         ring.set_rotate_method(self.rotation)
         # The measured rank is (dp 0, cp rank[, tp 0]): global rank ``rank`` x tp of the (dp, cp[, tp]) mesh, tp
         # innermost as torchtitan lays it out (a tp group's ranks are neighbours, on one host).
-        dist.init_process_group("fake", store=FakeStore(), rank=self.rank * self.mesh.tp, world_size=self.world_size)
-        try:
-            shape: tuple[int, ...] = (self.replicas, self.mesh.cp)
-            names: tuple[str, ...] = ("dp", "cp")
-            if self.mesh.tp > 1:
-                shape, names = (*shape, self.mesh.tp), (*names, "tp")
-            self._device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-            if self.inner == "fsdp":  # made here, outside the fake trials' modes (its rank map is a real tensor)
-                self._shard_mesh = self._device_mesh["dp", "cp"]._flatten("dp_cp")
-            self._group = dist.group.WORLD
-            yield self._group
-        finally:
-            self._inside.close()
-            self._device_mesh = self._shard_mesh = self._group = None
-            ring._cp_options.rotate_method = rotation
-            counting.close()
-            dist.destroy_process_group()
-            forget_meshes()
+        with fake_process_group(self.rank * self.mesh.tp, self.world_size):
+            try:
+                shape: tuple[int, ...] = (self.replicas, self.mesh.cp)
+                names: tuple[str, ...] = ("dp", "cp")
+                if self.mesh.tp > 1:
+                    shape, names = (*shape, self.mesh.tp), (*names, "tp")
+                self._device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+                if self.inner == "fsdp":  # made here, outside the fake trials' modes (its rank map is a real tensor)
+                    self._shard_mesh = self._device_mesh["dp", "cp"]._flatten("dp_cp")
+                self._group = dist.group.WORLD
+                yield self._group
+            finally:
+                self._inside.close()
+                self._device_mesh = self._shard_mesh = self._group = None
+                ring._cp_options.rotate_method = rotation
+                counting.close()
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """Before each forward: the batch made ready as transformers' Trainer makes it for context parallelism,
@@ -440,12 +438,7 @@ class ContextParallel(Strategy):
             # Tensor parallel inside each cp rank, as TensorParallel parallelizes (its plan, the heads divided per
             # tp rank): the attention's query, key and value leave their column-wise projections as local tensors
             # of H / tp heads, which context_parallel's SDPA then shards along the sequence over the cp ranks.
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            from autotune.measure.tensor_parallel import check_tp_plan
-
-            styles = check_tp_plan(model, task, self.mesh.tp)
-            parallelize_module(model, self._device_mesh["tp"], styles, src_data_rank=None)
+            parallelize_tp(model, task, self._device_mesh["tp"])
         if self.inner == "fsdp":
             # FSDP2 over every rank, the (dp, cp) mesh flattened: the cp ranks hold the same parameters, so their
             # gradients are reduced together and their shards are cut over all W ranks (torchtitan's and

@@ -76,7 +76,7 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.schemas import Trial
-from autotune.measure.fake_group import forget_meshes
+from autotune.measure.fake_group import fake_process_group
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.oom import is_oom
@@ -326,7 +326,7 @@ class ShardedStage(StageStrategy):
             finally:
                 self._entered -= 1
             return
-        _, _, fake_store = _fsdp_api()
+        _fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -335,18 +335,16 @@ class ShardedStage(StageStrategy):
                 f"--strategy {self.inner} --pp probes rank 0 of N through a fake process group, and a process group "
                 "is already initialized in this process: probe before init_process_group, or from `autotune probe`"
             )
-        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
-        self._entered = 1
-        try:
-            self._device_mesh = init_device_mesh(
-                device.type, (self.stages, self.replicas, self.tp), mesh_dim_names=("pp", "dp", "tp")
-            )
-            yield dist.group.WORLD
-        finally:
-            self._entered = 0
-            self._device_mesh = None
-            dist.destroy_process_group()
-            forget_meshes()  # fake_group.py: DTensor's caches hold this group's meshes
+        with fake_process_group(0, self.world_size):
+            self._entered = 1
+            try:
+                self._device_mesh = init_device_mesh(
+                    device.type, (self.stages, self.replicas, self.tp), mesh_dim_names=("pp", "dp", "tp")
+                )
+                yield dist.group.WORLD
+            finally:
+                self._entered = 0
+                self._device_mesh = None
 
     def shard_stage(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
         from autotune.measure.strategies import _LOW_PRECISION, _fsdp_api, _is_fake, shard_units
@@ -357,7 +355,7 @@ class ShardedStage(StageStrategy):
             self._parallelize(model, task, not_held)
         if self.inner != "fsdp":
             return
-        fully_shard, mixed_precision_policy, _ = _fsdp_api()
+        fully_shard, mixed_precision_policy = _fsdp_api()
         ignored = {p for p in model.parameters() if id(p) in not_held}
         units = [u for u in shard_units(model, task.shard_classes) if any(p not in ignored for p in u.parameters())]
         kwargs: dict[str, Any] = {"mesh": self._device_mesh["dp"]}

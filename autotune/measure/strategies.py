@@ -38,7 +38,7 @@ from torch import nn
 
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
-from autotune.measure.fake_group import forget_meshes
+from autotune.measure.fake_group import fake_process_group
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "Strategy",
     "TensorParallel",
     "hold_ddp_buckets",
+    "parallelize_tp",
     "shard_units",
 ]
 
@@ -199,17 +200,18 @@ class FakeReplicas(Replicated):
         return nullcontext()
 
 
-def _fsdp_api() -> tuple[Any, Any, Any]:
-    """fully_shard, MixedPrecisionPolicy and the fake process group's store, or a one-line error."""
+def _fsdp_api() -> tuple[Any, Any]:
+    """fully_shard and MixedPrecisionPolicy, or a one-line error where this torch lacks them or the fake process
+    group (fake_group.fake_process_group's store)."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - checked here, used there
     except ImportError as exc:
         raise AutotuneError(
             f"--strategy fsdp needs torch >= {FSDP_MIN_TORCH} with torch.distributed "
             f"(fully_shard and the fake process group); this torch is {torch.__version__}: {exc}"
         ) from None
-    return fully_shard, MixedPrecisionPolicy, FakeStore
+    return fully_shard, MixedPrecisionPolicy
 
 
 def _is_fake(model: nn.Module) -> bool:
@@ -258,7 +260,7 @@ class Sharded(Strategy):
 
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
-        _, _, fake_store = _fsdp_api()
+        _fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
         import torch.distributed as dist
 
         if self._given_mesh is not None:
@@ -272,17 +274,15 @@ class Sharded(Strategy):
                 "is already initialized in this process: probe before init_process_group, or from "
                 "`autotune probe` in a process of its own"
             )
-        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
-        try:
-            self._mesh = init_device_mesh(device.type, (self.world_size,))
-            yield dist.group.WORLD
-        finally:
-            self._mesh = None
-            dist.destroy_process_group()
-            forget_meshes()  # fake_group.py: DTensor's caches hold this group's meshes
+        with fake_process_group(0, self.world_size):
+            try:
+                self._mesh = init_device_mesh(device.type, (self.world_size,))
+                yield dist.group.WORLD
+            finally:
+                self._mesh = None
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        fully_shard, mixed_precision_policy, _ = _fsdp_api()
+        fully_shard, mixed_precision_policy = _fsdp_api()
         units = shard_units(model, task.shard_classes)
         if not units:
             raise TaskError(
@@ -336,7 +336,7 @@ class TensorParallel(Strategy):
 
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
-        _, _, fake_store = _fsdp_api()
+        _fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -348,26 +348,17 @@ class TensorParallel(Strategy):
                 "--tp probes rank 0 of N through a fake process group, and a process group is already "
                 "initialized in this process: probe before init_process_group, or from `autotune probe`"
             )
-        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world_size)
-        try:
-            self._device_mesh = init_device_mesh(
-                device.type, (self.replicas, self.mesh.tp), mesh_dim_names=("dp", "tp")
-            )
-            yield dist.group.WORLD
-        finally:
-            self._device_mesh = None
-            dist.destroy_process_group()
-            forget_meshes()  # fake_group.py: DTensor's caches hold this group's meshes
+        with fake_process_group(0, self.world_size):
+            try:
+                self._device_mesh = init_device_mesh(
+                    device.type, (self.replicas, self.mesh.tp), mesh_dim_names=("dp", "tp")
+                )
+                yield dist.group.WORLD
+            finally:
+                self._device_mesh = None
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from autotune.measure.tensor_parallel import check_tp_plan
-
-        styles = check_tp_plan(model, task, self.mesh.tp)
-        # src_data_rank=None: each rank keeps its own initial shard (no scatter from rank 0), as a job
-        # that loads its weights afterwards does; the shapes, and so the memory, are the same.
-        parallelize_module(model, self._device_mesh["tp"], styles, src_data_rank=None)
+        parallelize_tp(model, task, self._device_mesh["tp"])
         if self.inner == "fsdp":
             with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
                 Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
@@ -380,6 +371,19 @@ class TensorParallel(Strategy):
             # job's other bytes of DDP (its broadcast at construction) pass before the first forward.
             hold_ddp_buckets(model)
         return model
+
+
+def parallelize_tp(model: nn.Module, task: ProbeTask, tp_mesh: Any) -> None:
+    """model parallelized in place over the tp ranks of ``tp_mesh`` with its plan (autotune/measure/tensor_parallel.py:
+    transformers' plan, torchtitan's by name, or the task's own), the plan checked against the model first."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from autotune.measure.tensor_parallel import check_tp_plan
+
+    styles = check_tp_plan(model, task, tp_mesh.size())
+    # src_data_rank=None: each rank keeps its own initial shard (no scatter from rank 0), as a job
+    # that loads its weights afterwards does; the shapes, and so the memory, are the same.
+    parallelize_module(model, tp_mesh, styles, src_data_rank=None)
 
 
 @contextmanager
