@@ -144,7 +144,8 @@ def test_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_path: Path) -> 
         pytest.fail(f"the 4-process pipeline over tp failed: {exc}\n{errors}")
     real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     # The probe's side in a process of its own: in this one, a later tp x fsdp trial (test_tp_fake's, test_tp_moe's)
-    # stopped at "Could not resolve the process group registered under the name 7" (cause not found).
+    # stopped at "Could not resolve the process group registered under the name 7" (DTensor's caches kept this job's
+    # meshes; every fake group now empties them, autotune/measure/fake_group.py, and test_fake_group checks it).
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         stage_peaks = pool.submit(_tp_stage_peaks, "1f1b").result()
     for m in SIZES:
