@@ -12,11 +12,11 @@ PORT ?= 8765
 
 .PHONY: install system-deps run test lint typecheck bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e '.[server,dev,fleet,hf,lightning]'
+	$(PIP) install --quiet -c constraints.txt -e '.[server,dev,fleet,hf,lightning]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -26,11 +26,11 @@ install: $(VENV)/.installed
 # install reads no configuration file; the project goes in editable, without its torch extras.
 CUDA_VENV := .venv-cuda
 CUDA_PIP := PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(CUDA_VENV)/bin/python -m pip
-$(CUDA_VENV)/.installed: pyproject.toml
+$(CUDA_VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_PIP) install --quiet torch==$(TORCH_VERSION) numpy
 	$(CUDA_VENV)/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda is None)'
-	$(CUDA_PIP) install --quiet -e . 'transformers>=5,<6' 'peft>=0.13' 'bitsandbytes>=0.45' 'torchao>=0.10'
+	$(CUDA_PIP) install --quiet -c constraints.txt -e . 'transformers>=5,<6' 'peft>=0.13' 'bitsandbytes>=0.45' 'torchao>=0.10'
 	touch $@
 
 # Debian's chromium for the browser tests (Playwright's own browser download cannot work here).

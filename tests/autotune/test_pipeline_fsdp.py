@@ -222,8 +222,9 @@ def test_interleaved_stages_over_fsdp_equal_the_real_ranks(tmp_path: Path) -> No
 
 def test_interleaved_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_path: Path) -> None:
     """--pp 2 --tp 2 --pp-schedule interleaved-1f1b --world-size 4 (D = 1): each rank's 2 stages tensor-parallel over
-    its tp pair, against 4 real processes (one run per size; spread 0 bytes seen in the runs of the tests above)."""
-    real = _real_rank_peaks(tmp_path, "tp", 2, 1)
+    its tp pair, against 4 real processes. Least of 3 runs per size: real collectives vary above a floor (one CI run
+    read rank 2 4,096 B above rank 3 at m = 2, 576,092 against 571,996 B, where every run here had read them equal)."""
+    real = _real_rank_peaks(tmp_path, "tp", 2, 3)
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:  # see the 1F1B tp test
         stage_peaks = pool.submit(_tp_stage_peaks, "interleaved-1f1b").result()
     for m in SIZES:
