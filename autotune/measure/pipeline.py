@@ -421,24 +421,23 @@ class ShardedStage(StageStrategy):
         state._root_post_backward_final_callback()
 
     def unshard_begins(self, model: nn.Module) -> list[Any]:
-        if self.inner != "fsdp":
-            return []
-        from torch.distributed.fsdp import FSDPModule
-
-        return [unit.unshard(async_op=True) for unit in model.modules() if isinstance(unit, FSDPModule)]
+        return [unit.unshard(async_op=True) for unit in self._fsdp_units(model)]
 
     def unshard_waited(self, pending: list[Any]) -> None:
         for handle in pending:
             handle.wait()
 
     def stage_resharded(self, model: nn.Module) -> None:
+        for unit in self._fsdp_units(model):
+            unit.reshard()
+
+    def _fsdp_units(self, model: nn.Module) -> list[Any]:
+        """The stage's FSDP2 units (none but under fsdp), in module order."""
         if self.inner != "fsdp":
-            return
+            return []
         from torch.distributed.fsdp import FSDPModule
 
-        for unit in model.modules():
-            if isinstance(unit, FSDPModule):
-                unit.reshard()
+        return [unit for unit in model.modules() if isinstance(unit, FSDPModule)]
 
 
 class _StageExit(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -907,15 +906,20 @@ class _Replay:
             else:
                 self._one_f_one_b(batches, arrivals, grads_in)
             del batches
-            self.strategy.grads_reduced(stage.model)
-            with torch.no_grad():
-                for param in stage.model.parameters():
-                    if param.grad is not None:
-                        param.grad.div_(k)
+            self._backwards_ended()
             meter.checkpoint(FORWARD_BACKWARD)
             optimizer.step()
             optimizer.zero_grad(set_to_none=self.task.zero_grad_to_none)
             meter.checkpoint(STEP)
+
+    def _backwards_ended(self) -> None:
+        """After the stage's last backward of the step: its gradients reduced by the strategy (FSDP2's
+        reduce-scatter), then divided by K, as the schedule scales them before the step."""
+        self.strategy.grads_reduced(self.stage.model)
+        with torch.no_grad():
+            for param in self.stage.model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(self.k)
 
     def _buffer(self, meta: tuple[torch.Size, torch.dtype], fill: str) -> torch.Tensor:
         shape, dtype = meta
@@ -1078,11 +1082,7 @@ class _InterleavedReplay:
                     sent.append(grad)
                 del grad
                 if position == last_backward[local]:
-                    strategy.grads_reduced(chunk.stage.model)
-                    with torch.no_grad():
-                        for param in chunk.stage.model.parameters():
-                            if param.grad is not None:
-                                param.grad.div_(k)
+                    chunk._backwards_ended()
                     strategy.stage_resharded(chunk.stage.model)
             del sent, losses, caches, batches, pending
             meter.checkpoint(FORWARD_BACKWARD)
