@@ -41,12 +41,12 @@ TP, PP = 2, 2
 
 
 def _tp_model(mesh: Any) -> DistributedDataParallel:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     model = tp_models.TpLlama(tp_models.LAYERS)
-    plan: dict[str, Any] = {f"layers.*.{name}": ColwiseParallel() for name in ("wq", "wk", "wv", "w1", "w3")}
-    plan.update({f"layers.*.{name}": RowwiseParallel() for name in ("wo", "w2")})
-    parallelize_module(model, mesh["tp"], plan)
+    parallelize_module(
+        model, mesh["tp"], {f"layers.*.{name}": style for name, style in tp_models.block_tp_plan().items()}
+    )
     return DistributedDataParallel(model.train(), device_mesh=mesh["dp"])
 
 

@@ -104,9 +104,19 @@ TP_PLAN = {
 }
 
 
+def block_tp_plan() -> dict[str, Any]:
+    """:data:`TP_PLAN` in PyTorch's own ParallelStyles, for one ``TpBlock``: q, k, v, w1, w3 column-wise, o and w2
+    row-wise (torchtitan's apply_tp)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {name: ColwiseParallel() for name in ("wq", "wk", "wv", "w1", "w3")}
+    plan.update({name: RowwiseParallel() for name in ("wo", "w2")})
+    return plan
+
+
 def _stage_model(stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYERS) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     with torch.device("meta"):
         model = TpLlama(layers) if tp > 1 else TinyLlama(layers)
@@ -121,9 +131,7 @@ def _stage_model(stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYE
     blocks = list(model.layers)
     if tp > 1:  # torchtitan's apply_tp, then apply_fsdp over dp
         for block in blocks:
-            plan = {name: ColwiseParallel() for name in ("wq", "wk", "wv", "w1", "w3")}
-            plan.update({name: RowwiseParallel() for name in ("wo", "w2")})
-            parallelize_module(block, mesh["tp"], plan)
+            parallelize_module(block, mesh["tp"], block_tp_plan())
     if mesh["dp"].size() > 1:
         for index, block in enumerate(blocks):
             fully_shard(block, mesh=mesh["dp"], reshard_after_forward=index < len(blocks) - 1)
