@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from autotune.core.cards import Card, resolve_card
 from autotune.core.errors import AutotuneError, BudgetError
 from autotune.core.mesh import Mesh
-from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy, pipeline_plan, plan_with_single_step
+from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy
 from autotune.core.schemas import OFFLOADS, PRECISIONS, STRATEGIES, Offload, Plan, Precision, Strategy
+from autotune.core.setup import JobSetup
 
 if TYPE_CHECKING:
     from autotune.tasks.task import ProbeTask
@@ -183,17 +184,12 @@ class ProbeConfig:
         the_plan = None
         if self.target_batch:
             try:
-                the_plan = (
-                    self._pipeline_plan(m_max, self.target_batch)
-                    if self.mesh.pp > 1
-                    else plan_with_single_step(
-                        m_max,
-                        self.target_batch,
-                        self.data_parallel,
-                        single_step_max=single_step_max,
-                        multiple_of=self.multiple_of,
-                        policy=self.plan_policy,
-                    )
+                the_plan = self.job_setup.plan(
+                    m_max,
+                    self.target_batch,
+                    multiple_of=self.multiple_of,
+                    policy=self.plan_policy,
+                    single_step_max=single_step_max,
                 )
             except ValueError as exc:  # the measurement stands even where no plan reaches the target
                 warnings.append(f"no plan: {exc}")
@@ -203,21 +199,12 @@ class ProbeConfig:
             warnings.append(f"micro-batch reached the cap {self.max_micro_batch}: more may fit")
         return the_plan
 
-    def _pipeline_plan(self, m_max: int, target_batch: int) -> Plan:
-        """A pipeline's plan: K (the plan's accumulation steps) from the schedule's least (pp under 1F1B) to
-        the K the stages were measured at (--pp-microbatches, else pp), m x K x D = T (core/plan.py)."""
-        measured = self.mesh.pp_microbatches or self.mesh.pp
-        least = 1 if self.mesh.pp_schedule == "gpipe" else self.mesh.pp
-        return pipeline_plan(
-            m_max,
-            target_batch,
-            self.data_parallel,
-            stages=self.mesh.pp,
-            max_microbatches=measured,
-            min_microbatches=min(least, measured),
-            multiple_of=self.multiple_of,
-            virtual_stages=self.mesh.virtual_stages,
-        )
+    @property
+    def job_setup(self) -> JobSetup:
+        """The setup's part that decides the plan and D (autotune/core/setup.py): the one object the profile,
+        /suggest and the client plan with, so the probe's own plan is the plan a job receives. A pipeline's
+        K runs from the schedule's least to the K the stages were measured at."""
+        return JobSetup(strategy=self.strategy, world_size=self.world_size, mesh=self.mesh)
 
 
 def card_of(name: str, memory_bytes: int | None = None) -> Card:

@@ -439,7 +439,9 @@ def probe_with_meter(
             strategy,
             max_micro_batch=m_max,
             plan=the_plan,
-            world_size=config.world_size,
+            # Samples per update are counted over the replicas (D), which the plan's world size is: tp, pp and cp
+            # ranks share one micro-batch.
+            world_size=config.data_parallel,
             warnings=profile.warnings,
         )
     # A profile the store would refuse is a bug here, not something to write or upload.

@@ -11,9 +11,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, select
+from sqlalchemy import Connection, and_, func, select
 
+from autotune.core.mesh import Mesh
 from autotune.core.schemas import DeviceContext, Fit, SingleStep, Throughput
+from autotune.core.setup import JobSetup
 from autotune_server.models import ObservationRow, ProfileRow, TrialRow
 from autotune_server.repository import deciding_trial, device_context, major_minor
 
@@ -69,11 +71,20 @@ class Candidate:
     # and its own trials as (micro_batch, peak_bytes, fits, oom); None and () where the profile has none.
     single_step_max: int | None = None
     single_step_trials: tuple[tuple[int, int, bool, bool], ...] = ()
+    # The whole setup the figures were measured under (autotune/core/setup.py): its mesh gives the plan's D and
+    # a pipeline's K bounds, its host budget and offload which jobs it answers.
+    # None: the plain setup of ``strategy`` at ``world_size`` (filled in after init).
+    setup: JobSetup = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.setup is None:
+            plain = JobSetup(strategy="fsdp" if self.strategy == "fsdp" else "ddp", world_size=self.world_size)
+            object.__setattr__(self, "setup", plain)
 
     @property
     def uses_ddp(self) -> bool:
-        """Whether the probe wrapped the model in DDP (strategy ddp at world size > 1)."""
-        return self.strategy == "ddp" and self.world_size > 1
+        """Whether each rank held DDP's gradient buckets (ddp over more than one replica, or the cp ranks)."""
+        return self.setup.holds_ddp_buckets
 
     @property
     def estimate(self) -> bool:
@@ -136,6 +147,13 @@ _COLUMNS = (
 # Profile.single_step lives in the stored document only (a JSON path, on SQLite and PostgreSQL alike): read for
 # the profiles of the device asked about, whose own trials a one-step plan rests on.
 _SINGLE_STEP = ProfileRow.document["single_step"].label("single_step")
+# The setup's fields that live in the stored document only (the mesh, offload and host budget, the compile tag).
+_SETUP_COLUMNS = (
+    ProfileRow.document["mesh"].label("mesh"),
+    ProfileRow.document["offload"].as_string().label("offload"),
+    ProfileRow.document["host_budget_bytes"].as_string().label("host_budget"),
+    ProfileRow.tags,
+)
 # At most this many kinds of profile of one (fingerprint, device) are read per lookup.
 _HERE_LIMIT = 64
 
@@ -148,6 +166,7 @@ def _candidate(row: Any, **extra: Any) -> Candidate:
         else None
     )
     return Candidate(
+        setup=_setup(row),
         id=int(row.id),
         fingerprint=str(row.fingerprint),
         device_name=str(row.device_name),
@@ -166,6 +185,27 @@ def _candidate(row: Any, **extra: Any) -> Candidate:
         surface=row.surface if isinstance(row.surface, dict) else None,
         **extra,
     )
+
+
+def _setup(row: Any) -> JobSetup:
+    """The profile's setup from its columns and stored document (validated on upload; a row written by hand whose
+    setup does not parse reads as the plain setup of its strategy and world size)."""
+    offload = row.offload if row.offload in ("activations", "params") else None
+    compiled = (row.tags or {}).get("compile") if isinstance(row.tags, dict) else None
+    try:
+        return JobSetup(
+            strategy=row.strategy,
+            world_size=int(row.world_size),
+            mesh=Mesh.from_dict(row.mesh if isinstance(row.mesh, dict) else None),
+            activation_checkpointing=str(row.activation_checkpointing or "none"),
+            compile=None if compiled is None else str(compiled),
+            compiled_measured=row.source == "measured",
+            offload=offload,
+            host_budget_bytes=int(row.host_budget) if row.host_budget is not None and offload is not None else None,
+            seq_len=None if row.seq_len is None else int(row.seq_len),
+        )
+    except (ValueError, TypeError):
+        return JobSetup(strategy="fsdp" if row.strategy == "fsdp" else "ddp", world_size=max(1, int(row.world_size)))
 
 
 def _throughput(value: Any) -> tuple[Throughput, ...]:
@@ -265,15 +305,14 @@ def lookup(
         .where(and_(ObservationRow.profile_id == ProfileRow.id, ObservationRow.oom.is_(True)))
         .scalar_subquery()
     )
-    # ddp: world size 1 (-1) or DDP (-2); fsdp: each world size (>= 1) is a kind of its own.
-    kind = case(
-        (ProfileRow.strategy == "fsdp", ProfileRow.world_size),
-        (ProfileRow.world_size > 1, -2),
-        else_=-1,
-    )
+    # One of each world size and host budget: whether a ddp profile held DDP's buckets depends on D, which the
+    # mesh (in the document) decides, so suggest.compute ranks the world sizes by their setups (newest first at
+    # equal rank); a host-capped profile never stands in for an uncapped one of the same fingerprint.
+    host_budget = ProfileRow.document["host_budget_bytes"].as_string()
     ranked = (
         select(
             *_COLUMNS,
+            *_SETUP_COLUMNS,
             _SINGLE_STEP,
             oom_at.label("oom_at"),
             func.row_number()
@@ -282,7 +321,8 @@ def lookup(
                 partition_by=(
                     ProfileRow.source,
                     ProfileRow.strategy,
-                    kind,
+                    ProfileRow.world_size,
+                    host_budget,
                     ProfileRow.activation_checkpointing,
                     ProfileRow.seq_len,
                 ),
@@ -362,7 +402,7 @@ def lookup(
         .scalar_subquery()
     )
     others = conn.execute(
-        select(*_COLUMNS, func.coalesce(step_floor, smallest_peak).label("smallest_peak"))
+        select(*_COLUMNS, *_SETUP_COLUMNS, func.coalesce(step_floor, smallest_peak).label("smallest_peak"))
         .where(ProfileRow.fingerprint == fingerprint, ProfileRow.device_name != device_name, *excluded)
         .order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
         .limit(elsewhere_limit)

@@ -43,6 +43,7 @@ __all__ = [
     "PermissionDenied",
     "ProfileNotFound",
     "ServerBusy",
+    "SetupMismatch",
     "UnstorableValue",
     "database_error_response",
     "error_response",
@@ -118,6 +119,14 @@ class InvalidPlanRequest(DomainError):
 
     status_code = 422
     code = "invalid_plan_request"
+
+
+class SetupMismatch(DomainError):
+    """Every stored profile of the fingerprint was measured under another setup than the query's in a field that
+    changes memory or D (the mesh, the host budget, the offload, the compile mode): named, with the stored setups."""
+
+    status_code = 422
+    code = "setup_mismatch"
 
 
 class BudgetTooSmall(DomainError):

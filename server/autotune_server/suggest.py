@@ -37,16 +37,14 @@ from typing import Literal
 from sqlalchemy import Connection
 
 from autotune.core.plan import (
-    DEFAULT_PLAN_POLICY,
-    PlanPolicy,
     in_tokens,
     is_single_step,
     micro_batch_for_limit,
-    plan_with_single_step,
 )
 from autotune.core.schemas import Plan, Suggestion, SuggestQuery
+from autotune.core.setup import JobSetup
 from autotune.core.units import limit_bytes_unrounded
-from autotune_server import drift, measured_context, policy, sequence
+from autotune_server import drift, measured_context, policy, sequence, setups
 from autotune_server.candidates import Candidate, Lookup
 from autotune_server.errors import BudgetTooSmall, InvalidPlanRequest, NoProfileForSuggestion
 
@@ -58,19 +56,22 @@ Label = Literal["measured", "predicted", "estimated"]
 
 
 def _plan(
+    c: Candidate,
+    query: SuggestQuery,
     m_max: int,
     target_batch: int,
-    world_size: int,
-    multiple_of: int,
-    policy: PlanPolicy = DEFAULT_PLAN_POLICY,
     *,
     single_step_max: int | None = None,
 ) -> Plan:
-    """The plan every reader of a profile makes (``plan_with_single_step``: one step from the single step's
-    m_max where it holds the target, else from the accumulating m_max), its ValueError as the API's 422."""
+    """The plan every reader of a profile makes (``JobSetup.plan``: over the job's D under the profile's mesh, a
+    pipeline's K within the bounds its stages were measured at, one step from the single step's m_max where it holds
+    the target), its ValueError as the API's 422."""
+    setup = JobSetup(
+        strategy=query.strategy, world_size=query.world_size, mesh=c.setup.mesh, offload=c.setup.offload
+    )
     try:
-        return plan_with_single_step(
-            m_max, target_batch, world_size, single_step_max=single_step_max, multiple_of=multiple_of, policy=policy
+        return setup.plan(
+            m_max, target_batch, multiple_of=c.multiple_of, policy=query.plan, single_step_max=single_step_max
         )
     except ValueError as exc:
         message = str(exc).splitlines()[0]  # a pydantic error's later lines echo internals, not advice
@@ -86,38 +87,42 @@ def _round_down(m: int, multiple_of: int) -> int:
     return m - m % multiple_of if multiple_of > 1 else m
 
 
-def _ddp_warning(c: Candidate, world_size: int) -> str | None:
-    """What a world-size mismatch between the profile and the job means, if there is one."""
-    if world_size > 1 and not c.uses_ddp:
+def _ddp_warning(c: Candidate, job: JobSetup) -> str | None:
+    """What a difference in DDP's buckets between the profile and the job means, if there is one."""
+    replicas = job.data_parallel
+    if job.holds_ddp_buckets and not c.uses_ddp:
         return (
-            f"profile {c.id} was measured at world size 1: DDP's gradient buckets (about the size of "
-            f"the gradients) were not counted; probe with --world-size {world_size} for an exact figure"
+            f"profile {c.id} was measured over {c.setup.data_parallel} data-parallel replica(s) (world size "
+            f"{c.world_size}): DDP's gradient buckets (about the size of the gradients) were not counted; probe with "
+            f"--world-size {job.world_size} for an exact figure"
         )
-    if world_size == 1 and c.uses_ddp:
+    if not job.holds_ddp_buckets and c.uses_ddp:
         return (
-            f"profile {c.id} was measured with DDP at world size {c.world_size}: its figures include "
-            "DDP's gradient buckets, which a single-process job does not allocate (conservative)"
+            f"profile {c.id} was measured with DDP over {c.setup.data_parallel} replica(s) (world size "
+            f"{c.world_size}): its figures include DDP's gradient buckets, which a job of {replicas} replica does "
+            "not allocate (conservative)"
         )
     return None
 
 
-def _rank(c: Candidate, strategy: str, world_size: int) -> tuple[int, int] | None:
-    """How well c answers a job of ``strategy`` at ``world_size``: lower is better, (0, _) is a
-    measurement of this kind of job; None: never (its ranks held less than the job's will)."""
-    ddp_ness = int(c.uses_ddp != (world_size > 1))
-    if strategy == "ddp":
+def _rank(c: Candidate, job: JobSetup) -> tuple[int, int] | None:
+    """How well c answers a job of setup ``job``: lower is better, (0, _) is a measurement of this kind of
+    job; None: never (its ranks held less than the job's will)."""
+    ddp_ness = int(c.uses_ddp != job.holds_ddp_buckets)
+    if job.strategy == "ddp":
         return (0, ddp_ness) if c.strategy == "ddp" else None
     if c.strategy == "fsdp":
-        if c.world_size == world_size:
+        if c.world_size == job.world_size:
             return (0, 0)
-        return (1, world_size - c.world_size) if c.world_size < world_size else None
+        return (1, job.world_size - c.world_size) if c.world_size < job.world_size else None
     return (2, ddp_ness)
 
 
-def _strategy_warning(c: Candidate, strategy: str, world_size: int) -> str | None:
+def _strategy_warning(c: Candidate, job: JobSetup) -> str | None:
     """What a strategy or world-size mismatch between the profile and the job means, if there is one."""
+    strategy, world_size = job.strategy, job.world_size
     if strategy == "ddp":
-        return _ddp_warning(c, world_size)
+        return _ddp_warning(c, job)
     if c.strategy == "fsdp" and c.world_size == world_size:
         return None
     how = f"probe with --strategy fsdp --world-size {world_size} for an exact figure"
@@ -208,9 +213,17 @@ def _suggestion(
 ) -> Suggestion:
     if chosen.note:
         warnings.append(chosen.note)
+    setup = c.setup
+    if setup.compile is not None and not setup.compiled_measured:
+        warnings.append(
+            f"profile {c.id} is an estimate of a job compiled with mode {setup.compile}: its fake trials ran the "
+            "eager step (a compiled step usually holds less, but not always); probe the compiled job for its own figure"
+        )
     single = is_single_step(chosen, m_max)
     return Suggestion.from_plan(
         chosen,
+        mesh=setup.mesh.label(),
+        host_budget_bytes=setup.host_budget_bytes,
         source=source,
         strategy=strategy,
         profile_id=c.id,
@@ -256,7 +269,7 @@ def _measured(
 ) -> Suggestion:
     """The answer from c's own trials (``label`` says what they are to this job: see ``compute``)."""
     warnings = list(warnings or [])
-    mismatch = _strategy_warning(c, query.strategy, query.world_size)
+    mismatch = _strategy_warning(c, query.setup)
     if mismatch is not None:
         warnings.append(mismatch)
     m_max = c.max_micro_batch
@@ -315,7 +328,7 @@ def _measured(
             )
         m_max = capped
         warnings.append(f"a job reported an out-of-memory error at micro-batch {c.oom_at}: capped at {m_max}")
-    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan, single_step_max=single_max)
+    chosen = _plan(c, query, m_max, target_batch, single_step_max=single_max)
     trials = c.single_step_trials if is_single_step(chosen, m_max) else c.trials
     peak = next((p for m, p, fits, oom in trials if m == chosen.micro_batch and fits and not oom), None)
     return _suggestion(
@@ -343,7 +356,7 @@ def _from_surface(
 ) -> Suggestion:
     """The answer at a length nobody measured, from the peak surface of c's probe (which covers it)."""
     warnings = list(warnings)
-    mismatch = _strategy_warning(c, query.strategy, query.world_size)
+    mismatch = _strategy_warning(c, query.setup)
     if mismatch is not None:
         warnings.append(mismatch)
     used_budget = query.budget_bytes if query.budget_bytes is not None else c.budget_bytes
@@ -361,7 +374,7 @@ def _from_surface(
         f"predicted from the memory surface of profile {c.id}: seq_len {seq_len} was not measured (measured: "
         f"{', '.join(map(str, lengths))}); probe with --seq-len {seq_len} for a measured figure"
     )
-    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan)
+    chosen = _plan(c, query, m_max, target_batch)
     return _suggestion(
         c,
         chosen,
@@ -413,7 +426,7 @@ def _fallback_prediction(
                 f"a job reported an out-of-memory error at micro-batch {c.oom_at} with profile {c.id}",
                 field="fingerprint",
             )
-    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan)
+    chosen = _plan(c, query, m_max, target_batch)
     warnings.append(
         f"no measured micro-batch of profile {c.id} peaks within {int(limit)} bytes ({limit_text}): "
         f"predicted from its memory fit, not measured; probe with this budget to be sure"
@@ -437,14 +450,14 @@ def _predicted(
     used_headroom = query.headroom if query.headroom is not None else c.headroom
     limit = limit_bytes_unrounded(budget_bytes, used_headroom)
     m_max = _predicted_max(c, limit, limit_text=_limit_text(budget_bytes, used_headroom), field="budget_bytes")
-    chosen = _plan(m_max, target_batch, query.data_parallel, c.multiple_of, query.plan)
+    chosen = _plan(c, query, m_max, target_batch)
     what = "estimated" if c.estimate else "measured"
     warnings = [
         *(warnings or []),
         f"predicted from the memory fit {what} on {c.device_name} (profile {c.id}), not measured "
         f"on {query.device_name}: probe on {query.device_name} to be sure",
     ]
-    mismatch = _strategy_warning(c, query.strategy, query.world_size)
+    mismatch = _strategy_warning(c, query.setup)
     if mismatch is not None:
         warnings.append(mismatch)
     return _suggestion(
@@ -460,12 +473,10 @@ def _predicted(
     )
 
 
-def _best(
-    candidates: tuple[Candidate, ...], strategy: str, world_size: int
-) -> tuple[tuple[int, int], Candidate] | None:
+def _best(candidates: tuple[Candidate, ...], job: JobSetup) -> tuple[tuple[int, int], Candidate] | None:
     """The candidate that answers the job best by ``_rank``, the newest among equals (candidates
     come newest first)."""
-    ranked = [(rank, i, c) for i, c in enumerate(candidates) if (rank := _rank(c, strategy, world_size)) is not None]
+    ranked = [(rank, i, c) for i, c in enumerate(candidates) if (rank := _rank(c, job)) is not None]
     if not ranked:
         return None
     rank, _, best = min(ranked, key=lambda item: (item[0], item[1]))
@@ -507,6 +518,7 @@ def compute(found: Lookup, query: SuggestQuery, *, server_url: str | Callable[[]
     target_batch, token_note = sequence.target_batch_for(
         query.target_batch, query.target_tokens, query.seq_len, query.data_parallel
     )
+    found = setups.for_setup(found, query)
     if query.objective == "throughput":
         # Each stored policy's memory answer for the target in sequences, then the fastest of them.
         in_sequences = query.model_copy(update={"target_batch": target_batch, "target_tokens": None})
@@ -518,7 +530,7 @@ def compute(found: Lookup, query: SuggestQuery, *, server_url: str | Callable[[]
                 server_url=server_url,
             ),
             device_name=query.device_name,
-            world_size=query.world_size,
+            world_size=query.data_parallel,
         )
         return in_tokens(answer, query.seq_len, query.target_tokens, token_note)
     missing = policy.policy_not_found(found, query.activation_checkpointing, query.fingerprint, query.device_name)
@@ -537,7 +549,7 @@ def _compute(found: Lookup, query: SuggestQuery, target_batch: int, server_url: 
         # Nothing measured at this length: the newest surface of this device model that covers it.
         for source in ("measured", "estimate"):
             covering = tuple(c for c in sequence.covering(found, query.seq_len) if c.source == source)
-            best = _best(covering, query.strategy, query.world_size)
+            best = _best(covering, query.setup)
             if best is not None:
                 c = best[1]
                 answer = _from_surface(
@@ -553,12 +565,10 @@ def _compute(found: Lookup, query: SuggestQuery, target_batch: int, server_url: 
         raise sequence.not_measured(found, query.seq_len, fingerprint=query.fingerprint, device_name=query.device_name)
     found = at
     for source in ("measured", "estimate"):
-        here = _best(tuple(c for c in found.here if c.source == source), query.strategy, query.world_size)
+        here = _best(tuple(c for c in found.here if c.source == source), query.setup)
         elsewhere = (
             _best(
-                tuple(c for c in found.elsewhere if c.source == source and c.fit is not None),
-                query.strategy,
-                query.world_size,
+                tuple(c for c in found.elsewhere if c.source == source and c.fit is not None), query.setup
             )
             if query.budget_bytes is not None
             else None
@@ -603,7 +613,7 @@ def _kind_text(c: Candidate) -> str:
 
 
 def _not_found(found: Lookup, query: SuggestQuery, server_url: str) -> NoProfileForSuggestion:
-    usable = [c for c in found.elsewhere if _rank(c, query.strategy, query.world_size) is not None]
+    usable = [c for c in found.elsewhere if _rank(c, query.setup) is not None]
     other_devices = sorted({c.device_name for c in usable})
     probe = f"autotune probe TASK --server {server_url}" + (
         f" --strategy fsdp --world-size {query.world_size}" if query.strategy == "fsdp" else ""
@@ -621,7 +631,7 @@ def _not_found(found: Lookup, query: SuggestQuery, server_url: str) -> NoProfile
             + f": probe it on that device with `{probe}`"
         )
     # Profiles that exist but never answer this job: an fsdp rank held a smaller shard than the job's.
-    unusable = sorted({_kind_text(c) for c in found.here if _rank(c, query.strategy, query.world_size) is None})
+    unusable = sorted({_kind_text(c) for c in found.here if _rank(c, query.setup) is None})
     if unusable:
         message += (
             f"; the profiles on {query.device_name!r} ({', '.join(unusable)}) do not answer a {query.strategy} job at "

@@ -1,0 +1,197 @@
+"""A job's setup: every dimension that changes what a device holds or how the plan is formed, in one typed,
+torch-free value (docs/design.md, "One job setup").
+
+The probe's profile, ``/suggest``'s query, the client and the observer each build a ``JobSetup`` and ask it,
+rather than spelling the dimensions again: D (the data-parallel replicas), whether DDP's gradient buckets are
+held, which planner applies (a pipeline's K bounds or the accumulating plan), the store's kind, throughput per
+replica, and how two setups differ.
+
+    >>> job = JobSetup(world_size=4, mesh=Mesh(tp=2))
+    >>> job.data_parallel, job.holds_ddp_buckets
+    (2, True)
+    >>> JobSetup(world_size=4).differences(job)
+    ('mesh',)
+    >>> JobSetup(world_size=2, mesh=Mesh(pp=2, pp_microbatches=4)).plan(8, 32).accumulation_steps
+    4
+
+A field that is None (``precision``, ``compile``, ``offload``, ``host_budget_bytes``, ``seq_len``) is one the
+job does not set; ``differences`` compares every field that changes memory or D, so a query that leaves one out
+is refused by a profile that has it rather than served another job's plan.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from autotune.core.errors import AutotuneError
+from autotune.core.mesh import Mesh
+from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy, pipeline_plan, plan_with_single_step
+from autotune.core.schemas import MAX_BYTES, MAX_WORLD_SIZE, Offload, Plan, Precision, Strategy
+
+__all__ = ["MEMORY_FIELDS", "JobSetup", "Planner"]
+
+Planner = Literal["accumulate", "pipeline"]
+
+# The fields that change what a device holds or the plan's D, in the order a refusal names them. Each is a
+# query parameter of /suggest under the same name.
+MEMORY_FIELDS = (
+    "strategy",
+    "mesh",
+    "world_size",
+    "activation_checkpointing",
+    "offload",
+    "host_budget_bytes",
+    "compile",
+)
+
+
+class JobSetup(BaseModel):
+    """One job's setup (see the module docstring). Frozen: hashable, a cache key and a store's kind."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    strategy: Strategy = "ddp"
+    # W: every rank of the job; D is W over the mesh's model-parallel ranks.
+    world_size: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE)
+    mesh: Mesh = Mesh()
+    precision: Precision | None = None
+    # The memory policy's canonical name (autotune/core/policy_names.py).
+    activation_checkpointing: str = "none"
+    # A torch.compile mode; compiled_measured is False where the figures ran the eager model (an estimate's fake
+    # trials), so a compiled job is told its answer is the eager step's.
+    compile: str | None = None
+    compiled_measured: bool = True
+    offload: Offload | None = None
+    host_budget_bytes: int | None = Field(default=None, gt=0, le=MAX_BYTES)
+    seq_len: int | None = Field(default=None, ge=1)
+
+    @field_validator("offload")
+    @classmethod
+    def _no_offload_is_none(cls, value: Offload | None) -> Offload | None:
+        return None if value == "none" else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSetup:
+        try:
+            self.mesh.validate(self.world_size)
+        except AutotuneError as exc:
+            raise ValueError(str(exc)) from None
+        if self.host_budget_bytes is not None and self.offload is None:
+            raise ValueError(
+                "host_budget_bytes needs an offload (activations or params): without offload the job keeps "
+                "nothing in host memory that a probe measures"
+            )
+        return self
+
+    @property
+    def data_parallel(self) -> int:
+        """D: the replicas the target batch is split over, W / (tp x pp x cp)."""
+        return self.world_size // self.mesh.model_parallel
+
+    @property
+    def holds_ddp_buckets(self) -> bool:
+        """Whether each rank holds DDP's gradient buckets: ddp with more than one rank reducing gradients, the
+        replicas and (under cp, where DDP runs over the cp ranks too) the cp ranks."""
+        return self.strategy == "ddp" and self.data_parallel * self.mesh.cp > 1
+
+    @property
+    def planner(self) -> Planner:
+        """Which plan applies: a pipeline's (K within its measured bounds) or the accumulating one."""
+        return "pipeline" if self.mesh.pp > 1 else "accumulate"
+
+    @property
+    def pipeline_microbatches(self) -> tuple[int, int] | None:
+        """A pipeline's (least, most) K: the schedule's least (pp under 1F1B, 1 under GPipe) to the K its stages
+        were measured at (the mesh's, else pp); None without a pipeline."""
+        if self.mesh.pp == 1:
+            return None
+        measured = self.mesh.pp_microbatches or self.mesh.pp
+        least = 1 if self.mesh.pp_schedule == "gpipe" else self.mesh.pp
+        return min(least, measured), measured
+
+    def plan(
+        self,
+        max_micro_batch: int,
+        target_batch: int,
+        *,
+        multiple_of: int = 1,
+        policy: PlanPolicy = DEFAULT_PLAN_POLICY,
+        single_step_max: int | None = None,
+    ) -> Plan:
+        """The one plan every reader of a profile of this setup makes: m x A x D = T over this setup's D, a
+        pipeline's in equal micro-batches with K within its bounds (autotune/core/plan.py).
+
+        Raises:
+            ValueError: the plan arithmetic refused (target below D, max_micro_batch below multiple_of, ...).
+        """
+        bounds = self.pipeline_microbatches
+        if bounds is not None:
+            least, most = bounds
+            return pipeline_plan(
+                max_micro_batch,
+                target_batch,
+                self.data_parallel,
+                stages=self.mesh.pp,
+                max_microbatches=most,
+                min_microbatches=least,
+                multiple_of=multiple_of,
+                virtual_stages=self.mesh.virtual_stages,
+            )
+        return plan_with_single_step(
+            max_micro_batch,
+            target_batch,
+            self.data_parallel,
+            single_step_max=single_step_max,
+            multiple_of=multiple_of,
+            policy=policy,
+        )
+
+    def per_replica(self, samples_per_second: float) -> float:
+        """A rate counted over every rank (W) as the job's own: samples per second over its D replicas."""
+        return samples_per_second / self.mesh.model_parallel
+
+    def differences(self, other: JobSetup) -> tuple[str, ...]:
+        """The fields (``MEMORY_FIELDS``, by name) in which other differs from this setup in what a device holds
+        or in D. ``world_size`` counts where it changes D's share of a sharded model or DDP's buckets: two ddp
+        setups over different numbers of replicas that both hold buckets (or both do not) are the same kind."""
+        differ: list[str] = []
+        for name in MEMORY_FIELDS:
+            if name == "world_size":
+                if self.strategy == "fsdp" or other.strategy == "fsdp":
+                    if self.world_size != other.world_size:
+                        differ.append(name)
+                elif self.holds_ddp_buckets != other.holds_ddp_buckets:
+                    differ.append(name)
+                continue
+            if getattr(self, name) != getattr(other, name):
+                differ.append(name)
+        return tuple(differ)
+
+    def kind(self) -> tuple[object, ...]:
+        """The store's kind of a profile of this setup: profiles of one kind answer the same jobs, the newest
+        first (the fingerprint, device, memory policy and length apart)."""
+        sharded = self.world_size if self.strategy == "fsdp" else int(self.holds_ddp_buckets)
+        return (self.strategy, sharded, self.mesh.label(), self.offload, self.host_budget_bytes, self.compile)
+
+    def describe(self) -> str:
+        """One line for a datasheet or a page: how the W ranks hold the model and what reduces the gradients."""
+        replicas = self.data_parallel
+        if self.strategy == "fsdp":
+            over = replicas * self.mesh.cp
+            text = f"fsdp over {over} rank{'s' if over != 1 else ''}"
+        elif self.holds_ddp_buckets:
+            text = f"ddp over {replicas} replica{'s' if replicas != 1 else ''} (DDP's gradient buckets counted)"
+        else:
+            text = "one replica" if replicas == 1 else f"ddp over {replicas} replicas"
+        if not self.mesh.trivial:
+            text += f", {self.mesh.describe()}, world size {self.world_size}"
+        if self.offload is not None:
+            text += f", offload {self.offload}"
+            if self.host_budget_bytes is not None:
+                text += f" within a host budget of {self.host_budget_bytes} bytes"
+        if self.compile is not None:
+            measured = self.compiled_measured
+            text += f", compiled ({self.compile})" if measured else f", compile {self.compile} estimated eager"
+        return text
