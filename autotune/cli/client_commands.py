@@ -91,6 +91,10 @@ def format_suggestion(s: Suggestion) -> str:
     where = s.source + (f", profile {s.profile_id}" if s.profile_id is not None else "")
     if s.strategy != "ddp":
         where = f"{s.strategy}, {where}"
+    if s.mesh:  # world_size above is then the replicas D, not the ranks
+        where = f"mesh {s.mesh}, {where}"
+    if s.host_budget_bytes is not None:
+        where += f", within a host budget of {s.host_budget_bytes} bytes"
     if s.activation_checkpointing != "none":  # the job must run under it for the plan to fit
         where = f"activation checkpointing {s.activation_checkpointing}, {where}"
     if s.samples_per_second is not None:
@@ -129,6 +133,9 @@ def suggest_command(
     activation_checkpointing: str = "none",
     objective: str = "memory",
     mesh: str = "",
+    host_budget_bytes: int | None = None,
+    offload: str | None = None,
+    compile: str | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -155,6 +162,9 @@ def suggest_command(
                 activation_checkpointing=activation_checkpointing,
                 mesh=mesh,
                 objective=objective,
+                host_budget_bytes=host_budget_bytes,
+                offload=offload,
+                compile=compile,
             )
     except AutotuneClientError as exc:
         return _fail(exc, err)

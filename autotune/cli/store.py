@@ -17,7 +17,7 @@ from autotune.cli.common import (
     world_size,
 )
 from autotune.cli.policies import policy_name
-from autotune.core.schemas import OBJECTIVES, SOURCES, STRATEGIES
+from autotune.core.schemas import OBJECTIVES, OFFLOADS, SOURCES, STRATEGIES
 
 __all__ = ["add_parsers", "run_profiles", "run_suggest"]
 
@@ -35,6 +35,9 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--headroom", type=headroom)
     add_strategy_and_plan_options(g)
     add_mesh_options(g)
+    g.add_argument("--offload", choices=OFFLOADS, help="the job's offload (default: the fingerprint's)")
+    g.add_argument("--host-budget", type=size, help="the host memory the job may use under --offload")
+    g.add_argument("--compile", metavar="MODE", help="the job's torch.compile mode (default: the fingerprint's)")
     g.add_argument(
         "--ac",
         type=policy_name,
@@ -88,6 +91,9 @@ def run_suggest(args: argparse.Namespace) -> int:
         activation_checkpointing=args.ac,
         objective=args.objective,
         mesh=mesh_of(args).label(),
+        host_budget_bytes=args.host_budget,
+        offload=args.offload,
+        compile=args.compile,
         as_json=args.json,
     )
 

@@ -66,6 +66,9 @@ class JobSetup(BaseModel):
     offload: Offload | None = None
     host_budget_bytes: int | None = Field(default=None, gt=0, le=MAX_BYTES)
     seq_len: int | None = Field(default=None, ge=1)
+    # The resolved tensor-parallel plan under tp > 1 (autotune/tasks/tp_plan.py: tp_plan_label), module pattern ->
+    # style: another plan holds other shards. In the fingerprint (fingerprint_tags), not a /suggest field.
+    tp_plan: str | None = None
 
     @field_validator("offload")
     @classmethod
@@ -168,6 +171,24 @@ class JobSetup(BaseModel):
             if getattr(self, name) != getattr(other, name):
                 differ.append(name)
         return tuple(differ)
+
+    def fingerprint_tags(self) -> dict[str, str]:
+        """The fingerprint's setup part: the tags autotune adds to a task's own, for the dimensions that change
+        what one rank holds and that the model, batch, optimizer and precision do not say. The plain setup adds
+        none, so every fingerprint from before these dimensions stays what it was; the memory policy and the
+        length are left out (a setup's policies and lengths share one fingerprint, each profile says its own)."""
+        tags: dict[str, str] = {}
+        if self.strategy != "ddp":
+            tags["autotune.strategy"] = f"{self.strategy}x{self.world_size}"
+        if self.strategy == "fsdp":
+            # How fsdp holds a job changed (issue 33, item 5): bf16 is FSDP2's MixedPrecisionPolicy without
+            # autocast, and the last block stays unsharded after forward; no earlier fsdp profile answers it.
+            tags["autotune.fsdp_layout"] = "torchtitan"
+        if not self.mesh.trivial:
+            tags["autotune.mesh"] = self.mesh.label()
+            if self.mesh.tp > 1 and self.tp_plan:
+                tags["autotune.tp_plan"] = self.tp_plan
+        return tags
 
     def kind(self) -> tuple[object, ...]:
         """The store's kind of a profile of this setup: profiles of one kind answer the same jobs, the newest

@@ -59,6 +59,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from autotune.core.errors import TaskError
 from autotune.tasks.task import ProbeTask
+from autotune.tasks.tp_plan import tp_plan_of
 
 __all__ = ["TP_STYLES", "MoeTensorParallelExperts", "check_tp_plan", "tp_plan_of"]
 
@@ -177,26 +178,6 @@ class MoeTensorParallelExperts(ParallelStyle):
 
         module.forward = tp_forward  # type: ignore[method-assign]
         return module
-
-
-def tp_plan_of(model: nn.Module, task: ProbeTask) -> Mapping[str, Any] | None:
-    """The plan the job applies: the task's ``tp_plan``, else the model's own (transformers' ``_tp_plan``
-    of the instance, which holds the config's ``base_model_tp_plan`` under the base model's prefix), else
-    None."""
-    given = getattr(task, "tp_plan", None)
-    if given:
-        return dict(given)
-    own = getattr(model, "_tp_plan", None)
-    if isinstance(own, Mapping) and own:
-        return dict(own)
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None)
-    if isinstance(base, Mapping) and base:
-        prefix = getattr(model, "base_model_prefix", "")
-        if prefix and hasattr(model, prefix):
-            return {f"{prefix}.{key}": value for key, value in base.items()}
-        return dict(base)
-    return None
 
 
 def _pattern(key: str) -> re.Pattern[str]:

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from autotune.core.mesh import Mesh
+from autotune.core.setup import JobSetup
 from autotune.tasks.optimizers import optimizer_factory
 from autotune.tasks.task import OptimizerFactory, ProbeTask, default_optimizer, takes_model
+from autotune.tasks.tp_plan import tp_plan_label, tp_plan_of
 
 __all__ = [
     "LIBRARY_MEMORY_OPTIONS",
@@ -29,6 +31,7 @@ __all__ = [
     "SEQ_DIM",
     "describe_setup",
     "fingerprint_model",
+    "job_setup_of",
     "sequence_signature",
     "task_fingerprint",
 ]
@@ -240,30 +243,35 @@ def _build_for_fingerprint(task: ProbeTask) -> nn.Module:
         return task.model()
 
 
+def job_setup_of(
+    task: ProbeTask,
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    mesh: Mesh | None = None,
+    model: nn.Module | None = None,
+) -> JobSetup:
+    """The setup's part a fingerprint reads (autotune/core/setup.py): the strategy, world size and mesh, and under
+    tp the plan the job applies: the task's own, else an hf: model's (transformers' ``_tp_plan``)."""
+    mesh = mesh or Mesh()
+    plan = None
+    if mesh.tp > 1:
+        plan = tp_plan_label(tp_plan_of(model if model is not None else _build_for_fingerprint(task), task))
+    # Not validated here: the config that runs the job refuses a mesh the world does not divide, in its own words.
+    return JobSetup.model_construct(strategy=strategy, world_size=world_size, mesh=mesh, tp_plan=plan)
+
+
 def task_fingerprint(task: ProbeTask, *, strategy: str = "ddp", world_size: int = 1, mesh: Mesh | None = None) -> str:
-    """The fingerprint of a ProbeTask: its model, batch(1), optimizer, precision and tags; under
-    ``fsdp`` the strategy and the world size too, since each rank's memory depends on them (a ddp
-    fingerprint stays what it was, so that profiles stored before strategies still match). A
+    """The fingerprint of a ProbeTask: its model, batch(1), optimizer, precision and tags, and the setup's part
+    (``JobSetup.fingerprint_tags``): under ``fsdp`` the strategy and the world size, since each rank's memory
+    depends on them (a ddp fingerprint stays what it was, so that profiles stored before strategies still
+    match), a mesh with its resolved tp plan. A
     sequence-aware task's leaves the length out (:func:`sequence_signature`), bound to one or not.
     The memory policy (``activation_checkpointing``) is left out too: a setup's policies share one
     fingerprint, each profile says its policy, and ``/suggest`` finds them side by side."""
     model = _build_for_fingerprint(task)
-    tags: dict[str, Any] = dict(task.tags)
-    if strategy != "ddp":
-        tags["autotune.strategy"] = f"{strategy}x{world_size}"
-    if strategy == "fsdp":
-        # How fsdp holds a job changed (issue 33, item 5): bf16 is FSDP2's MixedPrecisionPolicy without
-        # autocast, and the last block stays unsharded after forward. Every fsdp profile stored before
-        # measured the old layout (and bf16 then meant autocast on top), so none may answer the new one.
-        tags["autotune.fsdp_layout"] = "torchtitan"
-    if mesh is not None and not mesh.trivial:
-        # One rank of a mesh holds its share of the model: each mesh is its own setup. The trivial mesh
-        # adds nothing, so every fingerprint from before meshes stays what it was.
-        tags["autotune.mesh"] = mesh.label()
-        if mesh.tp > 1 and task.tp_plan:
-            # A task's own plan decides what each rank holds: another plan is another setup.
-            plan = {str(k): v if isinstance(v, str) else _class_name(v) for k, v in sorted(task.tp_plan.items())}
-            tags["autotune.tp_plan"] = json.dumps(plan, sort_keys=True, separators=(",", ":"))
+    setup = job_setup_of(task, strategy=strategy, world_size=world_size, mesh=mesh, model=model)
+    tags: dict[str, Any] = {**task.tags, **setup.fingerprint_tags()}
     if task.sequence_aware:
         signature = sequence_signature(task)
         return fingerprint_model(

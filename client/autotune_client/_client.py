@@ -226,6 +226,9 @@ class TunerClient:
         seq_len: int | None = None,
         target_tokens: int | None = None,
         mesh: str = "",
+        host_budget_bytes: int | None = None,
+        offload: str | None = None,
+        compile: str | None = None,
     ) -> Suggestion:
         """The plan for a job from what the store knows.
 
@@ -244,6 +247,9 @@ class TunerClient:
             mesh: the job's mesh as ``Mesh.label`` writes it (``"tp=2"``; '' for none): ``world_size`` then
                 counts every rank and the plan is over world_size / (tp x pp x cp) replicas; the fingerprint
                 must be the mesh's (``task_fingerprint(task, mesh=...)``).
+            host_budget_bytes: the host memory an offloading job may use: profiles measured within it answer.
+            offload, compile: the job's offload and torch.compile mode (None: the fingerprint's); a profile of
+                another setup in any of these (or the mesh) is a 422 naming the field (autotune/core/setup.py).
 
         Returns:
             A Suggestion with ``source`` "measured" (a profile of this kind of job on this device

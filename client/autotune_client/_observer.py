@@ -24,11 +24,13 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from autotune.core.schemas import Observation, Suggestion
 from autotune_client._client import TunerClient
+from autotune_client.errors import UnprocessableEntityError
 
 __all__ = [
     "FIRST_REPORT_AFTER",
@@ -89,6 +91,7 @@ class PeakObserver:
         self.dropped = 0
         self.failed = 0
         self.last_error: str | None = None
+        self._refusal_said = False
         self._reported_peak: int | None = None
         self._reported_at: float | None = None
         self._reports = 0
@@ -175,6 +178,12 @@ class PeakObserver:
     def _count_failure(self, exc: BaseException) -> None:
         self.failed += 1
         self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if isinstance(exc, UnprocessableEntityError) and not self._refusal_said:
+            # The store refused the report itself (another device, another setup): no retry will change that, and
+            # a job that believes it reports would never learn it. Said once; training goes on.
+            self._refusal_said = True
+            said = f"autotune observer: the store refused a report: {self.last_error}"
+            warnings.warn(said, UserWarning, stacklevel=1)
         log.debug("autotune observer: %s", self.last_error)
 
 

@@ -82,25 +82,54 @@ def job_fingerprint(
     precision: str | None = None,
     tags: Mapping[str, TagValue] | None = None,
     seq_len: int | None = None,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    mesh: str = "",
 ) -> str:
     """The fingerprint :func:`suggest` asks the server for, without asking it.
 
     For launch scripts that query with ``autotune suggest --fingerprint``; the arguments mean what
     they mean for :func:`suggest`. Equal to ``autotune probe``'s fingerprint of a task with the same
     model, ``batch``, optimizer, precision and tags (with ``seq_len``: of the sequence-aware task, whose
-    fingerprint leaves the length out).
+    fingerprint leaves the length out), under the same strategy, world size and mesh (``--strategy fsdp
+    --world-size N``, ``--tp 2``: their tags are the setup's, ``JobSetup.fingerprint_tags``).
     """
     from autotune.tasks.fingerprint import fingerprint_model
 
     _, one_sample = _batch_factory(example)
+    unwrapped = _unwrap(model)
     return fingerprint_model(
-        _unwrap(model),
+        unwrapped,
         one_sample,
         optimizer=optimizer,
         precision=precision or "fp32",
-        tags={**(tags or {}), **_compilation(model)},
+        tags={**(tags or {}), **_compilation(model), **_setup_tags(unwrapped, strategy, world_size, mesh)},
         seq_len=seq_len,
     )
+
+
+def _setup_tags(model: nn.Module, strategy: str, world_size: int, mesh: str) -> dict[str, str]:
+    """The fingerprint's setup part, as the probe's (``autotune.tasks.fingerprint.job_setup_of``): the strategy,
+    the world size, the mesh and under tp the model's own plan."""
+    from autotune.core.setup import JobSetup
+    from autotune.tasks.tp_plan import tp_plan_label, tp_plan_of
+
+    layout = _mesh(mesh)
+    plan = tp_plan_label(tp_plan_of(model, None)) if layout.tp > 1 else None
+    return JobSetup.model_construct(
+        strategy=strategy, world_size=world_size, mesh=layout, tp_plan=plan
+    ).fingerprint_tags()
+
+
+def _mesh(text: str) -> Any:
+    """The Mesh a ``mesh`` argument names (``Mesh.label``'s text), its refusal as the client's one line."""
+    from autotune.core.errors import AutotuneError
+    from autotune.core.mesh import Mesh
+
+    try:
+        return Mesh.parse(text)
+    except AutotuneError as exc:
+        raise AutotuneClientError(f"mesh: {exc}") from None
 
 
 def suggest(
@@ -124,6 +153,7 @@ def suggest(
     activation_checkpointing: str = "none",
     seq_len: int | None = None,
     target_tokens: int | None = None,
+    mesh: str = "",
 ) -> Suggestion:
     """The micro-batch and accumulation steps for this job, measured rather than guessed.
 
@@ -140,9 +170,8 @@ def suggest(
         example: one batch of inputs as the model's loss takes it (its first sample is used), or
             a ``batch(m)`` callable returning a batch of m samples. Required: the input signature
             is part of what decides memory.
-        world_size: data-parallel replicas; defaults to torch.distributed's world size when it is
-            initialized, else ``$WORLD_SIZE``, else 1. Tensor/pipeline ranks are not replicas:
-            pass the data-parallel size yourself in that case.
+        world_size: every rank of the job; defaults to torch.distributed's world size when it is
+            initialized, else ``$WORLD_SIZE``, else 1. Without a ``mesh`` these are the data-parallel replicas.
         loss: ``loss(model, batch) -> scalar`` for the local probe; None uses the task default.
         optimizer: factory taking the parameters (``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``);
             None is AdamW. Part of the fingerprint.
@@ -156,8 +185,12 @@ def suggest(
         client: a TunerClient; None builds one from ``$AUTOTUNE_URL`` / ``$AUTOTUNE_TOKEN``. With no
             server configured at all, the job probes locally (with a warning).
         strategy: "ddp" (every rank holds the whole model) or "fsdp" (FSDP2 over ``world_size``
-            ranks, which the store then matches exactly: one rank's memory depends on it). A local
-            probe runs with the same strategy and world size.
+            ranks, which the store then matches exactly: one rank's memory depends on it; the fingerprint
+            carries it, as the probe's does). A local probe runs with the same strategy and world size.
+        mesh: the job's model parallelism as ``autotune suggest``'s ``--mesh`` text (``"tp=2"``,
+            ``"tp=2,pp=2,pp_schedule=1f1b"``; '' for none): the fingerprint carries it, the plan is over the
+            replicas ``world_size / (tp x pp x cp)``, and only profiles of that mesh answer. A mesh job is not
+            probed locally on a miss (probe it with ``autotune probe --tp ...``).
         plan: "balanced" (default: the fewest accumulation steps, with micro-batches that differ by
             at most one, e.g. 6 x 26 + 4 x 25 = 256 in 10 steps; feed them with
             ``autotune.loop.accumulate.PlanBatchSampler``) or "divisor" (equal micro-batches, e.g. 16 x 16).
@@ -238,6 +271,7 @@ class _Call:
     activation_checkpointing: str
     seq_len: int | None
     target_tokens: int | None
+    mesh: str
 
 
 @dataclass(frozen=True)
@@ -281,18 +315,33 @@ def _resolved(call: _Call, target_batch: int) -> _Job:
 
     model = _unwrap(call.model)
     world = _resolve_world_size(call.world_size)
-    if target_batch < world:
+    layout = _mesh(call.mesh)
+    if world % layout.model_parallel:
         raise AutotuneClientError(
-            f"target_batch {target_batch} is smaller than world_size {world}: "
-            "every replica needs at least one sample per update"
+            f"mesh {call.mesh!r}: world_size {world} is not a multiple of tp x pp x cp = {layout.model_parallel}"
+        )
+    replicas = world // layout.model_parallel
+    if target_batch < replicas:
+        over = f"world_size {world}"
+        if not layout.trivial:
+            over = f"the {replicas} replicas of {over} over {call.mesh}"
+        raise AutotuneClientError(
+            f"target_batch {target_batch} is smaller than {over}: every replica needs at least one sample per update"
         )
     batch_fn, one_sample = _batch_factory(call.example)
     precision = call.precision or "fp32"
     tags = {**(call.tags or {}), **_compilation(call.model)}
     device_spec = _job_device(model, call.device)
     budget_bytes = parse_bytes(call.budget) if call.budget is not None else None
+    setup_tags = _setup_tags(model, call.strategy, world, call.mesh)
+    # The setup's tags go into the key only: the local probe's task adds them itself (task_fingerprint).
     fingerprint = fingerprint_model(
-        model, one_sample, optimizer=call.optimizer, precision=precision, tags=tags, seq_len=call.seq_len
+        model,
+        one_sample,
+        optimizer=call.optimizer,
+        precision=precision,
+        tags={**tags, **setup_tags},
+        seq_len=call.seq_len,
     )
     return _Job(
         model=model,
@@ -343,6 +392,11 @@ def _ask(
     except NotFoundError:
         if not call.probe_if_missing:
             raise
+        if call.mesh:
+            raise AutotuneClientError(
+                f"no profile of this job's mesh ({call.mesh}) in the store, and a mesh job is not probed locally: "
+                "probe it with `autotune probe TASK --tp ... --server URL` (or estimate it), then ask again"
+            ) from None
         return None, tuner  # the server works and lacks this setup: it gets the profile
     except (APIConnectionError, InternalServerError, RateLimitError) as exc:
         if not call.probe_if_missing:
@@ -365,6 +419,7 @@ def _query(call: _Call, job: _Job) -> SuggestQuery:
         plan=call.plan,
         activation_checkpointing=call.activation_checkpointing,
         objective=call.objective,
+        mesh=_mesh(call.mesh).label(),
     )
 
 
@@ -394,10 +449,7 @@ def _probe(call: _Call, job: _Job, notes: list[str]) -> Profile:
         # Should not happen (same function, same inputs); if it does, an upload would be
         # stored under a key no job asks for, so say so rather than fill the store silently.
         notes.append(
-            _warn(
-                f"the probe's fingerprint {profile.fingerprint[:12]} differs from "
-                f"the job's {job.fingerprint[:12]}"
-            )
+            _warn(f"the probe's fingerprint {profile.fingerprint[:12]} differs from the job's {job.fingerprint[:12]}")
         )
     return profile
 

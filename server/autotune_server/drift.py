@@ -30,6 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autotune.core.errors import AutotuneError
+from autotune.core.mesh import Mesh
 from autotune.core.plan import micro_batch_for_limit
 from autotune.core.schemas import Fit, Observation, Profile
 from autotune_server.candidates import Candidate
@@ -216,6 +218,15 @@ def within_drift(c: Candidate, m_max: int, limit: float, warnings: list[str]) ->
     return answer
 
 
+def _replicas(row: ProfileRow) -> int:
+    """D of the profile's setup: its world size over the mesh the stored document holds."""
+    try:
+        mesh = Mesh.from_dict((row.document or {}).get("mesh"))
+    except (AutotuneError, TypeError):
+        return int(row.world_size)
+    return max(1, int(row.world_size) // mesh.model_parallel)
+
+
 def check_observation(observation: Observation, row: ProfileRow) -> list[str]:
     """What the POST of an observation answers beside the stored row: an observation from another
     device model or world size is refused (its drift would be another setup's), one the drift cannot
@@ -230,10 +241,14 @@ def check_observation(observation: Observation, row: ProfileRow) -> list[str]:
             f"({row.device_name!r}): post it against a profile of that device",
             field="device_name",
         )
-    if "world_size" in observation.model_fields_set and observation.world_size != row.world_size:
+    replicas = _replicas(row)
+    if "world_size" in observation.model_fields_set and observation.world_size not in (row.world_size, replicas):
+        # A job's plan says its replicas D (Suggestion.world_size), which under a mesh are fewer than the W ranks the
+        # profile was measured over: either is the profile's own setup.
         raise ObservationMismatch(
             f"world_size {observation.world_size} is not the world size profile {row.id} was measured at "
-            f"({row.world_size}): post it against a profile of that world size",
+            f"({row.world_size} ranks, {replicas} data-parallel replicas): post it against a profile of that world "
+            "size",
             field="world_size",
         )
     if observation.oom or observation.peak_bytes is None:

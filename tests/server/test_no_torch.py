@@ -88,5 +88,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
         "autotune.core.policy_names",
         # The job's mesh: /suggest plans over its data-parallel replicas and validates Profile.mesh with it.
         "autotune.core.mesh",
+        # The job's setup (issue 40): the store answers a setup, and plans with it as the probe does.
+        "autotune.core.setup",
     }
     assert set(result["autotune_modules"]) <= allowed

@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autotune.core.schemas import Suggestion
 from autotune_client.errors import AutotuneClientError
 
-__all__ = ["IntegrationError", "check_recipe", "describe", "equal_plan"]
+__all__ = ["IntegrationError", "TrainerLayout", "check_recipe", "describe", "equal_plan"]
 
 
 class IntegrationError(AutotuneClientError):
     """The trainer's setup cannot be tuned as it is (one line: what is missing and where it looked)."""
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """How a trainer's ranks hold the job, as suggest() takes it: every rank (``world_size``), the mesh's text
+    (tensor and context parallel ranks are not replicas) and the strategy; ``replicas`` is D."""
+
+    world_size: int
+    strategy: str = "ddp"
+    tp: int = 1
+    cp: int = 1
+
+    @property
+    def mesh(self) -> str:
+        parts = [f"{name}={degree}" for name, degree in (("tp", self.tp), ("cp", self.cp)) if degree > 1]
+        return ",".join(parts)
+
+    @property
+    def replicas(self) -> int:
+        """D: the ranks that each take their own share of the batch."""
+        if self.world_size % (self.tp * self.cp):
+            raise IntegrationError(
+                f"the trainer's world size {self.world_size} is not a multiple of tp x cp = {self.tp} x {self.cp}"
+            )
+        return self.world_size // (self.tp * self.cp)
 
 
 def check_recipe(recipe_batch: int, world_size: int) -> int:

@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from autotune.core.schemas import Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._suggest import suggest
-from autotune_client.integrations._common import IntegrationError, check_recipe, describe, equal_plan
+from autotune_client.integrations._common import IntegrationError, TrainerLayout, check_recipe, describe, equal_plan
 
 __all__ = ["AutotuneBatchSize", "IntegrationError"]
 
@@ -84,6 +84,17 @@ def _training_step_loss(model: Any, batch: Any) -> torch.Tensor:
     return out
 
 
+def strategy_layout(trainer: Trainer, strategy: str | None) -> TrainerLayout:
+    """The trainer's ranks as the store keys them: every rank, the ModelParallelStrategy's tensor-parallel size
+    (not replicas), and fsdp under FSDPStrategy (or as the callback was told)."""
+    used = trainer.strategy
+    tp = getattr(used, "_tensor_parallel_size", 1)
+    tp = tp if isinstance(tp, int) and tp > 1 else 1
+    if strategy is None:
+        strategy = "fsdp" if type(used).__name__ == "FSDPStrategy" else "ddp"
+    return TrainerLayout(world_size=int(trainer.world_size), strategy=strategy, tp=tp)
+
+
 class AutotuneBatchSize(Callback):
     """Sets the micro-batch and ``accumulate_grad_batches`` at fit start so that the recipe's batch is kept.
 
@@ -95,7 +106,8 @@ class AutotuneBatchSize(Callback):
         client: a TunerClient; None uses ``$AUTOTUNE_URL`` when set, else probes locally.
         probe_if_missing: on a store miss probe here (and upload); False raises instead.
         tags: facts that change memory and are not in the module (seq_len, ...).
-        strategy: "ddp" (each replica holds the whole model) or "fsdp".
+        strategy: "ddp" (each replica holds the whole model) or "fsdp"; None (the default) reads the trainer's
+            (FSDPStrategy is fsdp). Under ModelParallelStrategy the tensor-parallel ranks are not replicas.
 
     After fit starts, :attr:`suggestion` holds the answer and :attr:`micro_batch`,
     :attr:`accumulation_steps` what the trainer runs.
@@ -110,7 +122,7 @@ class AutotuneBatchSize(Callback):
         client: TunerClient | None = None,
         probe_if_missing: bool = True,
         tags: Mapping[str, TagValue] | None = None,
-        strategy: str = "ddp",
+        strategy: str | None = None,
     ) -> None:
         super().__init__()
         self.target_batch = target_batch
@@ -131,15 +143,16 @@ class AutotuneBatchSize(Callback):
                 f"no batch size to tune: {self.batch_arg_name!r} (batch_arg_name) is neither an attribute nor "
                 "an hparams entry of the LightningModule or of the trainer's datamodule"
             )
-        world = int(trainer.world_size)
+        layout = strategy_layout(trainer, self.strategy)
+        replicas = layout.replicas
         batch_size = lightning_getattr(pl_module, self.batch_arg_name)
         if self.target_batch is None:
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
                 raise IntegrationError(f"{self.batch_arg_name} is {batch_size!r}, not a positive integer")
-            recipe = batch_size * int(trainer.accumulate_grad_batches) * world
+            recipe = batch_size * int(trainer.accumulate_grad_batches) * replicas
         else:
             recipe = self.target_batch
-        recipe = check_recipe(recipe, world)
+        recipe = check_recipe(recipe, replicas)
         optimizers = trainer.optimizers
         if getattr(pl_module, "_compiler_ctx", None):  # fit(torch.compile(module)): Lightning compiles forward
             warnings.warn(
@@ -153,7 +166,8 @@ class AutotuneBatchSize(Callback):
             pl_module,
             recipe,
             example=self._example_batch(trainer),
-            world_size=world,
+            world_size=layout.world_size,
+            mesh=layout.mesh,
             loss=_training_step_loss,
             optimizer=_optimizer_factory(optimizers[0]) if optimizers else None,
             precision=precision_of(trainer.precision),
@@ -161,7 +175,7 @@ class AutotuneBatchSize(Callback):
             budget=self.budget,
             probe_if_missing=self.probe_if_missing,
             client=self.client,
-            strategy=self.strategy,
+            strategy=layout.strategy,
             plan="divisor",  # Lightning runs equal micro-batches
         )
         micro, steps = equal_plan(suggestion)

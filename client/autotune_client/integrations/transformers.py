@@ -28,7 +28,7 @@ from typing import Any
 from autotune.core.schemas import Suggestion, TagValue
 from autotune_client._client import TunerClient
 from autotune_client._suggest import suggest
-from autotune_client.integrations._common import IntegrationError, check_recipe, describe, equal_plan
+from autotune_client.integrations._common import IntegrationError, TrainerLayout, check_recipe, describe, equal_plan
 
 __all__ = ["AutoFindBatchSizeWarning", "IntegrationError", "tune_trainer"]
 
@@ -45,6 +45,28 @@ def _precision(args: Any) -> str:
     if getattr(args, "fp16", False):
         return "fp16"
     return "fp32"
+
+
+def trainer_layout(args: Any) -> TrainerLayout:
+    """The Trainer's ranks as the store keys them: every rank (DataParallel's GPUs in one process count as
+    replicas), accelerate's ``parallelism_config`` tensor- and context-parallel sizes (not replicas), and fsdp where
+    ``fsdp`` is on or the config shards over dp."""
+    world = int(args.world_size) * max(1, int(getattr(args, "n_gpu", 1)))
+    config = getattr(args, "parallelism_config", None)
+    tp = max(1, int(getattr(config, "tp_size", 1) or 1)) if config is not None else 1
+    cp = max(1, int(getattr(config, "cp_size", 1) or 1)) if config is not None else 1
+    shards = int(getattr(config, "dp_shard_size", 1) or 1) if config is not None else 1
+    fsdp = bool(getattr(args, "fsdp", None)) or shards > 1
+    return TrainerLayout(world_size=world, strategy="fsdp" if fsdp else "ddp", tp=tp, cp=cp)
+
+
+def _memory_policy(args: Any) -> str:
+    """The Trainer's ``activation_checkpointing`` as the store's policy name: every-N with ``every_n_layers``, else
+    full; "none" when it is off (``gradient_checkpointing`` stays a fingerprint tag: the model checkpoints itself)."""
+    if not getattr(args, "activation_checkpointing", False):
+        return "none"
+    every = (getattr(args, "activation_checkpointing_kwargs", None) or {}).get("every_n_layers")
+    return f"every-{int(every)}" if every and int(every) >= 2 else "full"
 
 
 def _example_batch(trainer: Any) -> Any:
@@ -142,12 +164,12 @@ def tune_trainer(
         autotune_client errors from :func:`autotune_client.suggest`.
     """
     args = trainer.args
-    # DataParallel (several GPUs in one process) runs per_device x n_gpu per step, like replicas.
-    world = int(args.world_size) * max(1, int(getattr(args, "n_gpu", 1)))
+    layout = trainer_layout(args)
+    replicas = layout.replicas
     recipe = target_batch
     if recipe is None:
-        recipe = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * world
-    recipe = check_recipe(recipe, world)
+        recipe = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * replicas
+    recipe = check_recipe(recipe, replicas)
     facts: dict[str, TagValue] = dict(tags or {})
     if getattr(args, "gradient_checkpointing", False):
         facts["gradient_checkpointing"] = True  # the same modules, less memory: part of the fingerprint
@@ -156,7 +178,10 @@ def tune_trainer(
         trainer.model,
         recipe,
         example=_example_batch(trainer),
-        world_size=world,
+        world_size=layout.world_size,
+        strategy=layout.strategy,
+        mesh=layout.mesh,
+        activation_checkpointing=_memory_policy(args),
         loss=_loss_function(trainer),
         optimizer=_optimizer_factory(trainer),
         precision=_precision(args),
