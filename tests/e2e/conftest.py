@@ -94,8 +94,11 @@ def _wait_healthy(server: LiveServer, deadline: float) -> bool:
     return False
 
 
-def start_server(directory: Path, *, env: Mapping[str, str] | None = None, attempts: int = 3) -> LiveServer:
-    """Start ``autotune serve`` on a free loopback port with a fresh SQLite file in ``directory``.
+def start_server(
+    directory: Path, *, env: Mapping[str, str] | None = None, attempts: int = 3, database_url: str | None = None
+) -> LiveServer:
+    """Start ``autotune serve`` on a free loopback port with a fresh SQLite file in ``directory`` (or on
+    ``database_url``: a PostgreSQL schema of the test database).
 
     Args:
         directory: where the database file and the server log go (a tmp_path).
@@ -124,7 +127,7 @@ def start_server(directory: Path, *, env: Mapping[str, str] | None = None, attem
                     "--port",
                     str(port),
                     "--database-url",
-                    f"sqlite:///{database_path}",
+                    database_url or f"sqlite:///{database_path}",
                 ],
                 cwd=REPO,
                 env=server_env,
@@ -153,8 +156,8 @@ def start_live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Call
     """A factory: ``start_live_server(env={...})`` starts another server; all stop at session end."""
     started: list[LiveServer] = []
 
-    def start(*, env: Mapping[str, str] | None = None) -> LiveServer:
-        server = start_server(tmp_path_factory.mktemp("live-server"), env=env)
+    def start(*, env: Mapping[str, str] | None = None, database_url: str | None = None) -> LiveServer:
+        server = start_server(tmp_path_factory.mktemp("live-server"), env=env, database_url=database_url)
         started.append(server)
         return server
 
