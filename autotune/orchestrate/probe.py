@@ -16,9 +16,10 @@ from torch import nn
 import autotune
 from autotune.core import units
 from autotune.core.consistency import check_profile
-from autotune.core.errors import DeviceError, TaskError
+from autotune.core.errors import CannotFitError, DeviceError, TaskError
 from autotune.core.plan import nonnegative_fit, plan
 from autotune.core.schemas import Fit, Profile, SingleStep, Trial
+from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
 from autotune.measure.meters.compiled import CompiledCpuMeter, compiled_job
@@ -366,6 +367,9 @@ def probe_with_meter(
         except NoFitError as exc:  # diagnosed by fake trials, outside this process group
             no_fit = exc
     if no_fit is not None:
+        over_host = _over_host_budget(no_fit.trial, config.host_budget_bytes, limit_bytes)
+        if over_host is not None:
+            raise CannotFitError(over_host)
         raise no_fit_error(
             task,
             config,
@@ -447,6 +451,22 @@ def probe_with_meter(
     # A profile the store would refuse is a bug here, not something to write or upload.
     check_profile(profile)
     return profile
+
+
+def _over_host_budget(trial: Trial, host_budget_bytes: int | None, limit_bytes: int) -> str | None:
+    """The one line of a smallest micro-batch that fit the device but not the host budget (--offload keeps its
+    bytes there); None where the device's limit is what it crossed."""
+    host = trial.host_peak_bytes
+    if host_budget_bytes is None or host is None or host <= host_budget_bytes or trial.oom:
+        return None
+    if trial.peak_bytes > limit_bytes:
+        return None
+    return (
+        f"micro-batch {trial.micro_batch} does not fit the host budget: it keeps {host} bytes "
+        f"({format_bytes(host)}) on the host, over --host-budget {host_budget_bytes} bytes "
+        f"({format_bytes(host_budget_bytes)}); on the device it peaks at {trial.peak_bytes} bytes, within the "
+        f"limit of {limit_bytes}: raise --host-budget to at least {host} bytes, or offload less"
+    )
 
 
 def probe(

@@ -28,12 +28,16 @@ import torch
 
 from autotune.core import units
 from autotune.core.errors import AutotuneError, CannotFitError
+from autotune.core.mesh import Mesh
 from autotune.core.schemas import MAX_BYTES, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.strategies import Replicated, Strategy
+from autotune.measure.pipeline import PipelineTrials
+from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import run_trial
+from autotune.search.pipelined import measured_microbatches, stage_strategy
+from autotune.search.presearch import fake_strategy
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["MAX_FSDP_TRIALS", "MAX_FSDP_WORLD_SIZE", "NoFit", "cannot_fit", "diagnose_no_fit", "no_fit_error"]
@@ -69,6 +73,9 @@ class NoFit:
     fsdp_note: str = ""
     # The peak under --ac full when it fits; None when it does not, or the policy cannot apply.
     ac_full_peak_bytes: int | None = None
+    # The job's mesh as Mesh.describe says it ('' for none): the figures are its most loaded rank's (a pipeline's
+    # most loaded stage), DDP's buckets counted where the job holds them.
+    mesh: str = ""
 
     @property
     def budget_needed_bytes(self) -> int | None:
@@ -83,6 +90,8 @@ class NoFit:
     def line(self) -> str:
         """The one line a user reads (every figure in bytes, with binary units beside it)."""
         where = f"world size {self.world_size}, " if self.strategy == "fsdp" else ""
+        if self.mesh:
+            where = f"{self.mesh} over world size {self.world_size} (the most loaded rank), "
         text = (
             f"micro-batch {self.micro_batch} does not fit: budget {_b(self.budget_bytes)}, "
             f"{where}limit {_b(self.limit_bytes)} with headroom {self.headroom:g}"
@@ -132,6 +141,39 @@ def _fake_trial(
         meter.close()
 
 
+def _job_strategy(strategy: str, world_size: int, mesh: Mesh) -> Strategy:
+    """The strategy a fake trial of the job as it is runs under: its mesh's (tp, cp), and under ddp with more than
+    one replica DDP's buckets held as the fake trials of the search hold them (``presearch.fake_strategy``)."""
+    return fake_strategy(make_strategy(strategy, world_size, mesh))
+
+
+def _pipeline_peak(
+    task: ProbeTask, micro_batch: int, device_type: str, strategy: str, world_size: int, mesh: Mesh
+) -> int | None:
+    """The most loaded stage's fake peak at micro_batch, no budget (None where the pipeline cannot run fake)."""
+    meter = FakeMeter(MAX_BYTES, device_type)
+    try:
+        trials = PipelineTrials(
+            task,
+            meter,
+            limit_bytes=MAX_BYTES,
+            stages=mesh.pp,
+            schedule=mesh.pp_schedule,
+            microbatches=measured_microbatches(mesh),
+            virtual_stages=mesh.virtual_stages,
+            strategy=stage_strategy(strategy, mesh, world_size),
+        )
+        try:
+            with trials.strategy.process_group(meter.device):
+                return trials(micro_batch).peak_bytes
+        finally:
+            trials.close()
+    except AutotuneError:
+        return None
+    finally:
+        meter.close()
+
+
 def diagnose_no_fit(
     task: ProbeTask,
     *,
@@ -142,6 +184,7 @@ def diagnose_no_fit(
     strategy: str = "ddp",
     world_size: int = 1,
     unseen_bytes: int = 0,
+    mesh: Mesh | None = None,
 ) -> NoFit:
     """What micro-batch ``micro_batch`` of ``task`` needs and what would fit it, by fake trials.
 
@@ -149,7 +192,9 @@ def diagnose_no_fit(
         budget_bytes, headroom: the budget that did not fit; the limit is budget x (1 - headroom).
         micro_batch: the smallest micro-batch allowed (the probe's multiple_of).
         device_type: "cpu" or "cuda" (the fake tensors' device; "cuda" needs a torch with CUDA).
-        strategy, world_size: how the job holds its model today.
+        strategy, world_size, mesh: how the job holds its model today: the figures are its most loaded rank's
+            (under a pipeline, its most loaded stage's), DDP's buckets counted where it holds them, so the budget
+            advised fits the job as it runs; the fsdp and checkpointing levers are offered without a mesh only.
         unseen_bytes: what the device holds that fake trials do not see (added to every figure).
 
     Returns:
@@ -159,12 +204,39 @@ def diagnose_no_fit(
     fake_limit = max(1, limit_bytes - unseen_bytes)
     if device_type.startswith("cuda") and not torch.cuda.is_available():
         device_type = "cpu"  # a CPU build cannot run fake CUDA tensors through autograd (estimate.py)
-    # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors (presearch.py).
-    current = make_strategy(strategy, world_size) if strategy == "fsdp" else Replicated(1)
-    trial = _fake_trial(task, micro_batch, device_type=device_type, strategy=current, limit_bytes=fake_limit)
+    mesh = mesh or Mesh()
 
     def seen(value: int | None) -> int | None:
         return None if value is None else value + unseen_bytes
+
+    if not mesh.trivial:
+        if mesh.pp > 1:
+            peak = _pipeline_peak(task, micro_batch, device_type, strategy, world_size, mesh)
+            static = None
+        else:
+            trial = _fake_trial(
+                task,
+                micro_batch,
+                device_type=device_type,
+                strategy=_job_strategy(strategy, world_size, mesh),
+                limit_bytes=fake_limit,
+            )
+            peak = trial.peak_bytes if trial is not None else None
+            static = trial.step_bytes if trial is not None else None
+        return NoFit(
+            micro_batch=micro_batch,
+            budget_bytes=budget_bytes,
+            limit_bytes=limit_bytes,
+            headroom=headroom,
+            peak_bytes=seen(peak),
+            static_bytes=seen(static),
+            strategy=strategy,
+            world_size=world_size,
+            mesh=mesh.describe(),
+        )
+    # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors: its buckets are held without it.
+    current = _job_strategy(strategy, world_size, mesh)
+    trial = _fake_trial(task, micro_batch, device_type=device_type, strategy=current, limit_bytes=fake_limit)
 
     peak = seen(trial.peak_bytes) if trial is not None else None
     static = seen(trial.step_bytes) if trial is not None else None
@@ -256,5 +328,6 @@ def no_fit_error(
             strategy=config.strategy,
             world_size=config.world_size,
             unseen_bytes=unseen_bytes,
+            mesh=config.mesh,
         )
     )

@@ -63,6 +63,9 @@ def trainer_layout(args: Any) -> TrainerLayout:
 def _memory_policy(args: Any) -> str:
     """The Trainer's ``activation_checkpointing`` as the store's policy name: every-N with ``every_n_layers``, else
     full; "none" when it is off (``gradient_checkpointing`` stays a fingerprint tag: the model checkpoints itself)."""
+    fsdp_config = getattr(args, "fsdp_config", None)
+    if isinstance(fsdp_config, dict) and fsdp_config.get("activation_checkpointing"):
+        return "full"  # FSDP's own checkpointing of every wrapped block
     if not getattr(args, "activation_checkpointing", False):
         return "none"
     every = (getattr(args, "activation_checkpointing_kwargs", None) or {}).get("every_n_layers")
