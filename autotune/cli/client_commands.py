@@ -27,12 +27,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from autotune.cli.report import datasheet, trial_line
 from autotune.core.errors import ExitCode
 from autotune.core.plan import micro_batches_text
 from autotune.core.schemas import Profile, Suggestion
+from autotune.core.units import format_bytes
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
 from autotune_client.errors import (
@@ -176,10 +177,14 @@ def _row(summary: ProfileSummary) -> str:
     created = summary.created_at.strftime("%Y-%m-%d %H:%M")
     # fsdp x 8: one rank's figures of 8; ddp x 4: measured with DDP over 4 replicas.
     kind = f"{summary.strategy} x{summary.world_size}"
+    # The setup beyond strategy and ranks, where it has more: the mesh (the figures are one rank's of it) and the
+    # host budget an offloading probe was measured within.
+    host = f"host budget {format_bytes(summary.host_budget_bytes)}" if summary.host_budget_bytes else ""
+    setup = ", ".join(filter(None, [summary.mesh, host]))
     return (
         f"{summary.id:>6}  {summary.fingerprint[:12]:<12}  {summary.task[:20]:<20}  "
         f"{summary.device_name[:28]:<28}  {summary.precision:<5}  {kind[:10]:<10}  {summary.source[:8]:<8}  "
-        f"{summary.max_micro_batch:>7}  {created}"
+        f"{summary.max_micro_batch:>7}  {created}" + (f"  {setup}" if setup else "")
     )
 
 
@@ -260,6 +265,21 @@ def upload_profile(profile: Profile, *, server: str, token: str | None) -> int:
         return client.upload(profile)
 
 
+def _profiles_in(path: Path) -> list[Profile]:
+    """The profiles of a file: one profile, or the JSON array a run over lengths writes (``--seq-len A,B --output``).
+
+    Raises:
+        ValueError: the file is neither (pydantic's ValidationError for a profile that does not validate).
+    """
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        entries = TypeAdapter(list[Profile]).validate_json(text)
+        if not entries:
+            raise ValueError("an empty array")
+        return entries
+    return [Profile.model_validate_json(text)]
+
+
 def upload_directory(
     directory: Path,
     *,
@@ -290,19 +310,22 @@ def upload_directory(
         with TunerClient(base_url=server, token=token) as client:
             for path in files:
                 try:
-                    profile = Profile.model_validate_json(path.read_text())
+                    profiles = _profiles_in(path)
                 except (OSError, ValueError, ValidationError) as exc:
                     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                     print(f"autotune: error: {path} is not a profile: {first}", file=err)
                     failed += 1
                     continue
-                try:
-                    print(f"{path}: profile {client.upload(profile)}", file=out, flush=True)
-                except APIConnectionError:
-                    raise
-                except AutotuneClientError as exc:
-                    print(f"autotune: error: {path}: {exc}", file=err)
-                    failed += 1
+                for index, profile in enumerate(profiles):
+                    # A file of one profile is named as it is; a run over lengths' array, entry by entry.
+                    where = f"{path}[{index}]" if len(profiles) > 1 else str(path)
+                    try:
+                        print(f"{where}: profile {client.upload(profile)}", file=out, flush=True)
+                    except APIConnectionError:
+                        raise
+                    except AutotuneClientError as exc:
+                        print(f"autotune: error: {where}: {exc}", file=err)
+                        failed += 1
     except AutotuneClientError as exc:
         return _fail(exc, err)
     if failed:

@@ -173,6 +173,13 @@ def _probe_pairs(args: argparse.Namespace) -> list[Any]:
 
     if args.context_bytes is not None:
         raise CliError("--context-bytes applies to estimates for cards: name them with --gpu")
+    if getattr(args, "moe_load_factor", None) is not None:
+        # A probe pair's worker runs its real trials with the model's own routing and no option carries the
+        # factor there: accepting it would drop it silently.
+        raise CliError(
+            "--moe-load-factor applies to fleet estimates for cards (--gpu): a probe pair measures the model's own "
+            "routing with real trials"
+        )
 
     def config_for(device: str, budget: int | None) -> Any:
         config = config_from_args(argparse.Namespace(**{**vars(args), "budget": budget}), device)

@@ -84,18 +84,22 @@ class Architecture:
     max_threads_per_block: int = 1024
     warp_size: int = 32
     constant_memory_bytes: int = 64 * 1024
+    # The most memory any card of the architecture ships (its largest data-sheet figure, rounded up to a GiB): an
+    # unlisted card given more (--gpu-memory 1TiB) is no card at all, and its estimate would promise what none
+    # holds.
+    max_memory_bytes: int = 0
 
 
 ARCHITECTURES = {
     arch.compute_capability: arch
     for arch in (
-        Architecture((7, 0), 2048, 32, 96 * KiB, 96 * KiB, 0),  # Volta
-        Architecture((7, 5), 1024, 16, 64 * KiB, 64 * KiB, 0),  # Turing
-        Architecture((8, 0), 2048, 32, 164 * KiB, 163 * KiB, 1024),  # Ampere, A100
-        Architecture((8, 6), 1536, 16, 100 * KiB, 99 * KiB, 1024),  # Ampere, GA10x
-        Architecture((8, 9), 1536, 24, 100 * KiB, 99 * KiB, 1024),  # Ada
-        Architecture((9, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024),  # Hopper
-        Architecture((10, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024),  # Blackwell, B200
+        Architecture((7, 0), 2048, 32, 96 * KiB, 96 * KiB, 0, max_memory_bytes=32 * 2**30),  # Volta: V100 32GB
+        Architecture((7, 5), 1024, 16, 64 * KiB, 64 * KiB, 0, max_memory_bytes=48 * 2**30),  # Turing: RTX 8000
+        Architecture((8, 0), 2048, 32, 164 * KiB, 163 * KiB, 1024, max_memory_bytes=80 * 2**30),  # A100 80GB
+        Architecture((8, 6), 1536, 16, 100 * KiB, 99 * KiB, 1024, max_memory_bytes=48 * 2**30),  # GA10x: A6000
+        Architecture((8, 9), 1536, 24, 100 * KiB, 99 * KiB, 1024, max_memory_bytes=48 * 2**30),  # Ada: L40S
+        Architecture((9, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024, max_memory_bytes=144 * 2**30),  # Hopper: GH200
+        Architecture((10, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024, max_memory_bytes=288 * 2**30),  # Blackwell: B300
     )
 }
 
@@ -495,6 +499,12 @@ def unlisted_card(name: str, memory_bytes: int) -> Card:
     if memory_bytes <= 0:
         raise ValueError(f"card {name!r}: memory must be positive, got {memory_bytes} bytes")
     like = closest_card(name, memory_bytes)
+    most = like.architecture.max_memory_bytes
+    if most and memory_bytes > most:
+        raise ValueError(
+            f"card {name!r} with {memory_bytes / 2**30:g} GiB: no card of its architecture (compute capability "
+            f"{like.capability}, like the {like.short_name}) ships more than {most // 2**30} GiB"
+        )
     short = re.sub(r"[^0-9a-z]+", "-", _normalise(name).removeprefix("nvidia ")).strip("-")
     if short in _BY_NAME:  # never the short name of a catalog card it is not
         short = f"{short}-{memory_bytes // MiB}mib"

@@ -132,6 +132,10 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("optimizer", _tag("optimizer_spec", "default"), "default", _optimizer_cost),
     Dimension("zero_grad", _tag("zero_grad", "none"), "none", lambda value: (0.0, 0)),
     Dimension("precision", lambda profile: profile.precision, "fp32", lambda value: (0.0, 0)),
+    # How the ranks hold the model (autotune/core/setup.py): profiles of one job under two strategies or meshes are
+    # two setups, told apart in the recommendation (their plans are over their own D).
+    Dimension("strategy", lambda profile: f"{profile.strategy} x{profile.world_size}", "ddp x1", lambda _: (0.0, 0)),
+    Dimension("mesh", lambda profile: profile.setup.mesh.label() or "none", "none", lambda value: (0.0, 0)),
 )
 _KNOWN = {dimension.name for dimension in DIMENSIONS}
 # Tags a task writes for every profile of a setup, not choices between setups.

@@ -93,9 +93,11 @@ class ProbeConfig:
                 raise AutotuneError(f"target-batch must be a positive integer, got {self.target_batch}")
             if self.target_batch > MAX_TARGET_BATCH:
                 raise AutotuneError(f"target-batch {self.target_batch} is larger than {MAX_TARGET_BATCH}")
-            if self.target_batch < self.world_size:
+            replicas = self.world_size // max(1, self.mesh.model_parallel)
+            if self.target_batch < replicas:
+                over = "" if self.mesh.trivial else f" over {self.mesh.describe()} ({replicas} replicas)"
                 raise AutotuneError(
-                    f"target-batch {self.target_batch} is smaller than world-size {self.world_size}: "
+                    f"target-batch {self.target_batch} is smaller than world-size {self.world_size}{over}: "
                     "every replica needs at least one sample per update"
                 )
         # The Literals type the fields for the code; a caller's string is still checked here, in one line.
@@ -155,6 +157,10 @@ class ProbeConfig:
                 f"--quantize {task.tags['quantize']} with --strategy fsdp: sharding a 4-bit base (FSDP-QLoRA, bf16 "
                 "quant storage) is not measured; use ddp"
             )
+        from autotune.tasks.optimizers import refuse_under_sharding
+
+        # An optimizer whose step cannot take DTensor parameters is refused for every path, estimates included.
+        refuse_under_sharding(task.optimizer, strategy=self.strategy, tp=self.mesh.tp)
         if self.precision is not None and self.precision != task.precision:
             task = dataclasses.replace(task, precision=self.precision)
         if self.activation_checkpointing is not None or self.compile is not None:

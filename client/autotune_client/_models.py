@@ -37,6 +37,9 @@ class ProfileSummary(_Answer):
     source: str = "measured"
     # A sequence-aware setup's length (None for others, and from a server from before lengths).
     seq_len: int | None = None
+    # The setup's mesh ('' for none, and from a server from before setups) and its host budget under offload.
+    mesh: str = ""
+    host_budget_bytes: int | None = None
     trial_count: int = 0
     created_at: datetime
     uploaded_at: datetime | None = None

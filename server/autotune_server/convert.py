@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from autotune.core.errors import AutotuneError
+from autotune.core.mesh import Mesh
 from autotune.core.schemas import Fit, Profile
 from autotune_server.consistency import stored_warnings
 from autotune_server.models import ObservationRow, ProfileRow
@@ -23,6 +27,14 @@ def to_profile(row: ProfileRow) -> Profile:
     return Profile.model_validate(row.document)
 
 
+def _mesh_label(document: dict[str, Any] | None) -> str:
+    """The stored mesh as Mesh.label writes it ('' for none, or for a hand-written row whose mesh does not parse)."""
+    try:
+        return Mesh.from_dict((document or {}).get("mesh")).label()
+    except (AutotuneError, TypeError):
+        return ""
+
+
 def to_summary(row: ProfileRow) -> ProfileSummary:
     """The list view of a profile."""
     return ProfileSummary(
@@ -41,6 +53,8 @@ def to_summary(row: ProfileRow) -> ProfileSummary:
         source=row.source,
         activation_checkpointing=row.activation_checkpointing,
         seq_len=row.seq_len,
+        mesh=_mesh_label(row.document),
+        host_budget_bytes=(row.document or {}).get("host_budget_bytes"),
         trial_count=row.trial_count,
         created_at=to_utc(row.created_at),
         uploaded_at=to_utc(row.uploaded_at),

@@ -18,6 +18,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, Float, cast, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
+from autotune.core.errors import AutotuneError
+from autotune.core.mesh import Mesh
 from autotune_server.models import ProfileRow, TrialRow
 from autotune_server.repository import deciding_trial, to_utc
 
@@ -105,6 +107,8 @@ class TableRow:
     activation_checkpointing: str = "none"
     # A sequence-aware profile's length (None for other profiles).
     seq_len: int | None = None
+    # The mesh (its stored document's, as Mesh.describe says it; '' for none): world_size counts every rank.
+    mesh: str = ""
 
     @property
     def estimate(self) -> bool:
@@ -229,6 +233,7 @@ def profile_table(session: Session, query: TableQuery) -> TablePage:
             ProfileRow.source,
             ProfileRow.activation_checkpointing,
             ProfileRow.seq_len,
+            ProfileRow.document["mesh"].label("mesh"),
         )
         .where(*clauses)
         .order_by(*_order(query, peak))
@@ -254,10 +259,19 @@ def profile_table(session: Session, query: TableQuery) -> TablePage:
             source=r.source,
             activation_checkpointing=r.activation_checkpointing,
             seq_len=None if r.seq_len is None else int(r.seq_len),
+            mesh=_mesh_text(r.mesh),
         )
         for r in session.execute(statement)
     ]
     return TablePage(rows=rows, total=total, query=query, pages=pages)
+
+
+def _mesh_text(stored: Any) -> str:
+    try:
+        mesh = Mesh.from_dict(stored if isinstance(stored, dict) else None)
+    except (AutotuneError, TypeError):
+        return ""
+    return "" if mesh.trivial else mesh.describe()
 
 
 def policy_siblings(session: Session, row: ProfileRow) -> list[ProfileRow]:

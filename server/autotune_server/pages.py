@@ -605,6 +605,8 @@ def _profile_page(profile_id: str, request: Request, session: Session) -> HTMLRe
     context = {
         "row": row,
         "profile": profile,
+        # What the figures were measured under (autotune/core/setup.py): the strategy, mesh, stages and host lines.
+        "setup": profile.setup,
         "observations": observations,
         "drift": profile_drift(profile, observations),
         "chosen": chosen,

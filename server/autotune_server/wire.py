@@ -60,6 +60,9 @@ class ProfileSummary(_Out):
     activation_checkpointing: str = "none"
     # A sequence-aware setup's length (None for others).
     seq_len: int | None = None
+    # The setup's mesh as Mesh.label writes it ('' for none; world_size counts every rank) and its host budget.
+    mesh: str = ""
+    host_budget_bytes: int | None = None
     trial_count: int
     created_at: datetime
     uploaded_at: datetime

@@ -59,6 +59,8 @@ def test_gpu_memory_without_gpu_is_refused_in_the_config() -> None:
         (["--gpu-memory", "96GiB", "--budget", "8GiB"], "--gpu-memory 96.00 GiB is the memory of the card --gpu"),
         (["--gpu", "Radeon MI300X", "--gpu-memory", "192GiB"], "no catalog family in its name"),
         (["--gpu", "h100", "--gpu-memory", "lots"], "--gpu-memory: "),
+        # More than any card of the architecture ships (issue 40): no card to emulate, and no name to store under.
+        (["--gpu", "h100", "--gpu-memory", "1TiB"], "no card of its architecture (compute capability 9.0"),
     ],
 )
 def test_bad_gpu_memory_input_is_one_line_and_exit_2(

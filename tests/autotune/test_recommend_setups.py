@@ -32,7 +32,7 @@ def test_every_dimension_is_read_from_the_profile_and_a_new_tag_is_one_too() -> 
     setup = dict(setup_of(profile))
     assert setup == {
         "offload": "activations", "ac": "op", "quantize": "nf4", "optimizer": "adamw8bit", "zero_grad": "none",
-        "precision": "bf16", "mine": "x",
+        "precision": "bf16", "strategy": "ddp x1", "mesh": "none", "mine": "x",
     }  # fmt: skip
     assert [d.name for d in DIMENSIONS][:4] == ["offload", "ac", "quantize", "optimizer"]
 
@@ -144,3 +144,12 @@ def test_profiles_of_different_devices_are_refused(tmp_path: Path, capsys: pytes
     b.write_text(other.model_dump_json())
     assert main(["recommend", str(a), str(b)]) == 2
     assert "different devices" in capsys.readouterr().err
+
+
+def test_profiles_of_two_meshes_or_strategies_are_two_setups() -> None:
+    # Issue 40: recommend told neither the mesh nor the strategy apart.
+    plain = _profile(12, seed=1)
+    meshed = _profile(24, seed=2).model_copy(update={"mesh": {"tp": 2}, "world_size": 2})
+    sharded = _profile(16, seed=3).model_copy(update={"strategy": "fsdp", "world_size": 2})
+    labels = [o.label for o in options_for([plain, meshed, sharded])]
+    assert labels == ["strategy ddp x1, mesh none", "strategy ddp x2, mesh tp=2", "strategy fsdp x2, mesh none"]

@@ -162,3 +162,30 @@ def test_a_host_budget_failure_is_said_as_one() -> None:
     config = ProbeConfig(device="cpu", budget_bytes=24 << 20, offload="activations", host_budget_bytes=100 << 10)
     with pytest.raises(CannotFitError, match=r"does not fit the host budget: it keeps \d+ bytes .* on the host"):
         probe(gpt.task, config)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # An optimizer whose step cannot take DTensors, refused for an estimate as for a probe (the AdamW hint before).
+        (
+            ["estimate", f"hf:{TINY_LLAMA}?optimizer=adamw8bit", "--seq-len", "64", "--device-kind", "cpu",
+             "--budget", "24MiB", "--world-size", "2", "--strategy", "fsdp"],
+            "--optimizer adamw8bit under --strategy fsdp: bitsandbytes' update ops",
+        ),
+        # The target's bound under a mesh is D (2 here), not W.
+        (
+            ["estimate", "examples/gpt.py:task", "--device-kind", "cpu", "--budget", "24MiB", "--world-size", "4",
+             "--tp", "2", "--target-batch", "1"],
+            "target-batch 1 is smaller than world-size 4 over tp 2 (2 replicas)",
+        ),
+    ],
+    ids=["adamw8bit-fsdp", "target-below-d"],
+)  # fmt: skip
+def test_setup_refusals_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from autotune.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    # The last line is the refusal (bitsandbytes and torchao log their loading on import, in this process).
+    assert message in err.strip().splitlines()[-1] and "Traceback" not in err, err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,3 +249,27 @@ def test_profiles_show_puts_the_stores_warnings_first() -> None:
     text = _describe(stored)
     assert text.splitlines()[1] == "  store warning: this stored profile contradicts itself"
     assert "store warning" not in _describe(StoredProfile(id=8, profile=make_profile()))
+
+
+def test_upload_directory_takes_a_run_over_lengths_array_and_ls_shows_the_mesh(
+    in_process_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    # Issue 40: `profiles upload DIR` refused the arrays `--seq-len A,B --output` writes; `ls` never said the mesh.
+    from autotune.cli.client_commands import upload_directory
+    from tests.factories import surface_gpt_payloads
+
+    lengths = surface_gpt_payloads()
+    (tmp_path / "lengths.json").write_text(json.dumps(lengths))
+    meshed = make_profile(max_micro_batch=7).model_copy(update={"mesh": {"tp": 2}, "world_size": 4})
+    (tmp_path / "meshed.json").write_text(meshed.model_dump_json())
+    out, err = io.StringIO(), io.StringIO()
+    code = upload_directory(tmp_path, server=IN_PROCESS_URL, token=WRITE_TOKEN, out=out, err=err)
+    assert code == EXIT_OK, err.getvalue()
+    lines = out.getvalue().splitlines()
+    assert [line.split(": profile ")[0].rsplit("/", 1)[-1] for line in lines] == [
+        *(f"lengths.json[{i}]" for i in range(len(lengths))),
+        "meshed.json",
+    ]
+    code, listed, _ = run_profiles("ls")
+    meshed_rows = [row for row in listed.splitlines() if row.rstrip().endswith("tp=2")]
+    assert code == EXIT_OK and len(meshed_rows) == 1

@@ -504,3 +504,37 @@ def test_datasheet_shows_the_observed_drift_in_the_chart_and_the_table(client: T
     raised = dict(zip(memory["drift"]["x"], memory["drift"]["y"], strict=True))
     assert raised[24] == pytest.approx(70.0 * 1.04)
     assert memory["drift"]["name"] == "fit + observed drift (+4.0 %)"
+
+
+def test_the_datasheet_and_the_table_speak_the_setup(client: TestClient) -> None:
+    # Issue 40: a tp 2 profile with D 2 read "ddp over 4 replicas (DDP's gradient buckets counted)", and no page
+    # showed the mesh, a pipeline's stages or the host figure.
+    body = profile_payload(task="tp-job", world_size=4)
+    body["mesh"] = {"tp": 2}
+    meshed = client.post("/api/v1/profiles", json=body, headers=WRITE).json()["id"]
+    text = text_of(client.get(f"/profiles/{meshed}").text)
+    assert "ddp over 2 replicas (DDP's gradient buckets counted)" in text and "over 4 replicas" not in text
+    assert "mesh tp 2 over world size 4 (D = 2 data-parallel replicas" in text
+    body = profile_payload(task="pp-job", world_size=2, seed=1)
+    peak = body["trials"][-2]["peak_bytes"]
+    body["mesh"] = {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 2}
+    body["pipeline"] = {"microbatches": 2, "stage_peak_bytes": [peak - 10, peak], "most_loaded_stage": 1,
+                        "bubble_fraction": 1 / 3}  # fmt: skip
+    staged = client.post("/api/v1/profiles", json=body, headers=WRITE).json()["id"]
+    text = text_of(client.get(f"/profiles/{staged}").text)
+    assert "ddp, one replica" in text
+    assert f"stage 0 {format_bytes(peak - 10)} · stage 1 {format_bytes(peak)} (most loaded)" in text
+    assert "K 2 micro-batches per step, bubble 0.333" in text
+    body = profile_payload(task="offload-job", seed=2, tags={"offload": "activations"})
+    body |= {"offload": "activations", "host_budget_bytes": 2**20, "host_peak_bytes": 900_000}
+    for trial in body["trials"]:
+        trial["host_peak_bytes"] = 900_000 if trial["fits"] else 2**21
+    hosted = client.post("/api/v1/profiles", json=body, headers=WRITE)
+    assert hosted.status_code == 201, hosted.text
+    text = text_of(client.get(f"/profiles/{hosted.json()['id']}").text)
+    assert f"host offload activations: {format_bytes(900_000)} on the host" in text
+    assert "within a host budget of 1.00 MiB" in text
+    table = client.get("/").text
+    cells = re.split(r'<tr data-profile-id="\d+">', table)[1:]
+    rows = dict(zip((int(i) for i in ROW.findall(table)), cells, strict=True))
+    assert "ddp ×4 tp 2" in text_of(rows[meshed]) and "pp 2 (gpipe, K 2)" in text_of(rows[staged])
