@@ -15,15 +15,16 @@ replica, and how two setups differ.
     4
 
 A field that is None (``precision``, ``compile``, ``offload``, ``host_budget_bytes``, ``seq_len``) is one the
-job does not set; ``differences`` compares every field that changes memory or D, so a query that leaves one out
-is refused by a profile that has it rather than served another job's plan.
+job does not set (the task's own, where a worker applies the setup to the task it loads: ``with_setup``);
+``differences`` compares every field that changes memory or D, so a query that leaves one out is refused by a
+profile that has it rather than served another job's plan.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from autotune.core.errors import AutotuneError
 from autotune.core.mesh import Mesh
@@ -57,8 +58,9 @@ class JobSetup(BaseModel):
     world_size: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE)
     mesh: Mesh = Mesh()
     precision: Precision | None = None
-    # The memory policy's canonical name (autotune/core/policy_names.py).
-    activation_checkpointing: str = "none"
+    # The memory policy's canonical name (autotune/core/policy_names.py); None: the task's own (a setup on its way
+    # to a worker or the emulated child, applied there to the task it loads).
+    activation_checkpointing: str | None = "none"
     # A torch.compile mode; compiled_measured is False where the figures ran the eager model (an estimate's fake
     # trials), so a compiled job is told its answer is the eager step's.
     compile: str | None = None
@@ -70,18 +72,13 @@ class JobSetup(BaseModel):
     # style: another plan holds other shards. In the fingerprint (fingerprint_tags), not a /suggest field.
     tp_plan: str | None = None
 
-    @field_validator("offload")
-    @classmethod
-    def _no_offload_is_none(cls, value: Offload | None) -> Offload | None:
-        return None if value == "none" else value
-
     @model_validator(mode="after")
     def _consistent(self) -> JobSetup:
         try:
             self.mesh.validate(self.world_size)
         except AutotuneError as exc:
             raise ValueError(str(exc)) from None
-        if self.host_budget_bytes is not None and self.offload is None:
+        if self.host_budget_bytes is not None and self.offload in (None, "none"):
             raise ValueError(
                 "host_budget_bytes needs an offload (activations or params): without offload the job keeps "
                 "nothing in host memory that a probe measures"
@@ -208,7 +205,7 @@ class JobSetup(BaseModel):
             text = "one replica" if replicas == 1 else f"ddp over {replicas} replicas"
         if not self.mesh.trivial:
             text += f", {self.mesh.describe()}, world size {self.world_size}"
-        if self.offload is not None:
+        if self.offload not in (None, "none"):
             text += f", offload {self.offload}"
             if self.host_budget_bytes is not None:
                 text += f" within a host budget of {self.host_budget_bytes} bytes"

@@ -58,11 +58,12 @@ def replayed_stage(
 def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str) -> dict[str, Any]:
     """One length's pipeline search in the child (``task`` at its length): what child_search returns per length,
     with ``pipeline`` (PipelineStages as JSON) where a size fit."""
-    from autotune.core.mesh import Mesh
+    from autotune.core.setup import JobSetup
     from autotune.search.boundary import NoFitError
     from autotune.search.pipelined import search_pipeline, stage_strategy
 
-    mesh = Mesh.parse(request.get("mesh") or "")
+    job = JobSetup.model_validate(request["setup"])
+    mesh = job.mesh
     budget_bytes = int(request["budget_bytes"])
     meter = FakeMeter(budget_bytes, "cuda", device_name)
     figure = replayed_stage(
@@ -80,7 +81,7 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
             task,
             meter,
             mesh,
-            stage_strategy(request["strategy"], mesh, int(request["world_size"])),
+            stage_strategy(job.strategy, mesh, job.world_size),
             int(request["limit_bytes"]),
             warnings,
             lambda trial: trials.__setitem__(trial.micro_batch, trial.model_copy(update={"fake": True})),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.core.cards import Card
+from autotune.core.setup import JobSetup
 from autotune.search.reserved import CUBLAS_HANDLES
 from autotune.search.reserved import cublas_workspace_bytes as _for_capability
 
@@ -55,19 +56,16 @@ def search_on_card(
     limit_bytes: int,
     outside_bytes: int,
     seq_lens: Sequence[int | None],
-    strategy: str,
-    world_size: int,
-    precision: str | None,
-    activation_checkpointing: str | None,
+    job: JobSetup,
     max_micro_batch: int,
     multiple_of: int,
     extra_sizes: Sequence[int] = (),
     python: str | None = None,
-    offload: str = "none",
-    mesh: str = "",
 ) -> list[CardSearch]:
     """Run the search at each length (None: a task that is not sequence-aware) in one child process with
-    the card emulated (autotune/emulation/runner.py): one torch import and one task load for all.
+    the card emulated (autotune/emulation/runner.py): one torch import and one task load for all. ``job`` is the
+    setup the child applies to the task it loads (its precision, policy and offload: ``ProbeTask.with_setup``)
+    and holds it under (strategy, world size, mesh), sent whole (``JobSetup`` as JSON).
 
     Raises:
         CudaTorchMissing: no CUDA build of torch here (the caller falls back to CPU semantics).
@@ -81,12 +79,7 @@ def search_on_card(
         "job": "search",
         "task": spec,
         "seq_lens": list(seq_lens),
-        "strategy": strategy,
-        "world_size": world_size,
-        "mesh": mesh,
-        "precision": precision,
-        "activation_checkpointing": activation_checkpointing,
-        "offload": offload,
+        "setup": job.model_dump(mode="json"),
         "budget_bytes": chosen.device_total_bytes,
         "limit_bytes": limit_bytes,
         "outside_bytes": outside_bytes,
@@ -122,12 +115,10 @@ def search_on_card(
 
 def child_search(request: dict[str, Any]) -> dict[str, Any]:
     """In the child (torch with the emulation loaded): the search, trial by trial replayed."""
-    import dataclasses
     from contextlib import nullcontext
 
     import torch
 
-    from autotune.core.mesh import Mesh
     from autotune.emulation.fake_cuda import device_facts, prepare_fake_cuda
     from autotune.measure.meters.fake import moe_routing
     from autotune.measure.strategy_choice import make_strategy
@@ -137,18 +128,12 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
     from autotune.tasks.load import load_task
 
     prepare_fake_cuda()
-    task = load_task(request["task"])
-    changes = {
-        k: request[k] for k in ("precision", "activation_checkpointing", "offload") if request.get(k) is not None
-    }
-    if changes:
-        task = dataclasses.replace(task, **changes)
+    job = JobSetup.model_validate(request["setup"])
+    task = load_task(request["task"]).with_setup(job)
     device = device_facts()
-    mesh = Mesh.parse(request.get("mesh") or "")  # the job's mesh label (autotune/core/mesh.py)
+    mesh = job.mesh
     # A pipeline's stages run in no process group of their own (autotune/emulation/card_pipeline.py).
-    strategy = (
-        None if mesh.pp > 1 else fake_strategy(make_strategy(request["strategy"], int(request["world_size"]), mesh))
-    )
+    strategy = None if mesh.pp > 1 else fake_strategy(make_strategy(job.strategy, job.world_size, mesh))
     torch.set_num_threads(1)  # fake tensors compute nothing
     routing = moe_routing(float(request.get("moe_load_factor") or 1.0))
     multiple_of = int(request["multiple_of"])

@@ -10,7 +10,6 @@ go to a file the parent reads, never to the user's terminal.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -45,8 +44,8 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     prepare_fake_cuda()
-    from autotune.core.mesh import Mesh
     from autotune.core.schemas import MAX_BYTES
+    from autotune.core.setup import JobSetup
     from autotune.measure.meters.fake import FakeMeter
     from autotune.measure.strategy_choice import make_strategy
     from autotune.measure.trial import TrialRunner, frozen_heap
@@ -54,22 +53,15 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
     from autotune.search.reserved import renumbered
     from autotune.tasks.load import load_task
 
-    task = load_task(request["task"])
-    changes = {
-        key: request[key]
-        for key in ("precision", "activation_checkpointing", "offload")
-        if request.get(key) is not None
-    }
-    if changes:
-        task = dataclasses.replace(task, **changes)
+    job = JobSetup.model_validate(request["setup"])
+    task = load_task(request["task"]).with_setup(job)
     if request.get("seq_len") is not None:
         task = task.at_length(int(request["seq_len"]))
     budget = int(request.get("budget_bytes") or MAX_BYTES)
     ops: dict[str, set[str]] = {}
     device_name = device_facts()["name"]
     meter = FakeMeter(budget, "cuda", device_name)
-    mesh = Mesh.parse(request.get("mesh") or "")  # the job's mesh label (autotune/core/mesh.py)
-    strategy = fake_strategy(make_strategy(request["strategy"], int(request["world_size"]), mesh))
+    strategy = fake_strategy(make_strategy(job.strategy, job.world_size, job.mesh))
     results = []
     torch.set_num_threads(1)  # fake tensors compute nothing
     recording: AbstractContextManager[Any] = recording_ops(ops) if request.get("record_ops") else nullcontext()

@@ -27,6 +27,8 @@ from typing import Any
 
 from autotune.core.cards import Card, lookup
 from autotune.core.errors import TrialError
+from autotune.core.mesh import Mesh
+from autotune.core.setup import JobSetup
 from autotune.emulation.build import (
     CudaTorch,
     EmulationError,
@@ -310,6 +312,7 @@ def run_emulated_trials(
     precision: str | None = None,
     activation_checkpointing: str | None = None,
     offload: str | None = None,
+    mesh: Mesh | None = None,
     record_ops: bool = False,
     python: str | None = None,
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
@@ -322,8 +325,9 @@ def run_emulated_trials(
         micro_batches: the sizes, in the order to run them (one model, reused, as the probe does).
         card: a Card or a name ``lookup`` takes; its memory is the fake trials' budget.
         seq_len: a sequence-aware task's length.
-        strategy, world_size: "ddp" or "fsdp" at world_size (fake trials of ddp run one replica).
-        precision, activation_checkpointing, offload: override the task's own.
+        strategy, world_size, mesh: how the ranks hold the model (fake trials of ddp hold DDP's buckets without
+            DDP; a mesh's tp or cp rank 0).
+        precision, activation_checkpointing, offload: override the task's own (None keeps it).
         record_ops: note every op the trials dispatch and the dtypes they return (``EmulatedTrial.ops``).
         python: the Python to run (default: :func:`find_cuda_python`).
         timeout_seconds: the child is killed past it.
@@ -349,11 +353,16 @@ def run_emulated_trials(
         "task": task,
         "micro_batches": sizes,
         "seq_len": seq_len,
-        "strategy": strategy,
-        "world_size": world_size,
-        "precision": precision,
-        "activation_checkpointing": activation_checkpointing,
-        "offload": offload,
+        # The setup, whole and typed (autotune/core/setup.py), as the card's search sends it: the child reads one
+        # format for both jobs.
+        "setup": JobSetup.model_construct(
+            strategy=strategy,
+            world_size=world_size,
+            mesh=mesh or Mesh(),
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+            offload=offload,
+        ).model_dump(mode="json"),
         "record_ops": record_ops,
         "budget_bytes": chosen.device_total_bytes,
     }

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from autotune.core.schemas import Precision
+from autotune.core.mesh import Mesh
+from autotune.core.setup import JobSetup
 from autotune.measure.meters.fake import current_load_factor
 
 __all__ = ["SLOW_BUILD_SECONDS", "SLOW_TRIAL_SECONDS", "FakeLanes", "LaneSetup", "Point", "spare_cores"]
@@ -60,11 +61,10 @@ class LaneSetup:
     """What a worker needs to hold the run's fake model: everything picklable."""
 
     spec: str
-    precision: Precision
-    activation_checkpointing: str
+    # The job's setup, whole (autotune/core/setup.py): the worker applies it to the task it loads
+    # (ProbeTask.with_setup) and holds the model under its strategy and mesh.
+    job: JobSetup
     device_type: str
-    strategy: str
-    world_size: int
     device_name: str | None
     # Loads the task and holds its fake model in the worker: (task, the ExitStack its process group and
     # heap live in, the fake trials). A module-level function, so that it pickles by name; the search
@@ -72,10 +72,6 @@ class LaneSetup:
     hold: Callable[[LaneSetup], tuple[Any, ExitStack, Any]]
     # The mixture-of-experts routing the run's fake trials assume (autotune/measure/meters/fake.py).
     moe_load_factor: float = 1.0
-    # What the job keeps in host memory (autotune/measure/offload.py).
-    offload: str = "none"
-    # The job's mesh as Mesh.label writes it ('' for none: autotune/core/mesh.py).
-    mesh: str = ""
 
 
 def spare_cores() -> int:
@@ -152,16 +148,11 @@ class FakeLanes:
             return None
         setup = LaneSetup(
             spec=task.source,
-            precision=task.precision,
-            activation_checkpointing=task.activation_checkpointing,
+            job=task.job_setup(strategy=strategy, world_size=world_size, mesh=Mesh.parse(mesh)),
             device_type=device_type,
-            strategy=strategy,
-            world_size=world_size,
             device_name=device_name,
             hold=hold,
             moe_load_factor=current_load_factor(),
-            offload=task.offload,
-            mesh=mesh,
         )
         return cls(setup, workers)
 

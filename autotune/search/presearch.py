@@ -15,7 +15,6 @@ the small sizes do not fit, it runs the exact search on fake trials instead, reu
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack
@@ -375,19 +374,13 @@ def presearch_failed(exc: BaseException) -> str:
 def hold_lane_model(setup: LaneSetup) -> tuple[ProbeTask, ExitStack, FakeTrials]:
     """In a lane's worker (autotune/search/lanes.py): the run's task loaded from its spec, and its fake
     model held inside a fake process group and a frozen heap that live as long as the returned stack."""
-    from autotune.core.mesh import Mesh
     from autotune.measure.strategy_choice import make_strategy
     from autotune.measure.trial import frozen_heap
     from autotune.tasks.load import load_task
 
-    task = dataclasses.replace(
-        load_task(setup.spec),
-        precision=setup.precision,
-        activation_checkpointing=setup.activation_checkpointing,
-        offload=setup.offload,
-    )
-    mesh = Mesh.parse(setup.mesh)
-    strategy = fake_strategy(make_strategy(setup.strategy, setup.world_size, mesh))  # held before the model
+    job = setup.job
+    task = load_task(setup.spec).with_setup(job)
+    strategy = fake_strategy(make_strategy(job.strategy, job.world_size, job.mesh))  # held before the model
     stack = ExitStack()
     stack.enter_context(moe_routing(setup.moe_load_factor))  # the run's routing, for the worker's life
     stack.enter_context(strategy.process_group(torch.device(setup.device_type)))

@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from autotune.core.errors import TaskError
+from autotune.core.mesh import Mesh
 from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import OFFLOADS, PRECISIONS, Precision, TagValue
+from autotune.core.setup import JobSetup
 from autotune.tasks.optimizers import SpecOptimizer, optimizer_factory
 
 __all__ = [
@@ -267,6 +269,30 @@ class ProbeTask:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise TaskError(f"sequence length must be a positive integer, got {seq_len!r}")
         return dataclasses.replace(self, batch=functools.partial(self.batch, seq_len=seq_len), seq_len=seq_len)
+
+    def with_setup(self, setup: JobSetup) -> ProbeTask:
+        """This task under the setup's precision, memory policy and offload where the setup gives them (None: the
+        task's own): how a worker or the emulated child applies the setup it received whole
+        (autotune/core/setup.py) to the task it loaded from its spec."""
+        changes = {
+            name: getattr(setup, name)
+            for name in ("precision", "activation_checkpointing", "offload")
+            if getattr(setup, name) is not None and getattr(setup, name) != getattr(self, name)
+        }
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def job_setup(self, *, strategy: str = "ddp", world_size: int = 1, mesh: Mesh | None = None) -> JobSetup:
+        """The setup a worker or the emulated child receives for this task (its precision, policy and offload, as
+        :meth:`with_setup` applies them there) under the strategy, world size and mesh. Not validated: the config
+        that runs the job refuses a setup no job runs, in its own words."""
+        return JobSetup.model_construct(
+            strategy=strategy,
+            world_size=world_size,
+            mesh=mesh or Mesh(),
+            precision=self.precision,
+            activation_checkpointing=self.activation_checkpointing,
+            offload=self.offload,
+        )
 
     def make_optimizer(self, model: nn.Module | Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """The task's optimizer over ``model`` (its parameters, or the model itself for a factory that

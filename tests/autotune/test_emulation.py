@@ -237,3 +237,14 @@ def test_the_kernels_temporaries_are_in_the_trace(runs: dict[str, EmulatedRun]) 
     once per layer and micro-batch: 2 layers x 4 micro-batches."""
     assert _scratch(runs["h200"].trials[0].events, (4 * 2 * 4 * 64 * 17,)) == 8
     assert _scratch(runs["a100-80gb"].trials[0].events, (4 * 2 * 4 * 128, 4 * 2 * 128 * 4 * 32)) == 8
+
+
+def test_the_trials_child_holds_the_setups_mesh(cuda_python: str) -> None:
+    # Issue 40: the trials job's request never sent the mesh its child read, so a tp rank ran as the whole model.
+    # The setup now travels whole (JobSetup as JSON): the tp 2 rank holds less than the whole model at the same m.
+    from autotune.core.mesh import Mesh
+
+    llama = "hf:examples/configs/tiny-llama.json?optimizer=AdamW:foreach=false"
+    ranked = run_emulated_trials(llama, [2], card="h100", seq_len=64, world_size=2, mesh=Mesh(tp=2))
+    whole = run_emulated_trials(llama, [2], card="h100", seq_len=64, world_size=2)
+    assert 0 < ranked.trials[0].peak_bytes < whole.trials[0].peak_bytes
