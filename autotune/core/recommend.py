@@ -33,6 +33,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from autotune.core.mesh import Mesh
 from autotune.core.policy_names import recomputation_key
 from autotune.core.schemas import MicroBatchCount, Plan, Profile, Throughput
 
@@ -135,7 +136,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
     # How the ranks hold the model (autotune/core/setup.py): profiles of one job under two strategies or meshes are
     # two setups, told apart in the recommendation (their plans are over their own D).
     Dimension("strategy", lambda profile: f"{profile.strategy} x{profile.world_size}", "ddp x1", lambda _: (0.0, 0)),
-    Dimension("mesh", lambda profile: profile.setup.mesh.label() or "none", "none", lambda value: (0.0, 0)),
+    Dimension("mesh", lambda profile: Mesh.from_dict(profile.mesh).label() or "none", "none", lambda value: (0.0, 0)),
 )
 _KNOWN = {dimension.name for dimension in DIMENSIONS}
 # Tags a task writes for every profile of a setup, not choices between setups.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -21,9 +21,6 @@ from autotune.core.policy_names import (
     canonical_wire_policy,
 )
 from autotune.core.split import DEFAULT_PLAN_POLICY, PlanPolicy, UnevenPlanWarning, micro_batches_text, split
-
-if TYPE_CHECKING:
-    from autotune.core.setup import JobSetup
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
@@ -388,28 +385,6 @@ class Profile(_Model):
         return units.limit_bytes(self.budget_bytes, self.headroom)
 
     @property
-    def setup(self) -> JobSetup:
-        """The job setup the figures were measured under (autotune/core/setup.py): what every reader of the
-        profile plans and matches with. An estimate's compiled setup ran the eager model (docs/compile.md)."""
-        from autotune.core.mesh import Mesh
-        from autotune.core.setup import JobSetup
-
-        compiled = self.tags.get("compile")
-        offload = None if self.offload in (None, "none") else self.offload
-        return JobSetup(
-            strategy=self.strategy,
-            world_size=self.world_size,
-            mesh=Mesh.from_dict(self.mesh),
-            precision=self.precision,
-            activation_checkpointing=self.activation_checkpointing,
-            compile=None if compiled is None else str(compiled),
-            compiled_measured=self.source == "measured",
-            offload=offload,
-            host_budget_bytes=self.host_budget_bytes if offload is not None else None,
-            seq_len=self.seq_len,
-        )
-
-    @property
     def deciding_trials(self) -> list[Trial]:
         """The trials the profile's answer rests on: the real ones of a measurement (fake
         pre-search points only guided it), the fake ones of an estimate."""
@@ -717,24 +692,6 @@ class SuggestQuery(BaseModel):
     @property
     def data_parallel(self) -> int:
         """D: the data-parallel replicas the plan holds the target over (world_size over the mesh)."""
-        return self.setup.data_parallel
-
-    @property
-    def setup(self) -> JobSetup:
-        """The part of the job's setup the query states (autotune/core/setup.py); offload and compile as given
-        (None: the fingerprint's), the host budget without its offload check (the profile holds the offload)."""
         from autotune.core.mesh import Mesh
-        from autotune.core.setup import JobSetup
 
-        return JobSetup.model_construct(
-            strategy=self.strategy,
-            world_size=self.world_size,
-            mesh=Mesh.parse(self.mesh),
-            precision=None,
-            activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile,
-            compiled_measured=True,
-            offload=None if self.offload == "none" else self.offload,
-            host_budget_bytes=self.host_budget_bytes,
-            seq_len=self.seq_len,
-        )
+        return self.world_size // Mesh.parse(self.mesh).model_parallel

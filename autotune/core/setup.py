@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from autotune.core.errors import AutotuneError
 from autotune.core.mesh import Mesh
 from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy, pipeline_plan, plan_with_single_step
-from autotune.core.schemas import MAX_BYTES, MAX_WORLD_SIZE, Offload, Plan, Precision, Strategy
+from autotune.core.schemas import MAX_BYTES, MAX_WORLD_SIZE, Offload, Plan, Precision, Profile, Strategy, SuggestQuery
 
 __all__ = ["MEMORY_FIELDS", "JobSetup", "Planner"]
 
@@ -84,6 +84,42 @@ class JobSetup(BaseModel):
                 "nothing in host memory that a probe measures"
             )
         return self
+
+    @classmethod
+    def of_profile(cls, profile: Profile) -> JobSetup:
+        """The setup a profile's figures were measured under: what every reader of the profile plans and matches
+        with. An estimate's compiled setup ran the eager model (docs/compile.md)."""
+        compiled = profile.tags.get("compile")
+        offload = None if profile.offload in (None, "none") else profile.offload
+        return cls(
+            strategy=profile.strategy,
+            world_size=profile.world_size,
+            mesh=Mesh.from_dict(profile.mesh),
+            precision=profile.precision,
+            activation_checkpointing=profile.activation_checkpointing,
+            compile=None if compiled is None else str(compiled),
+            compiled_measured=profile.source == "measured",
+            offload=offload,
+            host_budget_bytes=profile.host_budget_bytes if offload is not None else None,
+            seq_len=profile.seq_len,
+        )
+
+    @classmethod
+    def of_query(cls, query: SuggestQuery) -> JobSetup:
+        """The part of a job's setup a /suggest query states: offload and compile as given (None: the
+        fingerprint's), the host budget without its offload check (the profile holds the offload)."""
+        return cls.model_construct(
+            strategy=query.strategy,
+            world_size=query.world_size,
+            mesh=Mesh.parse(query.mesh),
+            precision=None,
+            activation_checkpointing=query.activation_checkpointing,
+            compile=query.compile,
+            compiled_measured=True,
+            offload=None if query.offload == "none" else query.offload,
+            host_budget_bytes=query.host_budget_bytes,
+            seq_len=query.seq_len,
+        )
 
     @property
     def data_parallel(self) -> int:

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from autotune.core.plan import is_single_step, micro_batches_text
 from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
+from autotune.core.setup import JobSetup
 from autotune.core.units import format_bytes as human_bytes
 from autotune_server.api import API_PREFIX, MAX_ID
 from autotune_server.consistency import stored_problems
@@ -606,7 +607,7 @@ def _profile_page(profile_id: str, request: Request, session: Session) -> HTMLRe
         "row": row,
         "profile": profile,
         # What the figures were measured under (autotune/core/setup.py): the strategy, mesh, stages and host lines.
-        "setup": profile.setup,
+        "setup": JobSetup.of_profile(profile),
         "observations": observations,
         "drift": profile_drift(profile, observations),
         "chosen": chosen,

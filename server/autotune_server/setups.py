@@ -30,7 +30,7 @@ def _same_mesh(stored: Mesh, asked: Mesh) -> bool:
 
 def mismatch(c: Candidate, query: SuggestQuery) -> str | None:
     """The first field (a /suggest parameter) in which c's setup differs from the query's, None if none."""
-    stored, asked = c.setup, query.setup
+    stored, asked = c.setup, JobSetup.of_query(query)
     if not _same_mesh(stored.mesh, asked.mesh):
         return "mesh"
     if asked.offload is not None and asked.offload != stored.offload:
@@ -69,7 +69,7 @@ def for_setup(found: Lookup, query: SuggestQuery) -> Lookup:
     newest = everyone[0]
     field = mismatch(newest, query) or "fingerprint"
     stored = sorted({_said(c.setup, field) for c in everyone if mismatch(c, query) == field})
-    asked = _said(query.setup, field)
+    asked = _said(JobSetup.of_query(query), field)
     raise SetupMismatch(
         f"{field}: the job asks {asked}, and every profile of fingerprint {query.fingerprint} was measured under "
         f"another setup ({', '.join(stored)}): ask with the job's own {field}, or probe this setup",

@@ -269,7 +269,7 @@ def _measured(
 ) -> Suggestion:
     """The answer from c's own trials (``label`` says what they are to this job: see ``compute``)."""
     warnings = list(warnings or [])
-    mismatch = _strategy_warning(c, query.setup)
+    mismatch = _strategy_warning(c, JobSetup.of_query(query))
     if mismatch is not None:
         warnings.append(mismatch)
     m_max = c.max_micro_batch
@@ -356,7 +356,7 @@ def _from_surface(
 ) -> Suggestion:
     """The answer at a length nobody measured, from the peak surface of c's probe (which covers it)."""
     warnings = list(warnings)
-    mismatch = _strategy_warning(c, query.setup)
+    mismatch = _strategy_warning(c, JobSetup.of_query(query))
     if mismatch is not None:
         warnings.append(mismatch)
     used_budget = query.budget_bytes if query.budget_bytes is not None else c.budget_bytes
@@ -457,7 +457,7 @@ def _predicted(
         f"predicted from the memory fit {what} on {c.device_name} (profile {c.id}), not measured "
         f"on {query.device_name}: probe on {query.device_name} to be sure",
     ]
-    mismatch = _strategy_warning(c, query.setup)
+    mismatch = _strategy_warning(c, JobSetup.of_query(query))
     if mismatch is not None:
         warnings.append(mismatch)
     return _suggestion(
@@ -549,7 +549,7 @@ def _compute(found: Lookup, query: SuggestQuery, target_batch: int, server_url: 
         # Nothing measured at this length: the newest surface of this device model that covers it.
         for source in ("measured", "estimate"):
             covering = tuple(c for c in sequence.covering(found, query.seq_len) if c.source == source)
-            best = _best(covering, query.setup)
+            best = _best(covering, JobSetup.of_query(query))
             if best is not None:
                 c = best[1]
                 answer = _from_surface(
@@ -565,10 +565,10 @@ def _compute(found: Lookup, query: SuggestQuery, target_batch: int, server_url: 
         raise sequence.not_measured(found, query.seq_len, fingerprint=query.fingerprint, device_name=query.device_name)
     found = at
     for source in ("measured", "estimate"):
-        here = _best(tuple(c for c in found.here if c.source == source), query.setup)
+        here = _best(tuple(c for c in found.here if c.source == source), JobSetup.of_query(query))
         elsewhere = (
             _best(
-                tuple(c for c in found.elsewhere if c.source == source and c.fit is not None), query.setup
+                tuple(c for c in found.elsewhere if c.source == source and c.fit is not None), JobSetup.of_query(query)
             )
             if query.budget_bytes is not None
             else None
@@ -613,7 +613,7 @@ def _kind_text(c: Candidate) -> str:
 
 
 def _not_found(found: Lookup, query: SuggestQuery, server_url: str) -> NoProfileForSuggestion:
-    usable = [c for c in found.elsewhere if _rank(c, query.setup) is not None]
+    usable = [c for c in found.elsewhere if _rank(c, JobSetup.of_query(query)) is not None]
     other_devices = sorted({c.device_name for c in usable})
     probe = f"autotune probe TASK --server {server_url}" + (
         f" --strategy fsdp --world-size {query.world_size}" if query.strategy == "fsdp" else ""
@@ -631,7 +631,7 @@ def _not_found(found: Lookup, query: SuggestQuery, server_url: str) -> NoProfile
             + f": probe it on that device with `{probe}`"
         )
     # Profiles that exist but never answer this job: an fsdp rank held a smaller shard than the job's.
-    unusable = sorted({_kind_text(c) for c in found.here if _rank(c, query.setup) is None})
+    unusable = sorted({_kind_text(c) for c in found.here if _rank(c, JobSetup.of_query(query)) is None})
     if unusable:
         message += (
             f"; the profiles on {query.device_name!r} ({', '.join(unusable)}) do not answer a {query.strategy} job at "

@@ -152,9 +152,9 @@ def test_an_eager_estimate_of_a_compiled_job_says_so(client: TestClient) -> None
 def test_the_profile_and_the_query_build_the_same_setup() -> None:
     body = _mesh_profile({"tp": 2, "pp": 2, "pp_microbatches": 4}, world_size=8)
     profile = Profile.model_validate(body)
-    assert profile.setup.data_parallel == 2 and profile.setup.holds_ddp_buckets
-    assert profile.setup.pipeline_microbatches == (2, 4)
+    assert JobSetup.of_profile(profile).data_parallel == 2 and JobSetup.of_profile(profile).holds_ddp_buckets
+    assert JobSetup.of_profile(profile).pipeline_microbatches == (2, 4)
     from autotune.core.schemas import SuggestQuery
 
     query = SuggestQuery(**ASK, target_batch=64, world_size=8, mesh="tp=2,pp=2,pp_microbatches=4")
-    assert query.setup.mesh == profile.setup.mesh and query.data_parallel == 2
+    assert JobSetup.of_query(query).mesh == JobSetup.of_profile(profile).mesh and query.data_parallel == 2
