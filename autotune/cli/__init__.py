@@ -38,6 +38,12 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `autotune` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if argv is None and not args.verbose:
+        # From a terminal: the libraries' own log lines stay off it (autotune -v keeps them). Not when called in
+        # a process with argv (a test, a script), whose loggers and environment are its own.
+        from autotune.core.library_logs import quiet_library_logs
+
+        quiet_library_logs()
     try:
         check_inputs(args)
         return int(args.run(args))

@@ -92,6 +92,13 @@ def check_lengths(task: ProbeTask, lengths: Sequence[int]) -> list[int]:
     for length in lengths:
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_SEQ_LEN:
             raise TaskError(f"sequence length {length!r} must be an integer from 1 to {MAX_SEQ_LEN}")
+    limit = task.max_seq_len
+    if limit is not None and max(lengths) > limit:
+        # Before any trial: a compiled warm-up at such a length dies in the model's own check, minutes in.
+        raise TaskError(
+            f"--seq-len {max(lengths)} is longer than the model takes: task {task.name!r} has a maximum length of "
+            f"{limit} (its config's max_position_embeddings)"
+        )
     return sorted(set(lengths))
 
 
@@ -155,10 +162,12 @@ def _longest(
     micro_batch: int,
     shortest: int,
     cap: int,
+    model_limit: int | None = None,
 ) -> LongestSeqLen | None:
     """The longest length that fits at micro_batch: the surface's answer, confirmed by trials at it
     and one past it, and searched by bisection between what the trials show where they disagree.
-    None where the shortest length does not fit at micro_batch even by the surface."""
+    None where the shortest length does not fit at micro_batch even by the surface. A cap that is the model's
+    own maximum length (``model_limit``) reached is ``limited_by="model"``."""
     lo, hi = 0, cap + 1  # lo: the longest known to fit; hi: the shortest known not to (or refused)
     peaks: dict[int, int] = {}
     refused: dict[int, str] = {}
@@ -204,7 +213,9 @@ def _longest(
     if not lo:
         return None
     limited_by: Literal["memory", "cap", "model"]
-    if lo >= cap:
+    if lo >= cap and model_limit is not None and cap >= model_limit:
+        limited_by, note = "model", f"the model's maximum length {model_limit} reached (max_position_embeddings)"
+    elif lo >= cap:
         limited_by, note = "cap", f"--max-seq-len {cap} reached: longer may fit"
     elif hi in refused:
         limited_by, note = "model", refused[hi]
@@ -357,8 +368,11 @@ class _Lengths:
             raise _NothingFits(shortest, errors.get(shortest))
         return run
 
-    def longest(self, surface: PeakSurface, shortest: int, cap: int) -> LongestSeqLen | None:
-        """The longest length at m = multiple_of, on one model that serves every length."""
+    def longest(
+        self, surface: PeakSurface, shortest: int, cap: int, *, model_limit: int | None = None
+    ) -> LongestSeqLen | None:
+        """The longest length at m = multiple_of, on one model that serves every length (``model_limit``: the
+        model's own maximum length, at which ``cap`` stands when it is the smaller)."""
 
         def trial_at(seq_len: int) -> Trial:
             trial = self.trial_at(self.task.at_length(seq_len))
@@ -375,6 +389,7 @@ class _Lengths:
                     micro_batch=self.config.multiple_of,
                     shortest=shortest,
                     cap=cap,
+                    model_limit=model_limit,
                 )
             finally:
                 self.release()
@@ -419,6 +434,9 @@ def _over_lengths(
     cap = max_seq_len or LONGEST_FACTOR * lengths[-1]
     if cap < lengths[-1]:
         raise AutotuneError(f"--max-seq-len {cap} is shorter than the longest --seq-len {lengths[-1]}")
+    model_limit = steps.task.max_seq_len
+    if model_limit is not None and cap > model_limit:
+        cap = model_limit  # the longest-length search stops at the model's own maximum, and says so
     found = steps.surface(lengths, device_name) if presearch else None
     notes: list[str] = []
     if found is None:
@@ -432,7 +450,7 @@ def _over_lengths(
         )
     run = steps.measure_each(lengths, found, target_tokens, notes)
     if found is not None and found.surface is not None:
-        longest = steps.longest(found.surface, lengths[0], cap)
+        longest = steps.longest(found.surface, lengths[0], cap, model_limit=model_limit)
         run.surface = _surface_record(found, run.profiles, longest, cap=steps.config.max_micro_batch)
     multiple_of = steps.config.multiple_of
     for seq_len, reason in run.no_fit.items():

@@ -374,10 +374,12 @@ def presearch_failed(exc: BaseException) -> str:
 def hold_lane_model(setup: LaneSetup) -> tuple[ProbeTask, ExitStack, FakeTrials]:
     """In a lane's worker (autotune/search/lanes.py): the run's task loaded from its spec, and its fake
     model held inside a fake process group and a frozen heap that live as long as the returned stack."""
+    from autotune.core.library_logs import quiet_if_asked
     from autotune.measure.strategy_choice import make_strategy
     from autotune.measure.trial import frozen_heap
     from autotune.tasks.load import load_task
 
+    quiet_if_asked()  # before the task's libraries are imported here
     job = setup.job
     task = load_task(setup.spec).with_setup(job)
     strategy = fake_strategy(make_strategy(job.strategy, job.world_size, job.mesh))  # held before the model

@@ -515,6 +515,14 @@ def _model_class(where: str, config: Any, hf_class: str | None) -> tuple[Any, _F
     return cls, family
 
 
+def _max_positions(config: Any, family: _Family) -> int | None:
+    """The longest sequence a token family's model takes (its config's max_position_embeddings), None elsewhere."""
+    if family.name == "image-classification":
+        return None
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def _batch_factory(family: _Family, config: Any, where: str) -> Callable[..., Any]:
     max_positions = getattr(config, "max_position_embeddings", None)
     positions = int(max_positions) if isinstance(max_positions, int) else None
@@ -710,4 +718,5 @@ def hf_task(
         shard_classes=shard_classes,
         weights_dtype=weights_dtype,
         zero_grad=zero_grad,
+        max_seq_len=_max_positions(config, family),
     )

@@ -196,6 +196,9 @@ class ProbeTask:
     offload: str = "none"
     compile: str | None = None
     tp_plan: Mapping[str, Any] | None = None
+    # The longest sequence the model takes (an hf: config's max_position_embeddings); None: no limit known. A
+    # length past it is refused before any trial, and the longest-length search stops there and says so.
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

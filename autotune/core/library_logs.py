@@ -1,0 +1,44 @@
+"""What the libraries autotune drives print on their own: kept off the user's terminal unless asked (issue 41).
+
+torch's logging (``W1204 ... _pytree.py:630] ... Enum subclass ...``), Kineto's profiler lines
+(``USDT:... SyncActivityProfilerHandler.cpp ... profiler_start``, the compiled meter reads the allocator through the
+profiler), c10's C++ warnings, and the "Failed to load ..." lines torchao and bitsandbytes log on import say nothing
+about the job. ``autotune`` run from a terminal quiets them (``autotune -v`` keeps them); the processes it starts
+(fake lanes' workers, the emulated card's child, real-process ranks) inherit the environment and quiet their own
+Python loggers (:func:`quiet_if_asked`). A variable the user set stays as set.
+
+Torch-free: the environment must be set before torch is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["QUIET_VARIABLE", "quiet_if_asked", "quiet_library_logs"]
+
+# Set by the CLI for the processes it starts.
+QUIET_VARIABLE = "AUTOTUNE_LIBRARY_LOGS"
+# Python loggers of the libraries whose import or use logs warnings about themselves, not about the job.
+_LOGGERS = ("torch", "torchao", "bitsandbytes", "transformers", "accelerate", "peft", "lightning")
+_ENVIRONMENT = {
+    "TORCH_LOGS": "-all",  # torch's own logging (dynamo, inductor, the pytree registry) below ERROR
+    "KINETO_LOG_LEVEL": "4",  # the profiler's C++ lines (USDT, SyncActivityProfilerHandler): errors only
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10's C++ warnings
+}
+
+
+def quiet_library_logs() -> None:
+    """Quiet the libraries' own logs in this process and the processes it starts."""
+    os.environ[QUIET_VARIABLE] = "quiet"
+    for name, value in _ENVIRONMENT.items():
+        if not os.environ.get(name):  # an empty TORCH_LOGS breaks torch's import: set, never left empty
+            os.environ[name] = value
+    for name in _LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def quiet_if_asked() -> None:
+    """In a process autotune started: quiet the libraries' Python loggers where the CLI quieted its own."""
+    if os.environ.get(QUIET_VARIABLE) == "quiet":
+        quiet_library_logs()
