@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["QUIET_VARIABLE", "quiet_if_asked", "quiet_library_logs"]
+__all__ = ["QUIET_VARIABLE", "quiet_if_asked", "quiet_library_logs", "quiet_native_stderr"]
 
 # Set by the CLI for the processes it starts.
 QUIET_VARIABLE = "AUTOTUNE_LIBRARY_LOGS"
@@ -25,6 +28,8 @@ _ENVIRONMENT = {
     "TORCH_LOGS": "-all",  # torch's own logging (dynamo, inductor, the pytree registry) below ERROR
     "KINETO_LOG_LEVEL": "4",  # the profiler's C++ lines (USDT, SyncActivityProfilerHandler): errors only
     "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10's C++ warnings
+    # transformers sets its root logger's level from this when it first logs, over a level set before its import.
+    "TRANSFORMERS_VERBOSITY": "error",
 }
 
 
@@ -42,3 +47,22 @@ def quiet_if_asked() -> None:
     """In a process autotune started: quiet the libraries' Python loggers where the CLI quieted its own."""
     if os.environ.get(QUIET_VARIABLE) == "quiet":
         quiet_library_logs()
+
+
+@contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Where the libraries' logs are quieted: the process's stderr (fd 2) sent to /dev/null around a native call
+    that prints with no switch to stop it (Kineto's ``USDT: ... profiler_start`` / ``profiler_stop`` lines, which
+    no environment variable silences). Keep the span to the call: what else is printed meanwhile is lost too."""
+    if os.environ.get(QUIET_VARIABLE) != "quiet":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -334,7 +334,7 @@ class _Lengths:
         errors: dict[int, BudgetError] = {}
         for seq_len in lengths:
             target, token_note = target_at_length(
-                seq_len, target_batch=config.target_batch, target_tokens=target_tokens, world_size=config.world_size
+                seq_len, target_batch=config.target_batch, target_tokens=target_tokens, world_size=config.data_parallel
             )
             presearched = (
                 _presearched(found, seq_len, self.fake_limit, config.max_micro_batch, config.multiple_of)
@@ -471,6 +471,52 @@ def _checked(task: ProbeTask, config: ProbeConfig | EstimateConfig, lengths: Seq
     return config.applied_to(task)
 
 
+# Said in every profile of a pipeline's run over lengths: what it measured and what it did not.
+PIPELINE_LENGTHS = (
+    "a pipeline's lengths are each searched on their own, stage by stage (--pp with --seq-len): no surface over "
+    "lengths is traced and the longest length is not searched"
+)
+
+
+def _each_length_on_its_own(
+    task: ProbeTask,
+    lengths: Sequence[int],
+    measure: Callable[[ProbeTask, int | None], Profile],
+    *,
+    config: ProbeConfig,
+    target_tokens: int | None,
+) -> LengthsRun:
+    """A run over lengths where no surface can be traced (a pipeline's stages replay a schedule per length): each
+    length measured by its own single-length search, the lengths where not even multiple_of fits said in the
+    others' profiles, and the shortest length's own error where none fits."""
+    started = time.perf_counter()
+    run = LengthsRun(profiles=[])
+    errors: dict[int, BudgetError] = {}
+    for seq_len in lengths:
+        target, token_note = target_at_length(
+            seq_len, target_batch=config.target_batch, target_tokens=target_tokens, world_size=config.data_parallel
+        )
+        try:
+            profile = measure(task.at_length(seq_len), target)
+        except BudgetError as exc:
+            run.no_fit[seq_len] = str(exc)
+            errors[seq_len] = exc
+            continue
+        if token_note:
+            profile.warnings.append(token_note)
+        profile.warnings.append(PIPELINE_LENGTHS)
+        run.profiles.append(profile)
+    if not run.profiles:
+        shortest = min(lengths)
+        raise type(errors[shortest])(f"at seq_len {shortest}: {errors[shortest]}")
+    seconds = round(time.perf_counter() - started, 3)
+    for profile in run.profiles:
+        for seq_len, reason in run.no_fit.items():
+            profile.warnings.append(f"at seq_len {seq_len} not even micro-batch {config.multiple_of} fits: {reason}")
+        profile.seconds = seconds
+    return run
+
+
 def probe_lengths(
     task: ProbeTask,
     config: ProbeConfig,
@@ -503,6 +549,14 @@ def probe_lengths(
     compiled = task.compile is not None or compiled_step(task.optimizer) is not None
     meter = make_meter(resolve_device(config.device), config.budget_bytes, compiled=compiled)
     try:
+        if config.mesh.pp > 1:  # each length's stages replay their schedule: probe_with_meter's pipeline search
+
+            def one_length(task_at: ProbeTask, target: int | None) -> Profile:
+                at_config = config.with_setup(target_batch=target, target_tokens=None, seq_lens=())
+                return probe_with_meter(task_at, meter, at_config, on_trial=on_trial)
+
+            lengths = check_lengths(task, lengths)
+            return _each_length_on_its_own(task, lengths, one_length, config=config, target_tokens=target_tokens)
         limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
         strategy = make_strategy(config.strategy, config.world_size, config.mesh)
 
@@ -570,6 +624,13 @@ def estimate_lengths(
     task = _checked(task, config, lengths)
     setup = config.probe
     assert setup.budget_bytes is not None  # validate() refused None
+    if setup.mesh.pp > 1:  # each length's stages replay their schedule: estimate's pipeline search
+
+        def one_length(task_at: ProbeTask, target: int | None) -> Profile:
+            return estimate(task_at, config.with_setup(target_batch=target), on_trial=on_trial)
+
+        ordered = check_lengths(task, lengths)
+        return _each_length_on_its_own(task, ordered, one_length, config=setup, target_tokens=target_tokens)
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
     device_type, _ = estimate_device_type(config.device_kind)
     strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)

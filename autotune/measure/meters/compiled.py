@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from autotune.core.errors import TaskError
+from autotune.core.library_logs import quiet_native_stderr
 from autotune.core.policy_names import parse_policy
 from autotune.measure.meters.base import FORWARD_BACKWARD, STEP, MemoryReading
 from autotune.measure.meters.cpu import CpuMeter, CpuOutOfMemoryError
@@ -118,9 +119,16 @@ class CompiledCpuMeter(CpuMeter):
         allocations: list[tuple[int, int, int]] = []
         marks: list[tuple[int, str]] = []
         self._profiling = True
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         try:
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            # Kineto prints a line at every start and stop, which only a quiet stderr keeps off the terminal.
+            with quiet_native_stderr():
+                prof.__enter__()
+            try:
                 yield allocations, marks
+            finally:
+                with quiet_native_stderr():
+                    prof.__exit__(None, None, None)
         finally:
             self._profiling = False
             # After the profiler has stopped: its results exist only then.
