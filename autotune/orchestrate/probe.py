@@ -376,6 +376,9 @@ def probe_with_meter(
             budget_bytes=meter.budget_bytes,
             device_type=str(meter.device),
             unseen_bytes=meter.unseen_bytes(),
+            # What the real trial held: a compiled step's buffers, which the eager fake trial does not.
+            # (An OOM's figure is where the budget stopped it, a floor, not a peak: left out.)
+            measured_bytes=None if no_fit.trial.fake or no_fit.trial.oom else no_fit.trial.peak_bytes,
         )
 
     m_max = result.max_micro_batch

@@ -76,14 +76,19 @@ class NoFit:
     # The job's mesh as Mesh.describe says it ('' for none): the figures are its most loaded rank's (a pipeline's
     # most loaded stage), DDP's buckets counted where the job holds them.
     mesh: str = ""
+    # What the trial that did not fit measured on the device (None: not measured, an estimate's). Where it is over
+    # the limit and the fake trial is not (a compiled step, whose buffers the eager fake trial does not hold), the
+    # line says both and advises from the measurement, rather than "does not fit ... it needs" less than the limit.
+    measured_bytes: int | None = None
 
     @property
     def budget_needed_bytes(self) -> int | None:
         """The smallest budget at which the job as it is fits: peak / (1 - headroom), rounded up to
         a MiB (a KiB under 1 GiB)."""
-        if self.peak_bytes is None:
+        peak = max(filter(None, (self.peak_bytes, self.measured_bytes)), default=None)
+        if peak is None:
             return None
-        needed = math.ceil(self.peak_bytes / (1.0 - self.headroom))
+        needed = math.ceil(peak / (1.0 - self.headroom))
         unit = 2**20 if needed >= 2**30 else 2**10
         return -(-needed // unit) * unit
 
@@ -97,7 +102,16 @@ class NoFit:
             f"{where}limit {_b(self.limit_bytes)} with headroom {self.headroom:g}"
         )
         needs = []
-        if self.peak_bytes is not None:
+        measured_over = self.measured_bytes is not None and self.measured_bytes > self.limit_bytes
+        if measured_over and (self.peak_bytes is None or self.peak_bytes <= self.limit_bytes):
+            assert self.measured_bytes is not None
+            text += f"; it peaked at {_b(self.measured_bytes)} when measured"
+            if self.peak_bytes is not None:
+                text += (
+                    f", where a fake trial of the eager step needs {_b(self.peak_bytes)}: the difference is what "
+                    "the measured step holds beyond the eager one (a compiled step's buffers)"
+                )
+        elif self.peak_bytes is not None:
             needs.append(f"it needs {_b(self.peak_bytes)} by a fake trial")
         if self.static_bytes is not None:
             needs.append(
@@ -314,20 +328,28 @@ def cannot_fit(no_fit: NoFit) -> CannotFitError:
 
 
 def no_fit_error(
-    task: ProbeTask, config: Any, *, budget_bytes: int, device_type: str, unseen_bytes: int = 0
+    task: ProbeTask,
+    config: Any,
+    *,
+    budget_bytes: int,
+    device_type: str,
+    unseen_bytes: int = 0,
+    measured_bytes: int | None = None,
 ) -> CannotFitError:
     """The error of a probe or an estimate (``config``: its ProbeConfig or EstimateConfig) where not
-    even multiple_of fits, diagnosed by fake trials; call it outside the run's process group."""
-    return cannot_fit(
-        diagnose_no_fit(
-            task,
-            budget_bytes=budget_bytes,
-            headroom=config.headroom,
-            micro_batch=config.multiple_of,
-            device_type=device_type,
-            strategy=config.strategy,
-            world_size=config.world_size,
-            unseen_bytes=unseen_bytes,
-            mesh=config.mesh,
-        )
+    even multiple_of fits, diagnosed by fake trials; call it outside the run's process group. ``measured_bytes``:
+    what a probe's real trial at multiple_of peaked at."""
+    diagnosis = diagnose_no_fit(
+        task,
+        budget_bytes=budget_bytes,
+        headroom=config.headroom,
+        micro_batch=config.multiple_of,
+        device_type=device_type,
+        strategy=config.strategy,
+        world_size=config.world_size,
+        unseen_bytes=unseen_bytes,
+        mesh=config.mesh,
     )
+    if measured_bytes is not None:
+        diagnosis = dataclasses.replace(diagnosis, measured_bytes=measured_bytes)
+    return cannot_fit(diagnosis)

@@ -105,3 +105,24 @@ def test_an_fsdp_job_is_offered_a_larger_world_size_only() -> None:
     )
     assert no_fit.fsdp_world_size is not None and no_fit.fsdp_world_size > 2
     assert "world size 2, limit" in no_fit.line()
+
+
+def test_a_measured_peak_over_the_limit_is_said_beside_an_eager_fake_one_within_it() -> None:
+    # Issue 41: a compiled probe's no-fit read "does not fit: ... limit L ... it needs X" with X below L (the fake
+    # trial runs the eager step, without the compiled step's buffers).
+    from autotune.search.diagnose import NoFit
+
+    limit = 22_649_241
+    said = NoFit(
+        micro_batch=1,
+        budget_bytes=24 << 20,
+        limit_bytes=limit,
+        headroom=0.1,
+        peak_bytes=20_880_292,
+        static_bytes=None,
+        measured_bytes=23_880_292,
+    )
+    line = said.line()
+    assert "it peaked at 23880292 bytes (22.77 MiB) when measured" in line
+    assert "a fake trial of the eager step needs 20880292 bytes" in line and "it needs 20880292" not in line
+    assert said.budget_needed_bytes is not None and said.budget_needed_bytes * 0.9 >= 23_880_292
