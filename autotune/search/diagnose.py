@@ -32,11 +32,10 @@ from autotune.core.mesh import Mesh
 from autotune.core.schemas import MAX_BYTES, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.pipeline import PipelineTrials
 from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import run_trial
-from autotune.search.pipelined import measured_microbatches, stage_strategy
+from autotune.search.pipelined import pipeline_trials, stage_strategy
 from autotune.search.presearch import fake_strategy
 from autotune.tasks.task import ProbeTask
 
@@ -167,16 +166,7 @@ def _pipeline_peak(
     """The most loaded stage's fake peak at micro_batch, no budget (None where the pipeline cannot run fake)."""
     meter = FakeMeter(MAX_BYTES, device_type)
     try:
-        trials = PipelineTrials(
-            task,
-            meter,
-            limit_bytes=MAX_BYTES,
-            stages=mesh.pp,
-            schedule=mesh.pp_schedule,
-            microbatches=measured_microbatches(mesh),
-            virtual_stages=mesh.virtual_stages,
-            strategy=stage_strategy(strategy, mesh, world_size),
-        )
+        trials = pipeline_trials(task, meter, mesh, stage_strategy(strategy, mesh, world_size), MAX_BYTES)
         try:
             with trials.strategy.process_group(meter.device):
                 return trials(micro_batch).peak_bytes

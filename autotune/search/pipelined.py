@@ -23,7 +23,7 @@ from autotune.measure.strategies import Strategy
 from autotune.search.boundary import FAR_EXTRAPOLATION, SearchResult, find_max_micro_batch, reported
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["PipelineSearch", "measured_microbatches", "search_pipeline", "stage_strategy"]
+__all__ = ["PipelineSearch", "measured_microbatches", "pipeline_trials", "search_pipeline", "stage_strategy"]
 
 
 @dataclass
@@ -62,6 +62,30 @@ def _blocks_text(blocks: range) -> str:
     return str(blocks.start) if len(blocks) == 1 else f"{blocks.start}-{blocks.stop - 1}"
 
 
+def pipeline_trials(
+    task: ProbeTask,
+    meter: Meter,
+    mesh: Mesh,
+    strategy: Strategy,
+    limit_bytes: int,
+    *,
+    stage_figure: StageFigure | None = None,
+) -> PipelineTrials:
+    """The trial of a pipeline of ``mesh`` at m (every stage's, the most loaded stage's peak), at the K its stages are
+    measured at: what the search and the no-fit diagnosis run."""
+    return PipelineTrials(
+        task,
+        meter,
+        limit_bytes=limit_bytes,
+        stages=mesh.pp,
+        schedule=mesh.pp_schedule,
+        microbatches=measured_microbatches(mesh),
+        virtual_stages=mesh.virtual_stages,
+        strategy=strategy,
+        stage_figure=stage_figure,
+    )
+
+
 def search_pipeline(
     task: ProbeTask,
     meter: Meter,
@@ -80,17 +104,7 @@ def search_pipeline(
     :class:`PipelineTrials`, with each stage's peak at m_max, the most loaded stage and the bubble (also a
     line of the warnings, for the datasheet)."""
     k = measured_microbatches(mesh)
-    trials = PipelineTrials(
-        task,
-        meter,
-        limit_bytes=limit_bytes,
-        stages=mesh.pp,
-        schedule=mesh.pp_schedule,
-        microbatches=k,
-        virtual_stages=mesh.virtual_stages,
-        strategy=strategy,
-        stage_figure=stage_figure,
-    )
+    trials = pipeline_trials(task, meter, mesh, strategy, limit_bytes, stage_figure=stage_figure)
 
     trial = reported(trials, on_trial)
 
