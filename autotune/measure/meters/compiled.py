@@ -251,8 +251,11 @@ def mark_dynamic_batch(batch: Any) -> None:
     """Mark dimension 0 (the micro-batch) of every tensor of a batch dynamic, so that one compilation
     serves every m >= 2 (docs/compile.md: one dynamic graph costs one compile where automatic dynamic
     shapes cost two). Size 1 is left static: dynamo specializes it. Nothing is marked under
-    :func:`static_shapes`."""
-    from torch._dynamo import mark_dynamic
+    :func:`static_shapes`. ``maybe_mark_dynamic``, not ``mark_dynamic``: where the step's own code specializes the
+    dimension (FSDP2's hooks around an hf: model's loss specialized the labels' batch dimension), dynamo compiles
+    that size as a static graph instead of stopping the probe with a ConstraintViolationError (issue 41).
+    """
+    from torch._dynamo import maybe_mark_dynamic
 
     if _static["on"]:
         return
@@ -263,7 +266,7 @@ def mark_dynamic_batch(batch: Any) -> None:
         # Not a fake trial's tensors (the pre-search runs the eager model): marked under FakeTensorMode, dynamo
         # compiles no frame afterwards in this process.
         if type(tensor) is torch.Tensor and tensor.dim() > 0 and tensor.shape[0] >= 2:
-            mark_dynamic(tensor, 0)
+            maybe_mark_dynamic(tensor, 0)
         return tensor
 
     map_tensors(mark, batch)
