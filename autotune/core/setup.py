@@ -3,8 +3,8 @@ torch-free value (docs/design.md, "One job setup").
 
 The probe's profile, ``/suggest``'s query, the client and the observer each build a ``JobSetup`` and ask it,
 rather than spelling the dimensions again: D (the data-parallel replicas), whether DDP's gradient buckets are
-held, which planner applies (a pipeline's K bounds or the accumulating plan), the store's kind, throughput per
-replica, and how two setups differ.
+held, which planner applies (a pipeline's K bounds or the accumulating plan), the store's kind, and how two
+setups differ.
 
     >>> job = JobSetup(world_size=4, mesh=Mesh(tp=2))
     >>> job.data_parallel, job.holds_ddp_buckets
@@ -184,10 +184,6 @@ class JobSetup(BaseModel):
             policy=policy,
         )
 
-    def per_replica(self, samples_per_second: float) -> float:
-        """A rate counted over every rank (W) as the job's own: samples per second over its D replicas."""
-        return samples_per_second / self.mesh.model_parallel
-
     def differences(self, other: JobSetup) -> tuple[str, ...]:
         """The fields (``MEMORY_FIELDS``, by name) in which other differs from this setup in what a device holds
         or in D. ``world_size`` counts where it changes D's share of a sharded model or DDP's buckets: two ddp
@@ -228,24 +224,3 @@ class JobSetup(BaseModel):
         first (the fingerprint, device, memory policy and length apart)."""
         sharded = self.world_size if self.strategy == "fsdp" else int(self.holds_ddp_buckets)
         return (self.strategy, sharded, self.mesh.label(), self.offload, self.host_budget_bytes, self.compile)
-
-    def describe(self) -> str:
-        """One line for a datasheet or a page: how the W ranks hold the model and what reduces the gradients."""
-        replicas = self.data_parallel
-        if self.strategy == "fsdp":
-            over = replicas * self.mesh.cp
-            text = f"fsdp over {over} rank{'s' if over != 1 else ''}"
-        elif self.holds_ddp_buckets:
-            text = f"ddp over {replicas} replica{'s' if replicas != 1 else ''} (DDP's gradient buckets counted)"
-        else:
-            text = "one replica" if replicas == 1 else f"ddp over {replicas} replicas"
-        if not self.mesh.trivial:
-            text += f", {self.mesh.describe()}, world size {self.world_size}"
-        if self.offload not in (None, "none"):
-            text += f", offload {self.offload}"
-            if self.host_budget_bytes is not None:
-                text += f" within a host budget of {self.host_budget_bytes} bytes"
-        if self.compile is not None:
-            measured = self.compiled_measured
-            text += f", compiled ({self.compile})" if measured else f", compile {self.compile} estimated eager"
-        return text
