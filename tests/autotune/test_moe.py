@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from autotune.cli import main
 from autotune.measure.meters.cpu import CpuMeter
@@ -74,6 +75,10 @@ def test_grouped_experts_do_not_depend_on_the_spread_and_equal_the_cpu_trial(tmp
 
 def test_experts_one_after_another_grow_with_the_busiest_expert(tmp_path: Path) -> None:
     task = _task(tmp_path, experts_implementation="eager")
+    # The real model routes by its random initial weights, and its peak follows that routing: unseeded, it read
+    # 1.06 % above the balanced figure one CI run in several (seeds 0-7 here: -0.33 % to +0.43 %). Seeded, the
+    # routing and so the truth are the same every run.
+    torch.manual_seed(0)
     real = TrialRunner(task, CpuMeter(1 << 30), limit_bytes=1 << 30)(3)
     balanced, worst = _fake_peak(task, 3, 1.0), _fake_peak(task, 3, 2.0)
     # The saved activations follow the tokens routed; only the busiest expert's transient follows the spread,
