@@ -321,11 +321,6 @@ def task_spec(spec: str, args: argparse.Namespace) -> str:
     from autotune.tasks.hf import with_options
 
     finetune = {dest: getattr(args, dest, None) for dest in _FINETUNE_DESTS}
-    if finetune["weights_dtype"] == "fp16" and getattr(args, "precision", None) == "fp16":
-        raise CliError(
-            "--weights-dtype fp16 with --precision fp16: GradScaler cannot unscale fp16 gradients; "
-            "hold fp16 weights with --precision fp32 (or bf16)"
-        )
     return with_options(
         spec,
         optimizer=getattr(args, "optimizer", None),

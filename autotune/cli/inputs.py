@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from autotune.cli.common import CliError
+from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.units import format_bytes
 
 __all__ = ["check_inputs"]
@@ -40,56 +41,40 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_gpu_memory(args)
     _check_budget_on_cards(args)
     _check_database_url(args)
-    _check_quantize(args)
     _check_verify_sizes(args)
-    _check_offload(args)
-    _check_compile_policies(args)
-    _check_mesh(args)
+    _check_composition(args)
 
 
-def _check_mesh(args: argparse.Namespace) -> None:
-    """The meshes measured today, refused before any work where they are not: context parallelism with --pp, or
-    with --tp over ddp (autotune/measure/context_parallel.py). A pipeline over fsdp or tp is measured under every
-    schedule (autotune/measure/pipeline.py's ShardedStage)."""
-    cp, pp, tp = getattr(args, "cp", 1) or 1, getattr(args, "pp", 1) or 1, getattr(args, "tp", 1) or 1
-    if cp > 1 and pp > 1:
-        raise CliError(f"--cp {cp}: context parallelism is not measured with --pp {pp} today")
-    if cp > 1 and tp > 1 and getattr(args, "strategy", "ddp") != "fsdp":
-        raise CliError(
-            f"--cp {cp} with --tp {tp}: measured under --strategy fsdp (FSDP2 over the dp x cp ranks, torchtitan's "
-            "way), not over ddp"
-        )
-
-
-def _check_compile_policies(args: argparse.Namespace) -> None:
-    """--ac budget:R sets the compiler's activation memory budget: a compiled job's policy only."""
-    budgets = [policy for policy in getattr(args, "ac", None) or () if policy.startswith("budget:")]
-    if budgets and getattr(args, "compile", None) is None:
-        raise CliError(
-            f"--ac {budgets[0]}: the compiler's activation memory budget applies to a compiled job only: give --compile"
-        )
-
-
-def _check_offload(args: argparse.Namespace) -> None:
-    """--offload params is FSDP2's (fsdp only); --host-budget needs an offload to measure host bytes of."""
-    offload = getattr(args, "offload", None)
-    if offload == "params" and getattr(args, "strategy", "ddp") != "fsdp":
-        raise CliError(
-            f"--offload params needs --strategy fsdp (got {getattr(args, 'strategy', 'ddp')}): it is FSDP2's "
-            "CPUOffloadPolicy, which keeps each rank's shards on the host; under ddp use --offload activations"
-        )
+def _check_composition(args: argparse.Namespace) -> None:
+    """The flags' dimensions, asked of the one composition table (autotune/core/compositions.py) before any task
+    loads: what needs the task (the optimizer's library, LoRA in a spec) is asked again where it is known."""
     command = getattr(args, "command", None)
-    if command == "suggest":  # the job's setup as asked: the store checks it against the profile's (422)
-        return
-    if getattr(args, "host_budget", None) is not None and command != "probe":
+    suggest = command == "suggest"  # a query: None is the fingerprint's compile and offload, not "eager"/"none"
+    policies = getattr(args, "ac", None)
+    if isinstance(policies, str):
+        policies = [policies]
+    budgets = [policy for policy in policies or () if policy.startswith("budget:")]
+    dims = Dimensions(
+        strategy=getattr(args, "strategy", None) or "ddp",
+        world_size=getattr(args, "world_size", None) or 1,
+        tp=getattr(args, "tp", None) or 1,
+        pp=getattr(args, "pp", None) or 1,
+        cp=getattr(args, "cp", None) or 1,
+        compile=getattr(args, "compile", None),
+        offload=getattr(args, "offload", None) or "none",
+        host_budget=getattr(args, "host_budget", None) is not None and not suggest,
+        activation_checkpointing=budgets[0] if budgets and not suggest else "none",
+        quantize=getattr(args, "quantize", None),
+        lora=getattr(args, "lora_rank", None) is not None if hasattr(args, "lora_rank") else None,
+        precision=getattr(args, "precision", None),
+        weights_dtype=getattr(args, "weights_dtype", None),
+    )
+    if command in ("probe", "estimate", "fleet", "suggest"):
+        refuse_composition(dims, CliError)
+    if getattr(args, "host_budget", None) is not None and command not in ("probe", "suggest"):
         raise CliError(
             "--host-budget applies to autotune probe: an estimate reports the host's bytes with --offload but "
             "does not search by them"
-        )
-    if getattr(args, "host_budget", None) is not None and offload in (None, "none"):
-        raise CliError(
-            "--host-budget needs --offload activations or params: without offload the job keeps nothing in host "
-            "memory that the probe measures"
         )
 
 
@@ -300,18 +285,3 @@ def _check_verify_sizes(args: argparse.Namespace) -> None:
             "with its accumulation over smaller micro-batches"
         )
 
-
-def _check_quantize(args: argparse.Namespace) -> None:
-    """--quantize: a 4-bit base under LoRA (QLoRA), on one replica or ddp (autotune/tasks/quantize.py)."""
-    quantize = getattr(args, "quantize", None)
-    if quantize is None:
-        return
-    if getattr(args, "lora_rank", None) is None:
-        raise CliError(
-            f"--quantize {quantize} needs --lora-rank R: a 4-bit base is frozen, only LoRA adapters over it train"
-        )
-    if getattr(args, "strategy", "ddp") == "fsdp":
-        raise CliError(
-            f"--quantize {quantize} with --strategy fsdp: sharding a 4-bit base (FSDP-QLoRA, bf16 quant storage) "
-            "is not measured; use ddp"
-        )

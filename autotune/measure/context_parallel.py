@@ -80,6 +80,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.measure.fake_group import fake_process_group
@@ -309,11 +310,9 @@ class ContextParallel(Strategy):
         self, world_size: int, mesh: Mesh, *, inner: str = "ddp", rank: int = MEASURED_RANK, rotation: str = ROTATION
     ) -> None:
         super().__init__(world_size)
-        if inner not in ("ddp", "fsdp") or mesh.pp > 1 or (mesh.tp > 1 and inner != "fsdp"):
-            raise AutotuneError(
-                f"--cp {mesh.cp} is measured over ddp or fsdp, with --tp over fsdp only, and without --pp today "
-                f"(asked: {inner}, {mesh.describe()})"
-            )
+        if inner not in ("ddp", "fsdp"):
+            raise AutotuneError(f"--cp {mesh.cp} is measured over ddp or fsdp, not {inner}")
+        refuse_composition(Dimensions.of(inner, world_size, mesh))
         if not 0 <= rank < mesh.cp:
             raise AutotuneError(f"the measured cp rank must be in [0, {mesh.cp}), got {rank}")
         self.name = inner
@@ -409,11 +408,7 @@ class ContextParallel(Strategy):
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        if task.offload == "params" and self.inner != "fsdp":
-            raise TaskError(
-                "--offload params needs --strategy fsdp (got ddp): it is FSDP2's CPUOffloadPolicy, which keeps each "
-                "rank's shards on the host; under ddp use --offload activations"
-            )
+        refuse_composition(Dimensions(strategy=self.inner, offload=task.offload), TaskError)
         _check_model(model, task, self.mesh.cp)
         config = model.config
         heads = getattr(config, "num_attention_heads", None)

@@ -68,15 +68,11 @@ _MARK = "_autotune_offloaded"
 Forward = Callable[..., Any]
 
 
-def check_offload(offload: str, strategy: str | None = None) -> str:
-    """``offload`` when it names an offload (and ``params`` goes with fsdp); a one-line TaskError otherwise."""
+def check_offload(offload: str) -> str:
+    """``offload`` when it names an offload; a one-line TaskError otherwise (with which strategy it goes is the
+    composition table's: autotune/core/compositions.py)."""
     if offload not in OFFLOADS:
         raise TaskError(f"--offload {offload!r}: not an offload; use one of {', '.join(OFFLOADS)}")
-    if offload == "params" and strategy is not None and strategy != "fsdp":
-        raise TaskError(
-            f"--offload params needs --strategy fsdp (got {strategy}): it is FSDP2's CPUOffloadPolicy, which "
-            "keeps each rank's shards on the host; under ddp offload the activations (--offload activations)"
-        )
     return offload
 
 

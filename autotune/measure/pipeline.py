@@ -74,6 +74,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.schemas import Trial
 from autotune.measure.fake_group import fake_process_group
@@ -287,18 +288,8 @@ class ShardedStage(StageStrategy):
     shards = True
 
     def __init__(self, world_size: int, stages: int, *, tp: int = 1, inner: str = "fsdp") -> None:
-        from autotune.measure.strategies import FSDP_MIN_TORCH
-
+        refuse_composition(Dimensions(strategy=inner, world_size=world_size, pp=stages, tp=tp))
         replicas = world_size // (stages * tp)
-        if inner == "fsdp" and replicas < 2:
-            raise AutotuneError(
-                f"--strategy fsdp with --pp {stages}"
-                + (f" and --tp {tp}" if tp > 1 else "")
-                + f" needs at least 2 data-parallel replicas: --world-size {world_size} / "
-                + (f"(--pp {stages} x --tp {tp})" if tp > 1 else f"--pp {stages}")
-                + f" is {replicas} (use --strategy ddp, or a larger --world-size; FSDP2 needs torch >= "
-                f"{FSDP_MIN_TORCH})"
-            )
         super().__init__(world_size, replicas=max(1, replicas))
         self.name = inner
         self.stages, self.tp, self.inner = stages, tp, inner
@@ -1131,12 +1122,8 @@ class PipelineTrials:
         refusal = pipeline_refusal(schedule, stages, microbatches, None)
         if refusal is not None:
             raise AutotuneError(refusal)
-        if task.compile is not None or task.offload != "none":
-            raise AutotuneError(
-                f"--pp {stages} is not measured with "
-                + (f"--compile {task.compile}" if task.compile is not None else f"--offload {task.offload}")
-                + " yet"
-            )
+        # The task's own compile and offload too (a task file's), not only the flags'.
+        refuse_composition(Dimensions(world_size=stages, pp=stages, compile=task.compile, offload=task.offload))
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.virtual_stages = virtual_stages if schedule == "interleaved-1f1b" else 1

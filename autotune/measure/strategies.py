@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.measure.fake_group import fake_process_group
@@ -132,11 +133,7 @@ class Replicated(Strategy):
             dist.destroy_process_group()
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        if task.offload == "params":
-            raise TaskError(
-                "--offload params needs --strategy fsdp (got ddp): it is FSDP2's CPUOffloadPolicy, which keeps each "
-                "rank's shards on the host; under ddp use --offload activations"
-            )
+        refuse_composition(Dimensions(offload=task.offload), TaskError)  # a task file's own offload too
         if self._group is None:
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -236,11 +233,7 @@ class Sharded(Strategy):
     name = "fsdp"
 
     def __init__(self, world_size: int, *, mesh: Any = None) -> None:
-        if world_size < 2:
-            raise AutotuneError(
-                f"--strategy fsdp needs --world-size of at least 2 (got {world_size}): "
-                "one rank holds the whole model, which is --strategy ddp"
-            )
+        refuse_composition(Dimensions.of("fsdp", world_size))
         super().__init__(world_size)
         # A mesh of a real process group (one process per rank, as the multi-process check runs
         # it): the probe then measures this rank as it is, with no fake group of its own.
@@ -311,12 +304,8 @@ class TensorParallel(Strategy):
 
     def __init__(self, world_size: int, mesh: Mesh, *, inner: str = "ddp", device_mesh: Any = None) -> None:
         super().__init__(world_size)
+        refuse_composition(Dimensions.of(inner, world_size, mesh))
         replicas = mesh.data_parallel(world_size)
-        if inner == "fsdp" and replicas < 2:
-            raise AutotuneError(
-                f"--strategy fsdp with --tp {mesh.tp} needs at least 2 data-parallel replicas: --world-size "
-                f"{world_size} / --tp {mesh.tp} is {replicas} (use --strategy ddp, or a larger --world-size)"
-            )
         self.name = inner
         self.mesh = mesh
         self.replicas = replicas

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from autotune.core.cards import Card, resolve_card
-from autotune.core.errors import AutotuneError, BudgetError
+from autotune.core.compositions import Dimensions, refuse_composition
+from autotune.core.errors import AutotuneError, BudgetError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy
 from autotune.core.schemas import OFFLOADS, PRECISIONS, STRATEGIES, Offload, Plan, Precision, Strategy
@@ -106,18 +107,7 @@ class ProbeConfig:
         self.mesh.validate(self.world_size)
         # FSDP2 shards over the data-parallel replicas, and under --cp over the cp ranks too (they hold the same
         # parameters: torchtitan's dp_shard_cp mesh), so fsdp over cp alone (D = 1) still shards.
-        sharded_over = self.mesh.data_parallel(self.world_size) * self.mesh.cp
-        if self.strategy == "fsdp" and not self.mesh.trivial and sharded_over < 2:
-            raise AutotuneError(
-                f"--strategy fsdp shards over the data-parallel replicas, and --world-size {self.world_size} over "
-                f"{self.mesh.describe()} leaves {self.mesh.data_parallel(self.world_size)}: use --strategy ddp or a "
-                "larger --world-size"
-            )
-        if self.strategy == "fsdp" and self.world_size < 2:
-            raise AutotuneError(
-                f"--strategy fsdp needs --world-size of at least 2 (got {self.world_size}): "
-                "one rank holding the whole model is --strategy ddp"
-            )
+        refuse_composition(self.dimensions())
         if self.precision is not None and self.precision not in PRECISIONS:
             raise AutotuneError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.plan_policy not in PLAN_POLICIES:
@@ -135,32 +125,16 @@ class ProbeConfig:
     def _validate_offload(self) -> None:
         if self.offload is not None and self.offload not in OFFLOADS:
             raise AutotuneError(f"--offload {self.offload!r}: not an offload; use one of {', '.join(OFFLOADS)}")
-        if self.offload == "params" and self.strategy != "fsdp":
-            raise AutotuneError(
-                f"--offload params needs --strategy fsdp (got {self.strategy}): it is FSDP2's CPUOffloadPolicy, "
-                "which keeps each rank's shards on the host; under ddp offload the activations (--offload activations)"
-            )
         if self.host_budget_bytes is not None:
-            if self.offload in (None, "none"):
-                raise AutotuneError(
-                    "--host-budget needs --offload activations or params: without offload the job keeps nothing "
-                    "in host memory that the probe measures"
-                )
             if self.host_budget_bytes <= 0:
                 raise BudgetError(f"--host-budget must be positive, got {self.host_budget_bytes} bytes")
 
     def applied_to(self, task: ProbeTask) -> ProbeTask:
         """task with the precision and the memory policy asked for, where they are given: the one place
         a config changes the task (probe, estimate, a card's estimate and a run over lengths call it)."""
-        if task.tags.get("quantize") and self.strategy == "fsdp":
-            raise AutotuneError(
-                f"--quantize {task.tags['quantize']} with --strategy fsdp: sharding a 4-bit base (FSDP-QLoRA, bf16 "
-                "quant storage) is not measured; use ddp"
-            )
-        from autotune.tasks.optimizers import refuse_under_sharding
-
-        # An optimizer whose step cannot take DTensor parameters is refused for every path, estimates included.
-        refuse_under_sharding(task.optimizer, strategy=self.strategy, tp=self.mesh.tp)
+        # The task's own dimensions (its quantization, LoRA, optimizer's library) with the config's: refused for
+        # every path, estimates included, before any trial.
+        refuse_composition(self.dimensions(task), TaskError)
         if self.precision is not None and self.precision != task.precision:
             task = dataclasses.replace(task, precision=self.precision)
         if self.activation_checkpointing is not None or self.compile is not None:
@@ -172,6 +146,37 @@ class ProbeConfig:
         if self.offload is not None and self.offload != task.offload:
             task = dataclasses.replace(task, offload=self.offload)
         return task
+
+    def dimensions(self, task: ProbeTask | None = None) -> Dimensions:
+        """This config's dimensions for the composition table (autotune/core/compositions.py), with task's own
+        (its quantization, LoRA, optimizer, weights' dtype, and what the config leaves to it) where given."""
+        dims = Dimensions(
+            strategy=self.strategy,
+            world_size=self.world_size,
+            tp=self.mesh.tp,
+            pp=self.mesh.pp,
+            cp=self.mesh.cp,
+            compile=self.compile,
+            offload=self.offload or "none",
+            host_budget=self.host_budget_bytes is not None,
+            activation_checkpointing=self.activation_checkpointing or "none",
+            precision=self.precision,
+        )
+        if task is None:
+            return dims
+        from autotune.tasks.optimizers import optimizer_library, optimizer_text
+
+        quantize = task.tags.get("quantize")
+        return dims.replace(
+            compile=self.compile or task.compile,
+            offload=self.offload or task.offload,
+            activation_checkpointing=self.activation_checkpointing or task.activation_checkpointing,
+            quantize=None if quantize is None else str(quantize),
+            optimizer=optimizer_text(task.optimizer),
+            optimizer_library=optimizer_library(task.optimizer),
+            precision=self.precision or task.precision,
+            weights_dtype=task.weights_dtype,
+        )
 
     @property
     def data_parallel(self) -> int:

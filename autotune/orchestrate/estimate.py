@@ -80,7 +80,7 @@ def estimate(
     setup = config.probe
     assert setup.budget_bytes is not None  # validate() refused None
     # torchao's compiled step runs eagerly on fake tensors, on one device (autotune/tasks/optimizers.py).
-    refuse_compiled_step(task.optimizer, allocator_count=False, fake=True, world_size=setup.world_size)
+    refuse_compiled_step(task.optimizer, allocator_count=False, fake=True)
     warnings: list[str] = [note] if (note := eager_step_note(task.optimizer)) else []
     if (setup.compile or task.compile) is not None:  # fake trials run the eager model (docs/compile.md)
         from autotune.measure.meters.compiled import estimated_eager
@@ -182,7 +182,7 @@ def estimate_for_card_at_lengths(
 ) -> list[Profile]:
     """``autotune estimate --gpu --seq-len``: every length's estimate for config.card in one emulated child;
     where the card cannot be emulated here, each length with CPU semantics, saying why (estimate() does)."""
-    refuse_compiled_step(task.optimizer, allocator_count=False, fake=True, world_size=1)
+    refuse_compiled_step(task.optimizer, allocator_count=False, fake=True)
     try:
         profiles = estimate_on_card_lengths(task, config, lengths, on_trial=on_trial)
     except EmulationUnavailable as exc:

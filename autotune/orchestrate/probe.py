@@ -36,7 +36,7 @@ from autotune.search.pipelined import PipelineSearch, search_pipeline, stage_str
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.search.static import confirm_static
 from autotune.tasks.fingerprint import task_fingerprint
-from autotune.tasks.optimizers import compiled_step, refuse_compiled_step, refuse_under_sharding
+from autotune.tasks.optimizers import compiled_step, refuse_compiled_step
 from autotune.tasks.task import ProbeTask
 
 # ProbeConfig lives in autotune/orchestrate/config.py (the config family); imported here too, where the
@@ -320,10 +320,9 @@ def probe_with_meter(
             "--seq-len L1,L2,... (autotune.orchestrate.lengths.probe_lengths), or bind one with task.at_length(L)"
         )
     task = config.applied_to(task)
-    refuse_under_sharding(task.optimizer, strategy=config.strategy, tp=config.mesh.tp)
     if compiled_step(task.optimizer) is not None:  # torchao's: the allocator's count, no fake pre-search
         allocator_count = isinstance(meter, CompiledCpuMeter | CudaMeter)
-        refuse_compiled_step(task.optimizer, allocator_count=allocator_count, world_size=config.world_size)
+        refuse_compiled_step(task.optimizer, allocator_count=allocator_count)
         config = config.with_setup(presearch=False)
     started = time.perf_counter()
     strategy = (

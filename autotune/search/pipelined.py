@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autotune.core.errors import AutotuneError
+from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.mesh import Mesh
 from autotune.core.schemas import PipelineStages, Trial
 from autotune.core.units import format_bytes
@@ -45,14 +45,10 @@ def stage_strategy(strategy: str, mesh: Mesh, world_size: int) -> StageStrategy:
     the buckets are of the local shards).
 
     Raises:
-        AutotuneError: a pipeline composed with what is not measured with it yet (cp; fsdp with fewer than 2
-            replicas).
+        AutotuneError: a composition the table refuses (autotune/core/compositions.py: cp; fsdp with fewer than
+            2 replicas).
     """
-    if mesh.cp > 1:
-        raise AutotuneError(
-            f"--pp {mesh.pp} is measured with --strategy ddp or fsdp and --tp, not --cp, yet "
-            f"(asked: --strategy {strategy}, {mesh.describe()})"
-        )
+    refuse_composition(Dimensions.of(strategy, world_size, mesh))
     if strategy == "fsdp" or mesh.tp > 1:
         return ShardedStage(world_size, mesh.pp, tp=mesh.tp, inner=strategy)
     return StageStrategy(1, replicas=mesh.data_parallel(world_size))

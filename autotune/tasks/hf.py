@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode
 
+from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import TaskError
 
 if TYPE_CHECKING:
@@ -644,10 +645,7 @@ def hf_task(
         from autotune.tasks.quantize import quantization_of, quantize_model, require_bitsandbytes
 
         quantization_of(quantize)
-        if lora is None:
-            raise TaskError(
-                f"--quantize {quantize} needs --lora-rank R: a 4-bit base is frozen, only LoRA adapters over it train"
-            )
+        refuse_composition(Dimensions(quantize=quantize, lora=lora is not None), TaskError)
         require_bitsandbytes(quantize)
 
     def base() -> nn.Module:

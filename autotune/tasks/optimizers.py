@@ -22,12 +22,13 @@ NAME is a ``torch.optim`` class (any case), ``package.module.Class``, or one of 
   packed two a byte, an fp32 scale per block, the 16-entry code table), its ``single_param_adam`` op by op; what
   that leaves out is said on the datasheet (:func:`eager_step_note`). The rest is refused in one line
   (:func:`refuse_compiled_step`): under the CPU's dispatch meter dynamo compiles no frame ("found no compiled
-  frames"); under ``--world-size`` > 1 it is not measured yet.
+  frames"); under ``--world-size`` > 1 it is not measured yet (the composition table says so:
+  autotune/core/compositions.py).
 
 Under ``--strategy fsdp`` or ``--tp`` the parameters are DTensors; bitsandbytes' update ops
 (``bitsandbytes.optimizer_update_32bit``, ``optimizer_update_8bit_blockwise``) have no DTensor sharding rule,
-so ``adamw8bit`` cannot step them, in the job as in the probe: :func:`refuse_under_sharding` says so before
-any work.
+so ``adamw8bit`` cannot step them, in the job as in the probe: the composition table
+(autotune/core/compositions.py, from :func:`optimizer_library`) says so before any work.
 
 Values are typed: ``true``/``false``, ``none``, integers, numbers; nothing else (an optimizer's memory
 options are flags and sizes). Keys are checked against the class's signature before any work.
@@ -60,8 +61,9 @@ __all__ = [
     "compiled_step",
     "eager_step",
     "eager_step_note",
+    "optimizer_library",
+    "optimizer_text",
     "refuse_compiled_step",
-    "refuse_under_sharding",
 ]
 
 OptionValue = bool | int | float | None
@@ -270,28 +272,18 @@ def optimizer_factory(
 
 
 # Libraries whose optimizers cannot step DTensor parameters (FSDP2's shards, tensor parallelism), and why.
-_NO_DTENSOR = {
-    "bitsandbytes": (
-        "bitsandbytes' update ops (bitsandbytes.optimizer_update_32bit, optimizer_update_8bit_blockwise) have no "
-        "DTensor sharding rule, so its step fails on sharded parameters, in the job as here; use --strategy ddp "
-        "(measured exact) or a torch.optim class"
-    ),
-}
+def optimizer_library(optimizer: object) -> str | None:
+    """The library a spec's optimizer class comes from ("torch", "bitsandbytes", "torchao", ...); None for a
+    factory of the user's (not known before its first step). The composition table reads it
+    (autotune/core/compositions.py: bitsandbytes under DTensor, torchao under ranks)."""
+    if not isinstance(optimizer, SpecOptimizer):
+        return None
+    return optimizer.cls.__module__.partition(".")[0]
 
 
-def refuse_under_sharding(optimizer: object, *, strategy: str, tp: int = 1) -> None:
-    """Refuse, in one line, a spec whose optimizer cannot step the DTensor parameters of ``--strategy fsdp`` or
-    ``--tp N`` (a factory of the user's is not known before its first step, and its error then says it).
-
-    Raises:
-        TaskError: naming the spec, the flag and the cause.
-    """
-    if not isinstance(optimizer, SpecOptimizer) or (strategy != "fsdp" and tp <= 1):
-        return
-    why = _NO_DTENSOR.get(optimizer.cls.__module__.partition(".")[0])
-    if why is not None:
-        flag = "--strategy fsdp" if strategy == "fsdp" else f"--tp {tp}"
-        raise TaskError(f"--optimizer {optimizer.spec.text} under {flag}: {why}")
+def optimizer_text(optimizer: object) -> str | None:
+    """The spec as asked (``adamw8bit``, ``AdamW:fused=true``); None for a factory of the user's."""
+    return optimizer.spec.text if isinstance(optimizer, SpecOptimizer) else None
 
 
 # Libraries whose optimizers step through torch.compile (what the probe must measure as a compiled job).
@@ -307,10 +299,11 @@ def compiled_step(optimizer: object) -> str | None:
     return _COMPILED_STEP.get(optimizer.cls.__module__.partition(".")[0])
 
 
-def refuse_compiled_step(optimizer: object, *, allocator_count: bool, world_size: int, fake: bool = False) -> None:
+def refuse_compiled_step(optimizer: object, *, allocator_count: bool, fake: bool = False) -> None:
     """Refuse, in one line, a compiled step (:func:`compiled_step`) where it is not measured: anywhere but a meter
     that counts what the allocator hands out (``allocator_count``: the CPU's ``CompiledCpuMeter``, a card's caching
-    allocator) or fake trials (``fake``: the step run eagerly, :func:`eager_step`), and under more than one rank.
+    allocator) or fake trials (``fake``: the step run eagerly, :func:`eager_step`). Under more than one rank the
+    composition table refuses it (autotune/core/compositions.py).
 
     Raises:
         TaskError: naming the spec and the cause.
@@ -324,11 +317,6 @@ def refuse_compiled_step(optimizer: object, *, allocator_count: bool, world_size
             f"--optimizer {optimizer.spec.text}: {why}, which runs on the CPU (--device cpu, measured by the "
             "allocator's own count), on a card, or eagerly on fake tensors (autotune estimate, an emulated card), "
             "not under the CPU's dispatch meter (dynamo compiles no frame there)"
-        )
-    if world_size > 1:
-        raise TaskError(
-            f"--optimizer {optimizer.spec.text} --world-size {world_size}: {why}; measured on one device only "
-            "(not against real ranks yet)"
         )
 
 

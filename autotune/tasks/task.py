@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import TaskError
 from autotune.core.mesh import Mesh
 from autotune.core.policy_names import canonical_policy
@@ -211,11 +212,7 @@ class ProbeTask:
             raise TaskError("ProbeTask needs callables for model and batch")
         if self.weights_dtype not in DTYPES:
             raise TaskError(f"weights dtype must be one of {', '.join(DTYPES)}, got {self.weights_dtype!r}")
-        if self.weights_dtype == "fp16" and self.precision == "fp16":
-            raise TaskError(
-                "--weights-dtype fp16 with --precision fp16: GradScaler cannot unscale fp16 gradients; "
-                "hold fp16 weights with --precision fp32 (or bf16)"
-            )
+        refuse_composition(Dimensions(weights_dtype=self.weights_dtype, precision=self.precision), TaskError)
         # dataclasses.replace hands the wrapped factory back: unwrap it, then wrap for this dtype.
         factory = self.model.factory if isinstance(self.model, _BuiltIn) else self.model
         self.model = factory if self.weights_dtype == "fp32" else _BuiltIn(factory, self.weights_dtype)
@@ -246,11 +243,8 @@ class ProbeTask:
                 f"--compile {self.compile!r}: not a torch.compile mode of torch {torch.__version__} "
                 f"(modes: {', '.join(compile_modes())})"
             )
-        if self.activation_checkpointing.startswith("budget:") and self.compile is None:
-            raise TaskError(
-                f"--ac {self.activation_checkpointing}: the compiler's activation memory budget applies to a "
-                "compiled job only: give --compile"
-            )
+        dims = Dimensions(activation_checkpointing=self.activation_checkpointing, compile=self.compile)
+        refuse_composition(dims, TaskError)
 
     @property
     def sequence_aware(self) -> bool:

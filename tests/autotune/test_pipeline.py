@@ -182,7 +182,7 @@ def test_unmeasured_schedules_and_compositions_are_refused_in_one_line() -> None
             llama_task(), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=1
         )
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, world_size=4, mesh=Mesh(pp=2, cp=2))
-    with pytest.raises(AutotuneError, match="^--pp 2 is measured with --strategy ddp or fsdp and --tp, not --cp"):
+    with pytest.raises(AutotuneError, match="^--cp 2 with --pp 2: context parallelism is not measured"):
         probe(llama_task(), config)
 
 
@@ -295,5 +295,6 @@ def test_checkpointed_stages_equal_the_real_ranks(real_peaks: dict[str, list[int
 
 def test_offload_under_a_pipeline_is_refused_in_one_line() -> None:
     task = dataclasses.replace(llama_task(), offload="activations")
-    with pytest.raises(AutotuneError, match="^--pp 2 is not measured with --offload activations yet$"):
+    said = "^--pp 2 with --offload activations: a pipeline stage's offloaded activations are not measured yet$"
+    with pytest.raises(AutotuneError, match=said):
         PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)

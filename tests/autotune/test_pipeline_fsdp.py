@@ -235,15 +235,15 @@ def test_interleaved_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_pat
 
 
 def test_what_is_not_measured_over_fsdp_is_refused_in_one_line() -> None:
-    with pytest.raises(AutotuneError, match=r"^--strategy fsdp with --pp 2 needs at least 2 data-parallel replicas"):
+    with pytest.raises(AutotuneError, match=r"^--strategy fsdp with --world-size 2 over pp 2: FSDP2 shards"):
         stage_strategy("fsdp", Mesh(pp=2), 2)
-    with pytest.raises(AutotuneError, match="^--pp 2 is measured with --strategy ddp or fsdp and --tp, not --cp"):
+    with pytest.raises(AutotuneError, match="^--cp 2 with --pp 2: context parallelism is not measured"):
         stage_strategy("ddp", Mesh(pp=2, cp=2), 8)
 
 
 @pytest.mark.parametrize(
     ("flags", "said"),
-    [(["--world-size", "2", "--pp", "2"], "--strategy fsdp shards over the data-parallel replicas")],
+    [(["--world-size", "2", "--pp", "2"], "--strategy fsdp with --world-size 2 over pp 2: FSDP2 shards")],
 )
 def test_bad_pipelines_over_fsdp_are_one_line_exit_2_nothing_written(
     flags: list[str], said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -156,11 +156,11 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
 @pytest.mark.parametrize(
     ("setup", "flags", "message"),
     [
-        ("llama", ["--quantize", "nf4"], "--quantize nf4 needs --lora-rank R: a 4-bit base is frozen"),
+        ("llama", ["--quantize", "nf4"], "--quantize nf4 without --lora-rank: a 4-bit base is frozen"),
         ("file", ["--quantize", "nf4", "--lora-rank", "4"], "--lora-rank and --quantize apply to hf: tasks;"),
         ("llama", ["--quantize", "fp4", "--lora-rank", "4"], "argument --quantize: invalid choice: 'fp4'"),
         ("spec", [], "--quantize 'fp4': one of nf4, nf4-dq"),
-        ("spec-nolora", [], "--quantize nf4 needs --lora-rank R"),
+        ("spec-nolora", [], "--quantize nf4 without --lora-rank"),
         (
             "llama",
             ["--quantize", "nf4", "--lora-rank", "4", "--strategy", "fsdp", "--world-size", "2"],

@@ -145,7 +145,7 @@ def test_where_a_compiled_step_is_not_measured_it_is_refused_in_one_line() -> No
     with pytest.raises(TaskError, match=r"^--optimizer adamw4bit: torchao's .* not under the CPU's dispatch") as caught:
         probe_with_meter(task, CpuMeter(6 * MiB), config)  # the dispatch meter
     assert "\n" not in str(caught.value)
-    with pytest.raises(TaskError, match=r"^--optimizer adamw4bit --world-size 2: .* one device only"):
+    with pytest.raises(TaskError, match=r"^--optimizer adamw4bit with --world-size 2: .* one device only"):
         probe(task, dataclasses.replace(config, world_size=2))
 
 

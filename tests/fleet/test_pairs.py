@@ -155,7 +155,7 @@ def test_offload_and_gpu_memory_reach_each_pairs_config_as_probe_and_estimate_ta
         (["--device", "cpu", "--budget", "8MiB", "--output", "x", "--gpu-memory", "96GiB"], "give --gpu NAME"),
         (["--gpu", "h100,l4", "--gpu-memory", "96GiB", "--output", "x"], "--gpu-memory is one card's memory"),
         (["--gpu", "h100-nvl-96", "--output", "x"], "--gpu: unknown card 'h100-nvl-96'"),
-        (["--device", "cpu", "--budget", "8MiB", "--output", "x", "--offload", "params"], "needs --strategy fsdp"),
+        (["--device", "cpu", "--budget", "8MiB", "--output", "x", "--offload", "params"], "with --strategy ddp"),
         # Issue 40: a probe pair had no way to carry it and dropped it.
         (["--device", "cpu", "--budget", "8MiB", "--output", "x", "--moe-load-factor", "2"], "applies to fleet"),
     ],

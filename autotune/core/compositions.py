@@ -1,0 +1,256 @@
+"""Which job dimensions compose: one table of the compositions autotune refuses, and one refusal function that the
+CLI (before any task loads), the configs (before any trial) and the strategies (where a library would fail) all ask
+(docs/design.md, "Compositions").
+
+Every pair of dimensions composes unless a rule below says why not, in one line naming both flags:
+
+    >>> composition_refusal(Dimensions(world_size=4, cp=2, pp=2)).partition(":")[0]
+    '--cp 2 with --pp 2'
+    >>> composition_refusal(Dimensions(strategy="fsdp", world_size=4, tp=2)) is None
+    True
+
+A field left at its "unknown" value (``lora`` None, ``optimizer_library`` None) is one the asker does not know yet
+(the CLI before the optimizer's spec is resolved): the rules that read it wait for an asker that does know it.
+Torch-free: the CLI and the server may ask without importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from autotune.core.errors import AutotuneError
+from autotune.core.mesh import Mesh
+
+__all__ = ["COMPOSITIONS", "Dimensions", "Rule", "composition_refusal", "composition_table", "refuse_composition"]
+
+Why = Literal["not measured yet", "a library's limit", "meaningless"]
+
+
+@dataclass(frozen=True)
+class Dimensions:
+    """The dimensions of one job a composition rule reads: strategy, W, the mesh's tp / pp / cp, compile, offload
+    (and whether a host budget is given), the memory policy, QLoRA's quantization and whether LoRA is on, the
+    optimizer's spec and library, precision and the weights' dtype."""
+
+    strategy: str = "ddp"
+    world_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    compile: str | None = None
+    offload: str = "none"
+    host_budget: bool = False
+    activation_checkpointing: str = "none"
+    quantize: str | None = None
+    # None: not known to the asker (the rule waits for one that knows).
+    lora: bool | None = None
+    optimizer: str | None = None
+    optimizer_library: str | None = None
+    precision: str | None = None
+    weights_dtype: str | None = None
+
+    @classmethod
+    def of(cls, strategy: str, world_size: int, mesh: Mesh | None = None, **more: object) -> Dimensions:
+        """A strategy's dimensions: its name, W and mesh (the rest as given)."""
+        mesh = mesh or Mesh()
+        return cls(strategy=strategy, world_size=world_size, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, **more)  # type: ignore[arg-type]
+
+    @property
+    def data_parallel(self) -> int:
+        """D: the replicas, W / (tp x pp x cp)."""
+        return max(1, self.world_size // max(1, self.tp * self.pp * self.cp))
+
+    @property
+    def trivial_mesh(self) -> bool:
+        return self.tp == self.pp == self.cp == 1
+
+    def replace(self, **changes: object) -> Dimensions:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refused composition: the two flags it names, why (not measured yet, a library's limit, or a
+    composition that means nothing), when it applies, and the one line it says (``flags`` with their values, then
+    ``reason``)."""
+
+    first: str
+    second: str
+    why: Why
+    applies: Callable[[Dimensions], bool]
+    flags: Callable[[Dimensions], str]
+    reason: str
+
+    def message(self, dims: Dimensions) -> str:
+        return f"{self.flags(dims)}: {self.reason}"
+
+
+# The libraries whose optimizer cannot step DTensor parameters (fsdp, tp), and why.
+_BNB_NO_DTENSOR = (
+    "bitsandbytes' update ops (bitsandbytes.optimizer_update_32bit, optimizer_update_8bit_blockwise) have no "
+    "DTensor sharding rule, so its step fails on sharded parameters, in the job as here; use --strategy ddp "
+    "(measured exact) or a torch.optim class"
+)
+_TORCHAO_STEP = (
+    "torchao's low-bit optimizers step through torch.compile(fullgraph=True), one parameter a call; measured on one "
+    "device only (not against real ranks yet)"
+)
+
+
+def _sharded(d: Dimensions) -> str:
+    return "--strategy fsdp" if d.strategy == "fsdp" else f"--tp {d.tp}"
+
+
+# The table, in the order a refusal is looked for (the first that applies is said). docs/meshes.md prints it
+# (composition_table) and a test keeps the page equal to it.
+COMPOSITIONS: tuple[Rule, ...] = (
+    Rule(
+        "--cp",
+        "--pp",
+        "not measured yet",
+        lambda d: d.cp > 1 and d.pp > 1,
+        lambda d: f"--cp {d.cp} with --pp {d.pp}",
+        "context parallelism is not measured under a pipeline yet (each stage would run its ring attention over a "
+        "cp group of its own)",
+    ),
+    Rule(
+        "--cp",
+        "--tp over ddp",
+        "not measured yet",
+        lambda d: d.cp > 1 and d.tp > 1 and d.strategy != "fsdp",
+        lambda d: f"--cp {d.cp} with --tp {d.tp}",
+        "measured under --strategy fsdp (FSDP2 over the dp x cp ranks, torchtitan's way), not over ddp",
+    ),
+    Rule(
+        "--pp",
+        "--compile",
+        "not measured yet",
+        lambda d: d.pp > 1 and d.compile is not None,
+        lambda d: f"--pp {d.pp} with --compile {d.compile}",
+        "a pipeline stage's compiled step is not measured yet; probe the pipeline without --compile",
+    ),
+    Rule(
+        "--pp",
+        "--offload",
+        "not measured yet",
+        lambda d: d.pp > 1 and d.offload != "none",
+        lambda d: f"--pp {d.pp} with --offload {d.offload}",
+        "a pipeline stage's offloaded activations are not measured yet",
+    ),
+    Rule(
+        "--strategy fsdp",
+        "--world-size 1",
+        "meaningless",
+        lambda d: d.strategy == "fsdp" and d.world_size < 2,
+        lambda d: f"--strategy fsdp with --world-size {d.world_size}",
+        "FSDP shards over at least 2 ranks; one rank holding the whole model is --strategy ddp",
+    ),
+    Rule(
+        "--strategy fsdp",
+        "a mesh leaving one shard",
+        "meaningless",
+        lambda d: d.strategy == "fsdp" and not d.trivial_mesh and d.data_parallel * d.cp < 2,
+        lambda d: f"--strategy fsdp with --world-size {d.world_size} over {_mesh_text(d)}",
+        "FSDP2 shards over the data-parallel (and cp) ranks, and this mesh leaves 1: use --strategy ddp or a larger "
+        "--world-size",
+    ),
+    Rule(
+        "--offload params",
+        "--strategy ddp",
+        "meaningless",
+        lambda d: d.offload == "params" and d.strategy != "fsdp",
+        lambda d: f"--offload params with --strategy {d.strategy}",
+        "it is FSDP2's CPUOffloadPolicy, which keeps each rank's shards on the host: give --strategy fsdp, or "
+        "under ddp --offload activations",
+    ),
+    Rule(
+        "--host-budget",
+        "no --offload",
+        "meaningless",
+        lambda d: d.host_budget and d.offload == "none",
+        lambda d: "--host-budget without --offload",
+        "without --offload activations or params the job keeps nothing in host memory that the probe measures",
+    ),
+    Rule(
+        "--quantize",
+        "no --lora-rank",
+        "meaningless",
+        lambda d: d.quantize is not None and d.lora is False,
+        lambda d: f"--quantize {d.quantize} without --lora-rank",
+        "a 4-bit base is frozen, only LoRA adapters over it train: give --lora-rank R",
+    ),
+    Rule(
+        "--quantize",
+        "--strategy fsdp",
+        "not measured yet",
+        lambda d: d.quantize is not None and d.strategy == "fsdp",
+        lambda d: f"--quantize {d.quantize} with --strategy fsdp",
+        "sharding a 4-bit base (FSDP-QLoRA, bf16 quant storage) is not measured; use ddp",
+    ),
+    Rule(
+        "--optimizer (bitsandbytes)",
+        "--strategy fsdp or --tp",
+        "a library's limit",
+        lambda d: d.optimizer_library == "bitsandbytes" and (d.strategy == "fsdp" or d.tp > 1),
+        lambda d: f"--optimizer {d.optimizer} under {_sharded(d)}",
+        _BNB_NO_DTENSOR,
+    ),
+    Rule(
+        "--optimizer (torchao)",
+        "--world-size > 1",
+        "not measured yet",
+        lambda d: d.optimizer_library == "torchao" and d.world_size > 1,
+        lambda d: f"--optimizer {d.optimizer} with --world-size {d.world_size}",
+        _TORCHAO_STEP,
+    ),
+    Rule(
+        "--ac budget:R",
+        "no --compile",
+        "meaningless",
+        lambda d: d.activation_checkpointing.startswith("budget:") and d.compile is None,
+        lambda d: f"--ac {d.activation_checkpointing} without --compile",
+        "the compiler's activation memory budget applies to a compiled job only: give --compile",
+    ),
+    Rule(
+        "--weights-dtype fp16",
+        "--precision fp16",
+        "a library's limit",
+        lambda d: d.weights_dtype == "fp16" and d.precision == "fp16",
+        lambda d: "--weights-dtype fp16 with --precision fp16",
+        "GradScaler cannot unscale fp16 gradients; hold fp16 weights with --precision fp32 (or bf16)",
+    ),
+)
+
+
+def _mesh_text(d: Dimensions) -> str:
+    parts = [f"{name} {size}" for name, size in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp)) if size > 1]
+    return " x ".join(parts)
+
+
+def composition_refusal(dims: Dimensions) -> str | None:
+    """The one line that refuses dims' composition (the first rule of :data:`COMPOSITIONS` that applies), or None
+    where every pair of its dimensions composes."""
+    for rule in COMPOSITIONS:
+        if rule.applies(dims):
+            return rule.message(dims)
+    return None
+
+
+def refuse_composition(dims: Dimensions, error: type[Exception] = AutotuneError) -> None:
+    """Raise error (the asker's own: the CLI's CliError, a task's TaskError) with :func:`composition_refusal`'s
+    line, where there is one."""
+    refusal = composition_refusal(dims)
+    if refusal is not None:
+        raise error(refusal)
+
+
+def composition_table() -> str:
+    """The table of refused compositions as markdown (docs/meshes.md holds it; a test keeps the two equal)."""
+    rows = ["| dimension | with | why | what autotune says |", "|---|---|---|---|"]
+    for rule in COMPOSITIONS:
+        reason = rule.reason.replace("|", "\\|")
+        rows.append(f"| `{rule.first}` | {rule.second} | {rule.why} | {reason} |")
+    return "\n".join(rows)
