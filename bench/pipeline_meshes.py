@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from autotune.measure.meters import CpuMeter
     from autotune.measure.meters.fake import FakeMeter
     from autotune.measure.pipeline import PipelineTrials
-    from autotune.search.pipelined import stage_strategy
+    from autotune.measure.strategy_choice import make_strategy
     from autotune.tasks.task import ProbeTask
     from tests.autotune import _pipeline_fsdp_worker as worker
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for rank in range(args.world_size):
         print(f"  rank {rank} (stage {rank // per_stage}): {real[rank]} (runs {runs[rank]})")
     for meter in (CpuMeter(1 << 40), FakeMeter(1 << 40)):
-        strategy = stage_strategy(args.strategy, mesh, args.world_size)
+        strategy = make_strategy(args.strategy, args.world_size, mesh)
         with strategy.process_group(torch.device("cpu")):
             trials = PipelineTrials(
                 task, meter, limit_bytes=1 << 40, stages=stages, schedule="1f1b", microbatches=k, strategy=strategy

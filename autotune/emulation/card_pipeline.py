@@ -59,8 +59,9 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
     """One length's pipeline search in the child (``task`` at its length): what child_search returns per length,
     with ``pipeline`` (PipelineStages as JSON) where a size fit."""
     from autotune.core.setup import JobSetup
+    from autotune.measure.strategy_choice import make_strategy
     from autotune.search.boundary import NoFitError
-    from autotune.search.pipelined import search_pipeline, stage_strategy
+    from autotune.search.pipelined import search_pipeline
 
     job = JobSetup.model_validate(request["setup"])
     mesh = job.mesh
@@ -81,7 +82,7 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
             task,
             meter,
             mesh,
-            stage_strategy(job.strategy, mesh, job.world_size),
+            make_strategy(job.strategy, job.world_size, mesh),
             int(request["limit_bytes"]),
             warnings,
             lambda trial: trials.__setitem__(trial.micro_batch, trial.model_copy(update={"fake": True})),

@@ -1128,7 +1128,7 @@ class PipelineTrials:
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.virtual_stages = virtual_stages if schedule == "interleaved-1f1b" else 1
         strategy = strategy or StageStrategy(1)
-        if not isinstance(strategy, StageStrategy):  # autotune/search/pipelined.py's stage_strategy makes one
+        if not isinstance(strategy, StageStrategy):  # autotune/measure/strategy_choice.py makes one for pp > 1
             raise AutotuneError(f"--pp {stages}: a stage is held by a stage strategy, not {type(strategy).__name__}")
         self.strategy: StageStrategy = strategy
         # An emulated card's figure of a stage (autotune/emulation/card_search.py): the stage's allocations

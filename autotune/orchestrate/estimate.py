@@ -26,6 +26,7 @@ from contextlib import nullcontext
 import torch
 
 from autotune.core import units
+from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device, Profile, Trial
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import frozen_heap
@@ -105,7 +106,9 @@ def estimate(
     warnings.extend([semantics] if semantics else [])
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
-    if setup.mesh.pp > 1 and fakes is None:  # every stage's fake trial replays its schedule
+    if setup.mesh.pp > 1:  # every stage's fake trial replays its schedule, on a model of its own
+        if fakes is not None:
+            raise AutotuneError(f"--pp {setup.mesh.pp}: a pipeline's stages are not estimated on a shared fake model")
         return _estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
     strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
     no_fit: NoFitError | None = None

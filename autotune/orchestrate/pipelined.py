@@ -17,9 +17,10 @@ import torch
 from autotune.core import units
 from autotune.core.schemas import Device, Profile, Trial
 from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.strategy_choice import make_strategy
 from autotune.orchestrate.config import EstimateConfig
 from autotune.orchestrate.estimated import estimated_profile
-from autotune.search.pipelined import search_pipeline, stage_strategy
+from autotune.search.pipelined import search_pipeline
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["estimate_pipeline"]
@@ -37,7 +38,7 @@ def estimate_pipeline(
 
     Raises:
         NoFitError: not even multiple_of fits the most loaded stage.
-        AutotuneError: a pipeline this does not measure (see :func:`stage_strategy`).
+        AutotuneError: a pipeline the composition table refuses (autotune/core/compositions.py).
     """
     setup = config.probe
     assert setup.budget_bytes is not None
@@ -48,7 +49,7 @@ def estimate_pipeline(
         task,
         meter,
         setup.mesh,
-        stage_strategy(setup.strategy, setup.mesh, setup.world_size),
+        make_strategy(setup.strategy, setup.world_size, setup.mesh),
         limit_bytes,
         warnings,
         on_trial,

@@ -32,7 +32,7 @@ from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.config import ProbeConfig
 from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease, reported
 from autotune.search.diagnose import no_fit_error
-from autotune.search.pipelined import PipelineSearch, search_pipeline, stage_strategy
+from autotune.search.pipelined import PipelineSearch, search_pipeline
 from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.search.static import confirm_static
 from autotune.tasks.fingerprint import task_fingerprint
@@ -325,11 +325,7 @@ def probe_with_meter(
         refuse_compiled_step(task.optimizer, allocator_count=allocator_count)
         config = config.with_setup(presearch=False)
     started = time.perf_counter()
-    strategy = (
-        stage_strategy(config.strategy, config.mesh, config.world_size)
-        if config.mesh.pp > 1
-        else make_strategy(config.strategy, config.world_size, config.mesh)
-    )
+    strategy = make_strategy(config.strategy, config.world_size, config.mesh)
     fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size, mesh=config.mesh)
     limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
     warnings: list[str] = []

@@ -35,7 +35,7 @@ from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import run_trial
-from autotune.search.pipelined import pipeline_trials, stage_strategy
+from autotune.search.pipelined import pipeline_trials
 from autotune.search.presearch import fake_strategy
 from autotune.tasks.task import ProbeTask
 
@@ -166,7 +166,7 @@ def _pipeline_peak(
     """The most loaded stage's fake peak at micro_batch, no budget (None where the pipeline cannot run fake)."""
     meter = FakeMeter(MAX_BYTES, device_type)
     try:
-        trials = pipeline_trials(task, meter, mesh, stage_strategy(strategy, mesh, world_size), MAX_BYTES)
+        trials = pipeline_trials(task, meter, mesh, make_strategy(strategy, world_size, mesh), MAX_BYTES)
         try:
             with trials.strategy.process_group(meter.device):
                 return trials(micro_batch).peak_bytes

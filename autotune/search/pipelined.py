@@ -13,17 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.mesh import Mesh
 from autotune.core.schemas import PipelineStages, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters import Meter
-from autotune.measure.pipeline import PipelineTrials, ShardedStage, StageFigure, StageStrategy
+from autotune.measure.pipeline import PipelineTrials, StageFigure
 from autotune.measure.strategies import Strategy
 from autotune.search.boundary import FAR_EXTRAPOLATION, SearchResult, find_max_micro_batch, reported
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["PipelineSearch", "measured_microbatches", "pipeline_trials", "search_pipeline", "stage_strategy"]
+__all__ = ["PipelineSearch", "measured_microbatches", "pipeline_trials", "search_pipeline"]
 
 
 @dataclass
@@ -36,22 +35,6 @@ class PipelineSearch(SearchResult):
 def measured_microbatches(mesh: Mesh) -> int:
     """K the stages' trials run: ``--pp-microbatches``, else pp."""
     return mesh.pp_microbatches or mesh.pp
-
-
-def stage_strategy(strategy: str, mesh: Mesh, world_size: int) -> StageStrategy:
-    """How a stage holds its part of the model: whole, as one replica of D = W / (pp x tp) (ddp: with D > 1 the stage
-    holds the gradient buckets of the DDP that wraps it over its data-parallel group); sharded by FSDP2 over that
-    group (fsdp); with tp > 1 parallelized over its tensor-parallel group first (:class:`ShardedStage`; under ddp
-    the buckets are of the local shards).
-
-    Raises:
-        AutotuneError: a composition the table refuses (autotune/core/compositions.py: cp; fsdp with fewer than
-            2 replicas).
-    """
-    refuse_composition(Dimensions.of(strategy, world_size, mesh))
-    if strategy == "fsdp" or mesh.tp > 1:
-        return ShardedStage(world_size, mesh.pp, tp=mesh.tp, inner=strategy)
-    return StageStrategy(1, replicas=mesh.data_parallel(world_size))
 
 
 def _blocks_text(blocks: range) -> str:

@@ -71,7 +71,7 @@ def test_a_pipeline_over_fsdp_estimates_on_an_emulated_card(cuda_python: str, tm
     import torch
 
     from autotune.core.mesh import Mesh
-    from autotune.search.pipelined import stage_strategy
+    from autotune.measure.strategy_choice import make_strategy
 
     folder = write_config(tmp_path, "llama", tie_word_embeddings=False, max_position_embeddings=SEQ_LEN)
     out = tmp_path / "pp_fsdp.json"
@@ -92,7 +92,7 @@ def test_a_pipeline_over_fsdp_estimates_on_an_emulated_card(cuda_python: str, tm
     # D = 4 / 2 = 2 replicas: T = 32 = m x K x D with m = 4, K = 4.
     plan = profile.plan
     assert plan is not None and plan.exact and (plan.micro_batch, plan.accumulation_steps, plan.world_size) == (4, 4, 2)
-    strategy = stage_strategy("fsdp", Mesh(pp=2, tp=tp, pp_microbatches=K), world)
+    strategy = make_strategy("fsdp", world, Mesh(pp=2, tp=tp, pp_microbatches=K))
     with strategy.process_group(torch.device("cpu")):
         cpu = PipelineTrials(
             hf_task(folder).at_length(SEQ_LEN), FakeMeter(1 << 40, "cpu"), limit_bytes=1 << 40, stages=2,

@@ -27,8 +27,8 @@ from autotune.core.mesh import Mesh
 from autotune.emulation.card_pipeline import replayed_stage
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.pipeline import PipelineTrials
+from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import frozen_heap
-from autotune.search.pipelined import stage_strategy
 from autotune.tasks.hf import hf_task
 
 pytest.importorskip("transformers")
@@ -58,7 +58,7 @@ def test_a_pipelines_first_trial_on_a_card_reads_what_a_repeated_one_does(
 ) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     task = hf_task(tmp_path).at_length(8)
-    strategy = stage_strategy(strategy_name, Mesh(pp=2, tp=tp, pp_microbatches=2), world_size)
+    strategy = make_strategy(strategy_name, world_size, Mesh(pp=2, tp=tp, pp_microbatches=2))
     meter = FakeMeter(CARD_BYTES, "cpu")
     figure = replayed_stage(meter, workspace_bytes=(), budget_bytes=CARD_BYTES, outside_bytes=0, alloc_conf=None)
     with strategy.process_group(torch.device("cpu")), frozen_heap():

@@ -17,8 +17,8 @@ from autotune.core.mesh import Mesh
 from autotune.measure.context_parallel import ContextParallel
 from autotune.measure.pipeline import ShardedStage
 from autotune.measure.strategies import Sharded, TensorParallel
+from autotune.measure.strategy_choice import make_strategy
 from autotune.orchestrate.config import ProbeConfig
-from autotune.search.pipelined import stage_strategy
 from tests.autotune._tasks import linear_task
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ def test_every_asker_says_the_same_line() -> None:
     assert cp_pp is not None
     config = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=4, mesh=Mesh(pp=2, cp=2))
     assert _raised(config.validate) == cp_pp
-    assert _raised(lambda: stage_strategy("ddp", Mesh(pp=2, cp=2), 4)) == cp_pp
+    assert _raised(lambda: make_strategy("ddp", 4, Mesh(pp=2, cp=2))) == cp_pp
     assert _raised(lambda: ContextParallel(4, Mesh(pp=2, cp=2))) == cp_pp
 
     one_shard = composition_refusal(Dimensions(strategy="fsdp", world_size=2, tp=2))

@@ -119,11 +119,11 @@ def _whole_figures(name: str, task: Any, mesh: Any, meter: Any) -> dict[int, int
     """Each of SIZES' peak by the trials the probe runs under ``mesh`` (the most loaded stage's under pp)."""
     from autotune.measure.pipeline import PipelineTrials
     from autotune.measure.strategies import TensorParallel
+    from autotune.measure.strategy_choice import make_strategy
     from autotune.measure.trial import TrialRunner
-    from autotune.search.pipelined import stage_strategy
 
     if name == "pp":
-        stages = stage_strategy("ddp", mesh, WORLD)
+        stages = make_strategy("ddp", WORLD, mesh)
         trials = PipelineTrials(
             task, meter, limit_bytes=UNLIMITED, stages=2, schedule="1f1b", microbatches=K, strategy=stages
         )

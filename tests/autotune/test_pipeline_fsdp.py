@@ -25,10 +25,10 @@ from autotune.core.mesh import Mesh
 from autotune.measure.meters import CpuMeter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.pipeline import PipelineTrials, ShardedStage
+from autotune.measure.strategy_choice import make_strategy
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
 from autotune.orchestrate.estimate import estimate
 from autotune.orchestrate.probe import probe
-from autotune.search.pipelined import stage_strategy
 from autotune.tasks.task import ProbeTask
 from tests.autotune import _pipeline_fsdp_worker as fsdp_worker
 from tests.autotune import _pipeline_worker as worker
@@ -159,7 +159,7 @@ def _tp_stage_peaks(schedule: str) -> dict[int, list[int]]:
     ``schedule`` (interleaved: V 2 stages per rank of a 4-block model)."""
     mesh = Mesh(pp=STAGES, tp=2, pp_schedule=schedule, pp_microbatches=K)  # type: ignore[arg-type]
     layers = worker.INTERLEAVED_LAYERS if mesh.virtual_stages > 1 else worker.LAYERS
-    strategy = stage_strategy("ddp", mesh, 4)
+    strategy = make_strategy("ddp", 4, mesh)
     with strategy.process_group(torch.device("cpu")):
         trials = PipelineTrials(
             tp_task(layers), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=STAGES, schedule=schedule,
@@ -199,7 +199,7 @@ def test_interleaved_stages_over_fsdp_equal_the_real_ranks(tmp_path: Path) -> No
     1,491,532 B on rank 0 at m = 2 / 3)."""
     real = _real_rank_peaks(tmp_path, "fsdp", 1, 2)
     for meter in (CpuMeter(UNBOUNDED), FakeMeter(UNBOUNDED)):
-        strategy = stage_strategy("fsdp", INTERLEAVED, WORLD)
+        strategy = make_strategy("fsdp", WORLD, INTERLEAVED)
         with strategy.process_group(torch.device("cpu")):
             trials = PipelineTrials(
                 llama_task(worker.INTERLEAVED_LAYERS), meter, limit_bytes=UNBOUNDED, stages=STAGES,
@@ -236,9 +236,9 @@ def test_interleaved_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_pat
 
 def test_what_is_not_measured_over_fsdp_is_refused_in_one_line() -> None:
     with pytest.raises(AutotuneError, match=r"^--strategy fsdp with --world-size 2 over pp 2: FSDP2 shards"):
-        stage_strategy("fsdp", Mesh(pp=2), 2)
+        make_strategy("fsdp", 2, Mesh(pp=2))
     with pytest.raises(AutotuneError, match="^--cp 2 with --pp 2: context parallelism is not measured"):
-        stage_strategy("ddp", Mesh(pp=2, cp=2), 8)
+        make_strategy("ddp", 8, Mesh(pp=2, cp=2))
 
 
 @pytest.mark.parametrize(
