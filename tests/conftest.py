@@ -59,9 +59,37 @@ LONGEST_FIRST = (
 )
 
 
+# The files whose truths start real process groups (gloo ranks, torchrun, Lightning's workers): marked
+# ``processes``, with every test that asks for the CUDA child (``cuda_python``) marked ``card``, so that
+# ``make test-fast`` (-m "not processes and not card and not slow") leaves them to ``make test``.
+REAL_PROCESS_FILES = (
+    "tests/autotune/test_context_parallel.py",
+    "tests/autotune/test_ddp.py",
+    "tests/autotune/test_ddp_buckets_meshes.py",
+    "tests/autotune/test_fsdp.py",
+    "tests/autotune/test_multi.py",
+    "tests/autotune/test_optimizer_ranks.py",
+    "tests/autotune/test_pipeline.py",
+    "tests/autotune/test_pipeline_fsdp.py",
+    "tests/autotune/test_policy_ranks.py",
+    "tests/autotune/test_sampler.py",
+    "tests/autotune/test_tensor_parallel.py",
+    "tests/autotune/test_tp_moe.py",
+    "tests/client/test_client_distributed.py",
+    "tests/client/test_integration_lightning.py",
+    "tests/e2e/test_launch_path.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     root = Path(str(config.rootpath))
+    for item in items:
+        relative = Path(str(item.fspath)).relative_to(root).as_posix()
+        if relative in REAL_PROCESS_FILES:
+            item.add_marker(pytest.mark.processes)
+        if "cuda_python" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.card)
 
     def order(item: pytest.Item) -> int:
         relative = Path(str(item.fspath)).relative_to(root).as_posix()

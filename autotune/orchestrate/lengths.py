@@ -450,7 +450,13 @@ def _over_lengths(
         )
     run = steps.measure_each(lengths, found, target_tokens, notes)
     if found is not None and found.surface is not None:
-        longest = steps.longest(found.surface, lengths[0], cap, model_limit=model_limit)
+        try:
+            longest = steps.longest(found.surface, lengths[0], cap, model_limit=model_limit)
+        except Exception as exc:  # noqa: BLE001  # late in the run: keep every length measured, say what failed
+            longest = None
+            failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            for profile in run.profiles:
+                profile.warnings.append(f"the longest-length search failed after every length was measured ({failed})")
         run.surface = _surface_record(found, run.profiles, longest, cap=steps.config.max_micro_batch)
     multiple_of = steps.config.multiple_of
     for seq_len, reason in run.no_fit.items():
