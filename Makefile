@@ -10,7 +10,7 @@ RUN_BUDGET ?= 64MiB
 RUN_DIR ?= var/run
 PORT ?= 8765
 
-.PHONY: install system-deps run test test-fast test-latest lint typecheck bench clean
+.PHONY: install system-deps run test test-fast test-latest slow-list lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,13 +50,18 @@ test: install system-deps $(CUDA_VENV)/.installed
 	$(PY) -m pytest -q -x -p no:cacheprovider $(FIRST_TESTS)
 	$(PY) -m ruff check autotune server client tests bench examples
 	$(PY) -m mypy
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=40
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=40 --junitxml=var/junit.xml
 
-# The inner loop: the suite without the real-process truths, the emulated cards and the tests marked slow
-# (tests/conftest.py marks them); make test stays the whole suite and what CI runs.
+# The inner loop, under 3 minutes: the suite without the real-process truths, the emulated cards and the tests
+# over 3 s in the last whole run (tests/conftest.py marks them from tests/slow_tests.txt); make test stays the
+# whole suite and what CI runs.
 test-fast: install
 	$(PY) -m pytest -q -x -p no:cacheprovider $(FIRST_TESTS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -q -m "not processes and not card and not slow" --durations=10
+
+# tests/slow_tests.txt again, from the last make test's var/junit.xml.
+slow-list:
+	$(PY) scripts/slow_tests.py var/junit.xml
 
 # The newest releases of the libraries constraints.txt pins (torch stays TORCH_VERSION), in a venv of their own:
 # run it by hand to see whether a release still passes before moving a pin (docs/benchmarks.md, "Testing").

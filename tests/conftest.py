@@ -81,13 +81,27 @@ REAL_PROCESS_FILES = (
 )
 
 
+# The tests over 2 s in a whole run (scripts/slow_tests.py writes the list from var/junit.xml): marked slow.
+SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")
+
+
+def _slow_tests() -> frozenset[str]:
+    if not SLOW_TESTS.exists():
+        return frozenset()
+    lines = (line.strip() for line in SLOW_TESTS.read_text().splitlines())
+    return frozenset(line for line in lines if line and not line.startswith("#"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     root = Path(str(config.rootpath))
+    slow = _slow_tests()
     for item in items:
         relative = Path(str(item.fspath)).relative_to(root).as_posix()
         if relative in REAL_PROCESS_FILES:
             item.add_marker(pytest.mark.processes)
+        if f"{relative}::{item.name}" in slow:
+            item.add_marker(pytest.mark.slow)
         if "cuda_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.card)
 

@@ -1,6 +1,6 @@
 """Which job dimensions compose: one table of the compositions autotune refuses, and one refusal function that the
 CLI (before any task loads), the configs (before any trial) and the strategies (where a library would fail) all ask
-(docs/design.md, "Compositions").
+(docs/design.md, "One job setup").
 
 Every pair of dimensions composes unless a rule below says why not, in one line naming both flags:
 

@@ -173,7 +173,7 @@ def test_an_unknown_mode_and_a_budget_without_compile_are_refused() -> None:
     [
         (["--compile", "fastest"], "argument --compile: 'fastest' is not a torch.compile mode"),
         (["--ac", "budget:1.5"], "ratio from 0 to 1"),
-        (["--ac", "budget:0.5"], "--ac budget:0.5: the compiler's activation memory budget applies to a compiled"),
+        (["--ac", "budget:0.5"], "--ac budget:0.5 without --compile: the compiler's activation memory budget applies"),
     ],
 )
 def test_the_cli_refuses_in_one_line(flags: list[str], says: str, tmp_path: Any, capsys: Any) -> None:
