@@ -83,7 +83,7 @@ from torch import nn
 from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
-from autotune.measure.fake_group import fake_process_group
+from autotune.measure.layout import Layout
 from autotune.measure.strategies import (
     Sharded,
     Strategy,
@@ -340,7 +340,6 @@ class ContextParallel(Strategy):
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
         if dist.is_initialized():
@@ -357,15 +356,11 @@ class ContextParallel(Strategy):
             counting.enter_context(_ring_under_outer_modes())
         rotation = ring._cp_options.rotate_method
         ring.set_rotate_method(self.rotation)
-        # The measured rank is (dp 0, cp rank[, tp 0]): global rank ``rank`` x tp of the (dp, cp[, tp]) mesh, tp
-        # innermost as torchtitan lays it out (a tp group's ranks are neighbours, on one host).
-        with fake_process_group(self.rank * self.mesh.tp, self.world_size):
+        # The measured rank is (dp 0, cp rank[, tp 0]) of the (dp, cp[, tp]) mesh (autotune/measure/layout.py).
+        layout = Layout(self.world_size, self.mesh)
+        with layout.fake_device_mesh(device.type, rank=layout.rank(cp=self.rank)) as mesh:
             try:
-                shape: tuple[int, ...] = (self.replicas, self.mesh.cp)
-                names: tuple[str, ...] = ("dp", "cp")
-                if self.mesh.tp > 1:
-                    shape, names = (*shape, self.mesh.tp), (*names, "tp")
-                self._device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+                self._device_mesh = mesh
                 if self.inner == "fsdp":  # made here, outside the fake trials' modes (its rank map is a real tensor)
                     self._shard_mesh = self._device_mesh["dp", "cp"]._flatten("dp_cp")
                 self._group = dist.group.WORLD
@@ -408,7 +403,7 @@ class ContextParallel(Strategy):
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        refuse_composition(Dimensions(strategy=self.inner, offload=task.offload), TaskError)
+        refuse_composition(Dimensions.of(self.inner, self.world_size, self.mesh, offload=task.offload), TaskError)
         _check_model(model, task, self.mesh.cp)
         config = model.config
         heads = getattr(config, "num_attention_heads", None)

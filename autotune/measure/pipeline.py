@@ -76,8 +76,9 @@ from torch import nn
 
 from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
+from autotune.core.mesh import Mesh
 from autotune.core.schemas import Trial
-from autotune.measure.fake_group import fake_process_group
+from autotune.measure.layout import Layout
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.oom import is_oom
@@ -319,19 +320,17 @@ class ShardedStage(StageStrategy):
             return
         _fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         if dist.is_initialized():
             raise AutotuneError(
                 f"--strategy {self.inner} --pp probes rank 0 of N through a fake process group, and a process group "
                 "is already initialized in this process: probe before init_process_group, or from `autotune probe`"
             )
-        with fake_process_group(0, self.world_size):
+        mesh_of_job = Mesh(pp=self.stages, tp=self.tp)
+        with Layout(self.world_size, mesh_of_job).fake_device_mesh(device.type) as mesh:  # (pp, dp[, tp])
             self._entered = 1
             try:
-                self._device_mesh = init_device_mesh(
-                    device.type, (self.stages, self.replicas, self.tp), mesh_dim_names=("pp", "dp", "tp")
-                )
+                self._device_mesh = mesh
                 yield dist.group.WORLD
             finally:
                 self._entered = 0

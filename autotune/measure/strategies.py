@@ -39,7 +39,7 @@ from torch import nn
 from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
-from autotune.measure.fake_group import fake_process_group
+from autotune.measure.layout import Layout
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
@@ -259,17 +259,15 @@ class Sharded(Strategy):
         if self._given_mesh is not None:
             yield self._given_mesh.get_group()
             return
-        from torch.distributed.device_mesh import init_device_mesh
-
         if dist.is_initialized():
             raise AutotuneError(
                 "--strategy fsdp probes rank 0 of N through a fake process group, and a process group "
                 "is already initialized in this process: probe before init_process_group, or from "
                 "`autotune probe` in a process of its own"
             )
-        with fake_process_group(0, self.world_size):
+        with Layout(self.world_size).fake_device_mesh(device.type) as mesh:
             try:
-                self._mesh = init_device_mesh(device.type, (self.world_size,))
+                self._mesh = mesh
                 yield dist.group.WORLD
             finally:
                 self._mesh = None
@@ -327,7 +325,6 @@ class TensorParallel(Strategy):
     def process_group(self, device: torch.device) -> Iterator[Any]:
         _fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         if self._given_mesh is not None:
             yield self._given_mesh.get_group("tp")
@@ -337,11 +334,9 @@ class TensorParallel(Strategy):
                 "--tp probes rank 0 of N through a fake process group, and a process group is already "
                 "initialized in this process: probe before init_process_group, or from `autotune probe`"
             )
-        with fake_process_group(0, self.world_size):
+        with Layout(self.world_size, self.mesh).fake_device_mesh(device.type) as mesh:  # (dp, tp)
             try:
-                self._device_mesh = init_device_mesh(
-                    device.type, (self.replicas, self.mesh.tp), mesh_dim_names=("dp", "tp")
-                )
+                self._device_mesh = mesh
                 yield dist.group.WORLD
             finally:
                 self._device_mesh = None
