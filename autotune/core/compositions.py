@@ -125,6 +125,15 @@ COMPOSITIONS: tuple[Rule, ...] = (
         "measured under --strategy fsdp (FSDP2 over the dp x cp ranks, torchtitan's way), not over ddp",
     ),
     Rule(
+        "--cp",
+        "--compile",
+        "a library's limit",
+        lambda d: d.cp > 1 and d.compile is not None,
+        lambda d: f"--cp {d.cp} with --compile {d.compile}",
+        "torch.compile cannot trace context parallelism's ring attention in this torch (dynamo stops on the "
+        "DeviceMesh it holds: an opaque object without '_flatten_rank_map'); probe --cp eager or --compile without --cp",
+    ),
+    Rule(
         "--pp",
         "--compile",
         "not measured yet",
@@ -189,6 +198,15 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: d.quantize is not None and d.strategy == "fsdp",
         lambda d: f"--quantize {d.quantize} with --strategy fsdp",
         "sharding a 4-bit base (FSDP-QLoRA, bf16 quant storage) is not measured; use ddp",
+    ),
+    Rule(
+        "--quantize",
+        "--tp",
+        "a library's limit",
+        lambda d: d.quantize is not None and d.tp > 1,
+        lambda d: f"--quantize {d.quantize} with --tp {d.tp}",
+        "DTensor's column- and row-wise styles cannot shard bitsandbytes' packed 4-bit weights (a flat uint8 buffer "
+        "and its quantization state); shard a 4-bit base over data-parallel ranks (--strategy ddp) instead",
     ),
     Rule(
         "--optimizer (bitsandbytes)",

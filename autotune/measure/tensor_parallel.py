@@ -208,12 +208,64 @@ def _experts_style(
     return MoeTensorParallelExperts(dims, frozenset(packed))
 
 
+def _base_prefix(model: nn.Module) -> str:
+    """Where the plan's names start inside model: "" for the model itself; for a peft model, the qualified name of
+    the transformers model it wraps (``base_model.model``), whose own names the plan gives."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if not callable(get_base_model):
+        return ""
+    base = get_base_model()
+    for name, module in model.named_modules():
+        if module is base:
+            return f"{name}." if name else ""
+    return ""
+
+
+def _lora_styles(module: nn.Module, name: str, value: Any, style: Any, where: str) -> dict[str, Any]:
+    """A style over a LoRA layer (peft's ``lora.Linear``: the frozen ``base_layer`` and the adapters
+    ``lora_A.<adapter>``, ``lora_B.<adapter>``) laid out as peft does it over a model transformers parallelized
+    (``from_pretrained(tp_plan="auto")`` then ``get_peft_model``; peft/tuners/lora/model.py): the base layer takes
+    the plan's style; under ``colwise``, lora_B takes it too (its output sharded as the base's) and lora_A stays
+    whole on every rank; under any other style the adapters stay whole (peft warns and adds no hooks).
+
+    Raises:
+        TaskError: LoRA over a row-wise layer (peft shards lora_A there, and its forward fails on the sharded
+            input: a library's limit, seen with peft 0.21 and transformers 5.24), or over anything but a linear
+            layer (an embedding's adapters under tp are not measured).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    base = module.get_submodule("base_layer")
+    if not isinstance(base, nn.Linear):
+        raise TaskError(
+            f"--tp: {name} in {where} is a LoRA layer over {type(base).__name__}: LoRA under tensor parallelism "
+            "is measured on linear layers only; leave it out of --lora-targets"
+        )
+    column = value == "colwise" or (not isinstance(value, str) and type(style) is ColwiseParallel)
+    row = value == "rowwise" or (not isinstance(value, str) and type(style) is RowwiseParallel)
+    if row:
+        raise TaskError(
+            f"--tp with LoRA on {name.rsplit('.', 1)[-1]} (row-wise in the tensor-parallel plan of {where}): peft's "
+            "tensor-parallel LoRA shards lora_A there and its forward fails on the layer's sharded input (a "
+            "library's limit); adapt the column-wise layers only (e.g. --lora-targets q_proj,v_proj)"
+        )
+    styles = {f"{name}.base_layer": style}
+    if column:
+        for adapter, _ in module.get_submodule("lora_B").named_children():
+            styles[f"{name}.lora_B.{adapter}"] = style
+    return styles
+
+
 def _resolved(model: nn.Module, plan: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Each module the plan names, with its ParallelStyle (replicated ones left out)."""
-    patterns = [(key, _pattern(key), value) for key, value in plan.items()]
+    """Each module the plan names, with its ParallelStyle (replicated ones left out). Under peft's LoRA the
+    names are the wrapped model's, and a LoRA layer's style is spread over its base layer and adapters."""
+    prefix = _base_prefix(model)
+    patterns = [(key, _pattern(prefix + key), value) for key, value in plan.items()]
     styles: dict[str, Any] = {}
     matched: set[str] = set()
     for name, module in model.named_modules():
+        if ".lora_" in name or name.endswith(".base_layer"):
+            continue  # a LoRA layer's insides: placed with the layer (below)
         for key, pattern, value in patterns:
             if name and pattern.match(name):
                 matched.add(key)
@@ -221,7 +273,9 @@ def _resolved(model: nn.Module, plan: Mapping[str, Any], where: str) -> dict[str
                     style: Any = _experts_style(module, name, patterns, f"{key} in {where}")
                 else:
                     style = _style(value, f"{key} in {where}") if isinstance(value, str) else value
-                if style is not None:
+                if style is not None and hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+                    styles.update(_lora_styles(module, name, value, style, where))
+                elif style is not None:
                     styles[name] = style
                 break
     if not styles:

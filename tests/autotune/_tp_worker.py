@@ -61,11 +61,38 @@ def llama_plan(model: torch.nn.Module) -> dict[str, Any]:
     return plan
 
 
+def _lora_model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
+    """LoRA under tp: the base parallelized with the plan above, then peft's ``get_peft_model`` over it. peft
+    sizes each adapter from the base layer's local weight, so under a column-wise layer lora_B is the rank's
+    share of the output (a plain tensor) and lora_A is whole on every rank: the layout peft's own
+    tensor-parallel LoRA gives (peft/tuners/lora/model.py, lora_B sharded as its layer)."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    lora = config["_lora"]
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "_lora"}))
+    parallelize_module(model, mesh["tp"], llama_plan(model), src_data_rank=None)
+    lora_config = LoraConfig(
+        r=lora["rank"],
+        lora_alpha=2 * lora["rank"],
+        target_modules=lora["targets"],
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
+    wrapped = get_peft_model(model, lora_config)
+    return wrapped  # type: ignore[return-value]
+
+
 def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if "_lora" in config:
+        model = _lora_model(mesh, config)
+        model.train()
+        return model
     model = LlamaForCausalLM(LlamaConfig(**config))
     parallelize_module(model, mesh["tp"], llama_plan(model), src_data_rank=None)
     if mesh["dp"].size() > 1:

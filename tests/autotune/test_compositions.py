@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 REFUSED = [
     Dimensions(world_size=4, cp=2, pp=2),
     Dimensions(world_size=4, cp=2, tp=2),
+    Dimensions(world_size=2, cp=2, compile="default"),
     Dimensions(world_size=2, pp=2, compile="default"),
     Dimensions(world_size=2, pp=2, offload="activations"),
     Dimensions(strategy="fsdp", world_size=1),
@@ -35,6 +36,7 @@ REFUSED = [
     Dimensions(host_budget=True),
     Dimensions(quantize="nf4", lora=False),
     Dimensions(strategy="fsdp", world_size=2, quantize="nf4", lora=True),
+    Dimensions(world_size=2, tp=2, quantize="nf4", lora=True),
     Dimensions(world_size=2, tp=2, optimizer="adamw8bit", optimizer_library="bitsandbytes"),
     Dimensions(world_size=2, optimizer="adamw4bit", optimizer_library="torchao"),
     Dimensions(activation_checkpointing="budget:0.5"),
@@ -66,6 +68,8 @@ def test_each_rule_is_reached_by_a_job_and_names_both_of_its_flags() -> None:
         Dimensions(world_size=2, optimizer="adamw8bit", optimizer_library="bitsandbytes"),
         Dimensions(quantize="nf4", lora=True, world_size=2),
         Dimensions(activation_checkpointing="budget:0.5", compile="default"),
+        Dimensions(world_size=2, tp=2, lora=True),
+        Dimensions(strategy="fsdp", world_size=4, cp=2),
         # What the asker does not know yet waits: the CLI cannot tell whether a spec carries LoRA.
         Dimensions(quantize="nf4"),
     ],

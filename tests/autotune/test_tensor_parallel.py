@@ -40,15 +40,20 @@ def _llama_dir(tmp_path: Path) -> Path:
     return write_config(tmp_path, "llama", tie_word_embeddings=False)
 
 
-def _truth(world_size: int, tp: int, floors: dict[int, int], tmp_path: Path) -> dict[int, list[int]]:
+def _truth(
+    world_size: int, tp: int, floors: dict[int, int], tmp_path: Path, lora_rank: int | None = None
+) -> dict[int, list[int]]:
     """The most loaded rank's peak of each run at each size, over world_size real processes: runs until one is at
-    or below the size's floor (the probe's figure; a huge one for one run), as tests/autotune/_tp_worker.py says why."""
+    or below the size's floor (the probe's figure; a huge one for one run), as tests/autotune/_tp_worker.py says why.
+    With lora_rank, peft's LoRA on q_proj and v_proj, its adapters laid out as peft does under tp."""
     from tests.autotune import _tp_worker
 
     config: dict[str, Any] = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
     config["tie_word_embeddings"] = False
     out = tmp_path / f"truth-{world_size}x{tp}"
     out.mkdir()
+    if lora_rank is not None:
+        config["_lora"] = {"rank": lora_rank, "targets": ["q_proj", "v_proj"]}
     try:
         mp.spawn(
             _tp_worker.run,
@@ -95,6 +100,36 @@ def test_tp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(
     assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
     if m_max + 1 in peaks:
         assert abs(peaks[m_max + 1] - truth[m_max + 1]) <= SLACK_BYTES
+
+
+def test_lora_under_tp2_agrees_with_peft_over_transformers_tp_plan_on_real_ranks(tmp_path: Path) -> None:
+    """LoRA under --tp as peft lays it out over a tensor-parallel model: the base layers sharded by the plan, lora_B
+    sharded with its column-wise layer, lora_A whole on each rank."""
+    from autotune.tasks.hf import LoraOptions
+
+    task = hf_task(_llama_dir(tmp_path), lora=LoraOptions(rank=4)).at_length(SEQ_LEN)
+    config = ProbeConfig(device="cpu", budget_bytes=420_000, headroom=0.0, world_size=2, mesh=Mesh(tp=2))
+    measured = probe(task, config)
+    m_max = measured.max_micro_batch
+    peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
+    runs = _truth(2, 2, {m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1, 1 << 62)}, tmp_path, lora_rank=4)
+    print(f"tp 2 LoRA r4 (ddp x2): m_max {m_max}; probe {peaks}; most loaded real rank, runs {runs}")
+    truth = {m: min(figures) for m, figures in runs.items()}
+    assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
+    assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
+
+
+def test_lora_on_a_row_wise_layer_under_tp_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    output = tmp_path / "profile.json"
+    done = _cli(
+        f"hf:{_llama_dir(tmp_path)}",
+        *("--seq-len", str(SEQ_LEN), "--tp", "2", "--world-size", "2", "--lora-rank", "4"),
+        *("--lora-targets", "q_proj,o_proj", "--output", str(output)),
+    )
+    errors = [text for text in done.stderr.splitlines() if text.startswith("autotune: error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
+    assert "--tp with LoRA on o_proj (row-wise" in errors[0] and "a library's limit" in errors[0]
+    assert not output.exists()
 
 
 def test_the_mesh_enters_the_fingerprint_and_the_trivial_one_changes_nothing(tmp_path: Path) -> None:
