@@ -68,6 +68,12 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
         "--world-size", type=world_size, default=1, help="ranks W (data-parallel replicas D = W / (tp x pp x cp))"
     )
     p.add_argument("--max-micro-batch", type=micro_batch_cap, default=4096)
+    p.add_argument(
+        "--no-breakdown",
+        dest="breakdown",
+        action="store_false",
+        help="skip the peak's breakdown by what holds it (two fake trials after the search)",
+    )
     p.add_argument("--multiple-of", type=positive_int, default=1)
     p.add_argument("--precision", choices=PRECISIONS, help="override the task's precision")
     add_strategy_and_plan_options(p)
@@ -180,6 +186,7 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
         "offload": getattr(args, "offload", None),
         "host_budget_bytes": getattr(args, "host_budget", None),
         "compile": getattr(args, "compile", None),
+        "breakdown": getattr(args, "breakdown", False),
     }
 
 

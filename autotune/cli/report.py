@@ -130,6 +130,40 @@ def offload_lines(profile: Profile) -> list[str]:
     return lines
 
 
+_PART_LABELS = {
+    "trainable_parameters": "params (trained)",
+    "frozen_parameters": "params (frozen)",
+    "buffers": "buffers",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations",
+    "inputs": "inputs",
+    "temporaries": "temporaries",
+}
+
+
+def breakdown_lines(profile: Profile) -> list[str]:
+    """The peak of m_max and of the size above it by what holds it: one line per part that holds bytes in either,
+    then where each peak happened (none for a profile without a breakdown)."""
+    breakdowns = profile.breakdown or []
+    if not breakdowns:
+        return []
+    heads = "".join(f"{f'm={b.micro_batch} ' + ('fits' if b.fits else 'over'):>22s}" for b in breakdowns)
+    lines = [f"  memory at peak   {'':16s}{heads}"]
+    for part, label in _PART_LABELS.items():
+        if not any(b.parts.get(part) for b in breakdowns):
+            continue
+        cells = "".join(
+            f"{format_bytes(b.parts.get(part, 0)):>14s} {100 * b.parts.get(part, 0) / max(1, b.peak_bytes):5.1f}%"
+            for b in breakdowns
+        )
+        lines.append(f"    {label:<28s}{cells}")
+    totals = "".join(f"{format_bytes(b.peak_bytes):>14s}{'':7s}" for b in breakdowns)
+    lines.append(f"    {'total':<28s}{totals}".rstrip())
+    lines += [f"    peak of m={b.micro_batch} at {b.peak_where}" for b in breakdowns if b.peak_where]
+    return lines
+
+
 def datasheet(profile: Profile) -> str:
     """The profile as a page of text: plan, memory, fit, trials, warnings."""
     dev = profile.device
@@ -177,6 +211,7 @@ def datasheet(profile: Profile) -> str:
             f"  fit              {format_bytes(profile.fit.fixed_bytes)} + "
             f"{format_bytes(profile.fit.bytes_per_sample)} per sample (forward/backward)"
         )
+    lines.extend(breakdown_lines(profile))
     lines.append(
         f"  trials           {trial_counts(profile)} in {profile.seconds:.2f}s"
         + ("" if profile.compile_seconds is None else f" (compilation {profile.compile_seconds:.2f}s of it)")
@@ -230,6 +265,10 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
             lines.append(
                 f"  {p.seq_len or '-':>8}  {p.max_micro_batch:>6}  {tokens:>18}  {_plan_text(p):<28}  {trial_counts(p)}"
             )
+        broken_down = [p for p in group if p.breakdown]
+        if broken_down:  # the longest length's (each length's is in --json)
+            shown = broken_down[-1]
+            lines += [f"  at L={shown.seq_len}:", *breakdown_lines(shown)]
         surface = group[0].surface
         if surface is not None and surface.longest is not None:
             longest = surface.longest

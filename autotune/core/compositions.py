@@ -131,7 +131,8 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: d.cp > 1 and d.compile is not None,
         lambda d: f"--cp {d.cp} with --compile {d.compile}",
         "torch.compile cannot trace context parallelism's ring attention in this torch (dynamo stops on the "
-        "DeviceMesh it holds: an opaque object without '_flatten_rank_map'); probe --cp eager or --compile without --cp",
+        "DeviceMesh it holds: an opaque object without '_flatten_rank_map'); probe --cp eager, or --compile "
+        "without --cp",
     ),
     Rule(
         "--pp",

@@ -311,6 +311,56 @@ class SingleStep(_Model):
     trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
 
 
+# What holds a trial's memory at its peak (autotune/measure/breakdown.py), in the order the datasheet lists them.
+MEMORY_PARTS = (
+    "trainable_parameters",
+    "frozen_parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "inputs",
+    "temporaries",
+)
+PHASES = ("model", "inputs", "forward", "backward", "step")
+
+
+def _parts_sum_to_peak(breakdown: MemoryBreakdown) -> MemoryBreakdown:
+    unknown = sorted(set(breakdown.parts) - set(MEMORY_PARTS))
+    if unknown:
+        raise ValueError(f"unknown memory parts {unknown}: the parts are {', '.join(MEMORY_PARTS)}")
+    if sum(breakdown.parts.values()) != breakdown.peak_bytes:
+        raise ValueError(f"the parts sum to {sum(breakdown.parts.values())} bytes, not the peak {breakdown.peak_bytes}")
+    width = len(MEMORY_PARTS) + 1
+    if any(len(point) != width for point in breakdown.timeline):
+        raise ValueError(f"each timeline point is [event, {', '.join(MEMORY_PARTS)}]")
+    return breakdown
+
+
+class MemoryBreakdown(_Model):
+    """One trial's peak by what holds it (``parts``: MEMORY_PARTS that hold bytes; they sum to ``peak_bytes``),
+    where it happened (``peak_where``: the operator and the innermost module, forward or backward), and the step
+    as a timeline: ``timeline`` points ``[event, bytes of each of MEMORY_PARTS]`` after the trial's ``event``-th
+    allocation or release (thinned, every span's highest kept), ``phases`` ``[event, phase]`` where each phase
+    began (PHASES)."""
+
+    micro_batch: MicroBatch
+    fits: bool
+    peak_bytes: NonNegBytes
+    parts: Annotated[dict[str, NonNegBytes], Field(max_length=len(MEMORY_PARTS))]
+    peak_event: Annotated[int, Field(ge=0, le=2**40)]
+    peak_where: Annotated[str, Field(max_length=256)] = ""
+    events: Annotated[int, Field(ge=0, le=2**40)]
+    timeline: Annotated[
+        list[Annotated[list[Annotated[int, Field(ge=0, le=MAX_BYTES)]], Field(min_length=1, max_length=16)]],
+        Field(max_length=600),
+    ]
+    phases: Annotated[
+        list[tuple[Annotated[int, Field(ge=0, le=2**40)], Literal["model", "inputs", "forward", "backward", "step"]]],
+        Field(max_length=512),
+    ]
+
+
 class Profile(_Model):
     """The datasheet of one job setup on one device model (docs/design.md, "Contracts")."""
 
@@ -365,6 +415,10 @@ class Profile(_Model):
     # A = 1 (no accumulation), where it applies: a plan with one step per update may use its m_max.
     single_step: SingleStep | None = None
     trials: Annotated[list[Trial], Field(min_length=1, max_length=10_000)]
+    # The peak of m_max and of the size above it (or that failed), by what holds it (autotune/measure/breakdown.py).
+    breakdown: (
+        Annotated[list[Annotated[MemoryBreakdown, AfterValidator(_parts_sum_to_peak)]], Field(max_length=4)] | None
+    ) = None
     fit: Fit | None = None
     trial_count: Annotated[int, Field(ge=0, le=10_000)] = 0
     oom_count: Annotated[int, Field(ge=0, le=10_000)] = 0

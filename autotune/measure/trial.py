@@ -212,20 +212,36 @@ def _cycle(
     (optimizer and its state, batches, activations) lives in this frame and dies with it; the model's
     gradients are dropped by the caller."""
     device = meter.device
+    # A breakdown's recorder (autotune/measure/breakdown.py), when the trial is recorded: told each phase and
+    # what the model's, the gradients' and the optimizer's storages are.
+    recorder = getattr(meter, "recorder", None)
+    if recorder is not None:
+        recorder.classify_model(model)
+        recorder.phase("step")  # the optimizer's construction
     optimizer = task.make_optimizer(model)
     scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
     for _ in range(OPTIMIZER_STEPS):
         for index in range(accumulation):
             with strategy.sync(model, last=index == accumulation - 1):
+                if recorder is not None:
+                    recorder.phase("inputs")
                 batch = make_batch(task, micro_batch, device)
+                if recorder is not None:
+                    recorder.phase("forward")
                 with strategy.autocast(task.precision, device):
                     loss = task.compute_loss(model, batch) / accumulation
+                if recorder is not None:
+                    recorder.phase("backward")
                 if scaler is not None:
                     scaler.scale(loss).backward()
                 else:
                     loss.backward()
                 del batch, loss
+            if recorder is not None:
+                recorder.classify_gradients(model)
         meter.checkpoint(FORWARD_BACKWARD)
+        if recorder is not None:
+            recorder.phase("step")
         # Under --offload params the step runs on the CPU: what it makes is host memory.
         with step_on_host(task.offload, optimizer), _fake_step(task, meter):
             if scaler is not None:
@@ -233,6 +249,8 @@ def _cycle(
                 scaler.update()
             else:
                 optimizer.step()
+            if recorder is not None:
+                recorder.classify_optimizer(optimizer)
             optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
         meter.checkpoint(STEP)
 

@@ -64,6 +64,9 @@ class ProbeConfig:
     compile: str | None = None
     # After the search, time updates at m_max and at the plan's sizes (autotune/measure/throughput.py).
     throughput: bool = False
+    # After the search, the peak of m_max and of the size above it broken down by what holds it, with the step's
+    # timeline (autotune/measure/breakdown.py): two fake trials more. The CLI asks for it; off for library calls.
+    breakdown: bool = False
     # A sequence-aware task's lengths, one profile each (autotune/orchestrate/lengths.py: probe_lengths); the cap
     # of the search for the longest length at m = multiple_of; tokens per update instead of
     # target_batch. The fleet's workers read them here; `autotune probe` passes them itself too.

@@ -138,6 +138,11 @@ def estimate(
     if no_fit is not None:
         raise no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
     warnings.extend(found.warnings)
+    breakdown = None
+    if fakes is None and device_type == "cpu":  # the estimate's figures are its fake trials': broken down as such
+        from autotune.orchestrate.probe import peak_breakdowns
+
+        breakdown = peak_breakdowns(task, setup, strategy, found.max_micro_batch, limit_bytes, device_type, warnings)
     device = Device(
         kind=config.device_kind,
         name=device_name,
@@ -154,6 +159,7 @@ def estimate(
         warnings=warnings,
         started=started,
         torch_version=torch.__version__,
+        breakdown=breakdown,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from autotune.core import units
 from autotune.core.consistency import check_profile
 from autotune.core.errors import CannotFitError, DeviceError, TaskError
 from autotune.core.plan import nonnegative_fit, plan
-from autotune.core.schemas import Fit, Profile, SingleStep, Trial
+from autotune.core.schemas import Fit, MemoryBreakdown, Profile, SingleStep, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
@@ -33,7 +34,7 @@ from autotune.orchestrate.config import ProbeConfig
 from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease, reported
 from autotune.search.diagnose import no_fit_error
 from autotune.search.pipelined import PipelineSearch, search_pipeline
-from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
+from autotune.search.presearch import FakeSearch, fake_search, fake_strategy, presearch_failed
 from autotune.search.static import confirm_static
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.optimizers import compiled_step, refuse_compiled_step
@@ -434,6 +435,7 @@ def probe_with_meter(
         autotune_version=autotune.__version__,
         **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device.type, warnings),
     )
+    profile.breakdown = peak_breakdowns(task, config, strategy, m_max, limit_bytes, meter.device.type, profile.warnings)
     if config.throughput and config.mesh.pp == 1:  # timed runs, never the search's trials (none of a pipeline yet)
         profile.throughput = timed_updates(
             task,
@@ -449,6 +451,45 @@ def probe_with_meter(
     # A profile the store would refuse is a bug here, not something to write or upload.
     check_profile(profile)
     return profile
+
+
+def peak_breakdowns(
+    task: ProbeTask,
+    config: ProbeConfig,
+    strategy: Any,
+    m_max: int,
+    limit_bytes: int,
+    device_type: str,
+    warnings: list[str],
+) -> list[MemoryBreakdown] | None:
+    """m_max's peak and the next size's by what holds them (autotune/measure/breakdown.py), from fake trials with
+    CPU semantics: where config asks and the job's trials are eager, on the CPU, one stage (a compiled step, a
+    card and a pipeline's stages are not broken down yet: said in a warning)."""
+    if not config.breakdown:
+        return None
+    from autotune.measure.breakdown import fake_breakdowns
+
+    left_out = (
+        "a compiled job"
+        if task.compile is not None
+        else "a card's trials"
+        if device_type != "cpu"
+        else "a pipeline's stages"
+        if config.mesh.pp > 1
+        else "host offload"
+        if task.offload != "none"
+        else None
+    )
+    if left_out is not None:
+        warnings.append(f"the peak is not broken down for {left_out} yet")
+        return None
+    sizes = [m_max, m_max + config.multiple_of] if m_max + config.multiple_of <= config.max_micro_batch else [m_max]
+    found = fake_breakdowns(
+        task, fake_strategy(strategy), device_type=device_type, sizes=sizes, limit_bytes=limit_bytes
+    )
+    if len(found) < len(sizes):
+        warnings.append("the peak could not be broken down: a fake trial of the job failed")
+    return found or None
 
 
 def _over_host_budget(trial: Trial, host_budget_bytes: int | None, limit_bytes: int) -> str | None:

@@ -32,6 +32,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
 from sqlalchemy.orm import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,6 +42,7 @@ from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISI
 from autotune.core.setup import JobSetup
 from autotune.core.units import format_bytes as human_bytes
 from autotune_server.api import API_PREFIX, MAX_ID
+from autotune_server.breakdown_chart import breakdown_bars, breakdown_rows, timeline_svg
 from autotune_server.consistency import stored_problems
 from autotune_server.convert import to_profile
 from autotune_server.dashboard_queries import (
@@ -624,6 +626,10 @@ def _profile_page(profile_id: str, request: Request, session: Session) -> HTMLRe
         # A stored profile that contradicts its own trials (stored before the checks): shown, never used.
         "inconsistencies": stored_problems(row),
         "api_url": f"{API_PREFIX}/profiles/{number}",
+        # Where the memory goes (breakdown_chart.py): SVG drawn here, escaped where it holds the profile's text.
+        "breakdown_bars": Markup(breakdown_bars(profile)),
+        "timelines": [Markup(timeline_svg(b)) for b in profile.breakdown or []],
+        "breakdown_rows": breakdown_rows(profile),
         "now": datetime.now(timezone.utc),
         "uploaded_at": to_utc(row.uploaded_at),
     }

@@ -143,6 +143,15 @@ class _StorageLedger:
                     self.events.append((key, nbytes))
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes + held)
 
+    def event_key(self, storage: torch.UntypedStorage) -> int | None:
+        """The key the events give a counted storage that holds bytes (None: not counted, or empty)."""
+        key = storage._cdata
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None or not entry[1]:
+                return None
+            return self._renamed.get(key, key)
+
     def held(self) -> list[tuple[int, int]]:
         """(event key, bytes) of every live storage that holds bytes, in the order they were counted."""
         with self._lock:
@@ -236,6 +245,8 @@ class CpuMeter(Meter):
         self._enforce = True
         self.keep_trace = False
         self.last_trace: list[int] | None = None
+        # A trial's breakdown recorder while one records (autotune/measure/breakdown.py).
+        self.recorder: Any = None
 
     def describe(self) -> Device:
         return Device(
@@ -256,6 +267,8 @@ class CpuMeter(Meter):
             HOST.add(storage)
             return
         live = self._ledger.add(storage)
+        if self.recorder is not None:  # the breakdown's recorder learns the operator of the peak
+            self.recorder.note_peak(live, what)
         if self._enforce and live > self.budget_bytes:
             raise CpuOutOfMemoryError(
                 f"CPU meter: out of memory (DefaultCPUAllocator: can't allocate memory): {what} "
@@ -317,6 +330,10 @@ class CpuMeter(Meter):
             yield recorded
         finally:
             self._ledger.events = None
+
+    def event_key(self, storage: torch.UntypedStorage) -> int | None:
+        """The key the recorded events give storage (None where it is not counted)."""
+        return self._ledger.event_key(storage)
 
     @contextmanager
     def unbounded(self) -> Iterator[None]:

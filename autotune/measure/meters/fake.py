@@ -371,6 +371,8 @@ class _FakeCountingMode(_LiveStorageMode):
             steps = op_temporaries(func, args, facts)
             if steps:
                 self.meter._ledger.scratch(steps)
+                if self.meter.recorder is not None:
+                    self.meter.recorder.note_peak(self.meter._ledger.peak_bytes, f"{func} (the kernel's workspace)")
             left_out = unmodelled(func)
             if left_out is not None:
                 self.meter.unmodelled.add(left_out)

@@ -1,0 +1,259 @@
+"""Where a trial's memory goes: its peak broken down by what holds it, and the step drawn as a timeline.
+
+A trial run with a :class:`BreakdownRecorder` on a CPU or fake meter records every storage the meter counts (the
+meter's own events: ``CpuMeter.record_events``), the phase each was allocated in, and what the trial knows the
+storages to be once it knows it: the model's parameters (trainable and frozen apart) and buffers when the cycle
+starts, each micro-batch's gradients after its backward, the optimizer's state after each step. After the trial
+the events are replayed twice: the first pass gives every allocation its category (what it was last known to be,
+else its phase's: the micro-batch's tensors are ``inputs``, what the forward allocates ``activations``, what the
+backward or the step allocates and is nothing else ``temporaries``); the second sums the live bytes of each
+category after every event. The parts at the event where the total peaks sum to the trial's peak exactly (the
+same storages, counted once), and the totals after every event, thinned to a few hundred points that keep every
+local peak, are the timeline.
+
+Why categories are given after the fact: a gradient is allocated in the backward as a temporary and becomes the
+parameter's ``.grad`` only when accumulated (FSDP2 assigns it after its reduce-scatter); the optimizer's state is
+allocated in the step beside the step's own temporaries. Replayed with what each storage turned out to be, the
+peak's parts say what was held, not when it was first seen.
+
+The peak's place: the operator that allocated the byte that set the peak, and the innermost module running then
+(torch's ``ModTracker``), forward or backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.allocator import FREE
+from autotune.core.schemas import MAX_BYTES, MEMORY_PARTS, MemoryBreakdown
+
+__all__ = ["BreakdownRecorder", "TIMELINE_POINTS"]
+
+TIMELINE_POINTS = 240
+# The category an allocation takes from the phase it was made in, unless the trial later says what it is.
+_PHASE_PART = {
+    "held": "temporaries",
+    "model": "trainable_parameters",
+    "inputs": "inputs",
+    "forward": "activations",
+    "backward": "temporaries",
+    "step": "temporaries",
+}
+
+
+class BreakdownRecorder:
+    """Records one trial on a CPU (or fake) meter for :meth:`breakdown`. The trial marks its phases
+    (:meth:`phase`) and says what storages are (:meth:`classify`); the meter tells it the operator of each new
+    peak (:meth:`note_peak`)."""
+
+    def __init__(self) -> None:
+        self._events: list[tuple[int, int]] | None = None
+        self._held: list[tuple[int, int]] = []
+        self._phases: list[tuple[int, str]] = []
+        self._known: list[tuple[int, int, str]] = []  # (event index, event key, category)
+        self._event_key: Any = None
+        self._peak_label = ""
+        self._best = -1
+        self._tracker: Any = None
+
+    @contextmanager
+    def recording(self, meter: Any) -> Iterator[None]:
+        """Record meter's events for the block (meter: a CpuMeter or FakeMeter), the modules tracked."""
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        with meter.record_events() as recorded, ModTracker() as tracker:
+            self._events, self._held = recorded.events, recorded.held
+            self._event_key = meter.event_key
+            self._tracker = tracker
+            self._phases = [(0, "model")]
+            meter.recorder = self
+            try:
+                yield
+            finally:
+                meter.recorder = None
+                self._tracker = None
+
+    def phase(self, name: str) -> None:
+        """The allocations from now on were made in phase ``name`` (a key of the phase table above)."""
+        if self._events is not None:
+            self._phases.append((len(self._events), name))
+
+    def classify(self, tensors: Iterable[torch.Tensor | None], part: str) -> None:
+        """The live storages of tensors are ``part`` (one of MEMORY_PARTS), for their whole lives."""
+        if self._events is None:
+            return
+        from autotune.measure.meters.cpu import _storages
+
+        index = len(self._events)
+        for storage in _storages([t for t in tensors if t is not None]):
+            key = self._event_key(storage)
+            if key is not None:
+                self._known.append((index, key, part))
+
+    def classify_model(self, model: nn.Module) -> None:
+        params = list(model.parameters())
+        self.classify([p for p in params if p.requires_grad], "trainable_parameters")
+        self.classify([p for p in params if not p.requires_grad], "frozen_parameters")
+        self.classify(model.buffers(), "buffers")
+
+    def classify_gradients(self, model: nn.Module) -> None:
+        self.classify((p.grad for p in model.parameters()), "gradients")
+
+    def classify_optimizer(self, optimizer: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)  # a wrapper (LightningOptimizer, accelerate's) holds one
+        state = getattr(inner, "state", {})
+        tensors = [v for values in state.values() if isinstance(values, dict) for v in values.values()]
+        self.classify((t for t in tensors if isinstance(t, torch.Tensor)), "optimizer_state")
+
+    def note_peak(self, peak_bytes: int, what: Any) -> None:
+        """The meter's live bytes reached peak_bytes at an allocation by ``what`` (an operator, or a text): the
+        place of the trial's peak, where it is the highest yet."""
+        if peak_bytes <= self._best:
+            return
+        self._best = peak_bytes
+        tracker = self._tracker
+        module, backward = "", False
+        if tracker is not None:
+            running = [name for name in tracker.parents if name != "Global"]
+            module = max(running, key=len) if running else ""
+            backward = bool(tracker.is_bw)
+        op = getattr(what, "__name__", None) or str(what)
+        phase = self._phases[-1][1] if self._phases else ""
+        where = f"{module} {'backward' if backward else 'forward'}" if module else phase
+        self._peak_label = f"{op} in {where}" if where else op
+
+    def breakdown(self, micro_batch: int, fits: bool, peak_bytes: int) -> MemoryBreakdown:
+        """The recorded trial's peak by part, and its timeline. ``peak_bytes``: the trial's peak as the meter read
+        it (the parts sum to it: a difference is a bug, raised)."""
+        assert self._events is not None, "breakdown() after recording()"
+        categories = self._categories()
+        parts_index = {part: i for i, part in enumerate(MEMORY_PARTS)}
+        live = [0] * len(MEMORY_PARTS)
+        where: dict[int, tuple[int, int]] = {}  # key -> (part index, bytes)
+        for serial, (key, nbytes) in enumerate(self._held):
+            part = parts_index[categories[serial]]
+            where[key] = (part, nbytes)
+            live[part] += nbytes
+        points: list[list[int]] = [[0, *live]]
+        best = sum(live)
+        best_parts = list(live)
+        best_index = 0
+        serial = len(self._held)
+        for index, (key, nbytes) in enumerate(self._events, start=1):
+            if nbytes == FREE:
+                part, freed = where.pop(key)
+                live[part] -= freed
+            else:
+                part = parts_index[categories[serial]]
+                serial += 1
+                where[key] = (part, nbytes)
+                live[part] += nbytes
+            points.append([index, *live])
+            total = sum(live)
+            if total > best:
+                best, best_parts, best_index = total, list(live), index
+        if best != peak_bytes:
+            raise AssertionError(f"the breakdown's parts sum to {best} bytes, the trial's peak is {peak_bytes}")
+        phases = [[index, name] for index, name in self._phases]
+        return MemoryBreakdown.model_validate(
+            {
+                "micro_batch": micro_batch,
+                "fits": fits,
+                "peak_bytes": best,
+                "parts": {part: best_parts[i] for i, part in enumerate(MEMORY_PARTS) if best_parts[i]},
+                "peak_event": best_index,
+                "peak_where": self._peak_label[:256],
+                "events": len(self._events),
+                "timeline": _thinned(points, best_index, TIMELINE_POINTS),
+                "phases": _phase_starts(phases),
+            }
+        )
+
+    def _categories(self) -> list[str]:
+        """The category of every allocation, by serial (held storages first, then each allocation event)."""
+        assert self._events is not None
+        categories: list[str] = []
+        live: dict[int, int] = {}  # event key -> serial
+        for key, _ in self._held:
+            live[key] = len(categories)
+            categories.append(_PHASE_PART["held"])
+        known = sorted(self._known, key=lambda k: k[0])
+        phases = self._phases
+        next_known = next_phase = 0
+        phase = _PHASE_PART["held"]
+        for index, (key, nbytes) in enumerate([*self._events, (0, 0)]):
+            while next_known < len(known) and known[next_known][0] <= index:
+                _, known_key, part = known[next_known]
+                if known_key in live:
+                    categories[live[known_key]] = part
+                next_known += 1
+            while next_phase < len(phases) and phases[next_phase][0] <= index:
+                phase = _PHASE_PART[phases[next_phase][1]]
+                next_phase += 1
+            if index == len(self._events):
+                break
+            if nbytes == FREE:
+                live.pop(key, None)
+            else:
+                live[key] = len(categories)
+                categories.append(phase)
+        return categories
+
+
+def _thinned(points: list[list[int]], peak_index: int, count: int) -> list[list[int]]:
+    """At most about ``count`` points of the timeline: in each of ``count`` spans of events, the point with the
+    most live bytes (a stacked area drawn through them keeps every span's highest), and the peak's own point."""
+    if len(points) <= count:
+        return points
+    span = len(points) / count
+    kept: list[list[int]] = []
+    for i in range(count):
+        chunk = points[int(i * span) : int((i + 1) * span)] or [points[-1]]
+        kept.append(max(chunk, key=lambda p: sum(p[1:])))
+    if all(p[0] != peak_index for p in kept):
+        kept.append(points[peak_index])
+        kept.sort(key=lambda p: p[0])
+    return kept
+
+
+def _phase_starts(phases: list[list[Any]]) -> list[list[Any]]:
+    """Each change of phase once (a phase marked twice in a row, at the same event or not, is one)."""
+    starts: list[list[Any]] = []
+    for index, name in phases:
+        if starts and starts[-1][1] == name:
+            continue
+        if starts and starts[-1][0] == index:
+            starts[-1] = [index, name]
+            continue
+        starts.append([index, name])
+    return starts[:512]
+
+
+def fake_breakdowns(
+    task: Any, strategy: Any, *, device_type: str, sizes: Iterable[int], limit_bytes: int
+) -> list[MemoryBreakdown]:
+    """The breakdown of a fake trial of task at each size (m_max, and the size above it): no budget, so a size
+    that does not fit runs to its whole peak; each inside the strategy's process group, on a model of its own.
+    A size that cannot run fake is left out (the caller says so)."""
+    from autotune.core.errors import AutotuneError
+    from autotune.measure.meters.fake import FakeMeter
+    from autotune.measure.trial import run_trial
+
+    found: list[MemoryBreakdown] = []
+    for micro_batch in sizes:
+        meter = FakeMeter(MAX_BYTES, device_type)
+        recorder = BreakdownRecorder()
+        try:
+            with strategy.process_group(meter.device), recorder.recording(meter):
+                trial = run_trial(task, meter, micro_batch, limit_bytes=limit_bytes, strategy=strategy)
+            found.append(recorder.breakdown(micro_batch, trial.fits, trial.peak_bytes))
+        except AutotuneError:
+            continue
+        finally:
+            meter.close()
+    return found

@@ -1,0 +1,177 @@
+"""Where the memory goes (autotune/measure/breakdown.py): a trial's peak by what holds it, and the step's timeline.
+
+The truths share no code with the recorder: PyTorch's own ``MemTracker`` (torch.distributed._tools.mem_tracker) run
+over the same steps of the same model built the ordinary way, category by category; the parameters' bytes summed
+from the ordinary model; AdamW's state from torch's own AdamW after a real step; and the probe's real trial, whose
+peak the parts must sum to.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from autotune.core.schemas import MEMORY_PARTS, Profile
+from autotune.measure.breakdown import fake_breakdowns
+from autotune.measure.strategies import Replicated
+from autotune.orchestrate.config import ProbeConfig
+from autotune.orchestrate.probe import probe
+from autotune.tasks.hf import LoraOptions, hf_task
+from tests.autotune._hf_configs import CONFIGS, write_config
+
+pytest.importorskip("transformers")
+
+SEQ_LEN = 16
+SIZES = (4, 5)
+
+
+def _ordinary_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.train()
+    return model
+
+
+def _memtracker_peak(micro_batch: int) -> dict[str, int]:
+    """MemTracker's categories at the peak of the trial's steps, run the ordinary way: AdamW, two micro-batches
+    of input ids and their labels (a copy, as the hf: task's batch holds; the batch held until after its
+    backward, as a loop over a loader holds it), forward and backward each, a step, zero_grad, twice."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    tracker = MemTracker()
+    model = _ordinary_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    tracker.track_external(model, optimizer)
+    generator = torch.Generator().manual_seed(0)
+    with tracker:
+        for _ in range(2):
+            for _ in range(2):
+                tracker.reset_mod_stats()  # one forward of the model per tracked iteration
+                ids = torch.randint(0, CONFIGS["llama"]["vocab_size"], (micro_batch, SEQ_LEN), generator=generator)
+                batch = {"input_ids": ids, "labels": ids.clone()}  # held through the backward, as a loader's is
+                loss = model(**batch).loss / 2
+                loss.backward()
+                del ids, batch, loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return {getattr(key, "name", key): value for key, value in peak.items()}
+
+
+def test_the_peaks_parts_are_memtrackers_and_the_ordinary_counts(tmp_path: Path) -> None:
+    task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
+    breakdowns = fake_breakdowns(task, Replicated(1), device_type="cpu", sizes=SIZES, limit_bytes=1 << 40)
+    model = _ordinary_llama()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(
+        input_ids=torch.zeros(1, SEQ_LEN, dtype=torch.long), labels=torch.zeros(1, SEQ_LEN, dtype=torch.long)
+    ).loss.backward()
+    optimizer.step()
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    for breakdown in breakdowns:
+        truth = _memtracker_peak(breakdown.micro_batch)
+        parts = breakdown.parts
+        print(f"m={breakdown.micro_batch}: autotune {parts} at {breakdown.peak_where}; MemTracker {truth}")
+        assert sum(parts.values()) == breakdown.peak_bytes == truth["Total"]
+        assert parts["trainable_parameters"] == truth["PARAM"] == param_bytes
+        assert parts["buffers"] == truth["BUFFER"]
+        assert parts["gradients"] == truth["GRAD"] == param_bytes  # the peak is in the second micro-batch's backward
+        assert parts["optimizer_state"] == truth["OPT"] == state_bytes
+        # MemTracker counts as activation what is made before the first module's backward hook fires: the loss's
+        # seed gradient (one fp32 element), which autotune counts as the backward's temporary.
+        seed = 4
+        assert parts["activations"] + parts["inputs"] == truth["ACT"] - seed
+        assert parts["temporaries"] == truth["TEMP"] + seed
+        assert "backward" in breakdown.peak_where
+    assert [b.fits for b in breakdowns] == [True, True]  # no limit was given: both ran whole
+
+
+def test_the_timeline_reaches_the_peak_at_its_event_in_phase_order(tmp_path: Path) -> None:
+    task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
+    (breakdown,) = fake_breakdowns(task, Replicated(1), device_type="cpu", sizes=(4,), limit_bytes=1 << 40)
+    assert len(breakdown.timeline) <= 250 and len(breakdown.timeline[0]) == len(MEMORY_PARTS) + 1
+    at_peak = next(point for point in breakdown.timeline if point[0] == breakdown.peak_event)
+    assert sum(at_peak[1:]) == breakdown.peak_bytes
+    assert max(sum(point[1:]) for point in breakdown.timeline) == breakdown.peak_bytes
+    names = [name for _, name in breakdown.phases]
+    assert names[:3] == ["model", "inputs", "forward"] and names.count("backward") == 4 and names[-1] == "step"
+    events = [index for index, _ in breakdown.phases]
+    assert events == sorted(events) and events[-1] <= breakdown.events
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")  # peft 0.21 asks transformers 5
+def test_under_lora_the_frozen_base_and_the_trained_adapters_are_apart(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    task = hf_task(write_config(tmp_path, "llama"), lora=LoraOptions(rank=4)).at_length(SEQ_LEN)
+    (breakdown,) = fake_breakdowns(task, Replicated(1), device_type="cpu", sizes=(4,), limit_bytes=1 << 40)
+    ordinary = get_peft_model(_ordinary_llama(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    trained = sum(p.numel() * p.element_size() for p in ordinary.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in ordinary.parameters() if not p.requires_grad)
+    assert breakdown.parts["trainable_parameters"] == trained == breakdown.parts["gradients"]
+    assert breakdown.parts["frozen_parameters"] == frozen
+    assert breakdown.parts["optimizer_state"] == 2 * trained + 4 * sum(
+        1 for p in ordinary.parameters() if p.requires_grad
+    )
+
+
+def test_a_probe_stores_the_breakdown_of_m_max_and_the_next_size_summing_to_the_real_peaks(tmp_path: Path) -> None:
+    task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
+    config = ProbeConfig(device="cpu", budget_bytes=1_000_000, headroom=0.0, breakdown=True)
+    profile = probe(task, config)
+    real = {t.micro_batch: t.peak_bytes for t in profile.trials if not t.fake and not t.oom}
+    m_max = profile.max_micro_batch
+    assert profile.breakdown is not None
+    at_max, above = profile.breakdown
+    assert (at_max.micro_batch, at_max.fits, above.micro_batch, above.fits) == (m_max, True, m_max + 1, False)
+    assert at_max.peak_bytes == real[m_max]  # the fake trial's parts sum to the real trial's peak
+    assert above.peak_bytes > profile.limit_bytes
+    assert Profile.model_validate_json(profile.model_dump_json()).breakdown == profile.breakdown
+    assert probe(task, ProbeConfig(device="cpu", budget_bytes=1_000_000, headroom=0.0)).breakdown is None
+
+
+def test_the_datasheet_prints_the_parts_and_json_carries_them(tmp_path: Path) -> None:
+    where = write_config(tmp_path, "llama")
+    argv = [sys.executable, "-m", "autotune.cli", "probe", f"hf:{where}", "--device", "cpu", "--budget", "1MB"]
+    argv += ["--seq-len", str(SEQ_LEN), "--output", str(tmp_path / "p.json")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "memory at peak" in done.stdout and "optimizer state" in done.stdout and "peak of m=" in done.stdout
+    (stored,) = json.loads((tmp_path / "p.json").read_text())
+    assert [b["fits"] for b in stored["breakdown"]] == [True, False]
+    quiet = subprocess.run([*argv, "--no-breakdown"], capture_output=True, text=True, timeout=300, check=False)
+    assert quiet.returncode == 0 and "memory at peak" not in quiet.stdout
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_under_fsdp_each_part_is_the_ranks_shard(tmp_path: Path) -> None:
+    """fsdp x 2: the parameters, gradients and AdamW's state are rank 0's shards (FSDP2 pads dim 0 to a multiple of
+    the ranks: ceil(rows / 2) rows each), counted from the ordinary model's shapes."""
+    import math
+
+    from autotune.measure.strategies import Sharded
+
+    task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
+    (breakdown,) = fake_breakdowns(task, Sharded(2), device_type="cpu", sizes=(4,), limit_bytes=1 << 40)
+    shard_bytes = sum(
+        math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) * p.element_size() for p in _ordinary_llama().parameters()
+    )
+    assert breakdown.parts["trainable_parameters"] == shard_bytes
+    assert breakdown.parts["gradients"] == shard_bytes
+    assert breakdown.parts["optimizer_state"] == 2 * shard_bytes + 4 * len(list(_ordinary_llama().parameters()))
+    assert sum(breakdown.parts.values()) == breakdown.peak_bytes

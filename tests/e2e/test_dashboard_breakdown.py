@@ -1,0 +1,79 @@
+"""Where the memory goes, on the dashboard, in a real browser (headless Debian chromium under Playwright, a real
+``autotune serve``): a real probe of a tiny Llama with its breakdown, uploaded through the client. The bars, the
+table and the timelines are SVG drawn by the server (server/autotune_server/breakdown_chart.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autotune.core.schemas import Profile
+from autotune_client import TunerClient
+from tests.e2e.conftest import LiveServer
+from tests.e2e.test_dashboard import browser, page  # noqa: F401 -- the fixtures, shared
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def broken_down(live_server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Profile]:
+    from autotune.orchestrate.config import ProbeConfig
+    from autotune.orchestrate.probe import probe
+    from autotune.tasks.hf import hf_task
+    from tests.autotune._hf_configs import write_config
+
+    where: Path = tmp_path_factory.mktemp("breakdown")
+    task = hf_task(write_config(where, "llama")).at_length(16)
+    profile = probe(task, ProbeConfig(device="cpu", budget_bytes=1_000_000, headroom=0.0, breakdown=True))
+    with TunerClient(base_url=live_server.url, token=live_server.token) as client:
+        return client.upload(profile), profile
+
+
+def test_the_profile_page_draws_the_breakdown_and_the_step(
+    page: Any,  # noqa: F811
+    live_server: LiveServer,
+    broken_down: tuple[int, Profile],
+) -> None:
+    number, profile = broken_down
+    assert profile.breakdown is not None
+    page.goto(f"{live_server.url}/profiles/{number}")
+    section = page.locator("#breakdown")
+    section.wait_for()
+    # One segment per part that holds bytes, in each size's bar, each the bytes the profile says.
+    for breakdown in profile.breakdown:
+        drawn = page.locator(f"#breakdown svg.breakdown-bars rect.part[data-micro-batch='{breakdown.micro_batch}']")
+        assert drawn.count() == len(breakdown.parts)
+        assert {
+            drawn.nth(i).get_attribute("data-part"): int(drawn.nth(i).get_attribute("data-bytes") or 0)
+            for i in range(drawn.count())
+        } == breakdown.parts
+        # The segments are laid end to end, in proportion: together as wide as the bar's share of the scale.
+        boxes = [drawn.nth(i).bounding_box() for i in range(drawn.count())]
+        assert all(box is not None and box["width"] > 0 for box in boxes)
+    widths = [
+        sum(
+            box["width"]
+            for box in page.locator(f"rect.part[data-micro-batch='{b.micro_batch}']").evaluate_all(
+                "els => els.map(e => e.getBoundingClientRect()).map(r => ({width: r.width}))"
+            )
+        )
+        for b in profile.breakdown
+    ]
+    low, high = profile.breakdown
+    assert widths[1] / widths[0] == pytest.approx(high.peak_bytes / low.peak_bytes, rel=0.01)
+    # The table: a row per part, and the peaks.
+    rows = page.locator("#breakdown table.breakdown-table tbody tr[data-part]")
+    assert rows.count() == len(set(low.parts) | set(high.parts))
+    assert "peak" in (page.locator("#breakdown tr.total").text_content() or "")
+    # A timeline per size: a stacked area per part, the phases along the bottom, the peak marked where it was.
+    timelines = page.locator("#breakdown svg.timeline")
+    assert timelines.count() == 2
+    first = timelines.nth(0)
+    assert first.locator("polygon.area").count() == sum(
+        1 for i in range(8) if any(point[i + 1] for point in low.timeline)
+    )
+    assert {first.locator("rect.phase").nth(i).get_attribute("data-phase") for i in range(3)} >= {"model", "inputs"}
+    assert low.peak_where in (first.locator("text.peak-label").text_content() or "")
+    assert page.console_errors == [] and page.dialogs == []
