@@ -452,6 +452,9 @@ class TrialRunner:
         self.accumulation = accumulation
         self.warnings: list[str] = []
         self._model: nn.Module | None = None
+        # With a dict here, each trial on a CPU or fake meter is recorded and its peak broken down
+        # (autotune/measure/breakdown.py), kept by micro-batch (the latest trial of each size).
+        self.breakdowns: dict[int, Any] | None = None
 
     def _ensure_model(self) -> nn.Module | None:
         if not self.reuse_model:
@@ -499,17 +502,23 @@ class TrialRunner:
             self.close()
             model = None
         del_model = False
+        recorder = self._recorder()
         try:
-            trial = run_trial(
-                self.task,
-                self.meter,
-                micro_batch,
-                limit_bytes=self.limit_bytes,
-                strategy=self.strategy,
-                model=model,
-                accumulation=self.accumulation,
-                host_limit_bytes=self.host_limit_bytes,
-            )
+            with recorder.recording(self.meter) if recorder is not None else contextlib.nullcontext():
+                trial = run_trial(
+                    self.task,
+                    self.meter,
+                    micro_batch,
+                    limit_bytes=self.limit_bytes,
+                    strategy=self.strategy,
+                    model=model,
+                    accumulation=self.accumulation,
+                    host_limit_bytes=self.host_limit_bytes,
+                )
+            if recorder is not None and self.breakdowns is not None:
+                found = recorder.breakdown(micro_batch, trial.fits, trial.peak_bytes)
+                if found is not None:
+                    self.breakdowns[micro_batch] = found
             del_model = trial.oom
             return trial
         except BaseException:
@@ -519,6 +528,17 @@ class TrialRunner:
             del model
             if del_model:
                 self.close()
+
+    def _recorder(self) -> Any:
+        """A breakdown's recorder for the next trial, where one is asked for and the meter counts storages (the CPU
+        and fake meters; an eager job: a compiled graph's buffers are not the eager ops')."""
+        from autotune.measure.breakdown import BreakdownRecorder
+        from autotune.measure.meters.cpu import CpuMeter
+
+        if self.breakdowns is None or self.task.compile is not None or not isinstance(self.meter, CpuMeter):
+            return None
+
+        return BreakdownRecorder()
 
     def close(self) -> None:
         """Drop the reused model (the next trial builds a new one)."""

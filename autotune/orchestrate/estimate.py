@@ -27,12 +27,13 @@ import torch
 
 from autotune.core import units
 from autotune.core.errors import AutotuneError
-from autotune.core.schemas import Device, Profile, Trial
+from autotune.core.schemas import Device, MemoryBreakdown, Profile, Trial
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import frozen_heap
 from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card, estimate_on_card_lengths
 from autotune.orchestrate.config import DeviceKind, EstimateConfig
 from autotune.orchestrate.estimated import estimated_profile
+from autotune.orchestrate.probe import chosen_breakdowns
 from autotune.search.boundary import NoFitError
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeTrials, fake_search
@@ -112,6 +113,8 @@ def estimate(
         return _estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
     strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
     no_fit: NoFitError | None = None
+    # The fake trials' peaks broken down (autotune/measure/breakdown.py); not on a run's shared fake model.
+    breakdowns: dict[int, MemoryBreakdown] | None = {} if setup.breakdown and fakes is None else None
     # A shared fake model lives in its caller's process group; a model of its own needs one.
     group = nullcontext() if fakes is not None else strategy.process_group(torch.device(device_type))
     with group, frozen_heap():
@@ -130,6 +133,7 @@ def estimate(
                 hint=hint,
                 known=known,
                 fakes=fakes,
+                breakdowns=breakdowns,
             )
         except NoFitError as exc:  # diagnosed by fake trials, outside this process group
             if fakes is not None:  # the caller holds the group: it diagnoses after the run
@@ -138,11 +142,7 @@ def estimate(
     if no_fit is not None:
         raise no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
     warnings.extend(found.warnings)
-    breakdown = None
-    if fakes is None and device_type == "cpu":  # the estimate's figures are its fake trials': broken down as such
-        from autotune.orchestrate.probe import peak_breakdowns
-
-        breakdown = peak_breakdowns(task, setup, strategy, found.max_micro_batch, limit_bytes, device_type, warnings)
+    breakdown = chosen_breakdowns(breakdowns, task, setup, found.max_micro_batch, device_type, warnings)
     device = Device(
         kind=config.device_kind,
         name=device_name,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +33,7 @@ from autotune.orchestrate.config import ProbeConfig
 from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease, reported
 from autotune.search.diagnose import no_fit_error
 from autotune.search.pipelined import PipelineSearch, search_pipeline
-from autotune.search.presearch import FakeSearch, fake_search, fake_strategy, presearch_failed
+from autotune.search.presearch import FakeSearch, fake_search, presearch_failed
 from autotune.search.static import confirm_static
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.optimizers import compiled_step, refuse_compiled_step
@@ -82,6 +81,7 @@ def _search(
     warnings: list[str],
     on_trial: Callable[[Trial], None] | None,
     presearched: FakeSearch | None = None,
+    breakdowns: dict[int, MemoryBreakdown] | None = None,
 ) -> tuple[SearchResult, FakeSearch | None, int | None]:
     """Pre-search on fake trials (unless turned off, impossible, or ``presearched`` already), then
     real trials from its answer; also the m_max they started from (None: no pre-search)."""
@@ -136,6 +136,7 @@ def _search(
         reuse_model=config.reuse_model,
         host_limit_bytes=config.host_budget_bytes,
     )
+    runner.breakdowns = breakdowns  # each real trial broken down, where asked (autotune/measure/breakdown.py)
 
     trial = reported(runner, on_trial)
 
@@ -335,13 +336,14 @@ def probe_with_meter(
 
     no_fit: NoFitError | None = None
     single: SingleStep | None = None
+    breakdowns: dict[int, MemoryBreakdown] | None = {} if config.breakdown else None
     with strategy.process_group(meter.device):
         if isinstance(strategy, Replicated) and config.world_size > 1 and not strategy.measures_buckets:
             warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
         try:
             with frozen_heap():
                 result, fake, predicted = _search(
-                    task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched
+                    task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched, breakdowns
                 )
                 # A compiled search's answer, confirmed by static compiles at m_max and above (docs/compile.md).
                 result = confirm_static(task, meter, config, strategy, limit_bytes, result, warnings, on_trial)
@@ -435,7 +437,7 @@ def probe_with_meter(
         autotune_version=autotune.__version__,
         **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device.type, warnings),
     )
-    profile.breakdown = peak_breakdowns(task, config, strategy, m_max, limit_bytes, meter.device.type, profile.warnings)
+    profile.breakdown = chosen_breakdowns(breakdowns, task, config, m_max, meter.device.type, profile.warnings)
     if config.throughput and config.mesh.pp == 1:  # timed runs, never the search's trials (none of a pipeline yet)
         profile.throughput = timed_updates(
             task,
@@ -453,22 +455,19 @@ def probe_with_meter(
     return profile
 
 
-def peak_breakdowns(
+def chosen_breakdowns(
+    recorded: dict[int, MemoryBreakdown] | None,
     task: ProbeTask,
     config: ProbeConfig,
-    strategy: Any,
     m_max: int,
-    limit_bytes: int,
     device_type: str,
     warnings: list[str],
 ) -> list[MemoryBreakdown] | None:
-    """m_max's peak and the next size's by what holds them (autotune/measure/breakdown.py), from fake trials with
-    CPU semantics: where config asks and the job's trials are eager, on the CPU, one stage (a compiled step, a
-    card and a pipeline's stages are not broken down yet: said in a warning)."""
-    if not config.breakdown:
+    """The breakdowns of the trials at m_max and the next size (autotune/measure/breakdown.py: recorded by the
+    search's own trials, so their parts sum to the figures the profile stores), where config asks for them. A job
+    whose trials are not broken down yet (compiled, on a card, a pipeline's stages) says so in a warning."""
+    if not config.breakdown or recorded is None:
         return None
-    from autotune.measure.breakdown import fake_breakdowns
-
     left_out = (
         "a compiled job"
         if task.compile is not None
@@ -476,19 +475,12 @@ def peak_breakdowns(
         if device_type != "cpu"
         else "a pipeline's stages"
         if config.mesh.pp > 1
-        else "host offload"
-        if task.offload != "none"
         else None
     )
     if left_out is not None:
         warnings.append(f"the peak is not broken down for {left_out} yet")
         return None
-    sizes = [m_max, m_max + config.multiple_of] if m_max + config.multiple_of <= config.max_micro_batch else [m_max]
-    found = fake_breakdowns(
-        task, fake_strategy(strategy), device_type=device_type, sizes=sizes, limit_bytes=limit_bytes
-    )
-    if len(found) < len(sizes):
-        warnings.append("the peak could not be broken down: a fake trial of the job failed")
+    found = [recorded[m] for m in (m_max, m_max + config.multiple_of) if m in recorded]
     return found or None
 
 

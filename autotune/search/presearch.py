@@ -191,6 +191,7 @@ def fake_search(
     hint: int | None = None,
     known: Sequence[Trial] = (),
     fakes: FakeTrials | None = None,
+    breakdowns: dict[int, Any] | None = None,
 ) -> FakeSearch:
     """m_max by fake trials (inside strategy's process group when it has one): read off the curve of
     two traced trials, or found by the exact search where the curve cannot be had.
@@ -204,6 +205,8 @@ def fake_search(
         known: fake trials of this very setup already run (the surface's traced trials at this
             length): a size among them is not run again.
         fakes: the run's shared fake model and meter (a run over lengths); None makes its own.
+        breakdowns: a dict that each fake trial's peak, broken down, is put in by micro-batch
+            (autotune/measure/breakdown.py: the estimate's datasheet); None records nothing.
 
     Raises:
         NoFitError: even multiple_of does not fit (the fake trial's verdict).
@@ -211,6 +214,7 @@ def fake_search(
     """
     own = fakes is None
     shared = fakes or FakeTrials(task, device_type=device_type, strategy=strategy, device_name=device_name)
+    shared.runner.breakdowns = breakdowns
     done: dict[int, Trial] = {trial.micro_batch: trial for trial in known if trial.fake and not trial.oom}
     traces: dict[int, list[int]] = {}
 

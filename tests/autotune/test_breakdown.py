@@ -139,7 +139,7 @@ def test_a_probe_stores_the_breakdown_of_m_max_and_the_next_size_summing_to_the_
     assert profile.breakdown is not None
     at_max, above = profile.breakdown
     assert (at_max.micro_batch, at_max.fits, above.micro_batch, above.fits) == (m_max, True, m_max + 1, False)
-    assert at_max.peak_bytes == real[m_max]  # the fake trial's parts sum to the real trial's peak
+    assert at_max.peak_bytes == real[m_max]  # the real trial's own, recorded
     assert above.peak_bytes > profile.limit_bytes
     assert Profile.model_validate_json(profile.model_dump_json()).breakdown == profile.breakdown
     assert probe(task, ProbeConfig(device="cpu", budget_bytes=1_000_000, headroom=0.0)).breakdown is None
@@ -175,3 +175,16 @@ def test_under_fsdp_each_part_is_the_ranks_shard(tmp_path: Path) -> None:
     assert breakdown.parts["gradients"] == shard_bytes
     assert breakdown.parts["optimizer_state"] == 2 * shard_bytes + 4 * len(list(_ordinary_llama().parameters()))
     assert sum(breakdown.parts.values()) == breakdown.peak_bytes
+
+
+def test_an_estimate_breaks_down_its_own_fake_trials(tmp_path: Path) -> None:
+    from autotune.orchestrate.config import EstimateConfig
+    from autotune.orchestrate.estimate import estimate
+
+    task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
+    setup = ProbeConfig(budget_bytes=1_000_000, headroom=0.0, breakdown=True)
+    profile = estimate(task, EstimateConfig(probe=setup, device_kind="cpu"))
+    fake = {t.micro_batch: t.peak_bytes for t in profile.trials if t.fake}
+    assert profile.breakdown is not None and profile.breakdown[0].micro_batch == profile.max_micro_batch
+    assert profile.breakdown[0].peak_bytes == fake[profile.max_micro_batch]
+    assert [b.fits for b in profile.breakdown] == [True, False]

@@ -74,6 +74,8 @@ def test_the_profile_page_draws_the_breakdown_and_the_step(
     assert first.locator("polygon.area").count() == sum(
         1 for i in range(8) if any(point[i + 1] for point in low.timeline)
     )
-    assert {first.locator("rect.phase").nth(i).get_attribute("data-phase") for i in range(3)} >= {"model", "inputs"}
+    bands = first.locator("rect.phase")
+    assert [bands.nth(i).get_attribute("data-phase") for i in range(bands.count())] == [name for _, name in low.phases]
+    assert {"inputs", "forward", "backward", "step"} <= {name for _, name in low.phases}
     assert low.peak_where in (first.locator("text.peak-label").text_content() or "")
     assert page.console_errors == [] and page.dialogs == []
