@@ -72,7 +72,13 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
         "--no-breakdown",
         dest="breakdown",
         action="store_false",
-        help="skip the peak's breakdown by what holds it (two fake trials after the search)",
+        help="skip the peak's breakdown by what holds it",
+    )
+    p.add_argument(
+        "--levers",
+        action="store_true",
+        help="after the search, what each change of the setup would free at the peak and the m_max it gives "
+        "(a fake trial and an estimate per change)",
     )
     p.add_argument("--multiple-of", type=positive_int, default=1)
     p.add_argument("--precision", choices=PRECISIONS, help="override the task's precision")
@@ -187,6 +193,7 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
         "host_budget_bytes": getattr(args, "host_budget", None),
         "compile": getattr(args, "compile", None),
         "breakdown": getattr(args, "breakdown", False),
+        "levers": getattr(args, "levers", False),
     }
 
 

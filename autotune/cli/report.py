@@ -164,6 +164,28 @@ def breakdown_lines(profile: Profile) -> list[str]:
     return lines
 
 
+def lever_lines(profile: Profile) -> list[str]:
+    """What each change of the setup would buy, best first, then the changes left out with why (--levers)."""
+    levers = profile.levers
+    if levers is None:
+        return []
+    if not levers:
+        return ["  levers           none: every change autotune knows is already applied to this job"]
+    at = levers[0].at_micro_batch
+    lines = [f"  levers           {'(at m=' + str(at) + ')':<30s}{'frees at the peak':>18s}  m_max"]
+    for lever in levers:
+        if lever.peak_bytes is None:
+            lines.append(f"    {lever.flags:<46s}left out: {lever.note}")
+            continue
+        freed = lever.freed_bytes or 0
+        sign = "-" if freed < 0 else ""
+        lines.append(
+            f"    {lever.flags:<42s}{sign + format_bytes(abs(freed)):>18s}  {lever.max_micro_batch}"
+            + ("  (not even the smallest size)" if lever.max_micro_batch == 0 else "")
+        )
+    return lines
+
+
 def datasheet(profile: Profile) -> str:
     """The profile as a page of text: plan, memory, fit, trials, warnings."""
     dev = profile.device
@@ -212,6 +234,7 @@ def datasheet(profile: Profile) -> str:
             f"{format_bytes(profile.fit.bytes_per_sample)} per sample (forward/backward)"
         )
     lines.extend(breakdown_lines(profile))
+    lines.extend(lever_lines(profile))
     lines.append(
         f"  trials           {trial_counts(profile)} in {profile.seconds:.2f}s"
         + ("" if profile.compile_seconds is None else f" (compilation {profile.compile_seconds:.2f}s of it)")
@@ -265,6 +288,9 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
             lines.append(
                 f"  {p.seq_len or '-':>8}  {p.max_micro_batch:>6}  {tokens:>18}  {_plan_text(p):<28}  {trial_counts(p)}"
             )
+        with_levers = [p for p in group if p.levers is not None]
+        if with_levers:
+            lines += [f"  at L={with_levers[-1].seq_len}:", *lever_lines(with_levers[-1])]
         broken_down = [p for p in group if p.breakdown]
         if broken_down:  # the longest length's (each length's is in --json)
             shown = broken_down[-1]
@@ -289,4 +315,3 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
     warnings = list(dict.fromkeys(w for p in profiles for w in p.warnings))
     lines.extend(f"  warning          {warning}" for warning in warnings)
     return "\n".join(lines)
-

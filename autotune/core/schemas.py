@@ -361,6 +361,20 @@ class MemoryBreakdown(_Model):
     ]
 
 
+class Lever(_Model):
+    """One change of the job's setup (``flags``, as the CLI spells it) and what it buys, by fake trials of the
+    changed setup (autotune/orchestrate/levers.py): the peak at the job's micro-batch (``at_micro_batch``: its
+    m_max, or the smallest size where none fits), the bytes that frees (negative: it costs), and the m_max under
+    it (0: not even the smallest size fits). ``note``: why it was left out, or what it assumes."""
+
+    flags: Annotated[str, Field(min_length=1, max_length=128)]
+    at_micro_batch: MicroBatch
+    peak_bytes: NonNegBytes | None = None
+    freed_bytes: Annotated[int, Field(ge=-MAX_BYTES, le=MAX_BYTES)] | None = None
+    max_micro_batch: Annotated[int, Field(ge=0, le=MAX_MICRO_BATCH)] | None = None
+    note: Annotated[str, Field(max_length=512)] = ""
+
+
 class Profile(_Model):
     """The datasheet of one job setup on one device model (docs/design.md, "Contracts")."""
 
@@ -419,6 +433,8 @@ class Profile(_Model):
     breakdown: (
         Annotated[list[Annotated[MemoryBreakdown, AfterValidator(_parts_sum_to_peak)]], Field(max_length=4)] | None
     ) = None
+    # What each applicable change of the setup would buy (--levers), best first (autotune/orchestrate/levers.py).
+    levers: Annotated[list[Lever], Field(max_length=32)] | None = None
     fit: Fit | None = None
     trial_count: Annotated[int, Field(ge=0, le=10_000)] = 0
     oom_count: Annotated[int, Field(ge=0, le=10_000)] = 0

@@ -67,6 +67,9 @@ class ProbeConfig:
     # After the search, the peak of m_max and of the size above it broken down by what holds it, with the step's
     # timeline (autotune/measure/breakdown.py): two fake trials more. The CLI asks for it; off for library calls.
     breakdown: bool = False
+    # After the search, what each applicable change of the setup would buy (autotune/orchestrate/levers.py): a
+    # fake trial and an estimate per change. `--levers` asks for it.
+    levers: bool = False
     # A sequence-aware task's lengths, one profile each (autotune/orchestrate/lengths.py: probe_lengths); the cap
     # of the search for the longest length at m = multiple_of; tokens per update instead of
     # target_batch. The fleet's workers read them here; `autotune probe` passes them itself too.

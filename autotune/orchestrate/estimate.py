@@ -140,9 +140,17 @@ def estimate(
                 raise
             no_fit = exc
     if no_fit is not None:
-        raise no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
+        from autotune.orchestrate.levers import with_cheapest_lever
+
+        error = no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
+        raise with_cheapest_lever(error, task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
     warnings.extend(found.warnings)
     breakdown = chosen_breakdowns(breakdowns, task, setup, found.max_micro_batch, device_type, warnings)
+    levers = None
+    if setup.levers:  # what each change of the setup would buy (autotune/orchestrate/levers.py)
+        from autotune.orchestrate.levers import pull_levers
+
+        levers = pull_levers(task, setup, at_micro_batch=found.max_micro_batch, device_type=device_type)
     device = Device(
         kind=config.device_kind,
         name=device_name,
@@ -160,6 +168,7 @@ def estimate(
         started=started,
         torch_version=torch.__version__,
         breakdown=breakdown,
+        levers=levers,
     )
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import autotune
 from autotune.core.consistency import check_profile
 from autotune.core.plan import nonnegative_fit
-from autotune.core.schemas import Device, Fit, MemoryBreakdown, Profile, Trial
+from autotune.core.schemas import Device, Fit, Lever, MemoryBreakdown, Profile, Trial
 from autotune.measure.offload import offload_fields
 from autotune.orchestrate.config import EstimateConfig
 from autotune.tasks.fingerprint import task_fingerprint
@@ -39,6 +39,7 @@ def estimated_profile(
     started: float,
     torch_version: str,
     breakdown: list[MemoryBreakdown] | None = None,
+    levers: list[Lever] | None = None,
 ) -> Profile:
     """The estimate's Profile, checked as the store would check it (``source: estimate``; the plan for
     config's target)."""
@@ -90,6 +91,7 @@ def estimated_profile(
         **offload_fields(task.offload, None, list(trials), max_micro_batch, config.device_kind, warnings),
         non_monotone=bool(above),
         breakdown=breakdown,
+        levers=levers,
     )
     # A profile the store would refuse is a bug here, not something to write or upload.
     check_profile(profile)

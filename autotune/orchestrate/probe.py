@@ -368,7 +368,7 @@ def probe_with_meter(
         over_host = _over_host_budget(no_fit.trial, config.host_budget_bytes, limit_bytes)
         if over_host is not None:
             raise CannotFitError(over_host)
-        raise no_fit_error(
+        error = no_fit_error(
             task,
             config,
             budget_bytes=meter.budget_bytes,
@@ -378,6 +378,18 @@ def probe_with_meter(
             # (An OOM's figure is where the budget stopped it, a floor, not a peak: left out.)
             measured_bytes=None if no_fit.trial.fake or no_fit.trial.oom else no_fit.trial.peak_bytes,
         )
+        if config.mesh.pp == 1:  # the cheapest change that fits (autotune/orchestrate/levers.py); not per stage yet
+            from autotune.orchestrate.levers import with_cheapest_lever
+
+            error = with_cheapest_lever(
+                error,
+                task,
+                config,
+                budget_bytes=meter.budget_bytes,
+                device_type=meter.device.type,
+                unseen_bytes=meter.unseen_bytes(),
+            )
+        raise error
 
     m_max = result.max_micro_batch
     decrease = peaks_decrease(result.trials)
@@ -438,6 +450,12 @@ def probe_with_meter(
         **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device.type, warnings),
     )
     profile.breakdown = chosen_breakdowns(breakdowns, task, config, m_max, meter.device.type, profile.warnings)
+    if config.levers and config.mesh.pp > 1:
+        profile.warnings.append("--levers: the changes are not tried on a pipeline's stages yet")
+    elif config.levers:  # what each change of the setup would buy, by fake trials (autotune/orchestrate/levers.py)
+        from autotune.orchestrate.levers import pull_levers
+
+        profile.levers = pull_levers(task, config, at_micro_batch=m_max, device_type=meter.device.type)
     if config.throughput and config.mesh.pp == 1:  # timed runs, never the search's trials (none of a pipeline yet)
         profile.throughput = timed_updates(
             task,

@@ -1,0 +1,86 @@
+"""The levers (autotune/orchestrate/levers.py): what each change of a job's setup would free at its peak and the m_max
+it gives, by fake trials; the no-fit line names the cheapest change that makes the smallest micro-batch fit.
+
+The truth for a lever's m_max is a probe of the changed setup (real trials on the CPU meter, the change made the
+way a user makes it: the flag's config field, the optimizer asked for by name)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.cli.report import lever_lines
+from autotune.core.schemas import Profile
+from autotune.orchestrate.config import ProbeConfig
+from autotune.orchestrate.levers import _changes, pull_levers
+from autotune.orchestrate.probe import probe
+from autotune.tasks.hf import hf_task
+from tests.autotune._hf_configs import write_config
+from tests.autotune._tasks import linear_task
+from tests.factories import profile_payload
+
+pytest.importorskip("transformers")
+
+SEQ_LEN = 16
+BUDGET = 1_000_000
+
+
+def test_a_levers_m_max_is_a_probe_of_the_changed_setup(tmp_path: Path) -> None:
+    task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
+    config = ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0)
+    m_max = probe(task, config).max_micro_batch
+    pulled = pull_levers(task, config, at_micro_batch=m_max)
+    levers = {lever.flags: lever for lever in pulled}
+    print({flags: (lever.max_micro_batch, lever.freed_bytes, lever.note[:60]) for flags, lever in levers.items()})
+    assert (
+        levers["--ac full"].max_micro_batch
+        == probe(task, config.with_setup(activation_checkpointing="full")).max_micro_batch
+    )
+    eight_bit = dataclasses.replace(task, optimizer="adamw8bit")
+    assert levers["--optimizer adamw8bit"].max_micro_batch == probe(eight_bit, config).max_micro_batch
+    # Every lever that ran frees something at m_max and so fits at least m_max; best first.
+    ran = [lever for lever in levers.values() if lever.peak_bytes is not None]
+    assert all(lever.freed_bytes is not None and lever.freed_bytes > 0 for lever in ran)
+    assert all((lever.max_micro_batch or 0) >= m_max for lever in ran)
+    order = [lever.max_micro_batch or 0 for lever in pulled if lever.peak_bytes is not None]
+    assert order == sorted(order, reverse=True)
+    assert "fake trials run the eager model" in levers["--compile"].note
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_a_lever_that_cannot_compose_with_the_job_is_left_out_with_the_reason(tmp_path: Path) -> None:
+    task = hf_task(write_config(tmp_path, "llama")).at_length(8)
+    config = ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0, strategy="fsdp", world_size=2)
+    levers = {lever.flags: lever for lever in pull_levers(task, config, at_micro_batch=4)}
+    eight_bit = levers["--optimizer adamw8bit"]
+    assert eight_bit.peak_bytes is None and "bitsandbytes" in eight_bit.note and "--strategy fsdp" in eight_bit.note
+    assert levers["--tp 2"].peak_bytes is None and "leaves 1" in levers["--tp 2"].note  # fsdp needs 2 shards
+    assert "--strategy fsdp --world-size 2" not in levers  # already applied
+    assert levers["--ac full"].max_micro_batch is not None and levers["--ac full"].max_micro_batch > 4
+
+
+def test_with_nothing_to_change_the_datasheet_says_so_in_one_line() -> None:
+    done = linear_task(activation_checkpointing="full", optimizer="adamw8bit", offload="activations")
+    done = dataclasses.replace(done, weights_dtype="bf16", compile="default")
+    assert list(_changes(done, ProbeConfig(budget_bytes=BUDGET))) == []
+    profile = Profile.model_validate({**profile_payload(), "levers": []})
+    (line,) = lever_lines(profile)
+    assert "none: every change autotune knows is already applied" in line
+
+
+def test_the_no_fit_line_names_the_cheapest_change_and_that_change_fits(tmp_path: Path) -> None:
+    where = write_config(tmp_path, "llama")
+    argv = [sys.executable, "-m", "autotune.cli", "probe", f"hf:{where}", "--device", "cpu", "--seq-len", str(SEQ_LEN)]
+    done = subprocess.run([*argv, "--budget", "560000"], capture_output=True, text=True, timeout=300, check=False)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("autotune: error:")]
+    assert done.returncode == 4 and len(errors) == 1, done.stderr[-2000:]
+    assert "the cheapest change that fits micro-batch 1: " in errors[0]
+    flags = errors[0].split("the cheapest change that fits micro-batch 1: ")[1].split(" (peak")[0].split()
+    fits = subprocess.run(
+        [*argv, "--budget", "560000", *flags], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert fits.returncode == 0, fits.stderr[-2000:]
