@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from autotune.core.schemas import Profile
+from autotune.core.schemas import Lever, Profile
 from autotune_client import TunerClient
 from tests.e2e.conftest import LiveServer
 from tests.e2e.test_dashboard import browser, page  # noqa: F401 -- the fixtures, shared
@@ -27,6 +27,17 @@ def broken_down(live_server: LiveServer, tmp_path_factory: pytest.TempPathFactor
     where: Path = tmp_path_factory.mktemp("breakdown")
     task = hf_task(write_config(where, "llama")).at_length(16)
     profile = probe(task, ProbeConfig(device="cpu", budget_bytes=1_000_000, headroom=0.0, breakdown=True))
+    # Levers as --levers would store them (their figures are tested in tests/autotune/test_levers.py).
+    profile.levers = [
+        Lever(
+            flags="--ac full",
+            at_micro_batch=profile.max_micro_batch,
+            peak_bytes=500_000,
+            freed_bytes=400_000,
+            max_micro_batch=7,
+        ),
+        Lever(flags="--compile", at_micro_batch=profile.max_micro_batch, note="<b>fake trials run the eager model</b>"),
+    ]
     with TunerClient(base_url=live_server.url, token=live_server.token) as client:
         return client.upload(profile), profile
 
@@ -78,4 +89,23 @@ def test_the_profile_page_draws_the_breakdown_and_the_step(
     assert [bands.nth(i).get_attribute("data-phase") for i in range(bands.count())] == [name for _, name in low.phases]
     assert {"inputs", "forward", "backward", "step"} <= {name for _, name in low.phases}
     assert low.peak_where in (first.locator("text.peak-label").text_content() or "")
+    assert page.console_errors == [] and page.dialogs == []
+
+
+def test_the_profile_page_lists_the_levers_with_what_each_leaves_out(
+    page: Any,  # noqa: F811
+    live_server: LiveServer,
+    broken_down: tuple[int, Profile],
+) -> None:
+    number, _ = broken_down
+    page.goto(f"{live_server.url}/profiles/{number}")
+    rows = page.locator("#levers tbody tr")
+    rows.first.wait_for()
+    assert rows.count() == 2
+    cells = [[" ".join(t.split()) for t in rows.nth(i).locator("td").all_text_contents()] for i in range(2)]
+    assert cells == [
+        ["--ac full", "390.62 KiB", "7", ""],
+        ["--compile", "left out", "<b>fake trials run the eager model</b>"],
+    ]
+    assert page.locator("#levers b").count() == 0  # the note is text, escaped
     assert page.console_errors == [] and page.dialogs == []
