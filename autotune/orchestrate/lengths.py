@@ -171,6 +171,7 @@ def _longest(
     lo, hi = 0, cap + 1  # lo: the longest known to fit; hi: the shortest known not to (or refused)
     peaks: dict[int, int] = {}
     refused: dict[int, str] = {}
+    over_host: dict[int, int] = {}  # lengths within the device's limit whose host bytes are over --host-budget
 
     def run(seq_len: int) -> bool:
         try:
@@ -181,6 +182,8 @@ def _longest(
             return False
         if not trial.oom:  # an OOM's peak is where the budget stopped it, not the length's peak
             peaks[seq_len] = trial.peak_bytes
+            if not trial.fits and trial.peak_bytes <= limit_bytes and trial.host_peak_bytes is not None:
+                over_host[seq_len] = trial.host_peak_bytes
         return trial.fits
 
     # Predictions from the surface, shifted by what the last trial showed above or below it (at
@@ -219,6 +222,8 @@ def _longest(
         limited_by, note = "cap", f"--max-seq-len {cap} reached: longer may fit"
     elif hi in refused:
         limited_by, note = "model", refused[hi]
+    elif hi in over_host:
+        limited_by, note = "memory", f"L {hi} keeps {over_host[hi]} bytes on the host, over --host-budget"
     else:
         limited_by, note = "memory", ""
     return LongestSeqLen(
@@ -571,7 +576,10 @@ def probe_lengths(
             at_config = config.with_setup(target_batch=target, target_tokens=None, seq_lens=())
             return probe_with_meter(task_at, meter, at_config, on_trial=on_trial, presearched=presearched)
 
-        runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy)
+        # The host budget (--host-budget under an offload) decides the longest length as it decides m_max.
+        runner = TrialRunner(
+            task, meter, limit_bytes=limit_bytes, strategy=strategy, host_limit_bytes=config.host_budget_bytes
+        )
 
         def trial_at(task_at: ProbeTask) -> Trial:
             runner.task = task_at  # the model is the same at every length

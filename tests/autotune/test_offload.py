@@ -251,3 +251,37 @@ def test_the_doctests_hold() -> None:
     for module in (offload, host):
         failures, tried = doctest.testmod(module)
         assert tried > 0 and failures == 0, module.__name__
+
+
+def test_the_host_budget_decides_the_longest_length_too() -> None:
+    """Under --offload activations the longest length at m = 1 is searched by real trials that keep the host budget
+    as m_max's do: the length found keeps at most the budget on the host, the next one more."""
+    from autotune.orchestrate.lengths import probe_lengths
+    from examples.gpt import make_seq_task
+
+    task = dataclasses.replace(
+        make_seq_task(GPTConfig(vocab_size=64, seq_len=1024, d_model=32, n_heads=2, n_layers=4)), shard_classes=(Block,)
+    )
+    config = ProbeConfig(device="cpu", budget_bytes=4 * MiB, offload="activations", throughput=False)
+    free = probe_lengths(task, config, [64], max_seq_len=1024).surface
+    assert free is not None and free.longest is not None
+    free_longest = free.longest.seq_len
+
+    def host_bytes(seq_len: int) -> int:
+        meter = CpuMeter(64 * MiB)
+        offloaded = dataclasses.replace(task.at_length(seq_len), offload="activations")
+        runner = TrialRunner(offloaded, meter, limit_bytes=64 * MiB)
+        try:
+            host = runner(1).host_peak_bytes
+        finally:
+            runner.close()
+        assert host is not None
+        return host
+
+    host_budget = (host_bytes(free_longest // 2) + host_bytes(free_longest)) // 2
+    bound = probe_lengths(task, dataclasses.replace(config, host_budget_bytes=host_budget), [64], max_seq_len=1024)
+    assert bound.surface is not None and bound.surface.longest is not None
+    longest = bound.surface.longest.seq_len
+    assert longest < free_longest
+    assert host_bytes(longest) <= host_budget < host_bytes(longest + 1)
+    assert "over --host-budget" in bound.surface.longest.note
