@@ -147,7 +147,11 @@ class BreakdownRecorder:
         serial = len(self._held)
         for index, (key, nbytes) in enumerate(self._events, start=1):
             if nbytes == FREE:
-                part, freed = where.pop(key)
+                gone = where.pop(key, None)
+                if gone is None:  # a storage the recording never saw get bytes: nothing to take off
+                    points.append([index, *live])
+                    continue
+                part, freed = gone
                 live[part] -= freed
             else:
                 part = parts_index[categories[serial]]

@@ -134,21 +134,30 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:400]
 
 
-def pull_levers(task: ProbeTask, config: ProbeConfig, *, at_micro_batch: int, device_type: str = "cpu") -> list[Lever]:
+def pull_levers(
+    task: ProbeTask,
+    config: ProbeConfig,
+    *,
+    at_micro_batch: int,
+    device_type: str = "cpu",
+    only: tuple[str, ...] | None = None,
+) -> list[Lever]:
     """Each applicable change's peak at at_micro_batch, the bytes it frees there and its m_max, best first (the
-    largest m_max, then the most freed); the changes left out, with why, after them.
+    largest m_max, then the most freed); the changes left out, with why, after them. ``only``: the changes whose
+    flags are among these (None: every one that applies).
 
     Raises:
         AutotuneError: the job itself cannot run a fake trial (the line says why)."""
-
     token = _TRYING.set(True)
     try:
-        return _pull(task, config, at_micro_batch, device_type)
+        return _pull(task, config, at_micro_batch, device_type, only)
     finally:
         _TRYING.reset(token)
 
 
-def _pull(task: ProbeTask, config: ProbeConfig, at_micro_batch: int, device_type: str) -> list[Lever]:
+def _pull(
+    task: ProbeTask, config: ProbeConfig, at_micro_batch: int, device_type: str, only: tuple[str, ...] | None
+) -> list[Lever]:
     from autotune.orchestrate.estimate import estimate
 
     task = config.applied_to(task)
@@ -156,6 +165,8 @@ def _pull(task: ProbeTask, config: ProbeConfig, at_micro_batch: int, device_type
     pulled: list[Lever] = []
     left_out: list[Lever] = []
     for change in _changes(task, config):
+        if only is not None and change.flags not in only:
+            continue
         if change.task is None or change.config is None:
             left_out.append(Lever(flags=change.flags, at_micro_batch=at_micro_batch, note=change.note))
             continue

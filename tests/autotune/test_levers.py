@@ -7,6 +7,7 @@ way a user makes it: the flag's config field, the optimizer asked for by name)."
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,9 @@ def test_a_levers_m_max_is_a_probe_of_the_changed_setup(tmp_path: Path) -> None:
     task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0)
     m_max = probe(task, config).max_micro_batch
-    pulled = pull_levers(task, config, at_micro_batch=m_max)
+    # The changes a probe checks here in seconds (the CLI test lists every one).
+    only = ("--ac full", "--optimizer adamw8bit", "--ac every-2", "--compile")
+    pulled = pull_levers(task, config, at_micro_batch=m_max, only=only)
     levers = {lever.flags: lever for lever in pulled}
     print({flags: (lever.max_micro_batch, lever.freed_bytes, lever.note[:60]) for flags, lever in levers.items()})
     assert (
@@ -55,7 +58,8 @@ def test_a_levers_m_max_is_a_probe_of_the_changed_setup(tmp_path: Path) -> None:
 def test_a_lever_that_cannot_compose_with_the_job_is_left_out_with_the_reason(tmp_path: Path) -> None:
     task = hf_task(write_config(tmp_path, "llama")).at_length(8)
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0, strategy="fsdp", world_size=2)
-    levers = {lever.flags: lever for lever in pull_levers(task, config, at_micro_batch=4)}
+    asked = ("--optimizer adamw8bit", "--tp 2", "--ac full", "--strategy fsdp --world-size 2")
+    levers = {lever.flags: lever for lever in pull_levers(task, config, at_micro_batch=4, only=asked)}
     eight_bit = levers["--optimizer adamw8bit"]
     assert eight_bit.peak_bytes is None and "bitsandbytes" in eight_bit.note and "--strategy fsdp" in eight_bit.note
     assert levers["--tp 2"].peak_bytes is None and "leaves 1" in levers["--tp 2"].note  # fsdp needs 2 shards
@@ -84,3 +88,21 @@ def test_the_no_fit_line_names_the_cheapest_change_and_that_change_fits(tmp_path
         [*argv, "--budget", "560000", *flags], capture_output=True, text=True, timeout=300, check=False
     )
     assert fits.returncode == 0, fits.stderr[-2000:]
+
+
+def test_the_cli_prints_every_lever_and_the_profile_carries_them(tmp_path: Path) -> None:
+    where = write_config(tmp_path, "llama")
+    output = tmp_path / "estimate.json"
+    argv = [sys.executable, "-m", "autotune.cli", "estimate", f"hf:{where}", "--device-kind", "cpu"]
+    argv += ["--budget", str(BUDGET), "--seq-len", "8", "--levers", "--output", str(output)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (stored,) = json.loads(output.read_text())
+    flags = [lever["flags"] for lever in stored["levers"]]
+    for expected in ("--ac every-2", "--ac op", "--ac full", "--optimizer adamw8bit", "--offload activations"):
+        assert expected in flags and expected in done.stdout
+    assert "--seq-len 4" in flags and "left out: a compiled step is measured" in done.stdout
+    ran = [lever for lever in stored["levers"] if lever["peak_bytes"] is not None]
+    assert [lever["max_micro_batch"] for lever in ran] == sorted(
+        (lever["max_micro_batch"] for lever in ran), reverse=True
+    )
