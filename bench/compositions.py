@@ -126,7 +126,10 @@ def main() -> int:
         )
     results_dir = ROOT / "bench" / "results"
     results_dir.mkdir(exist_ok=True)
-    (results_dir / "compositions.json").write_text(json.dumps(table, indent=1))
+    stored = results_dir / "compositions.json"
+    if args.only and stored.exists():  # a subset run updates its cells in the whole table
+        table = {**json.loads(stored.read_text()), **table}
+    stored.write_text(json.dumps(table, indent=1))
     return 0
 
 

@@ -207,7 +207,7 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: d.quantize is not None and d.tp > 1,
         lambda d: f"--quantize {d.quantize} with --tp {d.tp}",
         "DTensor's column- and row-wise styles cannot shard bitsandbytes' packed 4-bit weights (a flat uint8 buffer "
-        "and its quantization state); shard a 4-bit base over data-parallel ranks (--strategy ddp) instead",
+        "and its quantization state); train a 4-bit base over data-parallel replicas (--strategy ddp) instead",
     ),
     Rule(
         "--optimizer (bitsandbytes)",
