@@ -284,4 +284,3 @@ def _check_verify_sizes(args: argparse.Namespace) -> None:
             f"--micro-batch {micro} is {rule} --target-batch {target}: verify compares one batch of the target "
             "with its accumulation over smaller micro-batches"
         )
-

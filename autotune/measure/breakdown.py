@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from autotune.core.allocator import FREE
-from autotune.core.schemas import MAX_BYTES, MEMORY_PARTS, MemoryBreakdown
+from autotune.core.schemas import MEMORY_PARTS, MemoryBreakdown
 
 __all__ = ["BreakdownRecorder", "TIMELINE_POINTS"]
 
@@ -237,30 +237,3 @@ def _phase_starts(phases: list[list[Any]]) -> list[list[Any]]:
             continue
         starts.append([index, name])
     return starts[:512]
-
-
-def fake_breakdowns(
-    task: Any, strategy: Any, *, device_type: str, sizes: Iterable[int], limit_bytes: int
-) -> list[MemoryBreakdown]:
-    """The breakdown of a fake trial of task at each size (m_max, and the size above it): no budget, so a size
-    that does not fit runs to its whole peak; each inside the strategy's process group, on a model of its own.
-    A size that cannot run fake is left out (the caller says so)."""
-    from autotune.core.errors import AutotuneError
-    from autotune.measure.meters.fake import FakeMeter
-    from autotune.measure.trial import run_trial
-
-    found: list[MemoryBreakdown] = []
-    for micro_batch in sizes:
-        meter = FakeMeter(MAX_BYTES, device_type)
-        recorder = BreakdownRecorder()
-        try:
-            with strategy.process_group(meter.device), recorder.recording(meter):
-                trial = run_trial(task, meter, micro_batch, limit_bytes=limit_bytes, strategy=strategy)
-            breakdown = recorder.breakdown(micro_batch, trial.fits, trial.peak_bytes)
-            if breakdown is not None:
-                found.append(breakdown)
-        except AutotuneError:
-            continue
-        finally:
-            meter.close()
-    return found

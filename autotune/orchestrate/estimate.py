@@ -30,10 +30,10 @@ from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device, MemoryBreakdown, Profile, Trial
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import frozen_heap
+from autotune.orchestrate.breakdowns import chosen_breakdowns
 from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card, estimate_on_card_lengths
 from autotune.orchestrate.config import DeviceKind, EstimateConfig
 from autotune.orchestrate.estimated import estimated_profile
-from autotune.orchestrate.probe import chosen_breakdowns
 from autotune.search.boundary import NoFitError
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeTrials, fake_search
@@ -150,7 +150,9 @@ def estimate(
     if setup.levers:  # what each change of the setup would buy (autotune/orchestrate/levers.py)
         from autotune.orchestrate.levers import pull_levers
 
-        levers = pull_levers(task, setup, at_micro_batch=found.max_micro_batch, device_type=device_type)
+        levers = pull_levers(
+            task, setup, at_micro_batch=found.max_micro_batch, device_type=device_type, estimator=estimate
+        )
     device = Device(
         kind=config.device_kind,
         name=device_name,

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from autotune.core.compositions import composition_refusal
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.mesh import Mesh
-from autotune.core.schemas import MAX_BYTES, Lever
+from autotune.core.schemas import MAX_BYTES, Lever, Profile
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import build_on_meta, run_trial
@@ -141,25 +141,30 @@ def pull_levers(
     at_micro_batch: int,
     device_type: str = "cpu",
     only: tuple[str, ...] | None = None,
+    estimator: Callable[[ProbeTask, EstimateConfig], Profile],
 ) -> list[Lever]:
     """Each applicable change's peak at at_micro_batch, the bytes it frees there and its m_max, best first (the
     largest m_max, then the most freed); the changes left out, with why, after them. ``only``: the changes whose
-    flags are among these (None: every one that applies).
+    flags are among these (None: every one that applies). ``estimator``: the estimate that gives a changed setup's
+    m_max (autotune.orchestrate.estimate.estimate, handed in by its callers: it calls here too).
 
     Raises:
         AutotuneError: the job itself cannot run a fake trial (the line says why)."""
     token = _TRYING.set(True)
     try:
-        return _pull(task, config, at_micro_batch, device_type, only)
+        return _pull(task, config, at_micro_batch, device_type, only, estimator)
     finally:
         _TRYING.reset(token)
 
 
 def _pull(
-    task: ProbeTask, config: ProbeConfig, at_micro_batch: int, device_type: str, only: tuple[str, ...] | None
+    task: ProbeTask,
+    config: ProbeConfig,
+    at_micro_batch: int,
+    device_type: str,
+    only: tuple[str, ...] | None,
+    estimate: Callable[[ProbeTask, EstimateConfig], Profile],
 ) -> list[Lever]:
-    from autotune.orchestrate.estimate import estimate
-
     task = config.applied_to(task)
     job_peak = _fake_peak(task, config, at_micro_batch, device_type)
     pulled: list[Lever] = []

@@ -29,6 +29,7 @@ from autotune.measure.strategies import Replicated, Strategy
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.throughput import timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
+from autotune.orchestrate.breakdowns import chosen_breakdowns
 from autotune.orchestrate.config import ProbeConfig
 from autotune.search.boundary import NoFitError, SearchResult, find_max_micro_batch, peaks_decrease, reported
 from autotune.search.diagnose import no_fit_error
@@ -453,9 +454,12 @@ def probe_with_meter(
     if config.levers and config.mesh.pp > 1:
         profile.warnings.append("--levers: the changes are not tried on a pipeline's stages yet")
     elif config.levers:  # what each change of the setup would buy, by fake trials (autotune/orchestrate/levers.py)
+        from autotune.orchestrate.estimate import estimate
         from autotune.orchestrate.levers import pull_levers
 
-        profile.levers = pull_levers(task, config, at_micro_batch=m_max, device_type=meter.device.type)
+        profile.levers = pull_levers(
+            task, config, at_micro_batch=m_max, device_type=meter.device.type, estimator=estimate
+        )
     if config.throughput and config.mesh.pp == 1:  # timed runs, never the search's trials (none of a pipeline yet)
         profile.throughput = timed_updates(
             task,
@@ -471,35 +475,6 @@ def probe_with_meter(
     # A profile the store would refuse is a bug here, not something to write or upload.
     check_profile(profile)
     return profile
-
-
-def chosen_breakdowns(
-    recorded: dict[int, MemoryBreakdown] | None,
-    task: ProbeTask,
-    config: ProbeConfig,
-    m_max: int,
-    device_type: str,
-    warnings: list[str],
-) -> list[MemoryBreakdown] | None:
-    """The breakdowns of the trials at m_max and the next size (autotune/measure/breakdown.py: recorded by the
-    search's own trials, so their parts sum to the figures the profile stores), where config asks for them. A job
-    whose trials are not broken down yet (compiled, on a card, a pipeline's stages) says so in a warning."""
-    if not config.breakdown or recorded is None:
-        return None
-    left_out = (
-        "a compiled job"
-        if task.compile is not None
-        else "a card's trials"
-        if device_type != "cpu"
-        else "a pipeline's stages"
-        if config.mesh.pp > 1
-        else None
-    )
-    if left_out is not None:
-        warnings.append(f"the peak is not broken down for {left_out} yet")
-        return None
-    found = [recorded[m] for m in (m_max, m_max + config.multiple_of) if m in recorded]
-    return found or None
 
 
 def _over_host_budget(trial: Trial, host_budget_bytes: int | None, limit_bytes: int) -> str | None:

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from autotune.core.schemas import MEMORY_PARTS, Profile
-from autotune.measure.breakdown import fake_breakdowns
 from autotune.measure.strategies import Replicated
+from autotune.orchestrate.breakdowns import fake_breakdowns
 from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.probe import probe
 from autotune.tasks.hf import LoraOptions, hf_task

@@ -17,6 +17,7 @@ import pytest
 from autotune.cli.report import lever_lines
 from autotune.core.schemas import Profile
 from autotune.orchestrate.config import ProbeConfig
+from autotune.orchestrate.estimate import estimate
 from autotune.orchestrate.levers import _changes, pull_levers
 from autotune.orchestrate.probe import probe
 from autotune.tasks.hf import hf_task
@@ -36,7 +37,7 @@ def test_a_levers_m_max_is_a_probe_of_the_changed_setup(tmp_path: Path) -> None:
     m_max = probe(task, config).max_micro_batch
     # The changes a probe checks here in seconds (the CLI test lists every one).
     only = ("--ac full", "--optimizer adamw8bit", "--ac every-2", "--compile")
-    pulled = pull_levers(task, config, at_micro_batch=m_max, only=only)
+    pulled = pull_levers(task, config, at_micro_batch=m_max, only=only, estimator=estimate)
     levers = {lever.flags: lever for lever in pulled}
     print({flags: (lever.max_micro_batch, lever.freed_bytes, lever.note[:60]) for flags, lever in levers.items()})
     assert (
@@ -59,7 +60,9 @@ def test_a_lever_that_cannot_compose_with_the_job_is_left_out_with_the_reason(tm
     task = hf_task(write_config(tmp_path, "llama")).at_length(8)
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0, strategy="fsdp", world_size=2)
     asked = ("--optimizer adamw8bit", "--tp 2", "--ac full", "--strategy fsdp --world-size 2")
-    levers = {lever.flags: lever for lever in pull_levers(task, config, at_micro_batch=4, only=asked)}
+    levers = {
+        lever.flags: lever for lever in pull_levers(task, config, at_micro_batch=4, only=asked, estimator=estimate)
+    }
     eight_bit = levers["--optimizer adamw8bit"]
     assert eight_bit.peak_bytes is None and "bitsandbytes" in eight_bit.note and "--strategy fsdp" in eight_bit.note
     assert levers["--tp 2"].peak_bytes is None and "leaves 1" in levers["--tp 2"].note  # fsdp needs 2 shards
