@@ -34,7 +34,7 @@ from autotune.core.schemas import MEMORY_PARTS, MemoryBreakdown
 
 __all__ = ["BreakdownRecorder", "TIMELINE_POINTS"]
 
-TIMELINE_POINTS = 240
+TIMELINE_POINTS = 120
 # The category an allocation takes from the phase it was made in, unless the trial later says what it is.
 _PHASE_PART = {
     "held": "temporaries",
