@@ -284,3 +284,4 @@ def _check_verify_sizes(args: argparse.Namespace) -> None:
             f"--micro-batch {micro} is {rule} --target-batch {target}: verify compares one batch of the target "
             "with its accumulation over smaller micro-batches"
         )
+
