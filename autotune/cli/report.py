@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autotune.core.plan import micro_batches_text
-from autotune.core.schemas import Profile, Trial
+from autotune.core.schemas import MEMORY_PART_LABELS, Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import gap_advice
 
@@ -130,18 +130,6 @@ def offload_lines(profile: Profile) -> list[str]:
     return lines
 
 
-_PART_LABELS = {
-    "trainable_parameters": "params (trained)",
-    "frozen_parameters": "params (frozen)",
-    "buffers": "buffers",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations",
-    "inputs": "inputs",
-    "temporaries": "temporaries",
-}
-
-
 def breakdown_lines(profile: Profile) -> list[str]:
     """The peak of m_max and of the size above it by what holds it: one line per part that holds bytes in either,
     then where each peak happened (none for a profile without a breakdown)."""
@@ -150,7 +138,7 @@ def breakdown_lines(profile: Profile) -> list[str]:
         return []
     heads = "".join(f"{f'm={b.micro_batch} ' + ('fits' if b.fits else 'over'):>22s}" for b in breakdowns)
     lines = [f"  memory at peak   {'':16s}{heads}"]
-    for part, label in _PART_LABELS.items():
+    for part, label in MEMORY_PART_LABELS.items():
         if not any(b.parts.get(part) for b in breakdowns):
             continue
         cells = "".join(

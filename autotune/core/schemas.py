@@ -322,6 +322,17 @@ MEMORY_PARTS = (
     "inputs",
     "temporaries",
 )
+# How the datasheet and the dashboard name each part.
+MEMORY_PART_LABELS = {
+    "trainable_parameters": "params (trained)",
+    "frozen_parameters": "params (frozen)",
+    "buffers": "buffers",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations",
+    "inputs": "inputs",
+    "temporaries": "temporaries",
+}
 PHASES = ("model", "inputs", "forward", "backward", "step")
 
 

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
-from autotune.core.errors import AutotuneError
-from autotune.core.schemas import MAX_BYTES, MemoryBreakdown
-from autotune.measure.breakdown import BreakdownRecorder
-from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.trial import run_trial
+from autotune.core.schemas import MemoryBreakdown
 from autotune.orchestrate.config import ProbeConfig
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["chosen_breakdowns", "fake_breakdowns"]
+__all__ = ["chosen_breakdowns"]
 
 
 def chosen_breakdowns(
@@ -43,26 +36,3 @@ def chosen_breakdowns(
         return None
     found = [recorded[m] for m in (m_max, m_max + config.multiple_of) if m in recorded]
     return found or None
-
-
-def fake_breakdowns(
-    task: Any, strategy: Any, *, device_type: str, sizes: Iterable[int], limit_bytes: int
-) -> list[MemoryBreakdown]:
-    """The breakdown of a fake trial of task at each size (m_max, and the size above it): no budget, so a size
-    that does not fit runs to its whole peak; each inside the strategy's process group, on a model of its own.
-    A size that cannot run fake is left out (the caller says so)."""
-    found: list[MemoryBreakdown] = []
-    for micro_batch in sizes:
-        meter = FakeMeter(MAX_BYTES, device_type)
-        recorder = BreakdownRecorder()
-        try:
-            with strategy.process_group(meter.device), recorder.recording(meter):
-                trial = run_trial(task, meter, micro_batch, limit_bytes=limit_bytes, strategy=strategy)
-            breakdown = recorder.breakdown(micro_batch, trial.fits, trial.peak_bytes)
-            if breakdown is not None:
-                found.append(breakdown)
-        except AutotuneError:
-            continue
-        finally:
-            meter.close()
-    return found

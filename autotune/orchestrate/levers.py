@@ -35,11 +35,9 @@ from autotune.core.compositions import composition_refusal
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.mesh import Mesh
 from autotune.core.schemas import MAX_BYTES, Lever, Profile
-from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.strategy_choice import make_strategy
-from autotune.measure.trial import build_on_meta, run_trial
+from autotune.measure.trial import build_on_meta
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
-from autotune.search.presearch import fake_strategy
+from autotune.search.diagnose import fake_trial, job_strategy
 from autotune.tasks.hf import is_hf_spec, with_options
 from autotune.tasks.load import load_task
 from autotune.tasks.optimizers import optimizer_text
@@ -115,14 +113,8 @@ def _bf16_weights(task: ProbeTask, config: ProbeConfig) -> _Change:
 
 def _fake_peak(task: ProbeTask, config: ProbeConfig, micro_batch: int, device_type: str) -> int:
     """The peak of one fake trial of the job at micro_batch, with no budget (its whole peak)."""
-    meter = FakeMeter(MAX_BYTES, device_type)
-    try:
-        strategy = fake_strategy(make_strategy(config.strategy, config.world_size, config.mesh))
-        with strategy.process_group(meter.device):
-            trial = run_trial(task, meter, micro_batch, limit_bytes=MAX_BYTES, strategy=strategy)
-        return trial.peak_bytes
-    finally:
-        meter.close()
+    strategy = job_strategy(config.strategy, config.world_size, config.mesh)
+    return fake_trial(task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=MAX_BYTES).peak_bytes
 
 
 def _refusal(change: _Change) -> str | None:

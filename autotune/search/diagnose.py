@@ -39,7 +39,16 @@ from autotune.search.pipelined import pipeline_trials
 from autotune.search.presearch import fake_strategy
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["MAX_FSDP_TRIALS", "MAX_FSDP_WORLD_SIZE", "NoFit", "cannot_fit", "diagnose_no_fit", "no_fit_error"]
+__all__ = [
+    "MAX_FSDP_TRIALS",
+    "MAX_FSDP_WORLD_SIZE",
+    "NoFit",
+    "cannot_fit",
+    "diagnose_no_fit",
+    "fake_trial",
+    "job_strategy",
+    "no_fit_error",
+]
 
 MAX_FSDP_WORLD_SIZE = 1024
 MAX_FSDP_TRIALS = 3
@@ -139,22 +148,31 @@ def _b(value: int) -> str:
     return f"{value} bytes ({format_bytes(value)})"
 
 
-def _fake_trial(
-    task: ProbeTask, micro_batch: int, *, device_type: str, strategy: Strategy, limit_bytes: int
-) -> Trial | None:
-    """One fake trial with no budget (it cannot run out), inside the strategy's process group;
-    None where it cannot run fake (an op that needs data, a model FSDP cannot shard)."""
+def fake_trial(task: ProbeTask, micro_batch: int, *, device_type: str, strategy: Strategy, limit_bytes: int) -> Trial:
+    """One fake trial with no budget (it cannot run out), inside the strategy's process group, on a fake meter and a
+    model of its own.
+
+    Raises:
+        AutotuneError: the trial cannot run fake (an op that needs data, a model FSDP cannot shard)."""
     meter = FakeMeter(MAX_BYTES, device_type)
     try:
         with strategy.process_group(meter.device):
             return run_trial(task, meter, micro_batch, limit_bytes=limit_bytes, strategy=strategy)
-    except AutotuneError:
-        return None
     finally:
         meter.close()
 
 
-def _job_strategy(strategy: str, world_size: int, mesh: Mesh) -> Strategy:
+def _fake_trial(
+    task: ProbeTask, micro_batch: int, *, device_type: str, strategy: Strategy, limit_bytes: int
+) -> Trial | None:
+    """:func:`fake_trial`, or None where it cannot run fake."""
+    try:
+        return fake_trial(task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=limit_bytes)
+    except AutotuneError:
+        return None
+
+
+def job_strategy(strategy: str, world_size: int, mesh: Mesh) -> Strategy:
     """The strategy a fake trial of the job as it is runs under: its mesh's (tp, cp), and under ddp with more than
     one replica DDP's buckets held as the fake trials of the search hold them (``presearch.fake_strategy``)."""
     return fake_strategy(make_strategy(strategy, world_size, mesh))
@@ -222,7 +240,7 @@ def diagnose_no_fit(
                 task,
                 micro_batch,
                 device_type=device_type,
-                strategy=_job_strategy(strategy, world_size, mesh),
+                strategy=job_strategy(strategy, world_size, mesh),
                 limit_bytes=fake_limit,
             )
             peak = trial.peak_bytes if trial is not None else None
@@ -239,7 +257,7 @@ def diagnose_no_fit(
             mesh=mesh.describe(),
         )
     # DDP's constructor broadcasts over gloo/nccl, which cannot carry fake tensors: its buckets are held without it.
-    current = _job_strategy(strategy, world_size, mesh)
+    current = job_strategy(strategy, world_size, mesh)
     trial = _fake_trial(task, micro_batch, device_type=device_type, strategy=current, limit_bytes=fake_limit)
 
     peak = seen(trial.peak_bytes) if trial is not None else None

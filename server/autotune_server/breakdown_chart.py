@@ -9,21 +9,11 @@ from __future__ import annotations
 
 from html import escape
 
-from autotune.core.schemas import MEMORY_PARTS, MemoryBreakdown, Profile
+from autotune.core.schemas import MEMORY_PART_LABELS, MEMORY_PARTS, MemoryBreakdown, Profile
 from autotune.core.units import format_bytes
 
-__all__ = ["PART_COLOURS", "PART_LABELS", "breakdown_bars", "breakdown_rows", "timeline_svg"]
+__all__ = ["PART_COLOURS", "breakdown_bars", "breakdown_rows", "timeline_svg"]
 
-PART_LABELS = {
-    "trainable_parameters": "parameters (trained)",
-    "frozen_parameters": "parameters (frozen)",
-    "buffers": "buffers",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations",
-    "inputs": "inputs",
-    "temporaries": "temporaries",
-}
 PART_COLOURS = {
     "trainable_parameters": "#1f77b4",
     "frozen_parameters": "#aec7e8",
@@ -46,7 +36,7 @@ def breakdown_rows(profile: Profile) -> list[tuple[str, str, str, list[int]]]:
     for part in MEMORY_PARTS:
         cells = [b.parts.get(part, 0) for b in breakdowns]
         if any(cells):
-            rows.append((part, PART_LABELS[part], PART_COLOURS[part], cells))
+            rows.append((part, MEMORY_PART_LABELS[part], PART_COLOURS[part], cells))
     return rows
 
 
@@ -79,7 +69,7 @@ def breakdown_bars(profile: Profile) -> str:
                 f'<rect class="part" data-part="{part}" data-bytes="{nbytes}" '
                 f'data-micro-batch="{breakdown.micro_batch}" x="{x:.2f}" y="{y}" width="{width:.2f}" '
                 f'height="{_BAR_HEIGHT}" fill="{PART_COLOURS[part]}">'
-                f"<title>{escape(PART_LABELS[part])}: {escape(format_bytes(nbytes))} ({share:.1f}% of the peak "
+                f"<title>{escape(MEMORY_PART_LABELS[part])}: {escape(format_bytes(nbytes))} ({share:.1f}% of the peak "
                 f"of m = {breakdown.micro_batch})</title></rect>"
             )
             x += width
@@ -126,7 +116,7 @@ def timeline_svg(breakdown: MemoryBreakdown) -> str:
         lower = " ".join(f"{x_of(p[0]):.2f},{y_of(b):.2f}" for p, b in reversed(list(zip(points, below, strict=True))))
         polygons.append(
             f'<polygon class="area" data-part="{part}" points="{upper} {lower}" fill="{PART_COLOURS[part]}">'
-            f"<title>{escape(PART_LABELS[part])}</title></polygon>"
+            f"<title>{escape(MEMORY_PART_LABELS[part])}</title></polygon>"
         )
         below = above
     phases = breakdown.phases

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from autotune.core.schemas import MEMORY_PARTS, Profile
+from autotune.core.schemas import MAX_BYTES, MEMORY_PARTS, MemoryBreakdown, Profile
 from autotune.measure.strategies import Replicated
-from autotune.orchestrate.breakdowns import fake_breakdowns
 from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.probe import probe
 from autotune.tasks.hf import LoraOptions, hf_task
@@ -29,6 +28,28 @@ pytest.importorskip("transformers")
 
 SEQ_LEN = 16
 SIZES = (4, 5)
+
+
+def fake_breakdowns(
+    task: Any, strategy: Any, *, device_type: str, sizes: tuple[int, ...], limit_bytes: int
+) -> list[MemoryBreakdown]:
+    """The breakdown of a fake trial at each size, recorded as a probe's search records its trials
+    (TrialRunner.breakdowns), on a fake meter with no budget and a model built inside each trial."""
+    from autotune.measure.meters.fake import FakeMeter
+    from autotune.measure.trial import TrialRunner
+
+    found = []
+    for micro_batch in sizes:
+        meter = FakeMeter(MAX_BYTES, device_type)
+        try:
+            with strategy.process_group(meter.device):
+                runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, reuse_model=False)
+                runner.breakdowns = {}
+                runner(micro_batch)
+                found.append(runner.breakdowns[micro_batch])
+        finally:
+            meter.close()
+    return found
 
 
 def _ordinary_llama() -> Any:
