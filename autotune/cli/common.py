@@ -25,6 +25,7 @@ __all__ = [
     "Parser",
     "add_finetune_options",
     "add_mesh_options",
+    "add_tp_plan_option",
     "add_seq_len_options",
     "add_strategy_and_plan_options",
     "check_seq_len_options",
@@ -173,6 +174,18 @@ def add_mesh_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-microbatches", type=positive_int, help="K: micro-batches per step (default: the plan's)")
     g.add_argument("--pp-virtual-stages", type=positive_int, help="V: model chunks per rank (interleaved-1f1b)")
     g.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks (default 1)")
+
+
+def add_tp_plan_option(p: argparse.ArgumentParser) -> None:
+    """--tp-plan: the tensor-parallel plan by name, for the commands that build the task (a query's fingerprint
+    carries the plan already)."""
+    p.add_argument(
+        "--tp-plan",
+        choices=("hf", "torchtitan"),
+        help="with --tp: the plan by name: hf (transformers' own, the default for hf: tasks) or torchtitan "
+        "(sequence parallel between the blocks, vocabulary-parallel embedding, loss parallel; hf: Llama, Mistral, "
+        "Qwen2/3 and Mixtral configs)",
+    )
 
 
 def mesh_of(args: argparse.Namespace) -> Any:

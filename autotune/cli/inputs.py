@@ -43,6 +43,25 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_database_url(args)
     _check_verify_sizes(args)
     _check_composition(args)
+    _check_tp_plan(args)
+
+
+def _check_tp_plan(args: argparse.Namespace) -> None:
+    """--tp-plan names the plan of --tp; torchtitan's shards the sequence over the tp ranks (sequence parallel),
+    so every length asked for is a multiple of tp."""
+    plan = getattr(args, "tp_plan", None)
+    if plan is None:
+        return
+    tp = getattr(args, "tp", None) or 1
+    if tp < 2:
+        raise CliError(f"--tp-plan {plan} is the plan of tensor parallelism: give --tp N (N > 1) with it")
+    if plan == "torchtitan":
+        for length in getattr(args, "seq_len", None) or ():
+            if length % tp:
+                raise CliError(
+                    f"--tp-plan torchtitan shards the sequence over the {tp} tp ranks (sequence parallel): "
+                    f"--seq-len {length} is not a multiple of --tp {tp}"
+                )
 
 
 def _check_composition(args: argparse.Namespace) -> None:
@@ -284,4 +303,3 @@ def _check_verify_sizes(args: argparse.Namespace) -> None:
             f"--micro-batch {micro} is {rule} --target-batch {target}: verify compares one batch of the target "
             "with its accumulation over smaller micro-batches"
         )
-

@@ -16,6 +16,7 @@ from autotune.cli.common import (
     add_seq_len_options,
     add_strategy_and_plan_options,
     add_task_options,
+    add_tp_plan_option,
     check_seq_len_options,
     finite_positive,
     headroom,
@@ -84,6 +85,7 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, help="override the task's precision")
     add_strategy_and_plan_options(p)
     add_mesh_options(p)
+    add_tp_plan_option(p)
     add_policy_option(p)
     add_offload_options(p)
     p.add_argument(
@@ -188,6 +190,7 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "strategy": args.strategy,
         "mesh": mesh_of(args),
+        "tp_plan": getattr(args, "tp_plan", None),
         "plan_policy": args.plan,
         "offload": getattr(args, "offload", None),
         "host_budget_bytes": getattr(args, "host_budget", None),

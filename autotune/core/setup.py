@@ -71,6 +71,9 @@ class JobSetup(BaseModel):
     # The resolved tensor-parallel plan under tp > 1 (autotune/tasks/tp_plan.py: tp_plan_label), module pattern ->
     # style: another plan holds other shards. In the fingerprint (fingerprint_tags), not a /suggest field.
     tp_plan: str | None = None
+    # The plan's name where the job names one (--tp-plan: hf or torchtitan; autotune/tasks/tp_plan.py), as a worker
+    # or the emulated child applies it to the task it loads (with_setup); None: the task's own plan.
+    tp_plan_name: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSetup:

@@ -90,6 +90,11 @@ class Strategy(ABC):
             return nullcontext()
         return torch.autocast(device_type=device.type, dtype=dtype)
 
+    def loss_context(self) -> AbstractContextManager[Any]:
+        """Entered around each micro-batch's forward and backward: the loss's own context (torchtitan's tensor
+        parallel computes the cross entropy on vocabulary shards under ``loss_parallel()``)."""
+        return nullcontext()
+
     @property
     def describes_replicas(self) -> bool:
         """Whether world_size counts whole-model replicas (ddp) rather than shards."""
@@ -311,6 +316,8 @@ class TensorParallel(Strategy):
         # A (dp, tp) mesh of a real process group (one process per rank): the rank is measured as it is.
         self._given_mesh = device_mesh
         self._device_mesh: Any = device_mesh
+        # The plan keeps the logits sharded by vocabulary (torchtitan's): set by wrap.
+        self._loss_parallel = False
 
     @property
     def describes_replicas(self) -> bool:
@@ -341,8 +348,17 @@ class TensorParallel(Strategy):
             finally:
                 self._device_mesh = None
 
+    def loss_context(self) -> AbstractContextManager[Any]:
+        if not self._loss_parallel:
+            return nullcontext()
+        from autotune.measure.tensor_parallel import measured_loss_parallel
+
+        return measured_loss_parallel()
+
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        parallelize_tp(model, task, self._device_mesh["tp"])
+        from autotune.measure.tensor_parallel import uses_loss_parallel
+
+        self._loss_parallel = uses_loss_parallel(parallelize_tp(model, task, self._device_mesh["tp"]))
         if self.inner == "fsdp":
             with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
                 Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
@@ -357,9 +373,10 @@ class TensorParallel(Strategy):
         return model
 
 
-def parallelize_tp(model: nn.Module, task: ProbeTask, tp_mesh: Any) -> None:
+def parallelize_tp(model: nn.Module, task: ProbeTask, tp_mesh: Any) -> dict[str, Any]:
     """model parallelized in place over the tp ranks of ``tp_mesh`` with its plan (autotune/measure/tensor_parallel.py:
-    transformers' plan, torchtitan's by name, or the task's own), the plan checked against the model first."""
+    transformers' plan, torchtitan's by name, or the task's own), the plan checked against the model first; the
+    styles applied, by module name."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from autotune.measure.tensor_parallel import check_tp_plan
@@ -368,6 +385,7 @@ def parallelize_tp(model: nn.Module, task: ProbeTask, tp_mesh: Any) -> None:
     # src_data_rank=None: each rank keeps its own initial shard (no scatter from rank 0), as a job
     # that loads its weights afterwards does; the shapes, and so the memory, are the same.
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
+    return styles
 
 
 @contextmanager

@@ -28,6 +28,16 @@ PyTorch's ParallelStyles:
       packed_colwise          the fused ``gate_up_proj`` (E, 2I, H) on dim 1: (E, 2I/tp, H) per rank
       rowwise                 ``down_proj`` (E, H, I) on its last dim: (E, H, I/tp) per rank
 
+torchtitan's plan (``--tp-plan torchtitan``: autotune/tasks/tp_plan.py writes it for a family's names) adds:
+
+    embedding_rowwise_sequence  RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+                                (vocabulary-parallel, its output reduce-scattered onto the sequence)
+    sequence_parallel           SequenceParallel() on the norms (their input and output sharded on the sequence)
+    gather_sequence             GatherSequence (below): a block's input all-gathered along the sequence
+    gather_scatter_sequence     the same, the block's whole output scattered back (a mixture of experts)
+    rowwise_sequence            RowwiseParallel(output_layouts=Shard(1)) (o_proj, down_proj: reduce-scattered)
+    colwise_loss_parallel       LossParallelHead (below): the logits sharded by vocabulary through the loss
+
 transformers' ``moe_tp_experts`` (``MoeExpertsParallel``, transformers/distributed/tensor_parallel.py) runs
 the experts' own forward on the rank's local shards (every rank routes every token to every chosen expert and
 computes its share of each expert's width), its input replicated with an all-reduce of its gradient in the
@@ -50,18 +60,28 @@ rank 0 is the most loaded. Under ``--strategy ddp`` with D > 1 the trials hold D
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autotune.core.errors import TaskError
 from autotune.tasks.task import ProbeTask
 from autotune.tasks.tp_plan import tp_plan_of
 
-__all__ = ["TP_STYLES", "MoeTensorParallelExperts", "check_tp_plan", "tp_plan_of"]
+__all__ = [
+    "TP_STYLES",
+    "GatherSequence",
+    "LossParallelHead",
+    "MoeTensorParallelExperts",
+    "check_tp_plan",
+    "measured_loss_parallel",
+    "tp_plan_of",
+    "uses_loss_parallel",
+]
 
 TP_STYLES = (
     "colwise",
@@ -74,6 +94,12 @@ TP_STYLES = (
     "sequence_parallel",
     "replicate",
     "moe_tp_experts",
+    # torchtitan's (sequence parallel and loss parallel: autotune/tasks/tp_plan.py, torchtitan_plan)
+    "embedding_rowwise_sequence",
+    "gather_sequence",
+    "gather_scatter_sequence",
+    "rowwise_sequence",
+    "colwise_loss_parallel",
 )
 # The styles of a 3-D expert weight under a moe_tp_experts module: the dim each shards (transformers'
 # PackedColwiseParallel.shard_param: ndim - 2; RowwiseParallel.shard_param: -1).
@@ -83,9 +109,10 @@ _HEAD_KEYS = (("num_attention_heads", "heads"), ("num_key_value_heads", "key-val
 
 
 def _style(name: str, where: str) -> Any:
-    """PyTorch's ParallelStyle for a style of transformers' vocabulary (None for replicate)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    """PyTorch's ParallelStyle for a style of transformers' vocabulary or torchtitan's plan (None for
+    replicate)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
     if name == "colwise":
         return ColwiseParallel()
@@ -99,6 +126,16 @@ def _style(name: str, where: str) -> Any:
         return SequenceParallel()
     if name == "replicate":
         return None
+    # torchtitan's: the residual stream sharded along the sequence between the blocks, kept as DTensors (hf:
+    # models add the residual to the block's output, and a DTensor meets a DTensor there).
+    if name == "embedding_rowwise_sequence":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    if name == "rowwise_sequence":
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    if name in ("gather_sequence", "gather_scatter_sequence"):
+        return GatherSequence(scatter_output=name == "gather_scatter_sequence")
+    if name == "colwise_loss_parallel":
+        return LossParallelHead()
     raise TaskError(
         f"--tp: the tensor-parallel style {name!r} of {where} is not one this measures "
         f"({', '.join(TP_STYLES)}, or a torch ParallelStyle in the task's tp_plan)"
@@ -180,6 +217,65 @@ class MoeTensorParallelExperts(ParallelStyle):
         return module
 
 
+class GatherSequence(ParallelStyle):
+    """Sequence parallel's entry into a block (torchtitan's ``PrepareModuleInput`` on ``attention`` and
+    ``feed_forward``): the hidden states arrive sharded along the sequence (dim 1; a DTensor, or the rank's local
+    shard) and are all-gathered, the block running on them whole as a local tensor, as
+    ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True)``
+    does. The hidden states are the first positional argument or the ``hidden_states`` keyword (hf: families
+    pass it either way), so one style serves every family's attention and MLP.
+
+    With ``scatter_output`` the block's output (whole on every rank: a mixture of experts' all-reduced sum) is
+    scattered back onto the sequence as a DTensor (``PrepareModuleOutput``), for the residual stream."""
+
+    def __init__(self, *, scatter_output: bool = False) -> None:
+        super().__init__()
+        self.scatter_output = scatter_output
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        def gathered(hidden: Any) -> Any:
+            if not isinstance(hidden, torch.Tensor):
+                return hidden
+            if not isinstance(hidden, DTensor):
+                hidden = DTensor.from_local(hidden, device_mesh, [Shard(1)], run_check=False)
+            return hidden.redistribute(device_mesh, [Replicate()]).to_local()
+
+        def gather_input(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if args:
+                return (gathered(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": gathered(kwargs["hidden_states"])}
+            return None
+
+        def scatter_output(_: nn.Module, __: Any, output: Any) -> Any:
+            first = output[0] if isinstance(output, tuple) else output
+            if isinstance(first, DTensor):
+                first = first.to_local()
+            scattered = DTensor.from_local(first, device_mesh, [Replicate()], run_check=False).redistribute(
+                device_mesh, [Shard(1)]
+            )
+            return (scattered, *output[1:]) if isinstance(output, tuple) else scattered
+
+        module.register_forward_pre_hook(gather_input, with_kwargs=True)
+        if self.scatter_output:
+            module.register_forward_hook(scatter_output)
+        return module
+
+
+class LossParallelHead(ColwiseParallel):
+    """The LM head of torchtitan's plan: column-wise over its input sharded along the sequence (all-gathered),
+    its logits kept sharded by vocabulary (``Shard(-1)``) for a cross entropy computed on the shards under
+    ``torch.distributed.tensor.parallel.loss_parallel()`` (the trial's forward and backward run in it:
+    ``TensorParallel.loss_context``)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor import Shard
+
+        super().__init__(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+
+
 def _pattern(key: str) -> re.Pattern[str]:
     # "model.layers.*.mlp.up_proj": a star stands for one name (a block's index), as in transformers' plans.
     return re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
@@ -233,7 +329,7 @@ def _lora_styles(module: nn.Module, name: str, value: Any, style: Any, where: st
             input: a library's limit, seen with peft 0.21 and transformers 5.24), or over anything but a linear
             layer (an embedding's adapters under tp are not measured).
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
 
     base = module.get_submodule("base_layer")
     if not isinstance(base, nn.Linear):
@@ -285,7 +381,7 @@ def _resolved(model: nn.Module, plan: Mapping[str, Any], where: str) -> dict[str
 
 def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int, where: str) -> None:
     """Refuse a tp that does not divide the heads, the key-value heads or a planned layer's sharded width."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
 
     config: Any = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -324,7 +420,7 @@ def check_tp_plan(model: nn.Module, task: ProbeTask, tp: int) -> dict[str, Any]:
             divide (one line each).
     """
     where = f"{type(model).__name__} of task {task.name!r}"
-    plan = tp_plan_of(model, task)
+    plan = tp_plan_of(model, task)  # TaskError for a plan's name it cannot resolve for the model
     if not plan:
         raise TaskError(
             f"--tp {tp}: {where} has no tensor-parallel plan: give the task one (ProbeTask(tp_plan={{...}})) "
@@ -332,4 +428,65 @@ def check_tp_plan(model: nn.Module, task: ProbeTask, tp: int) -> dict[str, Any]:
         )
     styles = _resolved(model, plan, where)
     _check_divisible(model, styles, tp, where)
+    if task.seq_len is not None and task.seq_len % tp and _shards_sequence(styles):
+        raise TaskError(
+            f"--tp {tp}: the plan of {where} shards the sequence over the tp ranks (sequence parallel), and its "
+            f"seq_len {task.seq_len} is not a multiple of {tp}"
+        )
     return styles
+
+
+def _shards_sequence(styles: Mapping[str, Any]) -> bool:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return any(isinstance(style, SequenceParallel | GatherSequence) for style in styles.values())
+
+
+def uses_loss_parallel(styles: Mapping[str, Any]) -> bool:
+    """Whether the plan keeps a column-wise layer's output sharded as a DTensor (torchtitan's LM head, or a task's
+    own ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``): the logits sharded by vocabulary,
+    the loss computed on them, and its backward run, under ``loss_parallel()``, as torchtitan's train step does."""
+    from torch.distributed.tensor import Shard
+
+    return any(
+        isinstance(style, ColwiseParallel) and not style.use_local_output and isinstance(style.output_layouts[0], Shard)
+        for style in styles.values()
+    )
+
+
+@contextmanager
+def measured_loss_parallel() -> Iterator[None]:
+    """torch's ``loss_parallel()``, with its cross entropy's insides seen by the meter.
+
+    loss_parallel installs handlers for the cross entropy's ops in DTensor's dispatcher (log-softmax, NLL and
+    their backwards, on the vocabulary shards). DTensor calls them from inside the op's dispatch, where the
+    meter's dispatch mode (and a fake trial's) has stepped aside, so the shards they allocate and free there
+    (the shifted logits, their exponentials, the gradient's buffers: about two logit-sized tensors at once) went
+    uncounted: the tiny Llama's step read 78,760 bytes under the allocator's count at m = 5. Each handler runs
+    here with the modes that were current on entry put back for its span."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = list(_get_current_dispatch_mode_stack())
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+
+    def seen(handler: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            active = _get_current_dispatch_mode_stack()
+            with ExitStack() as stack:
+                for mode in modes:
+                    if not any(mode is other for other in active):
+                        stack.enter_context(mode)
+                return handler(*args, **kwargs)
+
+        return run
+
+    with loss_parallel():
+        originals = {op: handlers[op] for op in customized_loss_ops if op in handlers}
+        handlers.update({op: seen(handler) for op, handler in originals.items()})
+        try:
+            yield
+        finally:
+            handlers.update(originals)

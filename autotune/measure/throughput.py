@@ -72,7 +72,7 @@ def _forward_backward(
     batch = make_batch(task, size, device)  # ready before the clock starts, as a DataLoader has it
     _synchronize(device)
     started = clock()
-    with strategy.sync(model, last=last):
+    with strategy.sync(model, last=last), strategy.loss_context():
         with strategy.autocast(task.precision, device):
             loss = task.compute_loss(model, batch)
         (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -228,14 +228,15 @@ def _cycle(
                 batch = make_batch(task, micro_batch, device)
                 if recorder is not None:
                     recorder.phase("forward")
-                with strategy.autocast(task.precision, device):
-                    loss = task.compute_loss(model, batch) / accumulation
-                if recorder is not None:
-                    recorder.phase("backward")
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                else:
-                    loss.backward()
+                with strategy.loss_context():
+                    with strategy.autocast(task.precision, device):
+                        loss = task.compute_loss(model, batch) / accumulation
+                    if recorder is not None:
+                        recorder.phase("backward")
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
                 del batch, loss
             if recorder is not None:
                 recorder.classify_gradients(model)

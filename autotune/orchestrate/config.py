@@ -83,6 +83,9 @@ class ProbeConfig:
     # The job's mesh (autotune/core/mesh.py): tensor, pipeline and context parallel degrees; world_size counts
     # every rank, and the plan's D is the data-parallel replicas W / (tp x pp x cp).
     mesh: Mesh = Mesh()
+    # The tensor-parallel plan by name under tp > 1 (autotune/tasks/tp_plan.py: hf, torchtitan); None keeps the
+    # task's own (its tp_plan, else the model's).
+    tp_plan: str | None = None
 
     def validate(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -151,6 +154,8 @@ class ProbeConfig:
             )
         if self.offload is not None and self.offload != task.offload:
             task = dataclasses.replace(task, offload=self.offload)
+        if self.tp_plan is not None and self.tp_plan != task.tp_plan:
+            task = dataclasses.replace(task, tp_plan=self.tp_plan)
         return task
 
     def dimensions(self, task: ProbeTask | None = None) -> Dimensions:

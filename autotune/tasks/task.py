@@ -31,6 +31,7 @@ from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import OFFLOADS, PRECISIONS, Precision, TagValue
 from autotune.core.setup import JobSetup
 from autotune.tasks.optimizers import SpecOptimizer, optimizer_factory
+from autotune.tasks.tp_plan import TP_PLAN_NAMES
 
 __all__ = [
     "DTYPES",
@@ -173,8 +174,10 @@ class ProbeTask:
             the tag ``compile`` (the fingerprint and the profile carry it, an eager task's stay what they were).
         tp_plan: the tensor-parallel plan of ``--tp`` (autotune/measure/tensor_parallel.py): module name
             patterns (``*`` for a block's index) to a style of transformers' names ("colwise", "rowwise",
-            "colwise_gather_output", ...) or a torch ParallelStyle; None takes the model's own (an ``hf:``
-            model's ``_tp_plan``). Not read without ``--tp``.
+            "colwise_gather_output", ...) or a torch ParallelStyle; or a plan's name (``--tp-plan``: "hf",
+            transformers' own; "torchtitan", sequence and loss parallel for the model's family:
+            autotune/tasks/tp_plan.py); None takes the model's own (an ``hf:`` model's ``_tp_plan``). Not read
+            without ``--tp``.
 
     A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
     the length out, and each profile records it.
@@ -196,7 +199,7 @@ class ProbeTask:
     zero_grad: str = "none"
     offload: str = "none"
     compile: str | None = None
-    tp_plan: Mapping[str, Any] | None = None
+    tp_plan: Mapping[str, Any] | str | None = None
     # The longest sequence the model takes (an hf: config's max_position_embeddings); None: no limit known. A
     # length past it is refused before any trial, and the longest-length search stops there and says so.
     max_seq_len: int | None = None
@@ -234,6 +237,8 @@ class ProbeTask:
         self._check_compile()
         if self.compile is not None:
             tags["compile"] = self.compile
+        if isinstance(self.tp_plan, str) and self.tp_plan not in TP_PLAN_NAMES:
+            raise TaskError(f"--tp-plan {self.tp_plan!r}: not a plan's name; use one of {', '.join(TP_PLAN_NAMES)}")
         if tags != self.tags:
             self.tags = tags
 
@@ -276,6 +281,8 @@ class ProbeTask:
             for name in ("precision", "activation_checkpointing", "offload")
             if getattr(setup, name) is not None and getattr(setup, name) != getattr(self, name)
         }
+        if setup.tp_plan_name is not None and setup.tp_plan_name != self.tp_plan:
+            changes["tp_plan"] = setup.tp_plan_name
         return dataclasses.replace(self, **changes) if changes else self
 
     def job_setup(self, *, strategy: str = "ddp", world_size: int = 1, mesh: Mesh | None = None) -> JobSetup:
@@ -289,6 +296,7 @@ class ProbeTask:
             precision=self.precision,
             activation_checkpointing=self.activation_checkpointing,
             offload=self.offload,
+            tp_plan_name=self.tp_plan if isinstance(self.tp_plan, str) else None,
         )
 
     def make_optimizer(self, model: nn.Module | Iterable[nn.Parameter]) -> torch.optim.Optimizer:

@@ -1,6 +1,18 @@
 """The tensor-parallel plan a job applies, read off the task and the model (no torch.distributed needed): the
 fingerprint tags it (another plan is another setup: transformers 5.25 changed Mixtral's under the same config),
-and ``autotune.measure.tensor_parallel`` applies it."""
+and ``autotune.measure.tensor_parallel`` applies it.
+
+Plans by name (``--tp-plan``, a task's ``tp_plan="torchtitan"``):
+
+    hf          transformers' own (``from_pretrained(tp_plan="auto")``): the model's ``_tp_plan``; activations
+                between blocks replicated on every tp rank, the LM head's logits gathered whole.
+    torchtitan  the plan torchtitan applies to its Llama (torchtitan/models/llama3/infra/parallelize.py,
+                ``apply_tp``), written for the module names of the hf: family: sequence parallel on the norms
+                and between the blocks (the residual stream sharded along the sequence), each attention and
+                MLP block's input gathered along the sequence and its output reduce-scattered back, the
+                embedding vocabulary-parallel with its output sharded on the sequence, and the LM head
+                column-wise with its logits kept sharded by vocabulary through the loss (loss parallel).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +20,75 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["tp_plan_label", "tp_plan_of"]
+from autotune.core.errors import TaskError
+
+__all__ = ["TP_PLAN_NAMES", "torchtitan_plan", "tp_plan_label", "tp_plan_of"]
+
+TP_PLAN_NAMES = ("hf", "torchtitan")
+# The families whose module names torchtitan's plan is written for (config.model_type): Llama's layout (q/k/v/o,
+# gate/up/down, input_layernorm/post_attention_layernorm, norm, lm_head), and Mixtral's with its experts.
+_LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
+_MOE_LAYOUT = ("mixtral",)
+
+
+def torchtitan_plan(model: Any) -> dict[str, str]:
+    """torchtitan's tensor-parallel plan (sequence parallel, loss parallel) for the module names of ``model``'s
+    family, in the style names of autotune/measure/tensor_parallel.py.
+
+    Raises:
+        TaskError: a family it has no module names for (one line naming it and the ones it has).
+    """
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in (*_LLAMA_LAYOUT, *_MOE_LAYOUT):
+        known = ", ".join((*_LLAMA_LAYOUT, *_MOE_LAYOUT))
+        what = f"model type {family!r}" if family else f"{type(model).__name__} (no hf: config)"
+        raise TaskError(f"--tp-plan torchtitan: no module names of {what} are known to it ({known})")
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    block = f"{base}layers.*."
+    plan = {
+        f"{base}embed_tokens": "embedding_rowwise_sequence",
+        f"{block}input_layernorm": "sequence_parallel",
+        f"{block}self_attn": "gather_sequence",
+        f"{block}self_attn.q_proj": "colwise",
+        f"{block}self_attn.k_proj": "colwise",
+        f"{block}self_attn.v_proj": "colwise",
+        f"{block}self_attn.o_proj": "rowwise_sequence",
+        f"{block}post_attention_layernorm": "sequence_parallel",
+        f"{base}norm": "sequence_parallel",
+        "lm_head": "colwise_loss_parallel",
+    }
+    if family in _MOE_LAYOUT:
+        # The experts as transformers shards them (moe_tp_experts), the block's output all-reduced there and
+        # scattered back onto the sequence: torchtitan reduce-scatters a partial sum instead (the same output).
+        plan[f"{block}mlp"] = "gather_scatter_sequence"
+        plan[f"{block}mlp.experts"] = "moe_tp_experts"
+        plan[f"{block}mlp.experts.gate_up_proj"] = "packed_colwise"
+        plan[f"{block}mlp.experts.down_proj"] = "rowwise"
+    else:
+        plan[f"{block}mlp"] = "gather_sequence"
+        plan[f"{block}mlp.gate_proj"] = "colwise"
+        plan[f"{block}mlp.up_proj"] = "colwise"
+        plan[f"{block}mlp.down_proj"] = "rowwise_sequence"
+    return plan
 
 
 def tp_plan_of(model: Any, task: Any) -> Mapping[str, Any] | None:
-    """The plan the job applies: the task's ``tp_plan``, else the model's own (transformers' ``_tp_plan``
-    of the instance, which holds the config's ``base_model_tp_plan`` under the base model's prefix), else
-    None."""
+    """The plan the job applies: the task's ``tp_plan`` (a plan, or a plan's name: ``torchtitan`` resolved for
+    the model's family, ``hf`` the model's own), else the model's own (transformers' ``_tp_plan`` of the
+    instance, which holds the config's ``base_model_tp_plan`` under the base model's prefix), else None.
+
+    Raises:
+        TaskError: a name it does not know, or torchtitan's plan for a family it has no names for.
+    """
     given = getattr(task, "tp_plan", None)
-    if given:
+    if isinstance(given, str):
+        if given == "torchtitan":
+            return torchtitan_plan(model)
+        if given != "hf":
+            raise TaskError(f"--tp-plan {given!r}: not a plan's name; use one of {', '.join(TP_PLAN_NAMES)}")
+    elif given:
         return dict(given)
     own = getattr(model, "_tp_plan", None)
     if isinstance(own, Mapping) and own:

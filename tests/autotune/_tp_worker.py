@@ -17,6 +17,7 @@ about, at most MAX_REPEATS times, and every run's figure is reported (rank 0 wri
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -61,6 +62,48 @@ def llama_plan(model: torch.nn.Module) -> dict[str, Any]:
     return plan
 
 
+def torchtitan_plan(model: torch.nn.Module) -> dict[str, Any]:
+    """torchtitan's Llama plan (torchtitan/models/llama3/infra/parallelize.py, apply_tp) written out for
+    transformers' Llama names with torch's own styles: the embedding vocabulary-parallel with its output sharded on
+    the sequence, sequence parallel on the norms, each attention and MLP's input prepared from the sequence shards
+    to whole (PrepareModuleInput: attention takes hidden_states by keyword, the MLP positionally), o/down row-wise
+    reduce-scattered onto the sequence, the LM head column-wise with its logits sharded by vocabulary for
+    loss_parallel(). The residual stream stays a DTensor (use_local_output=False), as transformers adds it to the
+    blocks' outputs."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for index in range(len(model.model.layers)):  # type: ignore[union-attr,arg-type]
+        block = f"model.layers.{index}."
+        plan[block + "input_layernorm"] = SequenceParallel()
+        plan[block + "self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        )
+        plan[block + "post_attention_layernorm"] = SequenceParallel()
+        plan[block + "mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[block + name] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[block + name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
 def _lora_model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
     """LoRA under tp: the base parallelized with the plan above, then peft's ``get_peft_model`` over it. peft
     sizes each adapter from the base layer's local weight, so under a column-wise layer lora_B is the rank's
@@ -93,8 +136,9 @@ def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
         model = _lora_model(mesh, config)
         model.train()
         return model
-    model = LlamaForCausalLM(LlamaConfig(**config))
-    parallelize_module(model, mesh["tp"], llama_plan(model), src_data_rank=None)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "_plan"}))
+    plan = torchtitan_plan(model) if config.get("_plan") == "torchtitan" else llama_plan(model)
+    parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
     if mesh["dp"].size() > 1:
         layers = list(model.model.layers)
         for index, layer in enumerate(layers):
@@ -105,15 +149,20 @@ def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
 
 
 def _steps(mesh: Any, config: dict[str, Any], micro_batch: int) -> None:
+    from torch.distributed.tensor.parallel import loss_parallel
+
     model = _model(mesh, config)
     optimizer = torch.optim.AdamW(model.parameters())
     generator = torch.Generator().manual_seed(micro_batch)
+    # torchtitan's loss: the cross entropy on the vocabulary shards, forward and backward under loss_parallel().
+    loss_context = loss_parallel if config.get("_plan") == "torchtitan" else contextlib.nullcontext
     for _ in range(2):
         for _ in range(2):
             input_ids = torch.randint(0, config["vocab_size"], (micro_batch, SEQ_LEN), generator=generator)
             batch = {"input_ids": input_ids, "labels": input_ids.clone()}
-            loss = model(**batch).loss / 2
-            loss.backward()
+            with loss_context():
+                loss = model(**batch).loss / 2
+                loss.backward()
             del input_ids, batch, loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -41,7 +41,12 @@ def _llama_dir(tmp_path: Path) -> Path:
 
 
 def _truth(
-    world_size: int, tp: int, floors: dict[int, int], tmp_path: Path, lora_rank: int | None = None
+    world_size: int,
+    tp: int,
+    floors: dict[int, int],
+    tmp_path: Path,
+    lora_rank: int | None = None,
+    plan: str = "hf",
 ) -> dict[int, list[int]]:
     """The most loaded rank's peak of each run at each size, over world_size real processes: runs until one is at
     or below the size's floor (the probe's figure; a huge one for one run), as tests/autotune/_tp_worker.py says why.
@@ -54,6 +59,8 @@ def _truth(
     out.mkdir()
     if lora_rank is not None:
         config["_lora"] = {"rank": lora_rank, "targets": ["q_proj", "v_proj"]}
+    if plan != "hf":
+        config["_plan"] = plan
     try:
         mp.spawn(
             _tp_worker.run,
@@ -96,6 +103,46 @@ def test_tp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(
     runs = _truth(world_size, 2, {m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1, 1 << 62)}, tmp_path)
     print(f"tp 2 ({strategy} x{world_size}): m_max {m_max}; probe {peaks}; most loaded real rank, runs {runs}")
     truth = {m: min(figures) for m, figures in runs.items()}  # the floor the runs reach
+    assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
+    assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
+    if m_max + 1 in peaks:
+        assert abs(peaks[m_max + 1] - truth[m_max + 1]) <= SLACK_BYTES
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world_size", "budget"),
+    [
+        ("ddp", 2, 660_000),
+        pytest.param(
+            "fsdp",
+            4,
+            560_000,
+            marks=[pytest.mark.slow, pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")],
+        ),
+    ],
+)
+def test_torchtitans_plan_agrees_with_sequence_and_loss_parallel_on_real_ranks(
+    tmp_path: Path, strategy: str, world_size: int, budget: int
+) -> None:
+    """--tp-plan torchtitan: sequence parallel between the blocks and loss parallel, against torch's own
+    SequenceParallel, PrepareModuleInput and loss_parallel() on real ranks (tests/autotune/_tp_worker.py)."""
+    task = hf_task(_llama_dir(tmp_path)).at_length(SEQ_LEN)
+    config = ProbeConfig(
+        device="cpu",
+        budget_bytes=budget,
+        headroom=0.0,
+        strategy=strategy,
+        world_size=world_size,
+        mesh=Mesh(tp=2),
+        tp_plan="torchtitan",
+    )
+    measured = probe(task, config)
+    m_max = measured.max_micro_batch
+    peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
+    floors = {m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1, 1 << 62)}
+    runs = _truth(world_size, 2, floors, tmp_path, plan="torchtitan")
+    print(f"tp 2 torchtitan ({strategy} x{world_size}): m_max {m_max}; probe {peaks}; most loaded real rank, {runs}")
+    truth = {m: min(figures) for m, figures in runs.items()}
     assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
     assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
     if m_max + 1 in peaks:
