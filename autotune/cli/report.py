@@ -63,9 +63,11 @@ def strategy_text(profile: Profile) -> str:
         # The cp ranks hold the same parameters: DDP all-reduces and FSDP2 shards over them too (dp_shard_cp).
         sharded = profile.strategy == "fsdp" and mesh.cp > 1
         over = f" (sharded over dp x cp = {replicas * mesh.cp} ranks)" if sharded else ""
+        named = profile.tags.get("tp_plan")
+        plan = f", {named}'s tp plan (sequence and loss parallel)" if named == "torchtitan" and mesh.tp > 1 else ""
         return (
             f"{profile.strategy} over {replicas} data-parallel replicas{over} of {profile.world_size} ranks, "
-            f"{mesh.describe()} (the figures are rank 0's, for this mesh only)"
+            f"{mesh.describe()}{plan} (the figures are rank 0's, for this mesh only)"
         )
     if profile.strategy == "fsdp":
         return f"fsdp over {profile.world_size} ranks (the figures are one rank's, for this world size only)"

@@ -463,14 +463,26 @@ def measured_loss_parallel() -> Iterator[None]:
     meter's dispatch mode (and a fake trial's) has stepped aside, so the shards they allocate and free there
     (the shifted logits, their exponentials, the gradient's buffers: about two logit-sized tensors at once) went
     uncounted: the tiny Llama's step read 78,760 bytes under the allocator's count at m = 5. Each handler runs
-    here with the modes that were current on entry put back for its span."""
+    here with the modes that were current on entry put back for its span.
+
+    Inside a handler DTensor also derives the op's global output shape by running it on global-shaped fake
+    tensors (``ShardingPropagator._propagate_tensor_meta_non_cached``, in the fake mode it finds on the stack):
+    with the meter's mode put back those counted too, in a fake trial (a whole, unsharded logits tensor twice a
+    step). That derivation holds no memory in the job, and runs here with every mode set aside."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.distributed.tensor.parallel.loss import customized_loss_ops
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
     modes = list(_get_current_dispatch_mode_stack())
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    dispatcher = DTensor._op_dispatcher
+    handlers = dispatcher._custom_op_handlers
+    propagator = dispatcher.sharding_propagator
+    derive_shapes = propagator._propagate_tensor_meta_non_cached
+
+    def unseen_shapes(*args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return derive_shapes(*args, **kwargs)
 
     def seen(handler: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -479,7 +491,11 @@ def measured_loss_parallel() -> Iterator[None]:
                 for mode in modes:
                     if not any(mode is other for other in active):
                         stack.enter_context(mode)
-                return handler(*args, **kwargs)
+                propagator._propagate_tensor_meta_non_cached = unseen_shapes  # type: ignore[method-assign]
+                try:
+                    return handler(*args, **kwargs)
+                finally:
+                    del propagator._propagate_tensor_meta_non_cached  # the class's own again
 
         return run
 

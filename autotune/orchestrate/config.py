@@ -114,6 +114,15 @@ class ProbeConfig:
         if self.strategy not in STRATEGIES:
             raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         self.mesh.validate(self.world_size)
+        if self.tp_plan is not None and self.mesh.tp < 2:
+            raise AutotuneError(f"--tp-plan {self.tp_plan} is the plan of tensor parallelism: give --tp N (N > 1)")
+        if self.tp_plan == "torchtitan" and (self.mesh.pp > 1 or self.mesh.cp > 1):
+            other, why = (
+                ("--pp", "sequence parallel shards the activations that cross the stages along the sequence")
+                if self.mesh.pp > 1
+                else ("--cp", "context parallel and sequence parallel both shard the sequence")
+            )
+            raise AutotuneError(f"--tp-plan torchtitan with {other} is not measured yet: {why}; use --tp-plan hf")
         # FSDP2 shards over the data-parallel replicas, and under --cp over the cp ranks too (they hold the same
         # parameters: torchtitan's dp_shard_cp mesh), so fsdp over cp alone (D = 1) still shards.
         refuse_composition(self.dimensions())

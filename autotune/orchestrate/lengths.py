@@ -50,6 +50,7 @@ from autotune.search.presearch import (
 )
 from autotune.tasks.optimizers import compiled_step
 from autotune.tasks.task import ProbeTask
+from autotune.tasks.tp_plan import sequence_multiple
 
 __all__ = [
     "LONGEST_FACTOR",
@@ -131,11 +132,18 @@ def _presearched(found: SurfaceSearch, seq_len: int, limit_bytes: int, cap: int,
 
 
 def _confirmations(
-    found: SurfaceSearch, lengths: Sequence[int], *, config: ProbeConfig, limit_bytes: int, cap: int
+    found: SurfaceSearch,
+    lengths: Sequence[int],
+    *,
+    config: ProbeConfig,
+    limit_bytes: int,
+    cap: int,
+    unit: int = 1,
 ) -> list[Point]:
     """The fake trials an estimate will ask for once the surface has spoken, where every one of them
     agrees with it: each length's m_max and one step past it (or multiple_of where nothing fits),
-    less those the surface traced, and the longest length's guess and one past it."""
+    less those the surface traced, and the longest length's guess and one past it (lengths in multiples of
+    ``unit``: sequence_multiple)."""
     assert found.surface is not None
     step, budget = config.multiple_of, config.budget_bytes
     assert budget is not None  # an estimate's setup: validate() refused None
@@ -149,8 +157,8 @@ def _confirmations(
         ]
     guess = found.surface.longest_fitting(limit_bytes, step, cap=cap, shortest=lengths[0])
     if guess:
-        guess = max(guess, lengths[0])
-        points += [Point(length, step, budget, limit_bytes) for length in (guess, guess + 1) if length <= cap]
+        guess = max(guess // unit * unit, lengths[0])
+        points += [Point(length, step, budget, limit_bytes) for length in (guess, guess + unit) if length <= cap]
     return points
 
 
@@ -163,12 +171,15 @@ def _longest(
     shortest: int,
     cap: int,
     model_limit: int | None = None,
+    step: int = 1,
 ) -> LongestSeqLen | None:
     """The longest length that fits at micro_batch: the surface's answer, confirmed by trials at it
     and one past it, and searched by bisection between what the trials show where they disagree.
     None where the shortest length does not fit at micro_batch even by the surface. A cap that is the model's
-    own maximum length (``model_limit``) reached is ``limited_by="model"``."""
-    lo, hi = 0, cap + 1  # lo: the longest known to fit; hi: the shortest known not to (or refused)
+    own maximum length (``model_limit``) reached is ``limited_by="model"``. Every length tried is a multiple of
+    ``step`` (sequence parallel shards the sequence over the tp ranks: tasks/tp_plan.py, sequence_multiple)."""
+    # lo: the longest known to fit; hi: the shortest known not to (or refused, or past the cap)
+    lo, hi = 0, (cap // step + 1) * step
     peaks: dict[int, int] = {}
     refused: dict[int, str] = {}
     over_host: dict[int, int] = {}  # lengths within the device's limit whose host bytes are over --host-budget
@@ -192,9 +203,9 @@ def _longest(
     offset = 0
     for _ in range(MAX_LONGEST_PREDICTIONS):
         guess = surface.longest_fitting(limit_bytes - offset, micro_batch, cap=cap, shortest=shortest)
-        if guess == 0 or hi - lo <= 1:
+        if guess == 0 or hi - lo <= step:
             break
-        guess = min(max(guess, lo + 1, shortest), hi - 1)
+        guess = min(max(guess // step * step, lo + step, shortest), hi - step)
         if run(guess):
             lo = guess
         else:
@@ -207,8 +218,8 @@ def _longest(
         if not run(shortest):
             return None
         lo = shortest
-    while lo and hi - lo > 1:  # the predictions missed: bisection on the trials themselves
-        mid = (lo + hi) // 2
+    while lo and hi - lo > step:  # the predictions missed: bisection on the trials themselves
+        mid = (lo + hi) // 2 // step * step
         if run(mid):
             lo = mid
         else:
@@ -216,9 +227,9 @@ def _longest(
     if not lo:
         return None
     limited_by: Literal["memory", "cap", "model"]
-    if lo >= cap and model_limit is not None and cap >= model_limit:
+    if lo + step > cap and model_limit is not None and cap >= model_limit:
         limited_by, note = "model", f"the model's maximum length {model_limit} reached (max_position_embeddings)"
-    elif lo >= cap:
+    elif lo + step > cap:
         limited_by, note = "cap", f"--max-seq-len {cap} reached: longer may fit"
     elif hi in refused:
         limited_by, note = "model", refused[hi]
@@ -301,6 +312,7 @@ class _Lengths:
                 device_name=device_name,
                 on_trial=self.on_trial,
                 fakes=self.fakes,
+                length_step=sequence_multiple(self.task, self.config.mesh.tp),
             )
         if found.refused in lengths:
             raise TaskError(f"--seq-len {found.refused}: the model cannot take this length ({found.failed})")
@@ -395,6 +407,7 @@ class _Lengths:
                     shortest=shortest,
                     cap=cap,
                     model_limit=model_limit,
+                    step=sequence_multiple(self.task, self.config.mesh.tp),
                 )
             finally:
                 self.release()
@@ -451,7 +464,15 @@ def _over_lengths(
     if steps.fakes is not None and found is not None and found.surface is not None:
         # Independent trials, all known now: run side by side where there are lanes.
         steps.fakes.prefetch(
-            steps.task, _confirmations(found, lengths, config=steps.config, limit_bytes=steps.fake_limit, cap=cap)
+            steps.task,
+            _confirmations(
+                found,
+                lengths,
+                config=steps.config,
+                limit_bytes=steps.fake_limit,
+                cap=cap,
+                unit=sequence_multiple(steps.task, steps.config.mesh.tp),
+            ),
         )
     run = steps.measure_each(lengths, found, target_tokens, notes)
     if found is not None and found.surface is not None:

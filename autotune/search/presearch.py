@@ -281,23 +281,28 @@ class SurfaceSearch:
 
 
 def surface_points(
-    lengths: Sequence[int], multiple_of: int
+    lengths: Sequence[int], multiple_of: int, length_step: int = 1
 ) -> tuple[tuple[int, int], tuple[int, ...], tuple[int, int]]:
     """The sizes and three lengths to trace, and the held-out (m, L) to check the surface on.
 
     The lengths are the smallest, a middle and the largest asked for, with halves of the smallest
     added below where fewer than three were asked; the held-out point is a fourth asked-for length
     where there is one, else halfway between the two smallest traced, at a size past the traced ones.
+    Every length is a multiple of ``length_step`` (sequence parallel's tp: the asked ones are already).
     """
     sizes = (TRACED_SIZES[0] * multiple_of, TRACED_SIZES[1] * multiple_of)
     asked = sorted(set(lengths))
     traced = list(asked)
-    while len(traced) < 3 and traced[0] // 2 >= 1 and traced[0] // 2 not in traced:
-        traced.insert(0, traced[0] // 2)
+    while len(traced) < 3 and traced[0] // 2 >= length_step:
+        half = traced[0] // 2 // length_step * length_step
+        if half in traced:
+            break
+        traced.insert(0, half)
     if len(traced) > 3:
         traced = [traced[0], traced[len(traced) // 2], traced[-1]]
     spare = [length for length in asked if length not in traced]
-    held_length = spare[0] if spare else (traced[0] + traced[1]) // 2
+    between = (traced[0] + traced[1]) // 2 // length_step * length_step if len(traced) > 1 else traced[0]
+    held_length = spare[0] if spare else between
     return sizes, tuple(traced), ((TRACED_SIZES[1] + 1) * multiple_of, held_length)
 
 
@@ -312,6 +317,7 @@ def fake_surface(
     device_name: str | None = None,
     on_trial: Callable[[Trial], None] | None = None,
     fakes: FakeTrials | None = None,
+    length_step: int = 1,
 ) -> SurfaceSearch:
     """The peak surface over (m, L) of a sequence-aware task from seven traced fake trials: two
     sizes at three lengths give it (autotune/core/surface.py), a seventh held out checks it trace for
@@ -321,7 +327,7 @@ def fake_surface(
     A failed trial (an op that cannot run fake, a length the model refuses) or traces that do not
     line up give ``surface=None`` and the reason, and the probe falls back length by length.
     """
-    sizes, traced, held_out = surface_points(lengths, multiple_of)
+    sizes, traced, held_out = surface_points(lengths, multiple_of, length_step)
     own = fakes is None
     shared = fakes or FakeTrials(task, device_type=device_type, strategy=strategy, device_name=device_name)
     trials: dict[int, list[Trial]] = {}

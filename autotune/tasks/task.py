@@ -64,7 +64,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # are freed until the next backward makes them) or "keep" (set_to_none=False: zeroed in place, held all the time).
 ZERO_GRAD_MODES = ("none", "keep")
 # The tags the task writes itself (a user's own tags of these names would be replaced).
-_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "compile", "offload")
+_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "compile", "offload", "tp_plan")
 
 
 @functools.cache
@@ -239,6 +239,8 @@ class ProbeTask:
             tags["compile"] = self.compile
         if isinstance(self.tp_plan, str) and self.tp_plan not in TP_PLAN_NAMES:
             raise TaskError(f"--tp-plan {self.tp_plan!r}: not a plan's name; use one of {', '.join(TP_PLAN_NAMES)}")
+        if self.tp_plan == "torchtitan":  # the datasheet names the plan (hf's is the default, untagged)
+            tags["tp_plan"] = self.tp_plan
         if tags != self.tags:
             self.tags = tags
 

@@ -22,13 +22,38 @@ from typing import Any
 
 from autotune.core.errors import TaskError
 
-__all__ = ["TP_PLAN_NAMES", "torchtitan_plan", "tp_plan_label", "tp_plan_of"]
+__all__ = ["TP_PLAN_NAMES", "sequence_multiple", "torchtitan_plan", "tp_plan_label", "tp_plan_of"]
 
 TP_PLAN_NAMES = ("hf", "torchtitan")
 # The families whose module names torchtitan's plan is written for (config.model_type): Llama's layout (q/k/v/o,
 # gate/up/down, input_layernorm/post_attention_layernorm, norm, lm_head), and Mixtral's with its experts.
 _LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
 _MOE_LAYOUT = ("mixtral",)
+
+# The styles that shard the sequence over the tp ranks (sequence parallel): every length a multiple of tp.
+_SEQUENCE_STYLES = (
+    "sequence_parallel",
+    "embedding_rowwise_sequence",
+    "gather_sequence",
+    "gather_scatter_sequence",
+    "rowwise_sequence",
+)
+
+
+def sequence_multiple(task: Any, tp: int) -> int:
+    """What every sequence length of the job is a multiple of under tp: tp where its plan shards the sequence
+    (torchtitan's, or a task's own with sequence-parallel styles), else 1. Read off the task alone (no model)."""
+    plan = getattr(task, "tp_plan", None)
+    if tp < 2 or not plan:
+        return 1
+    if plan == "torchtitan":
+        return tp
+    if isinstance(plan, Mapping) and any(
+        value in _SEQUENCE_STYLES if isinstance(value, str) else _style_name(value) == "SequenceParallel"
+        for value in plan.values()
+    ):
+        return tp
+    return 1
 
 
 def torchtitan_plan(model: Any) -> dict[str, str]:

@@ -1,0 +1,175 @@
+"""--tp-plan: a tensor-parallel plan by name (autotune/tasks/tp_plan.py), torchtitan's resolved for a family's module
+names, its setup carried to the processes that load the task, its fake trials equal to its real ones, and the bad
+input refused in one line. The truth against real ranks is tests/autotune/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from autotune.core.errors import TaskError
+from autotune.core.mesh import Mesh
+from autotune.measure.meters.cpu import CpuMeter
+from autotune.measure.meters.fake import FakeMeter
+from autotune.orchestrate.lengths import _longest
+from autotune.search.presearch import surface_points
+from autotune.tasks.fingerprint import task_fingerprint
+from autotune.tasks.hf import hf_task
+from autotune.tasks.load import load_task
+from autotune.tasks.tp_plan import sequence_multiple, tp_plan_of
+from tests.autotune._hf_configs import write_config
+from tests.autotune._tp_trials import LIMIT_BYTES, tp_peaks
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
+
+
+def _llama(tmp_path: Path) -> Path:
+    return write_config(tmp_path, "llama", tie_word_embeddings=False)
+
+
+def test_torchtitans_plan_names_the_llama_familys_modules(tmp_path: Path) -> None:
+    task = dataclasses.replace(hf_task(_llama(tmp_path)), tp_plan="torchtitan")
+    model = task.model()
+    plan = tp_plan_of(model, task)
+    assert plan is not None
+    names = {name for name, _ in model.named_modules()}
+    # Every pattern names a module of the model (a star for the block's index).
+    for pattern in plan:
+        assert pattern.replace("*", "0") in names, pattern
+    assert plan["model.embed_tokens"] == "embedding_rowwise_sequence"
+    assert plan["model.layers.*.input_layernorm"] == "sequence_parallel"
+    assert plan["model.layers.*.self_attn"] == "gather_sequence"
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise_sequence"
+    assert plan["lm_head"] == "colwise_loss_parallel"
+    # hf: transformers' own plan (no sequence parallel), as with no name.
+    assert tp_plan_of(model, dataclasses.replace(task, tp_plan="hf")) == tp_plan_of(model, hf_task(_llama(tmp_path)))
+
+
+def test_a_family_it_has_no_names_for_is_one_line(tmp_path: Path) -> None:
+    task = dataclasses.replace(hf_task(write_config(tmp_path, "gpt2")), tp_plan="torchtitan")
+    with pytest.raises(TaskError, match=r"--tp-plan torchtitan: no module names of model type 'gpt2'"):
+        tp_plan_of(task.model(), task)
+    with pytest.raises(TaskError, match="not a plan's name"):
+        dataclasses.replace(task, tp_plan="megatron")
+
+
+def test_the_plans_name_enters_the_fingerprint_and_the_setup_a_worker_receives(tmp_path: Path) -> None:
+    spec = f"hf:{_llama(tmp_path)}"
+    task = load_task(spec).at_length(16)
+    titan = dataclasses.replace(task, tp_plan="torchtitan")
+    mesh = Mesh(tp=2)
+    fingerprints = {
+        task_fingerprint(task, world_size=2, mesh=mesh),
+        task_fingerprint(titan, world_size=2, mesh=mesh),
+        task_fingerprint(dataclasses.replace(task, tp_plan="hf"), world_size=2, mesh=mesh),
+    }
+    assert len(fingerprints) == 2  # hf is the default plan: the same setup as no name
+    # What a worker or the emulated child receives (JobSetup) and applies to the task it loads from the spec.
+    job = titan.job_setup(world_size=2, mesh=mesh)
+    assert job.tp_plan_name == "torchtitan"
+    loaded = load_task(spec).at_length(16).with_setup(job)
+    assert loaded.tp_plan == "torchtitan" and loaded.tags["tp_plan"] == "torchtitan"
+    assert task_fingerprint(loaded, world_size=2, mesh=mesh) == task_fingerprint(titan, world_size=2, mesh=mesh)
+
+
+def test_fake_trials_equal_the_real_ones_under_sequence_and_loss_parallel(tmp_path: Path) -> None:
+    """An estimate's fake trials hold what the real trials hold (which test_tensor_parallel checks against real
+    ranks): the loss's handlers counted in both, their global-shape derivation in neither."""
+    task = dataclasses.replace(hf_task(_llama(tmp_path)).at_length(16), tp_plan="torchtitan")
+    real = tp_peaks(CpuMeter(LIMIT_BYTES), task, "ddp", 2, (3, 4))
+    fake = tp_peaks(FakeMeter(LIMIT_BYTES, device_type="cpu"), task, "ddp", 2, (3, 4))
+    print(f"torchtitan tp 2: real {real}, fake {fake}")
+    assert fake == real
+    # Sequence and loss parallel hold less than transformers' plan at the same sizes.
+    assert all(
+        real[m] < peak
+        for m, peak in tp_peaks(
+            CpuMeter(LIMIT_BYTES), hf_task(_llama(tmp_path)).at_length(16), "ddp", 2, (3, 4)
+        ).items()
+    )
+
+
+def test_lengths_under_sequence_parallel_are_multiples_of_tp(tmp_path: Path) -> None:
+    titan = dataclasses.replace(hf_task(_llama(tmp_path)), tp_plan="torchtitan")
+    assert sequence_multiple(titan, 4) == 4 and sequence_multiple(titan, 1) == 1
+    assert sequence_multiple(hf_task(_llama(tmp_path)), 4) == 1
+    _, traced, (_, held) = surface_points([64], 1, length_step=8)
+    assert all(length % 8 == 0 for length in (*traced, held)), (traced, held)
+
+    tried: list[int] = []
+
+    class Surface:  # a peak that grows with the length: 100 bytes a token
+        def longest_fitting(self, limit: int, micro_batch: int, *, cap: int, shortest: int) -> int:
+            return min(cap, limit // 100)
+
+        def peak_bytes(self, micro_batch: int, seq_len: int) -> int:
+            return 100 * seq_len
+
+    def trial_at(seq_len: int) -> object:
+        tried.append(seq_len)
+        peak = 100 * seq_len
+        return type("T", (), {"oom": False, "fits": peak <= 5_000, "peak_bytes": peak, "host_peak_bytes": None})()
+
+    found = _longest(Surface(), trial_at, limit_bytes=5_000, micro_batch=1, shortest=8, cap=63, step=8)  # type: ignore[arg-type]
+    assert found is not None and found.seq_len == 48  # 50 tokens fit: the longest multiple of 8 is 48
+    assert all(length % 8 == 0 for length in tried), tried
+
+
+def _cli(*args: str, output: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "probe", *args, "--device", "cpu", "--budget", "1MiB"]
+        + ["--output", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--tp-plan", "torchtitan"], "--tp-plan torchtitan is the plan of tensor parallelism: give --tp N"),
+        (
+            ["--tp", "2", "--world-size", "2", "--tp-plan", "torchtitan", "--seq-len", "15"],
+            "--tp-plan torchtitan shards the sequence over the 2 tp ranks (sequence parallel): --seq-len 15 is not "
+            "a multiple of --tp 2",
+        ),
+        (
+            ["--tp", "2", "--world-size", "2", "--tp-plan", "torchtitan", "--seq-len", "16", "gpt2"],
+            "--tp-plan torchtitan: no module names of model type 'gpt2'",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_stored(tmp_path: Path, flags: list[str], line: str) -> None:
+    config = write_config(tmp_path, "gpt2") if flags[-1] == "gpt2" else _llama(tmp_path)
+    flags = [flag for flag in flags if flag != "gpt2"]
+    output = tmp_path / "profile.json"
+    done = _cli(f"hf:{config}", *flags, output=output)
+    errors = [text for text in done.stderr.splitlines() if text.startswith("autotune: error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
+    assert line in errors[0]
+    assert "Traceback" not in done.stderr
+    assert not output.exists()
+
+
+def test_the_datasheet_names_the_plan(tmp_path: Path) -> None:
+    output = tmp_path / "profile.json"
+    done = _cli(
+        f"hf:{_llama(tmp_path)}",
+        *("--tp", "2", "--world-size", "2", "--tp-plan", "torchtitan", "--seq-len", "16", "--no-breakdown"),
+        output=output,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tp 2, torchtitan's tp plan (sequence and loss parallel)" in done.stdout
+    stored = json.loads(output.read_text())
+    profiles = stored if isinstance(stored, list) else [stored]
+    assert all(p["tags"]["tp_plan"] == "torchtitan" for p in profiles)
