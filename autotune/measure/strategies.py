@@ -217,9 +217,11 @@ def _fsdp_api() -> tuple[Any, Any]:
 
 
 def _is_fake(model: nn.Module) -> bool:
+    """Whether the model's parameters are fake, a DTensor's by its local shard (under torchtitan's tp plan every
+    parameter is a DTensor, the norms' too)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(isinstance(p, FakeTensor) for p in model.parameters())
+    return any(isinstance(getattr(p, "_local_tensor", p), FakeTensor) for p in model.parameters())
 
 
 def shard_units(model: nn.Module, shard_classes: tuple[type[nn.Module], ...] | None) -> list[nn.Module]:

@@ -81,21 +81,21 @@ def test_the_plans_name_enters_the_fingerprint_and_the_setup_a_worker_receives(t
     assert task_fingerprint(loaded, world_size=2, mesh=mesh) == task_fingerprint(titan, world_size=2, mesh=mesh)
 
 
-def test_fake_trials_equal_the_real_ones_under_sequence_and_loss_parallel(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("inner", "world_size"), [("ddp", 2), ("fsdp", 4)])
+def test_fake_trials_equal_the_real_ones_under_sequence_and_loss_parallel(
+    tmp_path: Path, inner: str, world_size: int
+) -> None:
     """An estimate's fake trials hold what the real trials hold (which test_tensor_parallel checks against real
-    ranks): the loss's handlers counted in both, their global-shape derivation in neither."""
+    ranks): the loss's handlers counted in both, their global-shape derivation in neither; under fsdp the model is
+    known fake by its DTensors' local shards (every parameter is a DTensor under this plan)."""
     task = dataclasses.replace(hf_task(_llama(tmp_path)).at_length(16), tp_plan="torchtitan")
-    real = tp_peaks(CpuMeter(LIMIT_BYTES), task, "ddp", 2, (3, 4))
-    fake = tp_peaks(FakeMeter(LIMIT_BYTES, device_type="cpu"), task, "ddp", 2, (3, 4))
-    print(f"torchtitan tp 2: real {real}, fake {fake}")
+    real = tp_peaks(CpuMeter(LIMIT_BYTES), task, inner, world_size, (3, 4))
+    fake = tp_peaks(FakeMeter(LIMIT_BYTES, device_type="cpu"), task, inner, world_size, (3, 4))
+    print(f"torchtitan tp 2 ({inner} x{world_size}): real {real}, fake {fake}")
     assert fake == real
-    # Sequence and loss parallel hold less than transformers' plan at the same sizes.
-    assert all(
-        real[m] < peak
-        for m, peak in tp_peaks(
-            CpuMeter(LIMIT_BYTES), hf_task(_llama(tmp_path)).at_length(16), "ddp", 2, (3, 4)
-        ).items()
-    )
+    if inner == "ddp":  # sequence and loss parallel hold less than transformers' plan at the same sizes
+        plain = tp_peaks(CpuMeter(LIMIT_BYTES), hf_task(_llama(tmp_path)).at_length(16), inner, world_size, (3, 4))
+        assert all(real[m] < peak for m, peak in plain.items())
 
 
 def test_lengths_under_sequence_parallel_are_multiples_of_tp(tmp_path: Path) -> None:
