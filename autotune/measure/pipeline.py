@@ -268,6 +268,18 @@ class StageStrategy(Strategy):
     def stage_resharded(self, model: nn.Module) -> None:
         """After the stage's last backward of the step and its reduction (the interleaved schedule's RESHARD)."""
 
+    def crossing_meta(self, meta: tuple[torch.Size, torch.dtype]) -> tuple[torch.Size, torch.dtype]:
+        """The shape and dtype of an activation crossing the stage's boundary as the rank holds it."""
+        return meta
+
+    def arriving(self, arrival: torch.Tensor) -> torch.Tensor:
+        """The receive buffer as the stage's first block takes it."""
+        return arrival
+
+    def leaving(self, output: torch.Tensor) -> torch.Tensor:
+        """The stage's output as it is sent (and held until its backward)."""
+        return output
+
 
 class ShardedStage(StageStrategy):
     """A stage wrapped over its data-parallel and tensor-parallel groups, torchtitan's pp x fsdp (x tp): rank 0 of a
@@ -296,6 +308,11 @@ class ShardedStage(StageStrategy):
         self.stages, self.tp, self.inner = stages, tp, inner
         self._device_mesh: Any = None
         self._entered = 0
+        # The plan shards the sequence between the blocks (sequence parallel: the activations that cross the
+        # stages are each rank's L / tp positions, as torchtitan's stages send them) and keeps the logits sharded
+        # by vocabulary through the loss (loss parallel): set by _parallelize.
+        self._sequence_sharded = False
+        self._loss_parallel = False
 
     @property
     def describes_replicas(self) -> bool:
@@ -364,21 +381,43 @@ class ShardedStage(StageStrategy):
         """The task's tensor-parallel plan over the tp sub-mesh, on the modules the stage holds."""
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from autotune.measure.tensor_parallel import check_tp_plan
+        from autotune.measure.tensor_parallel import check_tp_plan, shards_sequence, uses_loss_parallel
 
         styles = check_tp_plan(model, task, self.tp)
+        self._sequence_sharded = shards_sequence(styles)
+        self._loss_parallel = uses_loss_parallel(styles)
         kept: dict[str, Any] = {}
         for name, style in styles.items():
-            if type(style).__name__ == "SequenceParallel":
-                raise AutotuneError(
-                    f"--pp {self.stages} with --tp {self.tp}: the plan's sequence-parallel style on {name} shards "
-                    "the activations that cross the stages, which is not measured yet"
-                )
             params = list(model.get_submodule(name).parameters())
             if not params or any(id(p) not in not_held for p in params):
                 kept[name] = style
         # src_data_rank=None: each rank keeps its own initial shard (no scatter), as TensorParallel does.
         parallelize_module(model, self._device_mesh["tp"], kept, src_data_rank=None)
+
+    def loss_context(self) -> AbstractContextManager[Any]:
+        if not self._loss_parallel:
+            return nullcontext()
+        from autotune.measure.tensor_parallel import measured_loss_parallel
+
+        return measured_loss_parallel()
+
+    def crossing_meta(self, meta: tuple[torch.Size, torch.dtype]) -> tuple[torch.Size, torch.dtype]:
+        if not self._sequence_sharded:
+            return meta
+        shape, dtype = meta
+        return torch.Size((shape[0], shape[1] // self.tp, *shape[2:])), dtype
+
+    def arriving(self, arrival: torch.Tensor) -> torch.Tensor:
+        if not self._sequence_sharded:
+            return arrival
+        from torch.distributed.tensor import DTensor, Shard
+
+        # The rank's positions of the residual stream, as the previous stage's last block left them.
+        return DTensor.from_local(arrival, self._device_mesh["tp"], [Shard(1)], run_check=False)
+
+    def leaving(self, output: torch.Tensor) -> torch.Tensor:
+        local = getattr(output, "to_local", None)
+        return local() if self._sequence_sharded and callable(local) else output
 
     def forward_ended(self, model: nn.Module, output: Any) -> Any:
         if self.inner != "fsdp":
@@ -880,8 +919,9 @@ class _Replay:
         self.schedule, self.k, self.micro_batch = schedule, microbatches, micro_batch
         shapes = stage.flow.shapes
         assert shapes is not None
-        self.input_meta = shapes.block_inputs[stage.first_block]
-        self.output_meta = shapes.block_outputs[stage.first_block + stage.block_count - 1]
+        # The crossing activations as the rank holds them (sequence parallel: its L / tp positions).
+        self.input_meta = strategy.crossing_meta(shapes.block_inputs[stage.first_block])
+        self.output_meta = strategy.crossing_meta(shapes.block_outputs[stage.first_block + stage.block_count - 1])
 
     def run(self, meter: Meter) -> None:
         stage, k = self.stage, self.k
@@ -925,11 +965,15 @@ class _Replay:
         """One forward: (what the stage keeps for its backward, its output)."""
         stage, flow = self.stage, self.stage.flow
         if not stage.first:
-            flow.arrival = arrivals[index].requires_grad_(True)
+            flow.arrival = self.strategy.arriving(arrivals[index].requires_grad_(True))
         flow.output = None
         loss = None
         try:
-            with self.strategy.autocast(self.task.precision, self.device), warnings.catch_warnings():
+            with (
+                self.strategy.loss_context(),
+                self.strategy.autocast(self.task.precision, self.device),
+                warnings.catch_warnings(),
+            ):
                 # Under tp a stage's output (a block's, or the gathered logits) is a DTensor's local view, as the real
                 # stage returns it; FSDP2 warns of in-place ops on such a view, which the replay does not run.
                 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -940,6 +984,8 @@ class _Replay:
                     raise
         except _StageExit as stop:
             output = _first_tensor(stop.output)
+            if output is not None:
+                output = self.strategy.leaving(output)
         else:
             output = flow.output
         finally:
@@ -952,7 +998,8 @@ class _Replay:
         (output, loss) = cache.pop(index)
         self.strategy.backward_begins(self.stage.model)
         if self.stage.last:
-            torch.autograd.backward([loss])
+            with self.strategy.loss_context():
+                torch.autograd.backward([loss])
         else:
             torch.autograd.backward([output], grad_tensors=[grads_in[index]])
         del output, loss

@@ -79,6 +79,7 @@ __all__ = [
     "MoeTensorParallelExperts",
     "check_tp_plan",
     "measured_loss_parallel",
+    "shards_sequence",
     "tp_plan_of",
     "uses_loss_parallel",
 ]
@@ -428,7 +429,7 @@ def check_tp_plan(model: nn.Module, task: ProbeTask, tp: int) -> dict[str, Any]:
         )
     styles = _resolved(model, plan, where)
     _check_divisible(model, styles, tp, where)
-    if task.seq_len is not None and task.seq_len % tp and _shards_sequence(styles):
+    if task.seq_len is not None and task.seq_len % tp and shards_sequence(styles):
         raise TaskError(
             f"--tp {tp}: the plan of {where} shards the sequence over the tp ranks (sequence parallel), and its "
             f"seq_len {task.seq_len} is not a multiple of {tp}"
@@ -436,7 +437,8 @@ def check_tp_plan(model: nn.Module, task: ProbeTask, tp: int) -> dict[str, Any]:
     return styles
 
 
-def _shards_sequence(styles: Mapping[str, Any]) -> bool:
+def shards_sequence(styles: Mapping[str, Any]) -> bool:
+    """Whether the plan shards the activations between the blocks along the sequence (sequence parallel)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     return any(isinstance(style, SequenceParallel | GatherSequence) for style in styles.values())

@@ -116,13 +116,11 @@ class ProbeConfig:
         self.mesh.validate(self.world_size)
         if self.tp_plan is not None and self.mesh.tp < 2:
             raise AutotuneError(f"--tp-plan {self.tp_plan} is the plan of tensor parallelism: give --tp N (N > 1)")
-        if self.tp_plan == "torchtitan" and (self.mesh.pp > 1 or self.mesh.cp > 1):
-            other, why = (
-                ("--pp", "sequence parallel shards the activations that cross the stages along the sequence")
-                if self.mesh.pp > 1
-                else ("--cp", "context parallel and sequence parallel both shard the sequence")
+        if self.tp_plan == "torchtitan" and self.mesh.cp > 1:
+            raise AutotuneError(
+                "--tp-plan torchtitan with --cp is not measured yet: context parallel and sequence parallel both "
+                "shard the sequence; use --tp-plan hf"
             )
-            raise AutotuneError(f"--tp-plan torchtitan with {other} is not measured yet: {why}; use --tp-plan hf")
         # FSDP2 shards over the data-parallel replicas, and under --cp over the cp ranks too (they hold the same
         # parameters: torchtitan's dp_shard_cp mesh), so fsdp over cp alone (D = 1) still shards.
         refuse_composition(self.dimensions())

@@ -22,6 +22,7 @@ not). ``ScheduleGPipe`` runs the same way; ``ScheduleInterleaved1F1B`` with V 2 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import traceback
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor.parallel import loss_parallel
 
 from tests.autotune._pipeline_worker import (
     DIM,
@@ -114,6 +116,74 @@ def block_tp_plan() -> dict[str, Any]:
     return plan
 
 
+def sp_plan() -> dict[str, Any]:
+    """Sequence and loss parallel over the tiny Llama, in PyTorch's own styles, by module pattern (the probe's task
+    gives the same plan as its ``tp_plan``): the embedding's output reduce-scattered onto the sequence, the norms
+    sequence-parallel, q/k/v and w1/w3 column-wise over their input all-gathered from the sequence shards, o and w2
+    row-wise reduce-scattered back onto the sequence (the residual stream a DTensor sharded on the sequence), the
+    head column-wise over the gathered sequence with its logits kept sharded by vocabulary for loss_parallel()."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for name in ("attention_norm", "ffn_norm"):
+        plan[f"layers.*.{name}"] = SequenceParallel()
+    for name in ("wq", "wk", "wv", "w1", "w3"):
+        plan[f"layers.*.{name}"] = ColwiseParallel(input_layouts=Shard(1))
+    for name in ("wo", "w2"):
+        plan[f"layers.*.{name}"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
+class SpLlama(TpLlama):
+    """The tiny Llama as a sequence-parallel stage runs it under PipelineStage: the activation received from the
+    previous stage is this rank's positions of the residual stream (made a DTensor sharded on the sequence), and a
+    stage that ends before the head sends its local positions."""
+
+    tp_mesh: Any = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self.tok_embeddings is None:
+            tokens = DTensor.from_local(tokens, self.tp_mesh, [Shard(1)], run_check=False)
+        out = super().forward(tokens)
+        return out.to_local() if self.output is None else out  # type: ignore[union-attr]
+
+
+def _sp_stage_model(stage: int, stages: int, mesh: Any) -> nn.Module:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    with torch.device("meta"):
+        model = SpLlama(LAYERS)
+    per_stage = [len(part) for part in torch.arange(LAYERS).tensor_split(stages)]
+    start = sum(per_stage[:stage])
+    model.layers = nn.ModuleList(list(model.layers)[start : start + per_stage[stage]])
+    if stage > 0:
+        model.tok_embeddings = None
+    if stage < stages - 1:
+        model.norm = None
+        model.output = None
+    model.tp_mesh = mesh["tp"]
+    held = {name for name, _ in model.named_modules()}
+    plan = {}
+    for pattern, style in sp_plan().items():
+        for index in range(len(model.layers)):
+            name = pattern.replace("*", str(index))
+            if name in held and getattr(model, name.split(".")[0]) is not None:
+                plan[name] = style
+    parallelize_module(model, mesh["tp"], plan)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            (param.to_local() if hasattr(param, "to_local") else param).normal_(0.0, 0.02)
+    return model.train()
+
+
 def _stage_model(stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYERS) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -151,7 +221,12 @@ def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -
     virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1
     layers = INTERLEAVED_LAYERS if virtual > 1 else LAYERS
     indices = [rank + chunk * ranks for chunk in range(virtual)]
-    models = [_stage_model(index, ranks * virtual, mesh, tp, layers) for index in indices]
+    sequence_parallel = schedule_name == "1f1b-sp"
+    if sequence_parallel:
+        schedule_name = "1f1b"
+        models = [_sp_stage_model(index, ranks, mesh) for index in indices]
+    else:
+        models = [_stage_model(index, ranks * virtual, mesh, tp, layers) for index in indices]
     stages: list[Any] = [
         PipelineStage(model, index, ranks * virtual, torch.device("cpu"), group=mesh["pp"].get_group())
         for model, index in zip(models, indices, strict=True)
@@ -162,7 +237,9 @@ def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -
         kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
         schedule = kind(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
     optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
-    train_two_steps(schedule, rank == 0, microbatches, micro_batch, optimizers)
+    # Loss parallel: the last stage's cross entropy on the vocabulary shards, forward and backward in its context.
+    with loss_parallel() if sequence_parallel else contextlib.nullcontext():
+        train_two_steps(schedule, rank == 0, microbatches, micro_batch, optimizers)
     del schedule, stages, optimizers, models
 
 

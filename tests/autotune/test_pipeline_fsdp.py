@@ -170,6 +170,66 @@ def _tp_stage_peaks(schedule: str) -> dict[int, list[int]]:
         return {m: list(trials.stage_peaks[m]) for m in SIZES}
 
 
+SP_SLACK_BYTES = 64
+
+
+def sp_task() -> ProbeTask:
+    """The tiny Llama under sequence and loss parallel (the truth's plan, fsdp_worker.sp_plan, as the task's own)."""
+    return ProbeTask(
+        name="tiny-llama-sp",
+        model=fsdp_worker.TpLlama,
+        batch=worker.make_batch,
+        loss=lambda model, batch: worker.lm_loss(model(batch[0]), batch[1]),
+        tp_plan=fsdp_worker.sp_plan(),
+    )
+
+
+def _sp_stage_peaks(meter_kind: str) -> dict[int, list[int]]:
+    """Each stage's peak at each of SIZES by the pipeline trials of sp_task over pp 2 x tp 2 (1F1B, W 4)."""
+    mesh = Mesh(pp=STAGES, tp=2, pp_schedule="1f1b", pp_microbatches=K)
+    strategy = make_strategy("ddp", 4, mesh)
+    meter = CpuMeter(UNBOUNDED) if meter_kind == "cpu" else FakeMeter(UNBOUNDED)
+    with strategy.process_group(torch.device("cpu")):
+        trials = PipelineTrials(
+            sp_task(), meter, limit_bytes=UNBOUNDED, stages=STAGES, schedule="1f1b", microbatches=K,
+            strategy=strategy,
+        )  # fmt: skip
+        for m in SIZES:
+            trials(m)
+        return {m: list(trials.stage_peaks[m]) for m in SIZES}
+
+
+def test_sequence_parallel_stages_equal_the_real_ranks(tmp_path: Path) -> None:
+    """--pp 2 --tp 2 under sequence and loss parallel (torchtitan's plan on the tiny Llama): the activations that cross
+    the stages are each rank's L / tp positions, the last stage's loss is computed on the logits' vocabulary shards.
+    Against 4 real processes running PipelineStage and Schedule1F1B over torch's own SequenceParallel, sharded
+    row-wise outputs and loss_parallel() (least of 2 runs per size), on the CPU meter and on fake trials."""
+    try:
+        mp.spawn(
+            fsdp_worker.run,
+            args=(4, STAGES, str(tmp_path / "rendezvous"), str(tmp_path), K, SIZES, "1f1b-sp", 2, 2),
+            nprocs=4,
+            join=True,
+        )
+    except ProcessException as exc:
+        errors = "\n".join(path.read_text() for path in sorted(tmp_path.glob("rank*.error")))
+        pytest.fail(f"the 4-process sequence-parallel pipeline failed: {exc}\n{errors}")
+    real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    print("runs per rank and size:", [json.loads((tmp_path / f"rank{r}.runs.json").read_text()) for r in range(4)])
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:  # see the 1F1B tp test
+        peaks = {kind: pool.submit(_sp_stage_peaks, kind).result() for kind in ("cpu", "fake")}
+    print("probe's stages:", peaks)
+    for m in SIZES:
+        assert real[0][str(m)] == real[1][str(m)] and real[2][str(m)] == real[3][str(m)], real
+        for kind, stage_peaks in peaks.items():
+            # Within SP_SLACK_BYTES: the stages read 16 bytes above the real ranks where the peak falls in a backward
+            # (534,092 equal on stage 0 at m = 2; 686,684 against 686,668 at m = 3), as the one-process tp probe
+            # holds 8 bytes the ordinary loop does not (tests/autotune/test_tensor_parallel.py): not yet found.
+            for stage, real_rank in enumerate((0, 2)):
+                assert 0 <= stage_peaks[m][stage] - real[real_rank][str(m)] <= SP_SLACK_BYTES, (kind, m, stage_peaks)
+    assert peaks["cpu"] == peaks["fake"]
+
+
 INTERLEAVED = Mesh(pp=STAGES, pp_schedule="interleaved-1f1b", pp_microbatches=K)  # V 2: stages r, r + 2 on rank r
 # Between the most loaded interleaved stage's peaks at m = 2 and m = 3 (rank 0, blocks 0 and 2: 878,924 / 1,126,220 B).
 INTERLEAVED_BUDGET = 1_000_000
