@@ -97,6 +97,13 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
         help="run the trials on the model torch.compile'd in MODE (default: default; reduce-overhead, "
         "max-autotune, ...: the installed torch's modes), compiled once per probe (docs/compile.md)",
     )
+    p.add_argument(
+        "--sdpa-backend",
+        choices=("flash", "efficient", "cudnn", "math"),
+        help="the kernel scaled_dot_product_attention runs (default: the one torch picks for the inputs and the "
+        "device, which the datasheet names): what the job's torch, mask or inputs make it run, e.g. math where "
+        "a mask rules out the fused kernels (docs/cuda-estimates.md)",
+    )
     add_task_options(p)
     add_seq_len_options(p)
     p.add_argument(
@@ -191,6 +198,7 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
         "strategy": args.strategy,
         "mesh": mesh_of(args),
         "tp_plan": getattr(args, "tp_plan", None),
+        "sdpa_backend": getattr(args, "sdpa_backend", None),
         "plan_policy": args.plan,
         "offload": getattr(args, "offload", None),
         "host_budget_bytes": getattr(args, "host_budget", None),

@@ -74,6 +74,9 @@ class JobSetup(BaseModel):
     # The plan's name where the job names one (--tp-plan: hf or torchtitan; autotune/tasks/tp_plan.py), as a worker
     # or the emulated child applies it to the task it loads (with_setup); None: the task's own plan.
     tp_plan_name: str | None = None
+    # The attention kernel the job makes SDPA run (--sdpa-backend: flash, efficient, cudnn, math;
+    # autotune/tasks/task.py, SDPA_BACKENDS); None: the one torch picks, or the task's own.
+    sdpa_backend: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSetup:

@@ -520,6 +520,7 @@ class TrialRunner:
                 found = recorder.breakdown(micro_batch, trial.fits, trial.peak_bytes)
                 if found is not None:
                     self.breakdowns[micro_batch] = found
+            self._note_attention()
             del_model = trial.oom
             return trial
         except BaseException:
@@ -529,6 +530,13 @@ class TrialRunner:
             del model
             if del_model:
                 self.close()
+
+    def _note_attention(self) -> None:
+        """The datasheet's line on the attention kernel the trials ran (one line, kept current)."""
+        line = attention_line(getattr(self.meter, "attention_kernels", set()), self.task.sdpa_backend)
+        if line is None:
+            return
+        self.warnings[:] = [w for w in self.warnings if not w.startswith(ATTENTION_LINE_START)] + [line]
 
     def _recorder(self) -> Any:
         """A breakdown's recorder for the next trial, where one is asked for and the meter counts storages (the CPU
@@ -545,6 +553,28 @@ class TrialRunner:
         """Drop the reused model (the next trial builds a new one)."""
         self._model = None
         self.meter.release()
+
+
+ATTENTION_LINE_START = "attention: "
+
+
+def attention_line(kernels: set[str], backend: str | None) -> str | None:
+    """What the datasheet says of the attention kernel: the fused kernels scaled_dot_product_attention dispatched
+    to in the trials, and whether the job chose it (``--sdpa-backend``) or torch did; None where SDPA ran no fused
+    kernel and none was asked for (an eager attention, or none)."""
+    if not kernels:
+        if backend != "math":
+            return None
+        return f"{ATTENTION_LINE_START}scaled_dot_product_attention's math path, as --sdpa-backend math asked"
+    ran = ", ".join(sorted(kernels)) + (" kernels" if len(kernels) > 1 else " kernel")
+    if backend is not None:
+        asked = f"as --sdpa-backend {backend} asked"
+        return f"{ATTENTION_LINE_START}scaled_dot_product_attention ran the {ran}, {asked}"
+    return (
+        f"{ATTENTION_LINE_START}scaled_dot_product_attention ran the {ran}, as torch {torch.__version__} picks "
+        "for these inputs on this device; a job whose torch, mask or inputs make it run another holds other "
+        "memory: say which with --sdpa-backend flash|efficient|cudnn|math"
+    )
 
 
 def measure_weights(task: ProbeTask, meter: Meter) -> int | None:

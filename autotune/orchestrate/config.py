@@ -86,6 +86,8 @@ class ProbeConfig:
     # The tensor-parallel plan by name under tp > 1 (autotune/tasks/tp_plan.py: hf, torchtitan); None keeps the
     # task's own (its tp_plan, else the model's).
     tp_plan: str | None = None
+    # The kernel SDPA runs (--sdpa-backend: flash, efficient, cudnn, math); None keeps the task's own (torch's pick).
+    sdpa_backend: str | None = None
 
     def validate(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -163,6 +165,8 @@ class ProbeConfig:
             task = dataclasses.replace(task, offload=self.offload)
         if self.tp_plan is not None and self.tp_plan != task.tp_plan:
             task = dataclasses.replace(task, tp_plan=self.tp_plan)
+        if self.sdpa_backend is not None and self.sdpa_backend != task.sdpa_backend:
+            task = dataclasses.replace(task, sdpa_backend=self.sdpa_backend)
         return task
 
     def dimensions(self, task: ProbeTask | None = None) -> Dimensions:

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "LossSumFn",
     "ModelFactory",
     "OptimizerFactory",
+    "SDPA_BACKENDS",
     "ProbeTask",
     "compile_modes",
     "default_loss",
@@ -64,7 +66,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # are freed until the next backward makes them) or "keep" (set_to_none=False: zeroed in place, held all the time).
 ZERO_GRAD_MODES = ("none", "keep")
 # The tags the task writes itself (a user's own tags of these names would be replaced).
-_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "compile", "offload", "tp_plan")
+_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "compile", "offload", "tp_plan", "sdpa_backend")
+# The kernels --sdpa-backend makes scaled_dot_product_attention run (torch.nn.attention.SDPBackend by name).
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
 
 
 @functools.cache
@@ -200,6 +209,9 @@ class ProbeTask:
     offload: str = "none"
     compile: str | None = None
     tp_plan: Mapping[str, Any] | str | None = None
+    # The kernel scaled_dot_product_attention runs (SDPA_BACKENDS: flash, efficient, cudnn, math), forced with
+    # torch.nn.attention.sdpa_kernel around each forward; None: the one torch picks for the inputs and device.
+    sdpa_backend: str | None = None
     # The longest sequence the model takes (an hf: config's max_position_embeddings); None: no limit known. A
     # length past it is refused before any trial, and the longest-length search stops there and says so.
     max_seq_len: int | None = None
@@ -241,6 +253,11 @@ class ProbeTask:
             raise TaskError(f"--tp-plan {self.tp_plan!r}: not a plan's name; use one of {', '.join(TP_PLAN_NAMES)}")
         if self.tp_plan == "torchtitan":  # the datasheet names the plan (hf's is the default, untagged)
             tags["tp_plan"] = self.tp_plan
+        if self.sdpa_backend is not None:
+            if self.sdpa_backend not in SDPA_BACKENDS:
+                kernels = ", ".join(SDPA_BACKENDS)
+                raise TaskError(f"--sdpa-backend {self.sdpa_backend!r}: not an attention kernel; use one of {kernels}")
+            tags["sdpa_backend"] = self.sdpa_backend  # another kernel holds other memory: another fingerprint
         if tags != self.tags:
             self.tags = tags
 
@@ -285,6 +302,8 @@ class ProbeTask:
         }
         if setup.tp_plan_name is not None and setup.tp_plan_name != self.tp_plan:
             changes["tp_plan"] = setup.tp_plan_name
+        if setup.sdpa_backend is not None and setup.sdpa_backend != self.sdpa_backend:
+            changes["sdpa_backend"] = setup.sdpa_backend
         return dataclasses.replace(self, **changes) if changes else self
 
     def job_setup(self, *, strategy: str = "ddp", world_size: int = 1, mesh: Mesh | None = None) -> JobSetup:
@@ -299,6 +318,7 @@ class ProbeTask:
             activation_checkpointing=self.activation_checkpointing,
             offload=self.offload,
             tp_plan_name=self.tp_plan if isinstance(self.tp_plan, str) else None,
+            sdpa_backend=self.sdpa_backend,
         )
 
     def make_optimizer(self, model: nn.Module | Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -321,15 +341,39 @@ class ProbeTask:
         """What ``optimizer.zero_grad(set_to_none=...)`` gets after each step."""
         return self.zero_grad == "none"
 
+    def _attention_kernel(self) -> AbstractContextManager[Any]:
+        return _attention_kernel_of(self.sdpa_backend)
+
     def compute_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         try:
-            loss = (self.loss or default_loss)(model, batch)
+            with self._attention_kernel():
+                loss = (self.loss or default_loss)(model, batch)
         except _ForwardNeedsMore as exc:  # the default loss could not call the model: say which task
             raise TaskError(f"task {self.name!r}: {exc}") from None
+        except RuntimeError as exc:
+            if self.sdpa_backend is None or not any(
+                refused in str(exc) for refused in ("No available kernel", "No viable backend")
+            ):
+                raise
+            # The kernel asked for cannot take this attention (head size, dtype, grouped heads, a mask, the device).
+            raise TaskError(
+                f"--sdpa-backend {self.sdpa_backend}: scaled_dot_product_attention has no {self.sdpa_backend} kernel "
+                f"for the attention of task {self.name!r} on this device (torch found none): choose another backend"
+            ) from None
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TaskError(f"loss(model, batch) of task {self.name!r} must return a scalar tensor, got {shape}")
         return loss
+
+
+def _attention_kernel_of(backend: str | None) -> AbstractContextManager[Any]:
+    """The forward's context: scaled_dot_product_attention made to run ``backend``'s kernel (its backward is the
+    same kernel's, chosen by the forward), or nothing."""
+    if backend is None:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
 
 
 def _takes_seq_len(batch: Callable[..., Any]) -> bool:

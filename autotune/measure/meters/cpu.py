@@ -213,6 +213,22 @@ def _storages(obj: Any) -> Iterator[torch.UntypedStorage]:
                 yield storage
 
 
+def _attention_kernels() -> dict[Any, str]:
+    """scaled_dot_product_attention's fused kernels by their forward op (what SDPA dispatched to; its math path
+    runs as plain matmuls and a softmax, no op of its own)."""
+    aten = torch.ops.aten
+    named = {
+        "_scaled_dot_product_flash_attention": "flash",
+        "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+        "_scaled_dot_product_efficient_attention": "memory-efficient",
+        "_scaled_dot_product_cudnn_attention": "cuDNN",
+    }
+    return {getattr(aten, name).default: kernel for name, kernel in named.items() if hasattr(aten, name)}
+
+
+_ATTENTION_KERNELS = _attention_kernels()
+
+
 class _LiveStorageMode(TorchDispatchMode):
     """Sees every operator call on this thread, forward, backward and optimizer alike."""
 
@@ -223,6 +239,9 @@ class _LiveStorageMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.meter._account(out, func)
+        kernel = _ATTENTION_KERNELS.get(func)
+        if kernel is not None:  # which attention kernel the trial ran, for the datasheet
+            self.meter.attention_kernels.add(kernel)
         return out
 
 
@@ -247,6 +266,8 @@ class CpuMeter(Meter):
         self.last_trace: list[int] | None = None
         # A trial's breakdown recorder while one records (autotune/measure/breakdown.py).
         self.recorder: Any = None
+        # The fused attention kernels SDPA dispatched to in the trials so far ("flash", "memory-efficient", ...).
+        self.attention_kernels: set[str] = set()
 
     def describe(self) -> Device:
         return Device(
