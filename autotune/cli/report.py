@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autotune.core.plan import micro_batches_text
-from autotune.core.schemas import MEMORY_PART_LABELS, Profile, Trial
+from autotune.core.schemas import ATTENTION_NOTE, MEMORY_PART_LABELS, Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import gap_advice
 
@@ -238,8 +238,19 @@ def datasheet(profile: Profile) -> str:
     advice = gap_advice(profile)
     if advice is not None:
         lines.append(f"  fragmentation    {advice}")
-    lines.extend(f"  warning          {warning}" for warning in profile.warnings)
+    lines.extend(warning_rows(profile.warnings))
     return "\n".join(lines)
+
+
+def warning_rows(warnings: list[str]) -> list[str]:
+    """The datasheet's rows of a profile's notes: the attention kernel the trials ran as its own row (a fact of the
+    setup, autotune/measure/trial.py: attention_line), every other note as a warning."""
+    return [
+        f"  attention        {warning.removeprefix(ATTENTION_NOTE)}"
+        if warning.startswith(ATTENTION_NOTE)
+        else f"  warning          {warning}"
+        for warning in warnings
+    ]
 
 
 def _plan_text(profile: Profile) -> str:
@@ -303,5 +314,5 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
     seconds = max(p.seconds for p in profiles)
     lines.append(f"  time             {seconds:.2f}s")
     warnings = list(dict.fromkeys(w for p in profiles for w in p.warnings))
-    lines.extend(f"  warning          {warning}" for warning in warnings)
+    lines.extend(warning_rows(warnings))
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from autotune.core.split import DEFAULT_PLAN_POLICY, PlanPolicy, UnevenPlanWarni
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING",
+    "ATTENTION_NOTE",
     "OBJECTIVES",
     "OFFLOADS",
     "PRECISIONS",
@@ -322,6 +323,9 @@ MEMORY_PARTS = (
     "inputs",
     "temporaries",
 )
+# A profile's note on the attention kernel its trials ran starts so (autotune/measure/trial.py, attention_line): the
+# datasheet prints it as its own row, not as a warning.
+ATTENTION_NOTE = "attention: "
 # How the datasheet and the dashboard name each part.
 MEMORY_PART_LABELS = {
     "trainable_parameters": "params (trained)",

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from autotune.core.errors import TaskError, TrialError
-from autotune.core.schemas import Trial
+from autotune.core.schemas import ATTENTION_NOTE, Trial
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.measure.meters.host import HOST
 from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
@@ -536,7 +536,7 @@ class TrialRunner:
         line = attention_line(getattr(self.meter, "attention_kernels", set()), self.task.sdpa_backend)
         if line is None:
             return
-        self.warnings[:] = [w for w in self.warnings if not w.startswith(ATTENTION_LINE_START)] + [line]
+        self.warnings[:] = [w for w in self.warnings if not w.startswith(ATTENTION_NOTE)] + [line]
 
     def _recorder(self) -> Any:
         """A breakdown's recorder for the next trial, where one is asked for and the meter counts storages (the CPU
@@ -555,26 +555,17 @@ class TrialRunner:
         self.meter.release()
 
 
-ATTENTION_LINE_START = "attention: "
-
-
 def attention_line(kernels: set[str], backend: str | None) -> str | None:
-    """What the datasheet says of the attention kernel: the fused kernels scaled_dot_product_attention dispatched
-    to in the trials, and whether the job chose it (``--sdpa-backend``) or torch did; None where SDPA ran no fused
-    kernel and none was asked for (an eager attention, or none)."""
+    """What the datasheet says of the attention kernel (its ``attention`` row): the fused kernels
+    scaled_dot_product_attention dispatched to in the trials, and whether the job chose it (``--sdpa-backend``) or
+    torch did; None where SDPA ran no fused kernel and none was asked for (an eager attention, or none)."""
+    sdpa = "scaled_dot_product_attention"
     if not kernels:
-        if backend != "math":
-            return None
-        return f"{ATTENTION_LINE_START}scaled_dot_product_attention's math path, as --sdpa-backend math asked"
+        return f"{ATTENTION_NOTE}math path of {sdpa} (--sdpa-backend math)" if backend == "math" else None
     ran = ", ".join(sorted(kernels)) + (" kernels" if len(kernels) > 1 else " kernel")
     if backend is not None:
-        asked = f"as --sdpa-backend {backend} asked"
-        return f"{ATTENTION_LINE_START}scaled_dot_product_attention ran the {ran}, {asked}"
-    return (
-        f"{ATTENTION_LINE_START}scaled_dot_product_attention ran the {ran}, as torch {torch.__version__} picks "
-        "for these inputs on this device; a job whose torch, mask or inputs make it run another holds other "
-        "memory: say which with --sdpa-backend flash|efficient|cudnn|math"
-    )
+        return f"{ATTENTION_NOTE}{ran} of {sdpa} (--sdpa-backend {backend})"
+    return f"{ATTENTION_NOTE}{ran} of {sdpa}, torch's pick for these inputs here (--sdpa-backend to run another)"
 
 
 def measure_weights(task: ProbeTask, meter: Meter) -> int | None:

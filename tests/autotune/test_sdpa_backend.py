@@ -58,9 +58,8 @@ def test_the_probe_equals_the_allocator_under_the_kernel_asked_for(tmp_path: Pat
         assert peaks[m_max + 1] == truth[m_max + 1]
     lines = [w for w in measured.warnings if w.startswith("attention: ")]
     assert len(lines) == 1
-    assert ("math path, as --sdpa-backend math asked" if backend else "ran the flash (CPU) kernel, as torch") in lines[
-        0
-    ]
+    expected = "math path of scaled_dot_product_attention (--sdpa-backend math)" if backend else "flash (CPU) kernel"
+    assert expected in lines[0] and (backend is not None or "torch's pick" in lines[0])
 
 
 def test_the_kernel_enters_the_fingerprint_and_a_kernel_torch_lacks_is_one_line(tmp_path: Path) -> None:
@@ -95,8 +94,8 @@ def test_on_an_emulated_card_the_math_path_holds_more_and_each_kernel_is_named(
         figures[backend] = next(t.peak_bytes for t in profile.trials if t.micro_batch == 8)
         (lines[backend],) = [w for w in profile.warnings if w.startswith("attention: ")]
     print(figures, lines)
-    assert "ran the flash kernel, as --sdpa-backend flash asked" in lines["flash"]
-    assert "ran the memory-efficient kernel, as --sdpa-backend efficient asked" in lines["efficient"]
-    assert "math path" in lines["math"] and "as torch" in lines["default"]
+    assert lines["flash"] == "attention: flash kernel of scaled_dot_product_attention (--sdpa-backend flash)"
+    assert "memory-efficient kernel of scaled_dot_product_attention (--sdpa-backend efficient)" in lines["efficient"]
+    assert "math path" in lines["math"] and "torch's pick" in lines["default"]
     # The math path keeps the (m, heads, L, L) attention weights for its backward; the fused kernels do not.
     assert figures["math"] > max(figures["flash"], figures["efficient"], figures["default"])
