@@ -85,6 +85,7 @@ def job_fingerprint(
     strategy: str = "ddp",
     world_size: int = 1,
     mesh: str = "",
+    tp_plan: str | None = None,
 ) -> str:
     """The fingerprint :func:`suggest` asks the server for, without asking it.
 
@@ -103,22 +104,42 @@ def job_fingerprint(
         one_sample,
         optimizer=optimizer,
         precision=precision or "fp32",
-        tags={**(tags or {}), **_compilation(model), **_setup_tags(unwrapped, strategy, world_size, mesh)},
+        tags={
+            **(tags or {}),
+            **_compilation(model),
+            **_setup_tags(unwrapped, strategy, world_size, mesh, tp_plan),
+        },
         seq_len=seq_len,
     )
 
 
-def _setup_tags(model: nn.Module, strategy: str, world_size: int, mesh: str) -> dict[str, str]:
+def _setup_tags(
+    model: nn.Module, strategy: str, world_size: int, mesh: str, tp_plan: str | None = None
+) -> dict[str, str]:
     """The fingerprint's setup part, as the probe's (``autotune.tasks.fingerprint.job_setup_of``): the strategy,
-    the world size, the mesh and under tp the model's own plan."""
-    from autotune.core.setup import JobSetup
-    from autotune.tasks.tp_plan import tp_plan_label, tp_plan_of
+    the world size, the mesh and under tp the plan (by its name, else the model's own), with the tag a task that
+    names torchtitan's plan carries."""
+    from types import SimpleNamespace
 
+    from autotune.core.errors import TaskError
+    from autotune.core.setup import JobSetup
+    from autotune.tasks.tp_plan import TP_PLAN_NAMES, tp_plan_label, tp_plan_of
+
+    if tp_plan is not None and tp_plan not in TP_PLAN_NAMES:
+        raise AutotuneClientError(f"tp_plan {tp_plan!r}: not a plan's name; use one of {', '.join(TP_PLAN_NAMES)}")
     layout = _mesh(mesh)
-    plan = tp_plan_label(tp_plan_of(model, None)) if layout.tp > 1 else None
-    return JobSetup.model_construct(
+    plan = None
+    if layout.tp > 1:
+        try:
+            plan = tp_plan_label(tp_plan_of(model, SimpleNamespace(tp_plan=tp_plan)))
+        except TaskError as exc:
+            raise AutotuneClientError(str(exc)) from None
+    tags = JobSetup.model_construct(
         strategy=strategy, world_size=world_size, mesh=layout, tp_plan=plan
     ).fingerprint_tags()
+    if tp_plan == "torchtitan" and layout.tp > 1:
+        tags["tp_plan"] = tp_plan  # ProbeTask's own tag for the plan's name
+    return tags
 
 
 def _mesh(text: str) -> Any:
@@ -154,6 +175,7 @@ def suggest(
     seq_len: int | None = None,
     target_tokens: int | None = None,
     mesh: str = "",
+    tp_plan: str | None = None,
 ) -> Suggestion:
     """The micro-batch and accumulation steps for this job, measured rather than guessed.
 
@@ -191,6 +213,9 @@ def suggest(
             ``"tp=2,pp=2,pp_schedule=1f1b"``; '' for none): the fingerprint carries it, the plan is over the
             replicas ``world_size / (tp x pp x cp)``, and only profiles of that mesh answer. A mesh job is not
             probed locally on a miss (probe it with ``autotune probe --tp ...``).
+        tp_plan: under a mesh with tp, the tensor-parallel plan's name the job applies, as ``autotune probe
+            --tp-plan`` names it: "torchtitan" (sequence and loss parallel, autotune/tasks/tp_plan.py); None or
+            "hf" for transformers' own. The fingerprint carries the plan, so a job finds the profiles of its own.
         plan: "balanced" (default: the fewest accumulation steps, with micro-batches that differ by
             at most one, e.g. 6 x 26 + 4 x 25 = 256 in 10 steps; feed them with
             ``autotune.loop.accumulate.PlanBatchSampler``) or "divisor" (equal micro-batches, e.g. 16 x 16).
@@ -272,6 +297,7 @@ class _Call:
     seq_len: int | None
     target_tokens: int | None
     mesh: str
+    tp_plan: str | None
 
 
 @dataclass(frozen=True)
@@ -333,7 +359,7 @@ def _resolved(call: _Call, target_batch: int) -> _Job:
     tags = {**(call.tags or {}), **_compilation(call.model)}
     device_spec = _job_device(model, call.device)
     budget_bytes = parse_bytes(call.budget) if call.budget is not None else None
-    setup_tags = _setup_tags(model, call.strategy, world, call.mesh)
+    setup_tags = _setup_tags(model, call.strategy, world, call.mesh, call.tp_plan)
     # The setup's tags go into the key only: the local probe's task adds them itself (task_fingerprint).
     fingerprint = fingerprint_model(
         model,

@@ -80,6 +80,28 @@ def test_the_plans_name_enters_the_fingerprint_and_the_setup_a_worker_receives(t
     assert task_fingerprint(loaded, world_size=2, mesh=mesh) == task_fingerprint(titan, world_size=2, mesh=mesh)
 
 
+def test_a_client_naming_the_plan_finds_the_probes_fingerprint(tmp_path: Path) -> None:
+    """suggest(..., mesh="tp=2", tp_plan="torchtitan") asks for the fingerprint the probe stored under --tp-plan
+    torchtitan (without the name, transformers' plan's: another setup)."""
+    from autotune_client import AutotuneClientError
+    from autotune_client._suggest import job_fingerprint
+
+    task = load_task(f"hf:{_llama(tmp_path)}").at_length(16)
+    titan = dataclasses.replace(task, tp_plan="torchtitan")
+    model = task.model()
+    probed = task_fingerprint(titan, world_size=2, mesh=Mesh(tp=2))
+    asked = {
+        plan: job_fingerprint(
+            model, example=task.batch, tags=task.tags, seq_len=16, world_size=2, mesh="tp=2", tp_plan=plan
+        )
+        for plan in ("torchtitan", None)
+    }
+    assert asked["torchtitan"] == probed
+    assert asked[None] == task_fingerprint(task, world_size=2, mesh=Mesh(tp=2)) != probed
+    with pytest.raises(AutotuneClientError, match="not a plan's name"):
+        job_fingerprint(model, example=task.batch, world_size=2, mesh="tp=2", tp_plan="megatron")
+
+
 @pytest.mark.parametrize(("inner", "world_size"), [("ddp", 2), ("fsdp", 4)])
 def test_fake_trials_equal_the_real_ones_under_sequence_and_loss_parallel(
     tmp_path: Path, inner: str, world_size: int
