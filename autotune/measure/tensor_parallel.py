@@ -470,11 +470,15 @@ def measured_loss_parallel() -> Iterator[None]:
     Inside a handler DTensor also derives the op's global output shape by running it on global-shaped fake
     tensors (``ShardingPropagator._propagate_tensor_meta_non_cached``, in the fake mode it finds on the stack):
     with the meter's mode put back those counted too, in a fake trial (a whole, unsharded logits tensor twice a
-    step). That derivation holds no memory in the job, and runs here with every mode set aside."""
+    step). That derivation holds no memory in the job, and runs here with every mode set aside. Nor is a handler
+    counted when the fake meter runs the loss again on the values its inputs carry (a mixture of experts' routing
+    values reach the labels): that counted the loss's shards twice on the tiny Mixtral (25,000-33,000 bytes)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.distributed.tensor.parallel.loss import customized_loss_ops
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+    from autotune.measure.meters.fake import computing_values
 
     modes = list(_get_current_dispatch_mode_stack())
     dispatcher = DTensor._op_dispatcher
@@ -488,6 +492,8 @@ def measured_loss_parallel() -> Iterator[None]:
 
     def seen(handler: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
+            if computing_values():  # the fake meter running the op on its inputs' values: not the trial's
+                return handler(*args, **kwargs)
             active = _get_current_dispatch_mode_stack()
             with ExitStack() as stack:
                 for mode in modes:

@@ -102,17 +102,30 @@ def test_a_client_naming_the_plan_finds_the_probes_fingerprint(tmp_path: Path) -
         job_fingerprint(model, example=task.batch, world_size=2, mesh="tp=2", tp_plan="megatron")
 
 
-@pytest.mark.parametrize(("inner", "world_size"), [("ddp", 2), ("fsdp", 4)])
+def _mixtral(tmp_path: Path) -> Path:
+    from tests.autotune.test_tp_moe import CONFIG
+
+    where = tmp_path / "mixtral"
+    where.mkdir()
+    (where / "config.json").write_text(json.dumps({"model_type": "mixtral", **CONFIG}))
+    return where
+
+
+@pytest.mark.parametrize(
+    ("family", "inner", "world_size"), [("llama", "ddp", 2), ("llama", "fsdp", 4), ("mixtral", "ddp", 2)]
+)
 def test_fake_trials_equal_the_real_ones_under_sequence_and_loss_parallel(
-    tmp_path: Path, inner: str, world_size: int
+    tmp_path: Path, family: str, inner: str, world_size: int
 ) -> None:
     """An estimate's fake trials hold what the real trials hold (which test_tensor_parallel checks against real
-    ranks): the loss's handlers counted in both, their global-shape derivation in neither; under fsdp the model is
-    known fake by its DTensors' local shards (every parameter is a DTensor under this plan)."""
-    task = dataclasses.replace(hf_task(_llama(tmp_path)).at_length(16), tp_plan="torchtitan")
+    ranks): the loss's handlers counted in both, their global-shape derivation in neither, nor (Mixtral) the fake
+    meter's rerun of the loss on its routing values; under fsdp the model is known fake by its DTensors' local
+    shards (every parameter is a DTensor under this plan)."""
+    where = _llama(tmp_path) if family == "llama" else _mixtral(tmp_path)
+    task = dataclasses.replace(hf_task(where).at_length(16), tp_plan="torchtitan")
     real = tp_peaks(CpuMeter(LIMIT_BYTES), task, inner, world_size, (3, 4))
     fake = tp_peaks(FakeMeter(LIMIT_BYTES, device_type="cpu"), task, inner, world_size, (3, 4))
-    print(f"torchtitan tp 2 ({inner} x{world_size}): real {real}, fake {fake}")
+    print(f"torchtitan tp 2 {family} ({inner} x{world_size}): real {real}, fake {fake}")
     assert fake == real
 
 

@@ -96,6 +96,7 @@ from autotune.measure.meters.cpu import CpuMeter, _LiveStorageMode
 from autotune.measure.meters.temporaries import KernelFacts, kernel_facts, op_temporaries, unmodelled
 
 __all__ = [
+    "computing_values",
     "FakeMeter",
     "FakeTrialError",
     "SCALAR_PLACEHOLDERS",
@@ -299,6 +300,28 @@ def _fallback_grouped_mm(func: Any, args: Any, exc: RuntimeError) -> bool:
     )
 
 
+# Set while an op runs again on the values its fake inputs carry, outside every mode (the routing values below):
+# what it makes is not the trial's memory, and what steps back into a mode for a span (loss parallel's handlers,
+# autotune/measure/tensor_parallel.py) must not count it.
+_ON_VALUES: ContextVar[bool] = ContextVar("autotune_fake_on_values", default=False)
+
+
+@contextmanager
+def _on_values() -> Iterator[None]:
+    token = _ON_VALUES.set(True)
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        _ON_VALUES.reset(token)
+
+
+def computing_values() -> bool:
+    """Whether ops now run on the values fake tensors carry (the fake meter's value following), not as a trial's
+    own ops."""
+    return _ON_VALUES.get()
+
+
 def _on_cpu_values(func: Any, args: Any, kwargs: Any, fake_out: Any) -> Any:
     """func on the CPU values of its inputs; None where the CPU has no kernel for them.
 
@@ -356,7 +379,7 @@ class _FakeCountingMode(_LiveStorageMode):
             # a scalar read that this mode never sees: answer it from the values where there are some.
             inputs = self._real_inputs(args, kwargs, stand_ins=False)
             if inputs is not None:
-                with _disable_current_modes():
+                with _on_values():
                     return func(*inputs[0], **inputs[1])
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -439,7 +462,7 @@ class _FakeCountingMode(_LiveStorageMode):
         inputs = self._real_inputs(args, kwargs, stand_ins=False)
         real_out = None
         if inputs is not None:
-            with _disable_current_modes():
+            with _on_values():
                 real_out = _on_cpu_values(func, inputs[0], inputs[1], out)
         if real_out is None:
             # Written to by what has no values (or by what no CPU kernel computes): forget theirs.
@@ -476,7 +499,7 @@ class _FakeCountingMode(_LiveStorageMode):
                 f"{func} cannot run on fake tensors ({type(exc).__name__}: its output depends on data)"
             ) from None
         real_args, real_kwargs, complete = inputs
-        with _disable_current_modes():
+        with _on_values():
             real_out = func(*real_args, **real_kwargs)
         device = fakes[0].device
         flat, spec = tree_flatten(real_out)
