@@ -90,6 +90,7 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
             multiple_of=int(request["multiple_of"]),
             stage_figure=figure,
             far_extrapolation=1e9,  # fake trials: an overshoot costs no device
+            extra_sizes=[int(m) for m in request.get("extra_sizes") or ()],
         )
         found["max_micro_batch"] = result.max_micro_batch
         found["fit"] = result.fit.model_dump(mode="json") if result.fit is not None else None

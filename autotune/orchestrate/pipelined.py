@@ -55,6 +55,7 @@ def estimate_pipeline(
         on_trial,
         max_micro_batch=setup.max_micro_batch,
         multiple_of=setup.multiple_of,
+        extra_sizes=config.micro_batches,
     )
     device = Device(
         kind=config.device_kind, name=device_name, total_bytes=setup.budget_bytes, torch_version=torch.__version__

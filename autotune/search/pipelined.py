@@ -10,7 +10,7 @@ measured, since a stage's peak grows with K).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autotune.core.mesh import Mesh
@@ -78,10 +78,12 @@ def search_pipeline(
     multiple_of: int,
     stage_figure: StageFigure | None = None,
     far_extrapolation: float = FAR_EXTRAPOLATION,
+    extra_sizes: Sequence[int] = (),
 ) -> PipelineSearch:
     """m_max of the pipeline: the largest m at which every stage fits, by the boundary search over
     :class:`PipelineTrials`, with each stage's peak at m_max, the most loaded stage and the bubble (also a
-    line of the warnings, for the datasheet)."""
+    line of the warnings, for the datasheet). ``extra_sizes`` (``--micro-batches``): sizes tried besides the
+    search's, their trials with the others."""
     k = measured_microbatches(mesh)
     trials = pipeline_trials(task, meter, mesh, strategy, limit_bytes, stage_figure=stage_figure)
 
@@ -98,6 +100,8 @@ def search_pipeline(
                 multiple_of=multiple_of,
                 far_extrapolation=far_extrapolation,
             )
+            tried = {t.micro_batch for t in result.trials}
+            result.trials.extend(trial(int(m)) for m in extra_sizes if int(m) not in tried)
     finally:
         trials.close()
         warnings.extend(w for w in trials.warnings if w not in warnings)

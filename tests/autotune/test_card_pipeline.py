@@ -102,3 +102,19 @@ def test_a_pipeline_over_fsdp_estimates_on_an_emulated_card(cuda_python: str, tm
     print(f"card stages {stages.stage_peak_bytes} (outside {outside}); CPU stages {cpu.stage_peaks[M_CAP]}")
     for card_figure, cpu_peak in zip(stages.stage_peak_bytes, cpu.stage_peaks[M_CAP], strict=True):
         assert card_figure - outside >= cpu_peak
+
+
+def test_a_pipeline_under_sequence_parallel_takes_the_extra_sizes_asked_for(cuda_python: str, tmp_path: Path) -> None:
+    """--micro-batches on a pipeline's card estimate is tried besides the search's sizes (it was dropped), here
+    under torchtitan's plan, whose stages send each rank's L / tp positions."""
+    out = tmp_path / "pp.json"
+    code = main(
+        ["estimate", f"hf:{write_config(tmp_path, 'llama')}", "--gpu", "h100", "--seq-len", "16", "--tp", "2",
+         "--pp", "2", "--world-size", "4", "--tp-plan", "torchtitan", "--max-micro-batch", "8", "--micro-batches",
+         "5", "--output", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    (raw,) = json.loads(out.read_text())
+    profile = Profile.model_validate(raw)
+    assert 5 in {t.micro_batch for t in profile.trials} and profile.pipeline is not None
+    assert profile.tags["tp_plan"] == "torchtitan"
