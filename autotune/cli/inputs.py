@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from autotune.cli.common import CliError
 from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.units import format_bytes
+from autotune.tasks.tp_plan import tp_plan_refusal
 
 __all__ = ["check_inputs"]
 
@@ -47,21 +48,14 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def _check_tp_plan(args: argparse.Namespace) -> None:
-    """--tp-plan names the plan of --tp; torchtitan's shards the sequence over the tp ranks (sequence parallel),
-    so every length asked for is a multiple of tp."""
-    plan = getattr(args, "tp_plan", None)
-    if plan is None:
-        return
-    tp = getattr(args, "tp", None) or 1
-    if tp < 2:
-        raise CliError(f"--tp-plan {plan} is the plan of tensor parallelism: give --tp N (N > 1) with it")
-    if plan == "torchtitan":
-        for length in getattr(args, "seq_len", None) or ():
-            if length % tp:
-                raise CliError(
-                    f"--tp-plan torchtitan shards the sequence over the {tp} tp ranks (sequence parallel): "
-                    f"--seq-len {length} is not a multiple of --tp {tp}"
-                )
+    refusal = tp_plan_refusal(
+        getattr(args, "tp_plan", None),
+        tp=getattr(args, "tp", None) or 1,
+        cp=getattr(args, "cp", None) or 1,
+        seq_lens=getattr(args, "seq_len", None) or (),
+    )
+    if refusal is not None:
+        raise CliError(refusal)
 
 
 def _check_composition(args: argparse.Namespace) -> None:

@@ -309,10 +309,9 @@ class ShardedStage(StageStrategy):
         self._device_mesh: Any = None
         self._entered = 0
         # The plan shards the sequence between the blocks (sequence parallel: the activations that cross the
-        # stages are each rank's L / tp positions, as torchtitan's stages send them) and keeps the logits sharded
-        # by vocabulary through the loss (loss parallel): set by _parallelize.
+        # stages are each rank's L / tp positions, as torchtitan's stages send them): set by _parallelize, with
+        # loss_parallel.
         self._sequence_sharded = False
-        self._loss_parallel = False
 
     @property
     def describes_replicas(self) -> bool:
@@ -385,7 +384,7 @@ class ShardedStage(StageStrategy):
 
         styles = check_tp_plan(model, task, self.tp)
         self._sequence_sharded = shards_sequence(styles)
-        self._loss_parallel = uses_loss_parallel(styles)
+        self.loss_parallel = uses_loss_parallel(styles)
         kept: dict[str, Any] = {}
         for name, style in styles.items():
             params = list(model.get_submodule(name).parameters())
@@ -393,13 +392,6 @@ class ShardedStage(StageStrategy):
                 kept[name] = style
         # src_data_rank=None: each rank keeps its own initial shard (no scatter), as TensorParallel does.
         parallelize_module(model, self._device_mesh["tp"], kept, src_data_rank=None)
-
-    def loss_context(self) -> AbstractContextManager[Any]:
-        if not self._loss_parallel:
-            return nullcontext()
-        from autotune.measure.tensor_parallel import measured_loss_parallel
-
-        return measured_loss_parallel()
 
     def crossing_meta(self, meta: tuple[torch.Size, torch.dtype]) -> tuple[torch.Size, torch.dtype]:
         if not self._sequence_sharded:

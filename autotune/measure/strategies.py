@@ -90,10 +90,17 @@ class Strategy(ABC):
             return nullcontext()
         return torch.autocast(device_type=device.type, dtype=dtype)
 
+    # Whether the tp plan keeps the logits sharded by vocabulary (torchtitan's): set where the plan is applied.
+    loss_parallel = False
+
     def loss_context(self) -> AbstractContextManager[Any]:
         """Entered around each micro-batch's forward and backward: the loss's own context (torchtitan's tensor
         parallel computes the cross entropy on vocabulary shards under ``loss_parallel()``)."""
-        return nullcontext()
+        if not self.loss_parallel:
+            return nullcontext()
+        from autotune.measure.tensor_parallel import measured_loss_parallel
+
+        return measured_loss_parallel()
 
     @property
     def describes_replicas(self) -> bool:
@@ -318,8 +325,6 @@ class TensorParallel(Strategy):
         # A (dp, tp) mesh of a real process group (one process per rank): the rank is measured as it is.
         self._given_mesh = device_mesh
         self._device_mesh: Any = device_mesh
-        # The plan keeps the logits sharded by vocabulary (torchtitan's): set by wrap.
-        self._loss_parallel = False
 
     @property
     def describes_replicas(self) -> bool:
@@ -350,17 +355,10 @@ class TensorParallel(Strategy):
             finally:
                 self._device_mesh = None
 
-    def loss_context(self) -> AbstractContextManager[Any]:
-        if not self._loss_parallel:
-            return nullcontext()
-        from autotune.measure.tensor_parallel import measured_loss_parallel
-
-        return measured_loss_parallel()
-
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         from autotune.measure.tensor_parallel import uses_loss_parallel
 
-        self._loss_parallel = uses_loss_parallel(parallelize_tp(model, task, self._device_mesh["tp"]))
+        self.loss_parallel = uses_loss_parallel(parallelize_tp(model, task, self._device_mesh["tp"]))
         if self.inner == "fsdp":
             with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
                 Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)

@@ -27,6 +27,7 @@ from autotune.core.mesh import Mesh
 from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy
 from autotune.core.schemas import OFFLOADS, PRECISIONS, STRATEGIES, Offload, Plan, Precision, Strategy
 from autotune.core.setup import JobSetup
+from autotune.tasks.tp_plan import tp_plan_refusal
 
 if TYPE_CHECKING:
     from autotune.tasks.task import ProbeTask
@@ -116,13 +117,9 @@ class ProbeConfig:
         if self.strategy not in STRATEGIES:
             raise AutotuneError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         self.mesh.validate(self.world_size)
-        if self.tp_plan is not None and self.mesh.tp < 2:
-            raise AutotuneError(f"--tp-plan {self.tp_plan} is the plan of tensor parallelism: give --tp N (N > 1)")
-        if self.tp_plan == "torchtitan" and self.mesh.cp > 1:
-            raise AutotuneError(
-                "--tp-plan torchtitan with --cp is not measured yet: context parallel and sequence parallel both "
-                "shard the sequence; use --tp-plan hf"
-            )
+        refusal = tp_plan_refusal(self.tp_plan, tp=self.mesh.tp, cp=self.mesh.cp, seq_lens=self.seq_lens)
+        if refusal is not None:
+            raise AutotuneError(refusal)
         # FSDP2 shards over the data-parallel replicas, and under --cp over the cp ranks too (they hold the same
         # parameters: torchtitan's dp_shard_cp mesh), so fsdp over cp alone (D = 1) still shards.
         refuse_composition(self.dimensions())

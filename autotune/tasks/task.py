@@ -297,13 +297,11 @@ class ProbeTask:
         (autotune/core/setup.py) to the task it loaded from its spec."""
         changes = {
             name: getattr(setup, name)
-            for name in ("precision", "activation_checkpointing", "offload")
+            for name in ("precision", "activation_checkpointing", "offload", "sdpa_backend")
             if getattr(setup, name) is not None and getattr(setup, name) != getattr(self, name)
         }
         if setup.tp_plan_name is not None and setup.tp_plan_name != self.tp_plan:
             changes["tp_plan"] = setup.tp_plan_name
-        if setup.sdpa_backend is not None and setup.sdpa_backend != self.sdpa_backend:
-            changes["sdpa_backend"] = setup.sdpa_backend
         return dataclasses.replace(self, **changes) if changes else self
 
     def job_setup(self, *, strategy: str = "ddp", world_size: int = 1, mesh: Mesh | None = None) -> JobSetup:
@@ -342,7 +340,13 @@ class ProbeTask:
         return self.zero_grad == "none"
 
     def _attention_kernel(self) -> AbstractContextManager[Any]:
-        return _attention_kernel_of(self.sdpa_backend)
+        """The forward's context: scaled_dot_product_attention made to run ``sdpa_backend``'s kernel (its backward
+        is the same kernel's, chosen by the forward), or nothing."""
+        if self.sdpa_backend is None:
+            return nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[self.sdpa_backend]))
 
     def compute_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         try:
@@ -364,16 +368,6 @@ class ProbeTask:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TaskError(f"loss(model, batch) of task {self.name!r} must return a scalar tensor, got {shape}")
         return loss
-
-
-def _attention_kernel_of(backend: str | None) -> AbstractContextManager[Any]:
-    """The forward's context: scaled_dot_product_attention made to run ``backend``'s kernel (its backward is the
-    same kernel's, chosen by the forward), or nothing."""
-    if backend is None:
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
 
 
 def _takes_seq_len(batch: Callable[..., Any]) -> bool:

@@ -17,12 +17,12 @@ Plans by name (``--tp-plan``, a task's ``tp_plan="torchtitan"``):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autotune.core.errors import TaskError
 
-__all__ = ["TP_PLAN_NAMES", "sequence_multiple", "torchtitan_plan", "tp_plan_label", "tp_plan_of"]
+__all__ = ["TP_PLAN_NAMES", "sequence_multiple", "torchtitan_plan", "tp_plan_label", "tp_plan_of", "tp_plan_refusal"]
 
 TP_PLAN_NAMES = ("hf", "torchtitan")
 # The families whose module names torchtitan's plan is written for (config.model_type): Llama's layout (q/k/v/o,
@@ -54,6 +54,29 @@ def sequence_multiple(task: Any, tp: int) -> int:
     ):
         return tp
     return 1
+
+
+def tp_plan_refusal(plan: str | None, *, tp: int, cp: int = 1, seq_lens: Sequence[int] = ()) -> str | None:
+    """Why a job cannot take the plan named (one line), or None: the flags alone, before any task loads (the CLI's
+    input checks and ``ProbeConfig.validate`` ask it both)."""
+    if plan is None:
+        return None
+    if tp < 2:
+        return f"--tp-plan {plan} is the plan of tensor parallelism: give --tp N (N > 1) with it"
+    if plan != "torchtitan":
+        return None
+    for length in seq_lens:  # sequence parallel shards every length over the tp ranks
+        if length % tp:
+            return (
+                f"--tp-plan torchtitan shards the sequence over the {tp} tp ranks (sequence parallel): "
+                f"--seq-len {length} is not a multiple of --tp {tp}"
+            )
+    if cp > 1:
+        return (
+            "--tp-plan torchtitan with --cp is not measured yet: context parallel and sequence parallel both shard "
+            "the sequence; use --tp-plan hf"
+        )
+    return None
 
 
 def torchtitan_plan(model: Any) -> dict[str, str]:
