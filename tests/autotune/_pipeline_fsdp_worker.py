@@ -45,6 +45,7 @@ from tests.autotune._pipeline_worker import (
     TinyLlama,
     _rotate_half,
     count_every_thread,
+    cut_to_stage,
     lm_loss,
     profiled_peak_bytes,
     train_two_steps,
@@ -159,23 +160,16 @@ def _sp_stage_model(stage: int, stages: int, mesh: Any) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     with torch.device("meta"):
-        model = SpLlama(LAYERS)
-    per_stage = [len(part) for part in torch.arange(LAYERS).tensor_split(stages)]
-    start = sum(per_stage[:stage])
-    model.layers = nn.ModuleList(list(model.layers)[start : start + per_stage[stage]])
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < stages - 1:
-        model.norm = None
-        model.output = None
+        model = cut_to_stage(SpLlama(LAYERS), stage, stages)
     model.tp_mesh = mesh["tp"]
     held = {name for name, _ in model.named_modules()}
-    plan = {}
-    for pattern, style in sp_plan().items():
-        for index in range(len(model.layers)):
-            name = pattern.replace("*", str(index))
-            if name in held and getattr(model, name.split(".")[0]) is not None:
-                plan[name] = style
+    # The plan's entries for the modules this stage holds, a block's star as each of its blocks' indices.
+    plan = {
+        name: style
+        for pattern, style in sp_plan().items()
+        for name in {pattern.replace("*", str(index)) for index in range(len(model.layers))}
+        if name in held
+    }
     parallelize_module(model, mesh["tp"], plan)
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -189,15 +183,7 @@ def _stage_model(stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYE
     from torch.distributed.tensor.parallel import parallelize_module
 
     with torch.device("meta"):
-        model = TpLlama(layers) if tp > 1 else TinyLlama(layers)
-    per_stage = [len(part) for part in torch.arange(layers).tensor_split(stages)]
-    start = sum(per_stage[:stage])
-    model.layers = nn.ModuleList(list(model.layers)[start : start + per_stage[stage]])
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < stages - 1:
-        model.norm = None
-        model.output = None
+        model = cut_to_stage(TpLlama(layers) if tp > 1 else TinyLlama(layers), stage, stages)
     blocks = list(model.layers)
     if tp > 1:  # torchtitan's apply_tp, then apply_fsdp over dp
         for block in blocks:
@@ -213,7 +199,7 @@ def _stage_model(stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYE
     return model.train()
 
 
-def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -> None:
+def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str, sequence_parallel: bool = False) -> None:
     rank, ranks = mesh["pp"].get_local_rank(), mesh["pp"].size()
     tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
     # Interleaved: rank r holds stages r, r + pp, ... of a deeper model, each sharded on its own as a separate model
@@ -221,9 +207,7 @@ def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -
     virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1
     layers = INTERLEAVED_LAYERS if virtual > 1 else LAYERS
     indices = [rank + chunk * ranks for chunk in range(virtual)]
-    sequence_parallel = schedule_name == "1f1b-sp"
     if sequence_parallel:
-        schedule_name = "1f1b"
         models = [_sp_stage_model(index, ranks, mesh) for index in indices]
     else:
         models = [_stage_model(index, ranks * virtual, mesh, tp, layers) for index in indices]
@@ -243,8 +227,10 @@ def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -
     del schedule, stages, optimizers, models
 
 
-def _peak_bytes(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str) -> int:
-    return profiled_peak_bytes(lambda: _steps(mesh, microbatches, micro_batch, schedule_name))
+def _peak_bytes(
+    mesh: Any, microbatches: int, micro_batch: int, schedule_name: str, sequence_parallel: bool = False
+) -> int:
+    return profiled_peak_bytes(lambda: _steps(mesh, microbatches, micro_batch, schedule_name, sequence_parallel))
 
 
 def run(
@@ -258,11 +244,13 @@ def run(
     schedule_name: str = "1f1b",
     tp: int = 1,
     runs_per_size: int = RUNS_PER_SIZE,
+    sequence_parallel: bool = False,
 ) -> None:
     """This rank's peak under ``schedule_name`` (1f1b, gpipe, interleaved-1f1b: V 2 stages per rank of a 4-block
     model) at each size (the least of ``runs_per_size`` runs) to rank{rank}.json, every run's to
     rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's blocks parallelized over tp (q, k, v and
-    the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp (none where dp is 1)."""
+    the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp (none where dp is 1); with
+    ``sequence_parallel`` (1F1B, dp 1), sequence and loss parallel instead (:func:`sp_plan`)."""
     try:
         count_every_thread()
         from torch.distributed.device_mesh import init_device_mesh
@@ -278,7 +266,10 @@ def run(
                 mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
             else:
                 mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
-            runs = {m: [_peak_bytes(mesh, k, m, schedule_name) for _ in range(runs_per_size)] for m in sizes}
+            runs = {
+                m: [_peak_bytes(mesh, k, m, schedule_name, sequence_parallel) for _ in range(runs_per_size)]
+                for m in sizes
+            }
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): min(r) for m, r in runs.items()}))
             Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
         finally:

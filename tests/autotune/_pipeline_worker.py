@@ -104,10 +104,10 @@ def make_batch(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (micro_batch, SEQ_LEN)), torch.randint(0, VOCAB, (micro_batch, SEQ_LEN))
 
 
-def _stage_model(stage: int, stages: int, layers: int, checkpointed: bool = False) -> nn.Module:
-    with torch.device("meta"):
-        model = TinyLlama(layers)
-    per_stage = [len(part) for part in torch.arange(layers).tensor_split(stages)]
+def cut_to_stage(model: TinyLlama, stage: int, stages: int) -> TinyLlama:
+    """The stage's part of the model, cut by hand as torchtitan cuts it: its run of blocks (``tensor_split``'s), the
+    embedding dropped past the first stage, the norm and the head before the last."""
+    per_stage = [len(part) for part in torch.arange(len(model.layers)).tensor_split(stages)]
     start = sum(per_stage[:stage])
     model.layers = nn.ModuleList(list(model.layers)[start : start + per_stage[stage]])
     if stage > 0:
@@ -115,6 +115,12 @@ def _stage_model(stage: int, stages: int, layers: int, checkpointed: bool = Fals
     if stage < stages - 1:
         model.norm = None
         model.output = None
+    return model
+
+
+def _stage_model(stage: int, stages: int, layers: int, checkpointed: bool = False) -> nn.Module:
+    with torch.device("meta"):
+        model = cut_to_stage(TinyLlama(layers), stage, stages)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for param in model.parameters():

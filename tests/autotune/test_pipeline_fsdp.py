@@ -128,21 +128,46 @@ def tp_task(layers: int = worker.LAYERS) -> ProbeTask:
     )
 
 
-def test_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_path: Path) -> None:
-    """--pp 2 --tp 2 --world-size 4 (D = 1): each stage's blocks tensor-parallel over its 2 tp ranks, against 4 real
-    processes (least of 2 runs per size; spread 0 bytes seen in 3 of 3). The same at fsdp 2 x tp 2 x pp 2 over 8
-    real processes is bench/pipeline_meshes.py's (a minute and more on 2 cores): equal to the byte too."""
+def _real_rank_peaks(
+    out: Path,
+    what: str,
+    tp: int,
+    runs_per_size: int,
+    schedule: str = "interleaved-1f1b",
+    sequence_parallel: bool = False,
+) -> list[dict[str, int]]:
+    """Each of 4 real ranks' peak per size under ``schedule`` (interleaved: V 2 stages per rank, K 2; with
+    ``sequence_parallel``, fsdp_worker.sp_plan over tp)."""
     try:
         mp.spawn(
             fsdp_worker.run,
-            args=(4, STAGES, str(tmp_path / "rendezvous"), str(tmp_path), K, SIZES, "1f1b", 2, 2),
+            args=(
+                4,
+                STAGES,
+                str(out / "rendezvous"),
+                str(out),
+                K,
+                SIZES,
+                schedule,
+                tp,
+                runs_per_size,
+                sequence_parallel,
+            ),
             nprocs=4,
             join=True,
         )
     except ProcessException as exc:
-        errors = "\n".join(path.read_text() for path in sorted(tmp_path.glob("rank*.error")))
-        pytest.fail(f"the 4-process pipeline over tp failed: {exc}\n{errors}")
-    real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+        errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
+        pytest.fail(f"the 4-process {schedule} pipeline over {what} failed: {exc}\n{errors}")
+    print("runs per rank and size:", [json.loads((out / f"rank{r}.runs.json").read_text()) for r in range(4)])
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+def test_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_path: Path) -> None:
+    """--pp 2 --tp 2 --world-size 4 (D = 1): each stage's blocks tensor-parallel over its 2 tp ranks, against 4 real
+    processes (least of 2 runs per size; spread 0 bytes seen in 3 of 3). The same at fsdp 2 x tp 2 x pp 2 over 8
+    real processes is bench/pipeline_meshes.py's (a minute and more on 2 cores): equal to the byte too."""
+    real = _real_rank_peaks(tmp_path, "tp", 2, 2, schedule="1f1b")
     # The probe's side in a process of its own: in this one, a later tp x fsdp trial (test_tp_fake's, test_tp_moe's)
     # stopped at "Could not resolve the process group registered under the name 7" (DTensor's caches kept this job's
     # meshes; every fake group now empties them, autotune/measure/fake_group.py, and test_fake_group checks it).
@@ -204,18 +229,7 @@ def test_sequence_parallel_stages_equal_the_real_ranks(tmp_path: Path) -> None:
     the stages are each rank's L / tp positions, the last stage's loss is computed on the logits' vocabulary shards.
     Against 4 real processes running PipelineStage and Schedule1F1B over torch's own SequenceParallel, sharded
     row-wise outputs and loss_parallel() (least of 2 runs per size), on the CPU meter and on fake trials."""
-    try:
-        mp.spawn(
-            fsdp_worker.run,
-            args=(4, STAGES, str(tmp_path / "rendezvous"), str(tmp_path), K, SIZES, "1f1b-sp", 2, 2),
-            nprocs=4,
-            join=True,
-        )
-    except ProcessException as exc:
-        errors = "\n".join(path.read_text() for path in sorted(tmp_path.glob("rank*.error")))
-        pytest.fail(f"the 4-process sequence-parallel pipeline failed: {exc}\n{errors}")
-    real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
-    print("runs per rank and size:", [json.loads((tmp_path / f"rank{r}.runs.json").read_text()) for r in range(4)])
+    real = _real_rank_peaks(tmp_path, "sequence-parallel tp", 2, 2, schedule="1f1b", sequence_parallel=True)
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:  # see the 1F1B tp test
         peaks = {kind: pool.submit(_sp_stage_peaks, kind).result() for kind in ("cpu", "fake")}
     print("probe's stages:", peaks)
@@ -233,22 +247,6 @@ def test_sequence_parallel_stages_equal_the_real_ranks(tmp_path: Path) -> None:
 INTERLEAVED = Mesh(pp=STAGES, pp_schedule="interleaved-1f1b", pp_microbatches=K)  # V 2: stages r, r + 2 on rank r
 # Between the most loaded interleaved stage's peaks at m = 2 and m = 3 (rank 0, blocks 0 and 2: 878,924 / 1,126,220 B).
 INTERLEAVED_BUDGET = 1_000_000
-
-
-def _real_rank_peaks(out: Path, what: str, tp: int, runs_per_size: int) -> list[dict[str, int]]:
-    """Each of 4 real ranks' peak per size under ScheduleInterleaved1F1B (V 2 stages per rank, K 2)."""
-    try:
-        mp.spawn(
-            fsdp_worker.run,
-            args=(4, STAGES, str(out / "rendezvous"), str(out), K, SIZES, "interleaved-1f1b", tp, runs_per_size),
-            nprocs=4,
-            join=True,
-        )
-    except ProcessException as exc:
-        errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
-        pytest.fail(f"the 4-process interleaved pipeline over {what} failed: {exc}\n{errors}")
-    print("runs per rank and size:", [json.loads((out / f"rank{r}.runs.json").read_text()) for r in range(4)])
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 
 def test_interleaved_stages_over_fsdp_equal_the_real_ranks(tmp_path: Path) -> None:

@@ -91,17 +91,32 @@ def _truth(
 def test_tp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(
     tmp_path: Path, strategy: str, world_size: int, budget: int
 ) -> None:
+    _agrees_with_the_real_ranks(tmp_path, strategy, world_size, budget, plan=None)
+
+
+def _agrees_with_the_real_ranks(tmp_path: Path, strategy: str, world_size: int, budget: int, plan: str | None) -> None:
+    """The probe's m_max at ``budget`` and its figures at m_max and m_max + 1 against the most loaded of world_size
+    real ranks running ``plan`` (None: transformers' own) the ordinary way (tests/autotune/_tp_worker.py)."""
     task = hf_task(_llama_dir(tmp_path)).at_length(SEQ_LEN)
     config = ProbeConfig(
-        device="cpu", budget_bytes=budget, headroom=0.0, strategy=strategy, world_size=world_size, mesh=Mesh(tp=2)
+        device="cpu",
+        budget_bytes=budget,
+        headroom=0.0,
+        strategy=strategy,
+        world_size=world_size,
+        mesh=Mesh(tp=2),
+        tp_plan=plan,
     )
     measured = probe(task, config)
     m_max = measured.max_micro_batch
     assert measured.mesh == {"tp": 2}
     # A trial that crossed the budget stopped there: its figure is where it stopped, not its peak.
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
-    runs = _truth(world_size, 2, {m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1, 1 << 62)}, tmp_path)
-    print(f"tp 2 ({strategy} x{world_size}): m_max {m_max}; probe {peaks}; most loaded real rank, runs {runs}")
+    floors = {m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1, 1 << 62)}
+    runs = _truth(world_size, 2, floors, tmp_path, plan=plan or "hf")
+    print(
+        f"tp 2 {plan or 'hf'} ({strategy} x{world_size}): m_max {m_max}; probe {peaks}; most loaded real rank, {runs}"
+    )
     truth = {m: min(figures) for m, figures in runs.items()}  # the floor the runs reach
     assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
     assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
@@ -126,27 +141,7 @@ def test_torchtitans_plan_agrees_with_sequence_and_loss_parallel_on_real_ranks(
 ) -> None:
     """--tp-plan torchtitan: sequence parallel between the blocks and loss parallel, against torch's own
     SequenceParallel, PrepareModuleInput and loss_parallel() on real ranks (tests/autotune/_tp_worker.py)."""
-    task = hf_task(_llama_dir(tmp_path)).at_length(SEQ_LEN)
-    config = ProbeConfig(
-        device="cpu",
-        budget_bytes=budget,
-        headroom=0.0,
-        strategy=strategy,
-        world_size=world_size,
-        mesh=Mesh(tp=2),
-        tp_plan="torchtitan",
-    )
-    measured = probe(task, config)
-    m_max = measured.max_micro_batch
-    peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
-    floors = {m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1, 1 << 62)}
-    runs = _truth(world_size, 2, floors, tmp_path, plan="torchtitan")
-    print(f"tp 2 torchtitan ({strategy} x{world_size}): m_max {m_max}; probe {peaks}; most loaded real rank, {runs}")
-    truth = {m: min(figures) for m, figures in runs.items()}
-    assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
-    assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
-    if m_max + 1 in peaks:
-        assert abs(peaks[m_max + 1] - truth[m_max + 1]) <= SLACK_BYTES
+    _agrees_with_the_real_ranks(tmp_path, strategy, world_size, budget, plan="torchtitan")
 
 
 def test_lora_under_tp2_agrees_with_peft_over_transformers_tp_plan_on_real_ranks(tmp_path: Path) -> None:
