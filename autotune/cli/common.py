@@ -184,7 +184,7 @@ def add_tp_plan_option(p: argparse.ArgumentParser) -> None:
         choices=("hf", "torchtitan"),
         help="with --tp: the plan by name: hf (transformers' own, the default for hf: tasks) or torchtitan "
         "(sequence parallel between the blocks, vocabulary-parallel embedding, loss parallel; hf: Llama, Mistral, "
-        "Qwen2/3 and Mixtral configs)",
+        "Qwen2/3, Mixtral and GPT-2 configs)",
     )
 
 

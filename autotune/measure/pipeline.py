@@ -378,9 +378,12 @@ class ShardedStage(StageStrategy):
 
     def _parallelize(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
         """The task's tensor-parallel plan over the tp sub-mesh, on the modules the stage holds."""
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from autotune.measure.tensor_parallel import check_tp_plan, shards_sequence, uses_loss_parallel
+        from autotune.measure.tensor_parallel import (
+            apply_tp_plan,
+            check_tp_plan,
+            shards_sequence,
+            uses_loss_parallel,
+        )
 
         styles = check_tp_plan(model, task, self.tp)
         self._sequence_sharded = shards_sequence(styles)
@@ -390,8 +393,7 @@ class ShardedStage(StageStrategy):
             params = list(model.get_submodule(name).parameters())
             if not params or any(id(p) not in not_held for p in params):
                 kept[name] = style
-        # src_data_rank=None: each rank keeps its own initial shard (no scatter), as TensorParallel does.
-        parallelize_module(model, self._device_mesh["tp"], kept, src_data_rank=None)
+        apply_tp_plan(model, self._device_mesh["tp"], kept)
 
     def crossing_meta(self, meta: tuple[torch.Size, torch.dtype]) -> tuple[torch.Size, torch.dtype]:
         if not self._sequence_sharded:

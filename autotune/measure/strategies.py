@@ -377,14 +377,10 @@ def parallelize_tp(model: nn.Module, task: ProbeTask, tp_mesh: Any) -> dict[str,
     """model parallelized in place over the tp ranks of ``tp_mesh`` with its plan (autotune/measure/tensor_parallel.py:
     transformers' plan, torchtitan's by name, or the task's own), the plan checked against the model first; the
     styles applied, by module name."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from autotune.measure.tensor_parallel import check_tp_plan
+    from autotune.measure.tensor_parallel import apply_tp_plan, check_tp_plan
 
     styles = check_tp_plan(model, task, tp_mesh.size())
-    # src_data_rank=None: each rank keeps its own initial shard (no scatter from rank 0), as a job
-    # that loads its weights afterwards does; the shapes, and so the memory, are the same.
-    parallelize_module(model, tp_mesh, styles, src_data_rank=None)
+    apply_tp_plan(model, tp_mesh, styles)
     return styles
 
 

@@ -38,6 +38,14 @@ torchtitan's plan (``--tp-plan torchtitan``: autotune/tasks/tp_plan.py writes it
     rowwise_sequence            RowwiseParallel(output_layouts=Shard(1)) (o_proj, down_proj: reduce-scattered)
     colwise_loss_parallel       LossParallelHead (below): the logits sharded by vocabulary through the loss
 
+and, for GPT-2's transformers ``Conv1D`` layers (the weight stored (in, out), which torch's styles do not take):
+
+    conv1d_colwise, conv1d_packed_colwise   Conv1DColwise: weight on dim 1, bias on dim 0 (c_fc; c_attn's packed
+                                            q/k/v, each rank's columns of each)
+    conv1d_rowwise_sequence     Conv1DRowwise: weight on dim 0, bias replicated, output reduce-scattered onto
+                                the sequence (c_proj)
+    gather_sequence_split_heads GatherSequence with the attention's split and heads taken per rank (attn)
+
 transformers' ``moe_tp_experts`` (``MoeExpertsParallel``, transformers/distributed/tensor_parallel.py) runs
 the experts' own forward on the rank's local shards (every rank routes every token to every chosen expert and
 computes its share of each expert's width), its input replicated with an all-reduce of its gradient in the
@@ -59,6 +67,7 @@ rank 0 is the most loaded. Under ``--strategy ddp`` with D > 1 the trials hold D
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -66,7 +75,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from autotune.core.errors import TaskError
 from autotune.tasks.task import ProbeTask
@@ -77,6 +86,7 @@ __all__ = [
     "GatherSequence",
     "LossParallelHead",
     "MoeTensorParallelExperts",
+    "apply_tp_plan",
     "check_tp_plan",
     "measured_loss_parallel",
     "shards_sequence",
@@ -101,6 +111,10 @@ TP_STYLES = (
     "gather_scatter_sequence",
     "rowwise_sequence",
     "colwise_loss_parallel",
+    "conv1d_colwise",
+    "conv1d_packed_colwise",
+    "conv1d_rowwise_sequence",
+    "gather_sequence_split_heads",
 )
 # The styles of a 3-D expert weight under a moe_tp_experts module: the dim each shards (transformers'
 # PackedColwiseParallel.shard_param: ndim - 2; RowwiseParallel.shard_param: -1).
@@ -113,7 +127,7 @@ def _style(name: str, where: str) -> Any:
     """PyTorch's ParallelStyle for a style of transformers' vocabulary or torchtitan's plan (None for
     replicate)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     if name == "colwise":
         return ColwiseParallel()
@@ -137,6 +151,13 @@ def _style(name: str, where: str) -> Any:
         return GatherSequence(scatter_output=name == "gather_scatter_sequence")
     if name == "colwise_loss_parallel":
         return LossParallelHead()
+    # GPT-2's (transformers' Conv1D: the weight stored (in, out)).
+    if name in ("conv1d_colwise", "conv1d_packed_colwise"):
+        return Conv1DColwise()
+    if name == "conv1d_rowwise_sequence":
+        return Conv1DRowwise(output_layouts=Shard(1), use_local_output=False)
+    if name == "gather_sequence_split_heads":
+        return GatherSequence(split_heads=True)
     raise TaskError(
         f"--tp: the tensor-parallel style {name!r} of {where} is not one this measures "
         f"({', '.join(TP_STYLES)}, or a torch ParallelStyle in the task's tp_plan)"
@@ -229,9 +250,10 @@ class GatherSequence(ParallelStyle):
     With ``scatter_output`` the block's output (whole on every rank: a mixture of experts' all-reduced sum) is
     scattered back onto the sequence as a DTensor (``PrepareModuleOutput``), for the residual stream."""
 
-    def __init__(self, *, scatter_output: bool = False) -> None:
+    def __init__(self, *, scatter_output: bool = False, split_heads: bool = False) -> None:
         super().__init__()
         self.scatter_output = scatter_output
+        self.split_heads = split_heads
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -259,6 +281,13 @@ class GatherSequence(ParallelStyle):
             )
             return (scattered, *output[1:]) if isinstance(output, tuple) else scattered
 
+        if self.split_heads:
+            # GPT-2's attention splits its packed q/k/v output at ``split_size`` (the model's width) and reads the
+            # heads off the last dim (-1, head_dim): on a rank that holds 1/tp of the heads, the split is 1/tp.
+            tp = device_mesh.size()
+            for attribute in ("split_size", "embed_dim", "num_heads"):
+                if isinstance(getattr(module, attribute, None), int):
+                    setattr(module, attribute, getattr(module, attribute) // tp)
         module.register_forward_pre_hook(gather_input, with_kwargs=True)
         if self.scatter_output:
             module.register_forward_hook(scatter_output)
@@ -275,6 +304,59 @@ class LossParallelHead(ColwiseParallel):
         from torch.distributed.tensor import Shard
 
         super().__init__(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+
+
+def _conv1d_partition(dims: Mapping[str, Any], src_data_rank: int | None) -> Any:
+    """The partition of a Conv1D's parameters for distribute_module: each named parameter to its placement."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def partition(_: str, module: nn.Module, device_mesh: Any) -> None:
+        for name, placement in dims.items():
+            param = getattr(module, name, None)
+            if param is None:
+                continue
+            shard = distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank)
+            module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+
+    return partition
+
+
+class Conv1DColwise(ColwiseParallel):
+    """Column-wise over transformers' ``Conv1D`` (GPT-2's layers, ``x @ weight + bias`` with the weight stored
+    (in, out)): the weight sharded on its dim 1, the bias on its dim 0, the output each rank's columns (a local
+    tensor), as ColwiseParallel does for an nn.Linear (which it alone takes). ``weight_dim``: the dim sharded."""
+
+    weight_dim = 1
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_module
+
+        return distribute_module(
+            module,
+            device_mesh,
+            _conv1d_partition({"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank),
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """Row-wise over transformers' ``Conv1D``: the weight sharded on its dim 0 (its input features), the bias
+    replicated, the input each rank's columns; the output's partial sums reduced as ``output_layouts`` says."""
+
+    weight_dim = 0
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import Replicate, Shard, distribute_module
+
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            _conv1d_partition({"weight": Shard(0), "bias": Replicate()}, self.src_data_rank),
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 def _pattern(key: str) -> re.Pattern[str]:
@@ -382,8 +464,6 @@ def _resolved(model: nn.Module, plan: Mapping[str, Any], where: str) -> dict[str
 
 def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int, where: str) -> None:
     """Refuse a tp that does not divide the heads, the key-value heads or a planned layer's sharded width."""
-    from torch.distributed.tensor.parallel import RowwiseParallel
-
     config: Any = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key, what in _HEAD_KEYS:
@@ -402,7 +482,9 @@ def _check_divisible(model: nn.Module, styles: Mapping[str, Any], tp: int, where
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
-        if isinstance(style, ColwiseParallel):
+        if isinstance(style, (Conv1DColwise, Conv1DRowwise)):
+            dim = style.weight_dim
+        elif isinstance(style, ColwiseParallel):
             dim = 0
         elif isinstance(style, RowwiseParallel):
             dim = 1 if isinstance(module, nn.Linear) else 0
@@ -435,6 +517,41 @@ def check_tp_plan(model: nn.Module, task: ProbeTask, tp: int) -> dict[str, Any]:
             f"seq_len {task.seq_len} is not a multiple of {tp}"
         )
     return styles
+
+
+def apply_tp_plan(model: nn.Module, tp_mesh: Any, styles: Mapping[str, Any]) -> None:
+    """``parallelize_module`` of the styles over ``tp_mesh``, in place, with tied parameters kept tied.
+
+    parallelize_module distributes each module's parameters on its own, so a weight two modules share (GPT-2's LM
+    head and token embedding) came out as two DTensors, each rank holding (and training) both. Where the shares'
+    DTensors agree (the same placements and local shape: both shard the vocabulary), the modules are given one of
+    them again, as the job's ``tie_weights()`` after sharding does; where they do not, they stay apart (two sharded
+    copies: what the job would hold)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    shared: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            shared.setdefault(id(param), []).append((module_name, name))
+    # src_data_rank=None: each rank keeps its own initial shard (no scatter from rank 0), as a job that loads its
+    # weights afterwards does; the shapes, and so the memory, are the same.
+    parallelize_module(model, tp_mesh, dict(styles), src_data_rank=None)
+    for holders in (holders for holders in shared.values() if len(holders) > 1):
+        first_module, first_name = holders[0]
+        kept = getattr(model.get_submodule(first_module), first_name)
+        for module_name, name in holders[1:]:
+            module = model.get_submodule(module_name)
+            other = getattr(module, name)
+            if other is kept:
+                continue
+            if (
+                isinstance(kept, DTensor)
+                and isinstance(other, DTensor)
+                and kept.placements == other.placements
+                and kept.to_local().shape == other.to_local().shape
+            ):
+                setattr(module, name, kept)
 
 
 def shards_sequence(styles: Mapping[str, Any]) -> bool:

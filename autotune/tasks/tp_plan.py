@@ -29,6 +29,9 @@ TP_PLAN_NAMES = ("hf", "torchtitan")
 # gate/up/down, input_layernorm/post_attention_layernorm, norm, lm_head), and Mixtral's with its experts.
 _LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
 _MOE_LAYOUT = ("mixtral",)
+# GPT-2's layout: transformers' Conv1D layers (weights stored (in, out)), q/k/v packed in one (c_attn), learned
+# position embeddings beside the token embeddings, and the LM head tied to the token embedding.
+_GPT2_LAYOUT = ("gpt2",)
 
 # The styles that shard the sequence over the tp ranks (sequence parallel): every length a multiple of tp.
 _SEQUENCE_STYLES = (
@@ -37,6 +40,8 @@ _SEQUENCE_STYLES = (
     "gather_sequence",
     "gather_scatter_sequence",
     "rowwise_sequence",
+    "conv1d_rowwise_sequence",
+    "gather_sequence_split_heads",
 )
 
 
@@ -88,12 +93,14 @@ def torchtitan_plan(model: Any) -> dict[str, str]:
     """
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
-    if family not in (*_LLAMA_LAYOUT, *_MOE_LAYOUT):
-        known = ", ".join((*_LLAMA_LAYOUT, *_MOE_LAYOUT))
+    if family not in (*_LLAMA_LAYOUT, *_MOE_LAYOUT, *_GPT2_LAYOUT):
+        known = ", ".join((*_LLAMA_LAYOUT, *_MOE_LAYOUT, *_GPT2_LAYOUT))
         what = f"model type {family!r}" if family else f"{type(model).__name__} (no hf: config)"
         raise TaskError(f"--tp-plan torchtitan: no module names of {what} are known to it ({known})")
     prefix = getattr(model, "base_model_prefix", "") or ""
     base = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    if family in _GPT2_LAYOUT:
+        return _gpt2_plan(base)
     block = f"{base}layers.*."
     plan = {
         f"{base}embed_tokens": "embedding_rowwise_sequence",
@@ -120,6 +127,30 @@ def torchtitan_plan(model: Any) -> dict[str, str]:
         plan[f"{block}mlp.up_proj"] = "colwise"
         plan[f"{block}mlp.down_proj"] = "rowwise_sequence"
     return plan
+
+
+def _gpt2_plan(base: str) -> dict[str, str]:
+    """torchtitan's plan on GPT-2's module names: the same sequence- and loss-parallel layout, with the Conv1D styles
+    (a Conv1D's weight is (in, out): column-wise shards its dim 1, row-wise its dim 0), the packed q/k/v sharded
+    column-wise by heads (each rank's q, k and v of its heads: the attention's split taken per rank), and the
+    position embedding vocabulary-parallel over the positions as the token embedding is over the vocabulary (the
+    two outputs meet sharded on the sequence). The LM head stays tied to the token embedding: both shard the
+    vocabulary (dim 0) and hold one weight."""
+    block = f"{base}h.*."
+    return {
+        f"{base}wte": "embedding_rowwise_sequence",
+        f"{base}wpe": "embedding_rowwise_sequence",
+        f"{block}ln_1": "sequence_parallel",
+        f"{block}attn": "gather_sequence_split_heads",
+        f"{block}attn.c_attn": "conv1d_packed_colwise",
+        f"{block}attn.c_proj": "conv1d_rowwise_sequence",
+        f"{block}ln_2": "sequence_parallel",
+        f"{block}mlp": "gather_sequence",
+        f"{block}mlp.c_fc": "conv1d_colwise",
+        f"{block}mlp.c_proj": "conv1d_rowwise_sequence",
+        f"{base}ln_f": "sequence_parallel",
+        "lm_head": "colwise_loss_parallel",
+    }
 
 
 def tp_plan_of(model: Any, task: Any) -> Mapping[str, Any] | None:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from autotune.cli import main
@@ -22,7 +23,7 @@ from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.hf import hf_task
 from autotune.tasks.load import load_task
 from autotune.tasks.tp_plan import sequence_multiple, tp_plan_of
-from tests.autotune._hf_configs import write_config
+from tests.autotune._hf_configs import write_config, write_head_config
 from tests.autotune._tp_trials import LIMIT_BYTES, tp_peaks
 
 pytest.importorskip("transformers")
@@ -54,8 +55,8 @@ def test_torchtitans_plan_names_the_llama_familys_modules(tmp_path: Path) -> Non
 
 
 def test_a_family_it_has_no_names_for_is_one_line(tmp_path: Path) -> None:
-    task = dataclasses.replace(hf_task(write_config(tmp_path, "gpt2")), tp_plan="torchtitan")
-    with pytest.raises(TaskError, match=r"--tp-plan torchtitan: no module names of model type 'gpt2'"):
+    task = dataclasses.replace(hf_task(write_head_config(tmp_path, "bert-mlm")), tp_plan="torchtitan")
+    with pytest.raises(TaskError, match=r"--tp-plan torchtitan: no module names of model type 'bert'"):
         tp_plan_of(task.model(), task)
     with pytest.raises(TaskError, match="not a plan's name"):
         dataclasses.replace(task, tp_plan="megatron")
@@ -111,9 +112,37 @@ def _mixtral(tmp_path: Path) -> Path:
     return where
 
 
+def test_gpt2s_plan_shards_its_conv1d_layers_and_keeps_the_head_tied(tmp_path: Path) -> None:
+    """GPT-2 under torchtitan's plan (Conv1D styles of its own, autotune/measure/tensor_parallel.py): each rank holds
+    the hand count of its parameters from the config alone, and the LM head is still the token embedding's weight."""
+    from torch.distributed.tensor import DTensor
+
+    from autotune.measure.strategies import TensorParallel
+
+    task = dataclasses.replace(hf_task(write_config(tmp_path, "gpt2")).at_length(16), tp_plan="torchtitan")
+    plan = tp_plan_of(task.model(), task)
+    assert plan is not None and plan["transformer.h.*.attn.c_attn"] == "conv1d_packed_colwise"
+    strategy = TensorParallel(2, Mesh(tp=2), inner="ddp")
+    with strategy.process_group(torch.device("cpu")):
+        model = strategy.wrap(task.model(), task, torch.device("cpu"))
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+        assert model.lm_head.weight is model.transformer.wte.weight
+    c = model.config
+    width, vocab, positions, blocks = c.n_embd, c.vocab_size, c.n_positions, c.n_layer
+    # Per block: two norms whole, q/k/v packed column-wise (weight and bias halves), its c_proj row-wise (half the
+    # weight, the bias whole), the MLP's c_fc column-wise and c_proj row-wise (4 x width inside).
+    block = 2 * 2 * width
+    block += width * 3 * width // 2 + 3 * width // 2 + width // 2 * width + width
+    block += width * 4 * width // 2 + 4 * width // 2 + 4 * width // 2 * width + width
+    assert local == vocab * width // 2 + positions * width // 2 + blocks * block + 2 * width  # + ln_f; head tied
+
+
 @pytest.mark.parametrize(
-    ("family", "inner", "world_size"), [("llama", "ddp", 2), ("llama", "fsdp", 4), ("mixtral", "ddp", 2)]
+    ("family", "inner", "world_size"),
+    [("llama", "ddp", 2), ("llama", "fsdp", 4), ("mixtral", "ddp", 2), ("gpt2", "ddp", 2)],
 )
+# GPT-2's dropout on the DTensor residual stream: DTensor's RNG tracker has no CPU mesh (the job on a card has one).
+@pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support on cpu")
 def test_fake_trials_equal_the_real_ones_under_sequence_and_loss_parallel(
     tmp_path: Path, family: str, inner: str, world_size: int
 ) -> None:
@@ -121,7 +150,7 @@ def test_fake_trials_equal_the_real_ones_under_sequence_and_loss_parallel(
     ranks): the loss's handlers counted in both, their global-shape derivation in neither, nor (Mixtral) the fake
     meter's rerun of the loss on its routing values; under fsdp the model is known fake by its DTensors' local
     shards (every parameter is a DTensor under this plan)."""
-    where = _llama(tmp_path) if family == "llama" else _mixtral(tmp_path)
+    where = {"llama": _llama, "mixtral": _mixtral}.get(family, lambda path: write_config(path, family))(tmp_path)
     task = dataclasses.replace(hf_task(where).at_length(16), tp_plan="torchtitan")
     real = tp_peaks(CpuMeter(LIMIT_BYTES), task, inner, world_size, (3, 4))
     fake = tp_peaks(FakeMeter(LIMIT_BYTES, device_type="cpu"), task, inner, world_size, (3, 4))
@@ -172,16 +201,16 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str, output: Path) -> tuple[
             "a multiple of --tp 2",
         ),
         (
-            ["--tp", "2", "--world-size", "2", "--tp-plan", "torchtitan", "--seq-len", "16", "gpt2"],
-            "--tp-plan torchtitan: no module names of model type 'gpt2'",
+            ["--tp", "2", "--world-size", "2", "--tp-plan", "torchtitan", "--seq-len", "16", "bert"],
+            "--tp-plan torchtitan: no module names of model type 'bert'",
         ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_nothing_stored(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], line: str
 ) -> None:
-    config = write_config(tmp_path, "gpt2") if flags[-1] == "gpt2" else _llama(tmp_path)
-    flags = [flag for flag in flags if flag != "gpt2"]
+    config = write_head_config(tmp_path, "bert-mlm") if flags[-1] == "bert" else _llama(tmp_path)
+    flags = [flag for flag in flags if flag != "bert"]
     output = tmp_path / "profile.json"
     code, _, err = _cli(capsys, f"hf:{config}", *flags, output=output)
     errors = [text for text in err.splitlines() if text.startswith("autotune: error:")]
