@@ -200,6 +200,25 @@ def _require_module(task: ProbeTask, model: Any) -> None:
         raise TaskError(f"model() of task {task.name!r} returned {type(model).__name__}, not an nn.Module")
 
 
+class _NoRecorder:
+    """What _cycle tells a recorder, heard by nobody (a trial without a breakdown)."""
+
+    def phase(self, name: str) -> None:
+        pass
+
+    def classify_model(self, model: nn.Module) -> None:
+        pass
+
+    def classify_gradients(self, model: nn.Module) -> None:
+        pass
+
+    def classify_optimizer(self, optimizer: Any) -> None:
+        pass
+
+
+_NO_RECORDER = _NoRecorder()
+
+
 def _cycle(
     task: ProbeTask,
     meter: Meter,
@@ -213,36 +232,30 @@ def _cycle(
     gradients are dropped by the caller."""
     device = meter.device
     # A breakdown's recorder (autotune/measure/breakdown.py), when the trial is recorded: told each phase and
-    # what the model's, the gradients' and the optimizer's storages are.
-    recorder = getattr(meter, "recorder", None)
-    if recorder is not None:
-        recorder.classify_model(model)
-        recorder.phase("step")  # the optimizer's construction
+    # what the model's, the gradients' and the optimizer's storages are (a recorder that hears nothing otherwise).
+    recorder = getattr(meter, "recorder", None) or _NO_RECORDER
+    recorder.classify_model(model)
+    recorder.phase("step")  # the optimizer's construction
     optimizer = task.make_optimizer(model)
     scaler = torch.amp.GradScaler(device.type) if task.precision == "fp16" else None
     for _ in range(OPTIMIZER_STEPS):
         for index in range(accumulation):
             with strategy.sync(model, last=index == accumulation - 1):
-                if recorder is not None:
-                    recorder.phase("inputs")
+                recorder.phase("inputs")
                 batch = make_batch(task, micro_batch, device)
-                if recorder is not None:
-                    recorder.phase("forward")
+                recorder.phase("forward")
                 with strategy.loss_context():
                     with strategy.autocast(task.precision, device):
                         loss = task.compute_loss(model, batch) / accumulation
-                    if recorder is not None:
-                        recorder.phase("backward")
+                    recorder.phase("backward")
                     if scaler is not None:
                         scaler.scale(loss).backward()
                     else:
                         loss.backward()
                 del batch, loss
-            if recorder is not None:
-                recorder.classify_gradients(model)
+            recorder.classify_gradients(model)
         meter.checkpoint(FORWARD_BACKWARD)
-        if recorder is not None:
-            recorder.phase("step")
+        recorder.phase("step")
         # Under --offload params the step runs on the CPU: what it makes is host memory.
         with step_on_host(task.offload, optimizer), _fake_step(task, meter):
             if scaler is not None:
@@ -250,8 +263,7 @@ def _cycle(
                 scaler.update()
             else:
                 optimizer.step()
-            if recorder is not None:
-                recorder.classify_optimizer(optimizer)
+            recorder.classify_optimizer(optimizer)
             optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
         meter.checkpoint(STEP)
 

@@ -300,6 +300,11 @@ class _Lengths:
     on_trial: Callable[[Trial], None] | None
     fakes: FakeTrials | None = None
 
+    @property
+    def length_step(self) -> int:
+        """What every length of the run is a multiple of: tp under sequence parallel, else 1."""
+        return sequence_multiple(self.task, self.config.mesh.tp)
+
     def surface(self, lengths: Sequence[int], device_name: str | None) -> SurfaceSearch:
         with self.group(), frozen_heap():
             found = fake_surface(
@@ -312,7 +317,7 @@ class _Lengths:
                 device_name=device_name,
                 on_trial=self.on_trial,
                 fakes=self.fakes,
-                length_step=sequence_multiple(self.task, self.config.mesh.tp),
+                length_step=self.length_step,
             )
         if found.refused in lengths:
             raise TaskError(f"--seq-len {found.refused}: the model cannot take this length ({found.failed})")
@@ -407,7 +412,7 @@ class _Lengths:
                     shortest=shortest,
                     cap=cap,
                     model_limit=model_limit,
-                    step=sequence_multiple(self.task, self.config.mesh.tp),
+                    step=self.length_step,
                 )
             finally:
                 self.release()
@@ -471,7 +476,7 @@ def _over_lengths(
                 config=steps.config,
                 limit_bytes=steps.fake_limit,
                 cap=cap,
-                unit=sequence_multiple(steps.task, steps.config.mesh.tp),
+                unit=steps.length_step,
             ),
         )
     run = steps.measure_each(lengths, found, target_tokens, notes)
