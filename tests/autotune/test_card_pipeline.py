@@ -23,7 +23,7 @@ from autotune.tasks.hf import hf_task
 from tests.autotune._hf_configs import write_config
 
 pytest.importorskip("transformers")
-SEQ_LEN, M_CAP, K = 512, 4, 4
+SEQ_LEN, M_CAP, K = 512, 2, 2  # small: each stage trial replays K micro-batches, the search tries 1 up to M_CAP
 
 
 def test_a_pipeline_estimates_on_an_emulated_card_stage_by_stage(cuda_python: str, tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ def test_a_pipeline_estimates_on_an_emulated_card_stage_by_stage(cuda_python: st
     code = main(
         ["estimate", f"hf:{folder}", "--gpu", "h100", "--world-size", "2", "--pp", "2", "--pp-schedule", "1f1b",
          "--pp-microbatches", str(K), "--seq-len", str(SEQ_LEN), "--max-seq-len", str(SEQ_LEN),
-         "--max-micro-batch", str(M_CAP), "--target-batch", "16", "--output", str(out)]
+         "--max-micro-batch", str(M_CAP), "--target-batch", str(M_CAP * K), "--output", str(out)]
     )  # fmt: skip
     assert code == 0
     (raw,) = json.loads(out.read_text())
@@ -79,7 +79,7 @@ def test_a_pipeline_over_fsdp_estimates_on_an_emulated_card(cuda_python: str, tm
     code = main(
         ["estimate", f"hf:{folder}", "--gpu", "h100", "--strategy", "fsdp", "--world-size", str(world), "--pp", "2",
          "--tp", str(tp), "--pp-microbatches", str(K), "--seq-len", str(SEQ_LEN), "--max-seq-len", str(SEQ_LEN),
-         "--max-micro-batch", str(M_CAP), "--target-batch", "32", "--output", str(out)]
+         "--max-micro-batch", str(M_CAP), "--target-batch", str(M_CAP * K * 2), "--output", str(out)]
     )  # fmt: skip
     assert code == 0
     (raw,) = json.loads(out.read_text())
@@ -89,9 +89,10 @@ def test_a_pipeline_over_fsdp_estimates_on_an_emulated_card(cuda_python: str, tm
     at_cap = next(t for t in profile.trials if t.micro_batch == M_CAP)
     outside = at_cap.outside_allocator_bytes
     assert outside and at_cap.peak_bytes == max(stages.stage_peak_bytes)
-    # D = 4 / 2 = 2 replicas: T = 32 = m x K x D with m = 4, K = 4.
+    # D = 4 / 2 = 2 replicas: T = m x K x D with m = M_CAP, K.
     plan = profile.plan
-    assert plan is not None and plan.exact and (plan.micro_batch, plan.accumulation_steps, plan.world_size) == (4, 4, 2)
+    assert plan is not None and plan.exact
+    assert (plan.micro_batch, plan.accumulation_steps, plan.world_size) == (M_CAP, K, 2)
     strategy = make_strategy("fsdp", world, Mesh(pp=2, tp=tp, pp_microbatches=K))
     with strategy.process_group(torch.device("cpu")):
         cpu = PipelineTrials(

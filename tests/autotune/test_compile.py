@@ -83,7 +83,18 @@ def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
 BUDGET = 1_450_000  # compiled, m = 8 peaks at about 1.39 MB; eager at about 2.2 MB
 
 
+_PEAKS: dict[tuple[int, bool, float | None, int], int] = {}
+
+
 def allocator_peak(m: int, *, compiled: bool, budget: float | None = None, seq_len: int = SEQ) -> int:
+    """allocator_peak_once, each truth counted once a module (tests asking for the same run share its count)."""
+    key = (m, compiled, budget, seq_len)
+    if key not in _PEAKS:
+        _PEAKS[key] = allocator_peak_once(m, compiled=compiled, budget=budget, seq_len=seq_len)
+    return _PEAKS[key]
+
+
+def allocator_peak_once(m: int, *, compiled: bool, budget: float | None = None, seq_len: int = SEQ) -> int:
     """The CPU allocator's peak over what a user writes: build, torch.compile(model) (its first call compiles, at
     m, under the compiler's activation memory budget where one is given) and two accumulated AdamW steps at m:
     the memory events' running sum."""

@@ -50,24 +50,41 @@ def lanes_always(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return counted
 
 
+@pytest.fixture(scope="module")
+def estimated_here() -> dict[tuple[str, int], LengthsRun]:
+    """The estimates with every trial in this process, by (strategy, world size): the ddp one is the truth of two
+    tests, so it runs once."""
+    return {}
+
+
+def _here(estimated: dict[tuple[str, int], LengthsRun], strategy: str, world: int) -> LengthsRun:
+    if (strategy, world) not in estimated:
+        config = EstimateConfig.of(budget_bytes=64 * MiB, device_kind="cpu", strategy=strategy, world_size=world)
+        estimated[strategy, world] = estimate_lengths(load_task(SPEC), config, LENGTHS, max_seq_len=1024, workers=0)
+    return estimated[strategy, world]
+
+
 @pytest.mark.parametrize(("strategy", "world"), [("ddp", 1), ("fsdp", 2)])
 def test_trials_on_a_worker_give_the_same_estimate_as_trials_here(
-    lanes_always: dict[str, int], strategy: str, world: int
+    lanes_always: dict[str, int], estimated_here: dict[tuple[str, int], LengthsRun], strategy: str, world: int
 ) -> None:
     task = load_task(SPEC)
     assert task.source == SPEC
     config = EstimateConfig.of(budget_bytes=64 * MiB, device_kind="cpu", strategy=strategy, world_size=world)
-    here = estimate_lengths(task, config, LENGTHS, max_seq_len=1024, workers=0)
+    here = _here(estimated_here, strategy, world)
     assert lanes_always["came_back"] == 0
     beside = estimate_lengths(task, config, LENGTHS, max_seq_len=1024, workers=1)
     assert lanes_always["came_back"] >= 3  # the surface's and the confirmations' trials, some of them
     assert _answers(beside) == _answers(here)
 
 
-def test_a_worker_that_cannot_start_leaves_every_trial_to_this_process(lanes_always: dict[str, int]) -> None:
+def test_a_worker_that_cannot_start_leaves_every_trial_to_this_process(
+    lanes_always: dict[str, int], estimated_here: dict[tuple[str, int], LengthsRun]
+) -> None:
     task = load_task(SPEC)
     config = EstimateConfig.of(budget_bytes=64 * MiB, device_kind="cpu")
-    here = estimate_lengths(task, config, LENGTHS, max_seq_len=1024, workers=0)
+    assert config == EstimateConfig.of(budget_bytes=64 * MiB, device_kind="cpu", strategy="ddp", world_size=1)
+    here = _here(estimated_here, "ddp", 1)  # the same estimate as the ddp case's, shared
     # The worker loads the task from its spec: one that does not load kills the worker at its start.
     broken = dataclasses.replace(task, source="examples/no_such_file.py:task")
     beside = estimate_lengths(broken, config, LENGTHS, max_seq_len=1024, workers=1)
