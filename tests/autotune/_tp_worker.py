@@ -104,6 +104,79 @@ def torchtitan_plan(model: torch.nn.Module) -> dict[str, Any]:
     return plan
 
 
+def _gpt2_torchtitan_model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
+    """GPT-2 under torchtitan's layout, built here with DTensor's public API: torch's own styles where they take the
+    module (the embeddings vocabulary-parallel over the vocabulary and over the positions, outputs sharded on the
+    sequence; SequenceParallel on the norms; PrepareModuleInput on attn and mlp; the LM head column-wise for
+    loss_parallel(), tied to wte again after sharding, as tie_weights() would), and transformers' Conv1D layers (no
+    torch style takes them) sharded with ``distribute_module``: c_attn and c_fc by output columns (weight dim 1, bias
+    dim 0), both c_proj by input rows (weight dim 0) with the partial sums reduce-scattered onto the sequence; the
+    attention's split of its packed q/k/v and its head count set to the rank's share, as torchtitan sets a model's
+    local heads."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(
+        GPT2Config(**{k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"})
+    )
+    tp_mesh = mesh["tp"]
+    gathered = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+    )
+    plan: dict[str, Any] = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "transformer.wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "transformer.ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for index in range(len(model.transformer.h)):
+        block = f"transformer.h.{index}."
+        plan.update({block + "ln_1": SequenceParallel(), block + "ln_2": SequenceParallel()})
+        plan.update({block + "attn": gathered, block + "mlp": gathered})
+    parallelize_module(model, tp_mesh, plan, src_data_rank=None)
+    model.lm_head.weight = model.transformer.wte.weight
+
+    def placed(placements: dict[str, Any]) -> Any:
+        def partition(_: str, module: nn.Module, device_mesh: Any) -> None:
+            for name, placement in placements.items():
+                param = getattr(module, name)
+                shard = distribute_tensor(param, device_mesh, [placement], src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(shard))
+
+        return partition
+
+    def columns_in(_: nn.Module, inputs: tuple[Any, ...], device_mesh: Any) -> tuple[Any, ...]:
+        return (DTensor.from_local(inputs[0], device_mesh, [Replicate()], run_check=False),)
+
+    def rows_in(_: nn.Module, inputs: tuple[Any, ...], device_mesh: Any) -> tuple[Any, ...]:
+        return (DTensor.from_local(inputs[0], device_mesh, [Shard(-1)], run_check=False),)
+
+    tp = tp_mesh.size()
+    for block in model.transformer.h:
+        block.attn.split_size //= tp
+        block.attn.num_heads //= tp
+        block.attn.embed_dim //= tp
+        for layer in (block.attn.c_attn, block.mlp.c_fc):
+            distribute_module(
+                layer, tp_mesh, placed({"weight": Shard(1), "bias": Shard(0)}), columns_in,
+                lambda _, output, __: output.to_local(),
+            )  # fmt: skip
+        for layer in (block.attn.c_proj, block.mlp.c_proj):
+            distribute_module(
+                layer, tp_mesh, placed({"weight": Shard(0), "bias": Replicate()}), rows_in,
+                lambda _, output, __: output.redistribute(placements=[Shard(1)]),
+            )  # fmt: skip
+    return model
+
+
 def _lora_model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
     """LoRA under tp: the base parallelized with the plan above, then peft's ``get_peft_model`` over it. peft
     sizes each adapter from the base layer's local weight, so under a column-wise layer lora_B is the rank's
@@ -136,11 +209,14 @@ def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
         model = _lora_model(mesh, config)
         model.train()
         return model
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "_plan"}))
-    plan = torchtitan_plan(model) if config.get("_plan") == "torchtitan" else llama_plan(model)
-    parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
+    if config.get("model_type") == "gpt2":
+        model = _gpt2_torchtitan_model(mesh, config)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "_plan"}))
+        plan = torchtitan_plan(model) if config.get("_plan") == "torchtitan" else llama_plan(model)
+        parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
     if mesh["dp"].size() > 1:
-        layers = list(model.model.layers)
+        layers = list(model.model.layers)  # type: ignore[union-attr,arg-type]
         for index, layer in enumerate(layers):
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=index < len(layers) - 1)
         fully_shard(model, mesh=mesh["dp"])
