@@ -40,7 +40,7 @@ def add_parsers(sub: Any) -> None:
         type=non_negative_int,
         metavar="N",
         help="with --seq-len: processes that run independent fake trials beside this one when they are slow "
-        "(default: one per spare core, at most 3; 0 runs them all here)",
+        "(default: one per idle core, by the load average, at most 3; 0 runs them all here)",
     )
     e.set_defaults(run=run_estimate)
 

@@ -656,7 +656,7 @@ def estimate_lengths(
     and the longest length are confirmed by fake trials at them and one step past them.
 
     ``workers``: processes that run independent fake trials beside this one (autotune/search/lanes.py),
-    for a task loaded from a spec whose fake trials are slow; None: one per spare core (at most 3).
+    for a task loaded from a spec whose fake trials are slow; None: one per idle core (at most 3).
     They are spawned: a script that asks for them needs an ``if __name__ == "__main__":`` guard.
     """
     from autotune.orchestrate.estimate import estimate, estimate_device_type
