@@ -9,14 +9,13 @@ peak the parts must sum to.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from autotune.cli import main
 from autotune.core.schemas import MAX_BYTES, MEMORY_PARTS, MemoryBreakdown, Profile
 from autotune.measure.strategies import Replicated
 from autotune.orchestrate.config import ProbeConfig
@@ -166,17 +165,21 @@ def test_a_probe_stores_the_breakdown_of_m_max_and_the_next_size_summing_to_the_
     assert probe(task, ProbeConfig(device="cpu", budget_bytes=1_000_000, headroom=0.0)).breakdown is None
 
 
-def test_the_datasheet_prints_the_parts_and_json_carries_them(tmp_path: Path) -> None:
+def test_the_datasheet_prints_the_parts_and_json_carries_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     where = write_config(tmp_path, "llama")
-    argv = [sys.executable, "-m", "autotune.cli", "probe", f"hf:{where}", "--device", "cpu", "--budget", "1MB"]
-    argv += ["--seq-len", str(SEQ_LEN), "--output", str(tmp_path / "p.json")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "memory at peak" in done.stdout and "optimizer state" in done.stdout and "peak of m=" in done.stdout
+    argv = ["probe", f"hf:{where}", "--device", "cpu", "--budget", "1MB", "--seq-len", str(SEQ_LEN)]
+    argv += ["--max-seq-len", str(SEQ_LEN), "--output", str(tmp_path / "p.json")]
+    code = main(argv)
+    done = capsys.readouterr()
+    assert code == 0, done.err[-2000:]
+    assert "memory at peak" in done.out and "optimizer state" in done.out and "peak of m=" in done.out
     (stored,) = json.loads((tmp_path / "p.json").read_text())
     assert [b["fits"] for b in stored["breakdown"]] == [True, False]
-    quiet = subprocess.run([*argv, "--no-breakdown"], capture_output=True, text=True, timeout=300, check=False)
-    assert quiet.returncode == 0 and "memory at peak" not in quiet.stdout
+    quiet_code = main([*argv, "--no-breakdown"])
+    quiet = capsys.readouterr()
+    assert quiet_code == 0 and "memory at peak" not in quiet.out
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")

@@ -6,14 +6,15 @@ size it names fits, and so does the budget it names.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from autotune.cli import main
 from autotune.cli.common import EXIT_NO_FIT
 from autotune.core.errors import CannotFitError
 from autotune.orchestrate.estimate import EstimateConfig, estimate
@@ -25,10 +26,27 @@ REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autotune.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """One `autotune ...` run in this process: its exit status and what it wrote."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
+    """`autotune *args` from the repository's root, in this process (autotune.cli.main)."""
+    monkeypatch.chdir(REPO)
+
+    def run(*args: str) -> Done:
+        capsys.readouterr()
+        code = main(list(args))
+        captured = capsys.readouterr()
+        return Done(code, captured.out, captured.err)
+
+    return run
 
 
 def _bytes_after(label: str, line: str) -> int:
@@ -37,7 +55,7 @@ def _bytes_after(label: str, line: str) -> int:
     return int(found.group(1))
 
 
-def _one_error_line(done: subprocess.CompletedProcess[str]) -> str:
+def _one_error_line(done: Done) -> str:
     assert done.returncode == EXIT_NO_FIT, done.stderr
     assert "Traceback" not in done.stderr and "OutOfMemoryError" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("autotune: error:")]
@@ -46,9 +64,9 @@ def _one_error_line(done: subprocess.CompletedProcess[str]) -> str:
     return errors[0]
 
 
-def test_the_100m_gpt_at_64mib_names_the_bytes() -> None:
+def test_the_100m_gpt_at_64mib_names_the_bytes(cli: Callable[..., Done]) -> None:
     """The issue's case: an allocator exception before, one line with the figures now."""
-    line = _one_error_line(_cli("probe", "examples/gpt.py:task_100m", "--device", "cpu", "--budget", "64MiB"))
+    line = _one_error_line(cli("probe", "examples/gpt.py:task_100m", "--device", "cpu", "--budget", "64MiB"))
     with torch.device("meta"):
         params = sum(p.numel() for p in load_task("examples/gpt.py:task_100m").model().parameters())
     static = _bytes_after("optimizer state alone take", line)
@@ -88,9 +106,9 @@ def test_probe_offers_fsdp_ac_and_a_budget_that_really_fit() -> None:
     assert enough.max_micro_batch >= 1
 
 
-def test_estimate_says_the_same_with_its_own_exit_status() -> None:
+def test_estimate_says_the_same_with_its_own_exit_status(cli: Callable[..., Done]) -> None:
     line = _one_error_line(
-        _cli("estimate", "examples/gpt.py:task", "--budget", "3MiB", "--device-kind", "cpu", "--max-micro-batch", "64")
+        cli("estimate", "examples/gpt.py:task", "--budget", "3MiB", "--device-kind", "cpu", "--max-micro-batch", "64")
     )
     assert "micro-batch 1 does not fit" in line and "--strategy fsdp --world-size 2" in line
 

@@ -6,14 +6,16 @@ way a user makes it: the flag's config field, the optimizer asked for by name)."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from autotune.cli import main
 from autotune.cli.report import lever_lines
 from autotune.core.schemas import Profile
 from autotune.orchestrate.config import ProbeConfig
@@ -31,28 +33,58 @@ SEQ_LEN = 16
 BUDGET = 1_000_000
 
 
-def test_a_levers_m_max_is_a_probe_of_the_changed_setup(tmp_path: Path) -> None:
-    task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
+@dataclasses.dataclass(frozen=True)
+class Estimated:
+    """What one `autotune estimate --levers` printed and stored, and the config file of its model."""
+
+    where: Path
+    code: int
+    stdout: str
+    stderr: str
+    stored: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def estimated(tmp_path_factory: pytest.TempPathFactory) -> Estimated:
+    """One `autotune estimate --levers` (in this process, no lanes) at the probe's setup: both the CLI test and
+    the m_max test read its levers."""
+    tmp = tmp_path_factory.mktemp("levers")
+    where = write_config(tmp, "llama")
+    output = tmp / "estimate.json"
+    argv = ["estimate", f"hf:{where}", "--device-kind", "cpu", "--budget", str(BUDGET), "--headroom", "0"]
+    argv += ["--seq-len", str(SEQ_LEN), "--max-seq-len", str(SEQ_LEN), "--workers", "0", "--levers"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([*argv, "--output", str(output)])
+    stored = json.loads(output.read_text())[0] if code == 0 else {}
+    return Estimated(where, code, out.getvalue(), err.getvalue(), stored)
+
+
+def test_a_levers_m_max_is_a_probe_of_the_changed_setup(estimated: Estimated) -> None:
+    assert estimated.code == 0, estimated.stderr[-2000:]
+    task = hf_task(estimated.where).at_length(SEQ_LEN)
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0)
     m_max = probe(task, config).max_micro_batch
-    # The changes a probe checks here in seconds (the CLI test lists every one).
-    only = ("--ac full", "--optimizer adamw8bit", "--ac every-2", "--compile")
-    pulled = pull_levers(task, config, at_micro_batch=m_max, only=only, estimator=estimate)
-    levers = {lever.flags: lever for lever in pulled}
-    print({flags: (lever.max_micro_batch, lever.freed_bytes, lever.note[:60]) for flags, lever in levers.items()})
+    pulled = estimated.stored["levers"]
+    levers = {lever["flags"]: lever for lever in pulled}
+    print(
+        {flags: (lever["max_micro_batch"], lever["freed_bytes"], lever["note"][:60]) for flags, lever in levers.items()}
+    )
+    # The levers are pulled at the job's m_max, a probe's.
+    assert {lever["at_micro_batch"] for lever in pulled} == {m_max}
     assert (
-        levers["--ac full"].max_micro_batch
+        levers["--ac full"]["max_micro_batch"]
         == probe(task, config.with_setup(activation_checkpointing="full")).max_micro_batch
     )
     eight_bit = dataclasses.replace(task, optimizer="adamw8bit")
-    assert levers["--optimizer adamw8bit"].max_micro_batch == probe(eight_bit, config).max_micro_batch
+    assert levers["--optimizer adamw8bit"]["max_micro_batch"] == probe(eight_bit, config).max_micro_batch
     # Every lever that ran frees something at m_max and so fits at least m_max; best first.
-    ran = [lever for lever in levers.values() if lever.peak_bytes is not None]
-    assert all(lever.freed_bytes is not None and lever.freed_bytes > 0 for lever in ran)
-    assert all((lever.max_micro_batch or 0) >= m_max for lever in ran)
-    order = [lever.max_micro_batch or 0 for lever in pulled if lever.peak_bytes is not None]
+    ran = [lever for lever in pulled if lever["peak_bytes"] is not None]
+    assert all(lever["freed_bytes"] is not None and lever["freed_bytes"] > 0 for lever in ran)
+    assert all((lever["max_micro_batch"] or 0) >= m_max for lever in ran)
+    order = [lever["max_micro_batch"] or 0 for lever in ran]
     assert order == sorted(order, reverse=True)
-    assert "fake trials run the eager model" in levers["--compile"].note
+    assert "fake trials run the eager model" in levers["--compile"]["note"]
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
@@ -79,32 +111,29 @@ def test_with_nothing_to_change_the_datasheet_says_so_in_one_line() -> None:
     assert "none: every change autotune knows is already applied" in line
 
 
-def test_the_no_fit_line_names_the_cheapest_change_and_that_change_fits(tmp_path: Path) -> None:
+def test_the_no_fit_line_names_the_cheapest_change_and_that_change_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     where = write_config(tmp_path, "llama")
-    argv = [sys.executable, "-m", "autotune.cli", "probe", f"hf:{where}", "--device", "cpu", "--seq-len", str(SEQ_LEN)]
-    done = subprocess.run([*argv, "--budget", "560000"], capture_output=True, text=True, timeout=300, check=False)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("autotune: error:")]
-    assert done.returncode == 4 and len(errors) == 1, done.stderr[-2000:]
+    argv = ["probe", f"hf:{where}", "--device", "cpu", "--seq-len", str(SEQ_LEN), "--budget", "560000"]
+    code = main(argv)
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("autotune: error:")]
+    assert code == 4 and len(errors) == 1, stderr[-2000:]
     assert "the cheapest change that fits micro-batch 1: " in errors[0]
     flags = errors[0].split("the cheapest change that fits micro-batch 1: ")[1].split(" (peak")[0].split()
-    fits = subprocess.run(
-        [*argv, "--budget", "560000", *flags], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert fits.returncode == 0, fits.stderr[-2000:]
+    # The longest-length search capped at the length asked for: whether m = 1 fits is all this run says.
+    fits = main([*argv, *flags, "--max-seq-len", str(SEQ_LEN)])
+    assert fits == 0, capsys.readouterr().err[-2000:]
 
 
-def test_the_cli_prints_every_lever_and_the_profile_carries_them(tmp_path: Path) -> None:
-    where = write_config(tmp_path, "llama")
-    output = tmp_path / "estimate.json"
-    argv = [sys.executable, "-m", "autotune.cli", "estimate", f"hf:{where}", "--device-kind", "cpu"]
-    argv += ["--budget", str(BUDGET), "--seq-len", "8", "--levers", "--output", str(output)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (stored,) = json.loads(output.read_text())
+def test_the_cli_prints_every_lever_and_the_profile_carries_them(estimated: Estimated) -> None:
+    assert estimated.code == 0, estimated.stderr[-2000:]
+    stored = estimated.stored
     flags = [lever["flags"] for lever in stored["levers"]]
     for expected in ("--ac every-2", "--ac op", "--ac full", "--optimizer adamw8bit", "--offload activations"):
-        assert expected in flags and expected in done.stdout
-    assert "--seq-len 4" in flags and "left out: a compiled step is measured" in done.stdout
+        assert expected in flags and expected in estimated.stdout
+    assert f"--seq-len {SEQ_LEN // 2}" in flags and "left out: a compiled step is measured" in estimated.stdout
     ran = [lever for lever in stored["levers"] if lever["peak_bytes"] is not None]
     assert [lever["max_micro_batch"] for lever in ran] == sorted(
         (lever["max_micro_batch"] for lever in ran), reverse=True

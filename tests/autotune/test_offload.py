@@ -259,11 +259,13 @@ def test_the_host_budget_decides_the_longest_length_too() -> None:
     from autotune.orchestrate.lengths import probe_lengths
     from examples.gpt import make_seq_task
 
+    LONGEST = 128  # noqa: N806  # the cap of the length search, the model's own maximum
     task = dataclasses.replace(
-        make_seq_task(GPTConfig(vocab_size=64, seq_len=1024, d_model=32, n_heads=2, n_layers=4)), shard_classes=(Block,)
+        make_seq_task(GPTConfig(vocab_size=64, seq_len=LONGEST, d_model=32, n_heads=2, n_layers=4)),
+        shard_classes=(Block,),
     )
-    config = ProbeConfig(device="cpu", budget_bytes=4 * MiB, offload="activations", throughput=False)
-    free = probe_lengths(task, config, [64], max_seq_len=1024).surface
+    config = ProbeConfig(device="cpu", budget_bytes=2 * MiB, offload="activations", throughput=False)
+    free = probe_lengths(task, config, [64], max_seq_len=LONGEST).surface
     assert free is not None and free.longest is not None
     free_longest = free.longest.seq_len
 
@@ -279,7 +281,7 @@ def test_the_host_budget_decides_the_longest_length_too() -> None:
         return host
 
     host_budget = (host_bytes(free_longest // 2) + host_bytes(free_longest)) // 2
-    bound = probe_lengths(task, dataclasses.replace(config, host_budget_bytes=host_budget), [64], max_seq_len=1024)
+    bound = probe_lengths(task, dataclasses.replace(config, host_budget_bytes=host_budget), [64], max_seq_len=LONGEST)
     assert bound.surface is not None and bound.surface.longest is not None
     longest = bound.surface.longest.seq_len
     assert longest < free_longest
