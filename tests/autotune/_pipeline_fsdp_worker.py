@@ -245,11 +245,13 @@ def run(
     tp: int = 1,
     runs_per_size: int = RUNS_PER_SIZE,
     sequence_parallel: bool = False,
+    floors: dict[int, list[int]] | None = None,
 ) -> None:
     """This rank's peak under ``schedule_name`` (1f1b, gpipe, interleaved-1f1b: V 2 stages per rank of a 4-block
-    model) at each size (the least of ``runs_per_size`` runs) to rank{rank}.json, every run's to
-    rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's blocks parallelized over tp (q, k, v and
-    the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp (none where dp is 1); with
+    model) at each size (the least of up to ``runs_per_size`` runs: with ``floors``, the figure asked about per
+    size and rank, a size's runs end at the first where every rank reads at or below its own) to rank{rank}.json,
+    every run's to rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's blocks parallelized over
+    tp (q, k, v and the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp (none where dp is 1); with
     ``sequence_parallel`` (1F1B, dp 1), sequence and loss parallel instead (:func:`sp_plan`)."""
     try:
         count_every_thread()
@@ -266,10 +268,17 @@ def run(
                 mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
             else:
                 mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
-            runs = {
-                m: [_peak_bytes(mesh, k, m, schedule_name, sequence_parallel) for _ in range(runs_per_size)]
-                for m in sizes
-            }
+            runs: dict[int, list[int]] = {}
+            for m in sizes:
+                runs[m] = []
+                while len(runs[m]) < runs_per_size:
+                    runs[m].append(_peak_bytes(mesh, k, m, schedule_name, sequence_parallel))
+                    if floors is None:
+                        continue
+                    missed = torch.tensor([int(runs[m][-1] > floors[m][rank])])
+                    dist.all_reduce(missed)  # every rank runs as many: they agree through the sum
+                    if not missed.item():
+                        break
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): min(r) for m, r in runs.items()}))
             Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
         finally:
