@@ -306,19 +306,26 @@ class LossParallelHead(ColwiseParallel):
         super().__init__(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
 
 
-def _conv1d_partition(dims: Mapping[str, Any], src_data_rank: int | None) -> Any:
-    """The partition of a Conv1D's parameters for distribute_module: each named parameter to its placement."""
-    from torch.distributed.tensor import distribute_tensor
+def _distribute_conv1d(style: Any, module: nn.Module, device_mesh: Any, weight: Any, bias: Any) -> nn.Module:
+    """``style`` (a column- or row-wise style) over a Conv1D: its weight and bias distributed to the placements
+    given, its input and output prepared as the style prepares an nn.Linear's."""
+    from torch.distributed.tensor import distribute_module, distribute_tensor
 
-    def partition(_: str, module: nn.Module, device_mesh: Any) -> None:
-        for name, placement in dims.items():
-            param = getattr(module, name, None)
+    def partition(_: str, layer: nn.Module, mesh: Any) -> None:
+        for name, placement in (("weight", weight), ("bias", bias)):
+            param = getattr(layer, name, None)
             if param is None:
                 continue
-            shard = distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank)
-            module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+            shard = distribute_tensor(param, mesh, [placement], src_data_rank=style.src_data_rank)
+            layer.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
 
-    return partition
+    return distribute_module(
+        module,
+        device_mesh,
+        partition,
+        functools.partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        functools.partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
 
 
 class Conv1DColwise(ColwiseParallel):
@@ -329,15 +336,9 @@ class Conv1DColwise(ColwiseParallel):
     weight_dim = 1
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        from torch.distributed.tensor import Shard, distribute_module
+        from torch.distributed.tensor import Shard
 
-        return distribute_module(
-            module,
-            device_mesh,
-            _conv1d_partition({"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank),
-            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_conv1d(self, module, device_mesh, weight=Shard(1), bias=Shard(0))
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -347,16 +348,10 @@ class Conv1DRowwise(RowwiseParallel):
     weight_dim = 0
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        from torch.distributed.tensor import Replicate, Shard, distribute_module
+        from torch.distributed.tensor import Replicate, Shard
 
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            _conv1d_partition({"weight": Shard(0), "bias": Replicate()}, self.src_data_rank),
-            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_conv1d(self, module, device_mesh, weight=Shard(0), bias=Replicate())
 
 
 def _pattern(key: str) -> re.Pattern[str]:
