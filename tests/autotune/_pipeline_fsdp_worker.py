@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,20 @@ def _peak_bytes(
     return profiled_peak_bytes(lambda: _steps(mesh, microbatches, micro_batch, schedule_name, sequence_parallel))
 
 
+def _runs_until_floor(measure: Callable[[], int], floor: int | None, max_runs: int) -> list[int]:
+    """This rank's figure of each run of ``measure``: up to max_runs, ending at the first run where every rank that
+    has a floor reads at or below its own (where none has one, every run). One all-reduce a run, outside what is
+    measured, keeps the ranks' collectives in step."""
+    figures: list[int] = []
+    while len(figures) < max_runs:
+        figures.append(measure())
+        votes = torch.tensor([int(floor is not None), int(floor is not None and figures[-1] > floor)])
+        dist.all_reduce(votes)  # ranks with a floor, ranks above theirs
+        if votes[0].item() and not votes[1].item():
+            break
+    return figures
+
+
 def run(
     rank: int,
     world_size: int,
@@ -268,17 +283,14 @@ def run(
                 mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
             else:
                 mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
-            runs: dict[int, list[int]] = {}
-            for m in sizes:
-                runs[m] = []
-                while len(runs[m]) < runs_per_size:
-                    runs[m].append(_peak_bytes(mesh, k, m, schedule_name, sequence_parallel))
-                    if floors is None:
-                        continue
-                    missed = torch.tensor([int(runs[m][-1] > floors[m][rank])])
-                    dist.all_reduce(missed)  # every rank runs as many: they agree through the sum
-                    if not missed.item():
-                        break
+            runs = {
+                m: _runs_until_floor(
+                    lambda m=m: _peak_bytes(mesh, k, m, schedule_name, sequence_parallel),
+                    None if floors is None else floors[m][rank],
+                    runs_per_size,
+                )
+                for m in sizes
+            }
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): min(r) for m, r in runs.items()}))
             Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
         finally:

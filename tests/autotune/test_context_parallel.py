@@ -80,7 +80,8 @@ def _cp_job(tmp_path_factory: pytest.TempPathFactory, inner: Strategy, ring: boo
     # A size the probe stopped at the budget has no real figure: its fake trial's stands in (the estimate's test
     # asserts it against these runs). Without a figure a size ran 3 times and a rank's least was its floor, which
     # misses one time in 27 (a whole run of the real-process tests read 4,080 bytes over at m_max + 1).
-    known = {m: peaks[m] if m in peaks else _fake_peaks(task, inner, tp, (m,))[m] for m in (m_max, m_max + 1)}
+    fake = _fake_peaks(task, inner, tp, (m_max, m_max + 1))  # also the estimate's test's figures
+    known = {m: peaks.get(m, fake[m]) for m in (m_max, m_max + 1)}
     floors = {m: figure + SLACK_BYTES for m, figure in known.items()}
     worker_config: dict[str, Any] = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
     worker_config["tie_word_embeddings"] = False
@@ -90,7 +91,7 @@ def _cp_job(tmp_path_factory: pytest.TempPathFactory, inner: Strategy, ring: boo
     _spawn(_cp_worker.run, args, out, processes=world_size)
     runs = {int(m): figures for m, figures in json.loads((out / "runs.json").read_text()).items()}
     found = json.loads((out / "ring.json").read_text()) if ring else None
-    return {"inner": inner, "tp": tp, "measured": measured, "peaks": peaks, "runs": runs, "ring": found}
+    return {"inner": inner, "tp": tp, "measured": measured, "peaks": peaks, "fake": fake, "runs": runs, "ring": found}
 
 
 def _fake_peaks(task: Any, inner: str, tp: int, sizes: tuple[int, ...]) -> dict[int, int]:
@@ -158,10 +159,8 @@ def test_the_fake_trials_of_an_estimate_equal_the_real_trials(job: str, request:
     """`autotune estimate`'s trials (fake tensors, the CPU's semantics) hold what the real trial holds: under ddp
     DDP's buckets without DDP (strategies.hold_ddp_buckets), under fsdp the shards over the flattened (dp, cp) mesh."""
     found: dict[str, Any] = request.getfixturevalue(job)
-    measured, peaks, runs = found["measured"], found["peaks"], found["runs"]
+    measured, peaks, runs, fake = found["measured"], found["peaks"], found["runs"], found["fake"]
     m_max = measured.max_micro_batch
-    task = hf_task(write_config(request.getfixturevalue("tmp_path"), "llama", tie_word_embeddings=False))
-    fake = _fake_peaks(task.at_length(SEQ_LEN), found["inner"], found["tp"], (m_max, m_max + 1))
     print(f"cp 2 x tp {found['tp']} ({found['inner']}): fake {fake}; probe's real trials {peaks}")
     assert fake[m_max] == peaks[m_max]
     truth = max(min(rank) for rank in zip(*runs[m_max + 1], strict=True))
