@@ -8,7 +8,7 @@ autocast; 2 micro-batches forward and backward, an AdamW step, zero_grad, twice.
 tests/autotune/_ordinary_optimizers.py's constructors (torch's or the library's own, not the project's spec);
 ``precision="fp32"`` wraps without a policy; ``strategy="ddp"`` wraps the whole model in DistributedDataParallel
 instead, the first micro-batch under ``no_sync`` (one all-reduce per step, as the probe's ddp trial). The peak is
-the CPU allocator's own running total of allocated bytes, rank 0's written to a file; the least of up to three runs
+the CPU allocator's own running total of allocated bytes, rank 0's written to a file; the least of three runs
 per size (below: why).
 
 Why the allocator's total and not the sum of the profiler's memory events: the profiler records the
@@ -68,20 +68,10 @@ class Job:
     policy: str | None = None
 
 
-def run(
-    rank: int,
-    world_size: int,
-    rendezvous: str,
-    out_dir: str,
-    sizes: list[int],
-    job: Job = Job(),
-    floors: dict[int, int] | None = None,
-) -> None:
-    """``floors``: the figure asked about per size (the probe's); a size's runs stop at the first run of rank 0 at
-    or below it (fewer runs, the same least: a run below it would have been the least too). None: every run."""
+def run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job = Job()) -> None:
     try:
         count_every_thread()
-        _run(rank, world_size, rendezvous, out_dir, sizes, job, floors or {})
+        _run(rank, world_size, rendezvous, out_dir, sizes, job)
     except BaseException:
         Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
         raise
@@ -162,22 +152,7 @@ def _peak_bytes(mesh: object, micro_batch: int, job: Job) -> int:
 RUNS_PER_SIZE = 3
 
 
-def _runs(mesh: Any, micro_batch: int, job: Job, floor: int | None) -> list[int]:
-    """This rank's figure of each run at micro_batch: RUNS_PER_SIZE runs, or fewer where rank 0's reaches floor
-    (rank 0 says so to every rank: they run the same collectives)."""
-    figures: list[int] = []
-    while len(figures) < RUNS_PER_SIZE:
-        figures.append(_peak_bytes(mesh, micro_batch, job))
-        reached = torch.tensor([int(floor is not None and figures[-1] <= floor)])
-        dist.broadcast(reached, src=0)
-        if reached.item():
-            break
-    return figures
-
-
-def _run(
-    rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job, floors: dict[int, int]
-) -> None:
+def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job) -> None:
     """One job per spawn: two jobs one after the other in the same processes do not peak as each alone does
     (fused AdamW after foreach=false under fsdp: +35,968 bytes at m=3)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -189,11 +164,8 @@ def _run(
         # A script imports its libraries before it trains: bitsandbytes' import makes two 64-byte code tables
         # (nf4, fp4) that live as long as the process, and an import inside the profile would count them.
         _optimizer(job)([nn.Parameter(torch.zeros(1))])
-        runs = {m: _runs(mesh, m, job, floors.get(m)) for m in sizes}
+        runs = {m: [_peak_bytes(mesh, m, job) for _ in range(RUNS_PER_SIZE)] for m in sizes}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): min(r) for m, r in runs.items()}))
         Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
-        # Both ranks past their last collective before either closes its connections (a rank that tore its group
-        # down while the other's gloo thread still read from it aborted the other once in a whole run).
-        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -147,8 +147,7 @@ def test_bf16_under_fsdp_is_the_mixed_precision_policy_without_autocast() -> Non
         assert {dtype for dtype, _ in seen} == {torch.bfloat16 if strategy_name == "fsdp" else torch.float32}
 
 
-def _spawn_mixed_precision_truth(world_size: int, floors: dict[int, int], tmp_path: Path) -> dict[int, int]:
-    """Rank 0's peak at each size of ``floors``, the least of up to three runs ending at one at the size's floor."""
+def _spawn_mixed_precision_truth(world_size: int, sizes: list[int], tmp_path: Path) -> dict[int, int]:
     from tests.autotune import _fsdp_mp_truth
 
     out = tmp_path / "mp-truth"
@@ -156,7 +155,7 @@ def _spawn_mixed_precision_truth(world_size: int, floors: dict[int, int], tmp_pa
     try:
         mp.spawn(
             _fsdp_mp_truth.run,
-            args=(world_size, str(out / "rendezvous"), str(out), list(floors), _fsdp_mp_truth.Job(), floors),
+            args=(world_size, str(out / "rendezvous"), str(out), sizes),
             nprocs=world_size,
             join=True,
         )
@@ -179,7 +178,7 @@ def test_fsdp_bf16_is_exact_against_the_allocator_of_fully_shard_with_the_policy
     m_max = measured.max_micro_batch
     assert 2 <= m_max < 16
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake}
-    real = _spawn_mixed_precision_truth(2, {m: peaks[m] for m in (m_max, m_max + 1)}, tmp_path)
+    real = _spawn_mixed_precision_truth(2, [m_max, m_max + 1], tmp_path)
     print(f"fsdp x2 bf16: m_max {m_max}; probe {peaks[m_max]}, {peaks.get(m_max + 1)}; real rank 0 {real}")
     assert (peaks[m_max], peaks[m_max + 1]) == (real[m_max], real[m_max + 1])
     assert real[m_max] <= measured.limit_bytes < real[m_max + 1]

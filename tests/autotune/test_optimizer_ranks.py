@@ -2,10 +2,9 @@
 (tests/autotune/_fsdp_mp_truth.py), the tiny GPT wrapped the ordinary way (FSDP2's ``fully_shard``, or
 DistributedDataParallel with ``no_sync`` on the first micro-batch) and stepped by the optimizer as torch or the
 library builds it (tests/autotune/_ordinary_optimizers.py), the peak counted by the CPU allocator itself, every
-thread's frees in it: at m_max and m_max + 1, byte for byte, against the least of up to three runs per size, the
-runs ending at one at the probe's figure (under fsdp one run in three or four reads 12,672 to 35,968 bytes more
-where gloo's thread frees a collective's input after the main thread's next allocation: _fsdp_mp_truth says why the
-least is the truth; the test prints every run).
+thread's frees in it: at m_max and m_max + 1, byte for byte, against the least of three runs per size (under fsdp
+one run in three or four reads 12,672 to 35,968 bytes more where gloo's thread frees a collective's input after
+the main thread's next allocation: _fsdp_mp_truth says why the least is the truth; the test prints every run).
 
 adamw8bit under fsdp is refused (bitsandbytes' update ops have no DTensor sharding rule: the ordinary FSDP2 job
 fails at its first step too, as the last test shows)."""
@@ -54,14 +53,11 @@ CASES = [
 ]
 
 
-def real_rank0_peaks(job: Job, floors: dict[int, int], out: Path) -> dict[int, int]:
-    """Rank 0's peaks of one job in two fresh processes (one job per spawn: _fsdp_mp_truth._run says why) at each
-    size of ``floors``: the least of up to three runs, the runs of a size ending at the first at or below its
-    floor (the probe's figure: a run below it would be the least too, and fail the test as well)."""
+def real_rank0_peaks(job: Job, sizes: list[int], out: Path) -> dict[int, int]:
+    """Rank 0's peaks of one job in two fresh processes (one job per spawn: _fsdp_mp_truth._run says why)."""
     out.mkdir()
-    args = (WORLD_SIZE, str(out / "rendezvous"), str(out), list(floors), job, floors)
     try:
-        mp.spawn(_fsdp_mp_truth.run, args=args, nprocs=2)
+        mp.spawn(_fsdp_mp_truth.run, args=(WORLD_SIZE, str(out / "rendezvous"), str(out), sizes, job), nprocs=2)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the {WORLD_SIZE}-process job failed: {exc}\n{errors}")
@@ -80,7 +76,7 @@ def test_each_option_is_exact_against_two_real_ranks_at_m_max_and_past_it(
     peaks = {t.micro_batch: t.peak_bytes for t in profile.trials if not t.fake}
     assert m_max + 1 in peaks, f"the probe measured no real trial past its m_max {m_max}"
     job = Job(optimizer=spec, precision="fp32", gpt_config=dataclasses.asdict(TINY), strategy=strategy)
-    real = real_rank0_peaks(job, {m: peaks[m] for m in (m_max, m_max + 1)}, tmp_path / "truth")
+    real = real_rank0_peaks(job, [m_max, m_max + 1], tmp_path / "truth")
     print(f"{strategy} x2 {spec}: m_max {m_max}; probe {peaks[m_max]}, {peaks.get(m_max + 1)}; real rank 0 {real}")
     assert (peaks[m_max], peaks[m_max + 1]) == (real[m_max], real[m_max + 1])
     assert real[m_max] <= profile.limit_bytes < real[m_max + 1]
