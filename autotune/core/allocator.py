@@ -21,8 +21,13 @@ when they do not fit under a limit (``alloc_block``, ``garbage_collect_cached_bl
 ``expandable_segments:True`` (``find_expandable_block``, ``map_block``, ``unmap_block``). Requests of 0
 bytes allocate nothing (``NativeCachingAllocator::allocate`` hands out nullptr).
 
-Not modelled: one device and one stream only (the trial runs on one), so ``record_stream``'s delayed frees,
-cross-stream events and CUDA-graph private pools are left out; ``backend:cudaMallocAsync`` is another
+Streams: a block belongs to the stream its segment was made for, and a free block serves only requests made
+on that stream (``BlockComparatorSize`` orders blocks by stream first; ``get_free_block``,
+``release_available_cached_blocks`` and ``find_expandable_block`` match it), so memory freed on one stream stays
+reserved while another stream asks for more: FSDP2's all-gather and reduce-scatter streams hold pools of their
+own beside the default stream's. A request names its stream (0, the default, unless the trace says otherwise).
+Not modelled: one device only, ``record_stream``'s delayed frees (FSDP2 keeps references instead), cross-stream
+events and CUDA-graph private pools; ``backend:cudaMallocAsync`` is another
 allocator altogether. Where the real allocator's addresses would break a tie between equal sizes, the model
 puts older segments first (cudaMalloc's addresses are not knowable in advance). Memory outside the
 allocator (the CUDA context, cuBLAS workspaces) is the caller's to add. Torch-free, on the floor that the
@@ -32,7 +37,7 @@ server and the client may import.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 __all__ = [
@@ -65,10 +70,14 @@ _ALLOCATED = 0
 _FREE = 1
 _UNMAPPED = 2  # expandable segments only: address space with no physical pages behind it
 
-# Model addresses: bit 60 says the small pool, bit 61 an expandable segment; the low bits are offsets.
-# Segments never touch (a gap follows each), so "the block at my end address" is always my own segment's.
+# Model addresses: bit 60 says the small pool, bit 61 an expandable segment, bits 52-59 the stream's index
+# (0: the default stream); the low 52 bits are offsets. Segments never touch (a gap follows each), so "the
+# block at my end address" is always my own segment's.
 _SMALL_BIT = 1 << 60
 _EXPANDABLE_BIT = 1 << 61
+_STREAM_SHIFT = 52
+_MAX_STREAMS = 256
+_OFFSET_MASK = (1 << _STREAM_SHIFT) - 1
 _ADDRESS_MASK = (1 << 64) - 1
 _SEGMENT_GAP = _MIN_BLOCK
 # The address space of an expandable segment when no card size is given (the source reserves 1 1/8 of the
@@ -366,20 +375,21 @@ class AllocatorPeaks:
 class _Pool:
     """One of the two pools (``BlockPool``): its free blocks by (size, address), its unmapped ranges."""
 
-    __slots__ = ("small", "free", "unmapped", "next_segment", "next_expandable", "page_bytes", "gc_calls", "gc_base")
+    __slots__ = ("small", "free", "unmapped", "next_segment", "next_expandable", "page_bytes", "clock", "gc_base")
 
-    def __init__(self, small: bool, page_bytes: int) -> None:
+    def __init__(self, small: bool, page_bytes: int, stream: int = 0, clock: list[int] | None = None) -> None:
         self.small = small
         # Free (mapped) blocks as size << 64 | address: one int each, so bisect finds the smallest block
         # that fits, ties broken by address, as BlockComparatorSize orders the set.
         self.free: list[int] = []
         self.unmapped: list[int] = []  # unmapped block addresses, ordered (BlockComparatorAddress)
-        base = _SMALL_BIT if small else 0
+        base = (_SMALL_BIT if small else 0) | stream << _STREAM_SHIFT
         self.next_segment = base
         self.next_expandable = base | _EXPANDABLE_BIT
         self.page_bytes = page_bytes  # the expandable segment's page (find_expandable_block)
-        self.gc_calls = 0  # get_free_blocks_call_count
-        self.gc_base: dict[int, int] = {}  # address -> gc_calls when the block went into `free`
+        # get_free_blocks_call_count: one count per BlockPool, which every stream's blocks of this kind share.
+        self.clock = clock if clock is not None else [0]
+        self.gc_base: dict[int, int] = {}  # address -> the count when the block went into `free`
 
 
 class CachingAllocator:
@@ -422,6 +432,8 @@ class CachingAllocator:
         self._plain_rounding = not any(d > 1 for d in config.roundup_power2_divisions)
         self._large = _Pool(False, config.large_segment_size_bytes)
         self._small = _Pool(True, _SMALL_BUFFER)
+        # Each stream's pools (large, small), by the stream's index: the default stream's are the two above.
+        self._pools: dict[int, tuple[_Pool, _Pool]] = {0: (self._large, self._small)}
         card = limit_bytes if limit_bytes else _UNLIMITED_CARD_BYTES
         self._card_bytes = card
         # Every block: start -> size, start -> state, end -> start (to find the block before a block).
@@ -486,7 +498,21 @@ class CachingAllocator:
     def cached_free_bytes(self) -> int:
         """Reserved but in no allocation, counted block by block over both pools' free blocks (slow: for
         checks; it equals ``reserved_bytes - allocated_bytes`` whenever the books are right)."""
-        return sum(key >> 64 for pool in (self._large, self._small) for key in pool.free)
+        return sum(key >> 64 for pool in self._all_pools() for key in pool.free)
+
+    def _all_pools(self) -> list[_Pool]:
+        """Every stream's large pool, then every stream's small pool (``release_cached_blocks``' order)."""
+        return [pools[0] for pools in self._pools.values()] + [pools[1] for pools in self._pools.values()]
+
+    def _stream_pools(self, stream: int) -> tuple[_Pool, _Pool]:
+        pools = self._pools.get(stream)
+        if pools is None:
+            if not 0 <= stream < _MAX_STREAMS:
+                raise ValueError(f"stream index must be in [0, {_MAX_STREAMS}), got {stream}")
+            large = _Pool(False, self.config.large_segment_size_bytes, stream, self._large.clock)
+            pools = (large, _Pool(True, _SMALL_BUFFER, stream, self._small.clock))
+            self._pools[stream] = pools
+        return pools
 
     def reset_peaks(self) -> None:
         """``torch.cuda.reset_peak_memory_stats()`` (``resetPeakStats``): peaks restart from the current figures."""
@@ -509,8 +535,8 @@ class CachingAllocator:
 
     # --- malloc ---------------------------------------------------------------------------------------------
 
-    def malloc(self, key: int, nbytes: int) -> None:
-        """Allocate nbytes under key (``DeviceCachingAllocator::malloc``).
+    def malloc(self, key: int, nbytes: int, stream: int = 0) -> None:
+        """Allocate nbytes under key (``DeviceCachingAllocator::malloc``), on the stream of that index.
 
         Raises:
             AllocatorOutOfMemory: nothing fits under the limit, even after releasing the cache.
@@ -527,8 +553,9 @@ class CachingAllocator:
             size = -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK
         else:
             size = self.config.round_size(nbytes)
-        # get_pool
-        pool = self._small if size <= _SMALL_SIZE else self._large
+        # get_pool: the stream's own blocks (the comparator's first key)
+        pools = self._pools[0] if stream == 0 else self._stream_pools(stream)
+        pool = pools[1] if size <= _SMALL_SIZE else pools[0]
         addr = self._get_free_block(pool, size)
         if addr < 0:
             addr = self._new_block(pool, size, nbytes)
@@ -568,7 +595,7 @@ class CachingAllocator:
         """``get_free_block``: the smallest free block of the pool that fits (ties by address), taken out of
         the pool; -1 when there is none or the max_split_size rules refuse it."""
         if self._gc:
-            pool.gc_calls += 1  # the block ages garbage collection reads are counted in these calls
+            pool.clock[0] += 1  # the block ages garbage collection reads are counted in these calls
         free = pool.free
         i = bisect_left(free, size << 64)
         if i == len(free):
@@ -662,7 +689,8 @@ class CachingAllocator:
             return
         size = self._size[addr]
         self._allocated -= size
-        pool = self._small if addr & _SMALL_BIT else self._large
+        pools = self._pools[(addr >> _STREAM_SHIFT) & (_MAX_STREAMS - 1)]
+        pool = pools[1] if addr & _SMALL_BIT else pools[0]
         self._place_free(pool, addr, size)
 
     def _place_free(self, pool: _Pool, addr: int, size: int) -> None:
@@ -671,7 +699,7 @@ class CachingAllocator:
         key = size << 64 | addr
         insort(pool.free, key)
         if self._gc:
-            pool.gc_base[addr] = pool.gc_calls  # insert_into_blocks: the block's age starts now
+            pool.gc_base[addr] = pool.clock[0]  # insert_into_blocks: the block's age starts now
 
     def _merge(self, pool: _Pool, addr: int, size: int, state: int) -> tuple[int, int]:
         """``try_merge_blocks`` with both neighbours: the run [addr, addr + size) joins the blocks before and
@@ -740,7 +768,7 @@ class CachingAllocator:
         """``release_cached_blocks`` / ``release_blocks``, the large pool first: wholly free segments are
         freed; free blocks of expandable segments unmap their whole pages, and a segment left with no mapped
         page goes (``release_expandable_segment``)."""
-        for pool in (self._large, self._small):
+        for pool in self._all_pools():
             to_unmap = []
             for key in list(pool.free):
                 addr = key & _ADDRESS_MASK
@@ -786,29 +814,31 @@ class CachingAllocator:
         if self._reserved <= threshold:
             return
         target = self._reserved - threshold
-        pool = self._large
+        large = [pools[0] for pools in self._pools.values()]  # every stream's large blocks
         total_age = 0
         count = 0
-        for key in pool.free:
-            addr = key & _ADDRESS_MASK
-            if self._whole_segment(addr, key >> 64):
-                total_age += pool.gc_calls - pool.gc_base[addr]
-                count += 1
+        for pool in large:
+            for key in pool.free:
+                addr = key & _ADDRESS_MASK
+                if self._whole_segment(addr, key >> 64):
+                    total_age += pool.clock[0] - pool.gc_base[addr]
+                    count += 1
         reclaimed = 0
         freed = True
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
-            for key in list(pool.free):
-                addr = key & _ADDRESS_MASK
-                size = key >> 64
-                age = pool.gc_calls - pool.gc_base[addr]
-                if self._whole_segment(addr, size) and age >= age_threshold:
-                    freed = True
-                    reclaimed += size
-                    total_age -= age
-                    count -= 1
-                    self._release_block(pool, addr, size)
+            for pool in large:
+                for key in list(pool.free):
+                    addr = key & _ADDRESS_MASK
+                    size = key >> 64
+                    age = pool.clock[0] - pool.gc_base[addr]
+                    if self._whole_segment(addr, size) and age >= age_threshold:
+                        freed = True
+                        reclaimed += size
+                        total_age -= age
+                        count -= 1
+                        self._release_block(pool, addr, size)
 
     # --- expandable segments --------------------------------------------------------------------------------
 
@@ -879,7 +909,7 @@ class CachingAllocator:
         addr, merged = self._merge(pool, addr, mapped, _FREE)
         insort(pool.free, merged << 64 | addr)
         if self._gc:
-            pool.gc_base[addr] = pool.gc_calls
+            pool.gc_base[addr] = pool.clock[0]
         return addr
 
     def _unmap_block(self, pool: _Pool, addr: int) -> int | None:
@@ -888,7 +918,7 @@ class CachingAllocator:
         block's address, or None where the block holds no whole page."""
         page = pool.page_bytes
         size = self._size[addr]
-        offset = addr & (_SMALL_BIT - 1)  # from the pool's expandable origin, where segments start page-aligned
+        offset = addr & _OFFSET_MASK  # from the pool's expandable origin, where segments start page-aligned
         begin = -(-offset // page) * page
         end = (offset + size) // page * page
         if begin >= end:
@@ -913,15 +943,26 @@ def replay(
     limit_bytes: int | None = None,
     *,
     memory_fraction: float | None = None,
+    streams: Mapping[int, int] | None = None,
 ) -> AllocatorPeaks:
     """The allocator's figures after a trace: each event is ``(key, nbytes)``, nbytes >= 0 allocating nbytes
     under key and ``nbytes == FREE`` freeing key.
+
+    The same request after a free on another stream cannot take the freed block: 3 MiB freed on the default
+    stream stay cached in their 20 MiB segment while a side stream's 3 MiB take a segment of their own.
+
+    >>> replay([(1, 3 << 20), (1, FREE), (2, 3 << 20)]).peak_reserved_bytes == 20 << 20
+    True
+    >>> replay([(1, 3 << 20), (1, FREE), (2, 3 << 20)], streams={2: 77}).peak_reserved_bytes == 40 << 20
+    True
 
     Args:
         events: the trace, in order.
         config: the allocator's options (``AllocatorConfig.parse(os.environ["PYTORCH_CUDA_ALLOC_CONF"])``).
         limit_bytes: the card's memory available to the allocator; None for no limit.
         memory_fraction: ``set_per_process_memory_fraction``'s share of limit_bytes, if one is set.
+        streams: the stream each allocation was made on, by key, for those not made on the default stream
+            (any ids: each distinct one is a stream of its own).
 
     Returns:
         The peaks and end figures; where a request does not fit, ``oom`` is True, ``oom_event`` the index of
@@ -933,10 +974,15 @@ def replay(
     allocator = CachingAllocator(config, limit_bytes, memory_fraction=memory_fraction)
     malloc = allocator.malloc
     free = allocator.free
+    on_streams = streams or {}
+    indices: dict[int, int] = {}  # a stream's id -> its index, 1 and up in order of first use
     for index, (key, nbytes) in enumerate(events):
         try:
             if nbytes == FREE:
                 free(key)
+            elif key in on_streams:
+                stream = on_streams[key]
+                malloc(key, nbytes, indices.setdefault(stream, len(indices) + 1))
             else:
                 malloc(key, nbytes)
         except AllocatorOutOfMemory as oom:

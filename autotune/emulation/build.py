@@ -254,8 +254,14 @@ def _build(torch: CudaTorch, gcc: str, nm: str, readelf: str, work: Path) -> dic
     (work / "driver").mkdir()
     _run(
         [
-            gcc, "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(work / "driver" / "libcuda.so.1"),
-            str(driver_object), str(driver_stubs_object), "-lpthread",
+            gcc,
+            "-shared",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            str(work / "driver" / "libcuda.so.1"),
+            str(driver_object),
+            str(driver_stubs_object),
+            "-lpthread",
         ],
         "the driver",
     )

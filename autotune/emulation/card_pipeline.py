@@ -36,9 +36,9 @@ def replayed_stage(
             reading, oom = measure()
         if oom:
             return reading, True
-        held, events = renumbered(recorded.held, recorded.events)
+        held, events, streams = renumbered(recorded.held, recorded.events, recorded.streams)
         trace = [*workspaces, *held, *((k, n) for k, n in events if k != 0)]
-        peaks = replay(trace, config, budget_bytes - outside_bytes)
+        peaks = replay(trace, config, budget_bytes - outside_bytes, streams=streams)
         if peaks.oom:
             return MemoryReading(peak_bytes=budget_bytes + 1), True
         return (

@@ -75,7 +75,7 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
                 started = time.perf_counter()
                 with meter.record_events() as recorded:
                     trial = runner(int(micro_batch))
-                held, events = renumbered(recorded.held, recorded.events)
+                held, events, streams = renumbered(recorded.held, recorded.events, recorded.streams)
                 results.append(
                     {
                         "micro_batch": trial.micro_batch,
@@ -86,6 +86,7 @@ def _trials(request: dict[str, Any]) -> dict[str, Any]:
                         "seconds": round(time.perf_counter() - started, 6),
                         "held": held,
                         "events": events,
+                        "streams": sorted(streams.items()),
                         "ops": {name: sorted(dtypes) for name, dtypes in sorted(ops.items())},
                     }
                 )

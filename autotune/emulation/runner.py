@@ -93,8 +93,10 @@ class EmulatedTrial:
         events: the trial's allocations ``(key, nbytes)`` and releases ``(key, -1)``, in order; keys are
             small integers, one per allocation. ``held + events`` is the whole process's trace.
         ops: with ``record_ops``: every op the trial dispatched, with the dtypes of what it returned.
+        streams: the stream of each allocation made off the default stream, by key (FSDP2's collectives).
         reserved_bytes, allocated_bytes: ``max_memory_reserved`` and ``max_memory_allocated`` as the
-            caching allocator's model (autotune/core/allocator.py) replays ``held + events`` on the
+            caching allocator's model (autotune/core/allocator.py) replays ``held + events`` (on their
+            streams) on the
             card (defaults of ``PYTORCH_CUDA_ALLOC_CONF``); the memory outside the allocator is not in them.
     """
 
@@ -107,6 +109,7 @@ class EmulatedTrial:
     held: tuple[tuple[int, int], ...]
     events: tuple[tuple[int, int], ...]
     ops: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    streams: Mapping[int, int] = field(default_factory=dict)
     reserved_bytes: int | None = None
     allocated_bytes: int | None = None
 
@@ -383,7 +386,8 @@ def run_emulated_trials(
 def _trial(raw: dict[str, Any], card: Card) -> EmulatedTrial:
     held = tuple((int(key), int(nbytes)) for key, nbytes in raw["held"])
     events = tuple((int(key), int(nbytes)) for key, nbytes in raw["events"])
-    reserved, allocated = _replayed(held + events, card, raw["oom"])
+    streams = {int(key): int(stream) for key, stream in raw.get("streams", ())}
+    reserved, allocated = _replayed(held + events, card, raw["oom"], streams)
     return EmulatedTrial(
         micro_batch=int(raw["micro_batch"]),
         peak_bytes=int(raw["peak_bytes"]),
@@ -394,12 +398,15 @@ def _trial(raw: dict[str, Any], card: Card) -> EmulatedTrial:
         held=held,
         events=events,
         ops={name: tuple(dtypes) for name, dtypes in raw["ops"].items()},
+        streams=streams,
         reserved_bytes=reserved,
         allocated_bytes=allocated,
     )
 
 
-def _replayed(trace: tuple[tuple[int, int], ...], card: Card, oom: bool) -> tuple[int | None, int | None]:
+def _replayed(
+    trace: tuple[tuple[int, int], ...], card: Card, oom: bool, streams: dict[int, int]
+) -> tuple[int | None, int | None]:
     """The allocator model's peaks for the trace (None after an OOM, whose trace stops short, or where
     this checkout has no allocator model)."""
     if oom:
@@ -409,7 +416,7 @@ def _replayed(trace: tuple[tuple[int, int], ...], card: Card, oom: bool) -> tupl
     except ImportError:
         return None, None
     config = AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    peaks = replay(trace, config, card.device_total_bytes)
+    peaks = replay(trace, config, card.device_total_bytes, streams=streams)
     if peaks.oom:
         return None, None
     return peaks.peak_reserved_bytes, peaks.peak_allocated_bytes

@@ -21,7 +21,7 @@ Call inside the strategy's process group and a frozen heap, as every fake trial 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autotune.core.allocator import AllocatorConfig, replay
@@ -61,27 +61,32 @@ def cublas_workspace_bytes(capability_major: int, config: str | None = None) -> 
 
 
 def renumbered(
-    held: Sequence[tuple[int, int]], events: Sequence[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    held: Sequence[tuple[int, int]], events: Sequence[tuple[int, int]], streams: Mapping[int, int] | None = None
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[int, int]]:
     """A trace's keys as small integers, one per allocation in order: a storage's address can come back
     for another storage once freed, and traces then compare across runs. A release of a storage the
-    recording never saw gets key 0, which no allocation has.
+    recording never saw gets key 0, which no allocation has. ``streams`` (an allocation's key -> its stream,
+    where not the default) comes back keyed by the new numbers.
 
-    >>> renumbered([(7000, 64)], [(9000, 512), (7000, -1), (9000, -1), (7000, 32), (5, -1)])
-    ([(1, 64)], [(2, 512), (1, -1), (2, -1), (3, 32), (0, -1)])
+    >>> renumbered([(7000, 64)], [(9000, 512), (7000, -1), (9000, -1), (7000, 32), (5, -1)], {7000: 3})
+    ([(1, 64)], [(2, 512), (1, -1), (2, -1), (3, 32), (0, -1)], {3: 3})
     """
     ids: dict[int, int] = {}
     counter = 0
+    on_streams = streams or {}
+    out_streams: dict[int, int] = {}
 
-    def allocate(key: int) -> int:
+    def allocate(key: int, event: bool) -> int:
         nonlocal counter
         counter += 1
         ids[key] = counter
+        if event and key in on_streams:  # an event's stream is its own (a held storage's came before)
+            out_streams[counter] = on_streams[key]
         return counter
 
-    out_held = [(allocate(key), nbytes) for key, nbytes in held]
-    out_events = [(ids.pop(key, 0), nbytes) if nbytes < 0 else (allocate(key), nbytes) for key, nbytes in events]
-    return out_held, out_events
+    out_held = [(allocate(key, False), nbytes) for key, nbytes in held]
+    out_events = [(ids.pop(key, 0), nbytes) if nbytes < 0 else (allocate(key, True), nbytes) for key, nbytes in events]
+    return out_held, out_events, out_streams
 
 
 @dataclass
@@ -130,9 +135,9 @@ def reserved_search(
         if live.oom:  # live bytes alone crossed the card's memory: no replay can fit
             result = live.model_copy(update={"fake": True, "fits": False})
         else:
-            held, events = renumbered(recorded.held, recorded.events)
+            held, events, streams = renumbered(recorded.held, recorded.events, recorded.streams)
             trace = [*workspaces, *held, *((k, n) for k, n in events if k != 0)]
-            peaks = replay(trace, config, budget_bytes - outside_bytes)
+            peaks = replay(trace, config, budget_bytes - outside_bytes, streams=streams)
             if peaks.oom:
                 result = Trial(micro_batch=micro_batch, peak_bytes=budget_bytes + 1, fits=False, oom=True, fake=True)
             else:

@@ -271,6 +271,45 @@ def test_empty_cache_releases_only_wholly_free_segments() -> None:
     assert (allocator.reserved_bytes, allocator.segments, allocator.peak_reserved_bytes) == (20 * MiB, 1, 40 * MiB)
 
 
+# --- streams ------------------------------------------------------------------------------------------------
+
+
+def test_a_free_block_serves_only_its_own_stream() -> None:
+    # 3 MiB on the default stream take a 20 MiB segment and are freed; 3 MiB on stream 1 may not take that
+    # cached block (the comparator's first key is the stream): a second 20 MiB segment, 40 MiB reserved. The
+    # next 3 MiB on stream 1 reuse stream 1's block; on the default stream, the default stream's.
+    allocator = run([(0, 3 * MiB), (0, FREE)])
+    allocator.malloc(1, 3 * MiB, stream=1)
+    assert (allocator.reserved_bytes, allocator.segments) == (40 * MiB, 2)
+    allocator.free(1)
+    allocator.malloc(2, 3 * MiB, stream=1)
+    allocator.malloc(3, 3 * MiB)
+    assert (allocator.reserved_bytes, allocator.allocated_bytes, allocator.segments) == (40 * MiB, 6 * MiB, 2)
+    # The small pool too: 1000 bytes on each of two streams, two 2 MiB segments.
+    assert run([(0, 1000), (0, FREE)]).segments == 1
+    small = run([(0, 1000), (0, FREE)])
+    small.malloc(1, 1000, stream=3)
+    assert (small.segments, small.reserved_bytes) == (2, 4 * MiB)
+
+
+def test_a_failed_cudamalloc_releases_every_streams_cache() -> None:
+    # Limit 30 MiB. 20 MiB on stream 1 take a 20 MiB segment and are freed; 20 MiB on the default stream
+    # find no block of their stream, and 20 + 20 > 30: release_cached_blocks frees stream 1's segment too,
+    # and the request fits: 20 MiB reserved, one cudaFree.
+    peaks = replay([(1, 20 * MiB), (1, FREE), (2, 20 * MiB)], limit_bytes=30 * MiB, streams={1: 5})
+    assert (peaks.oom, peaks.reserved_bytes, peaks.peak_reserved_bytes) == (False, 20 * MiB, 20 * MiB)
+    assert (peaks.device_allocs, peaks.device_frees) == (2, 1)
+
+
+def test_replay_gives_each_stream_id_a_pool() -> None:
+    # Stream ids are any ints (torch's stream_id): 12 MiB on each of three streams, each freed before the
+    # next: one 12 MiB segment per stream, 36 MiB reserved; on one stream, 12 MiB.
+    events = [(1, 12 * MiB), (1, FREE), (2, 12 * MiB), (2, FREE), (3, 12 * MiB), (3, FREE)]
+    assert replay(events, streams={2: 1 << 40, 3: 69}).peak_reserved_bytes == 36 * MiB
+    assert replay(events, streams={2: 69, 3: 69}).peak_reserved_bytes == 24 * MiB
+    assert replay(events).peak_reserved_bytes == 12 * MiB
+
+
 # --- expandable segments ----------------------------------------------------------------------------------
 
 
@@ -467,7 +506,7 @@ _sizes = st.one_of(
     text=st.sampled_from(_CONFIGS),
     limit_mib=st.one_of(st.none(), st.integers(40, 1500)),
     fraction=st.sampled_from([None, 0.9]),
-    ops=st.lists(st.tuples(st.booleans(), _sizes, st.integers(0, 10**6)), max_size=80),
+    ops=st.lists(st.tuples(st.booleans(), _sizes, st.integers(0, 10**6), st.integers(0, 2)), max_size=80),
 )
 def test_any_trace_keeps_the_books(text: str, limit_mib: int | None, fraction: float | None, ops: list) -> None:
     limit = None if limit_mib is None else limit_mib * MiB
@@ -478,16 +517,19 @@ def test_any_trace_keeps_the_books(text: str, limit_mib: int | None, fraction: f
     requested = 0
     sizes: dict[int, int] = {}
     last = (0, 0, 0)
-    for key, (allocate, nbytes, pick) in enumerate(ops):
+    for key, (allocate, nbytes, pick, stream) in enumerate(ops):
         if allocate or not live:
             try:
-                allocator.malloc(key, nbytes)
+                allocator.malloc(key, nbytes, stream)
             except AllocatorOutOfMemory as oom:
                 assert oom.requested_bytes == nbytes and oom.reserved_bytes == allocator.reserved_bytes
                 continue
             live.append(key)
             sizes[key] = nbytes
             requested += nbytes
+            # A stream's blocks come from its own segments (the stream's index is in the model's address).
+            address = allocator._live[key][0]
+            assert address < 0 or (address >> 52) & 0xFF == stream
         else:
             gone = live.pop(pick % len(live))
             allocator.free(gone)

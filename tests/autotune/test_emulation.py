@@ -136,11 +136,28 @@ def test_traces_balance_and_replay(runs: dict[str, EmulatedRun]) -> None:
             assert trial.reserved_bytes is not None and trial.allocated_bytes is not None
             assert trial.reserved_bytes % (2 * MiB) == 0
             assert trial.reserved_bytes >= trial.allocated_bytes >= trial.peak_bytes
-            assert replay(trial.held + trial.events).peak_reserved_bytes == trial.reserved_bytes
+            assert replay(trial.held + trial.events, streams=trial.streams).peak_reserved_bytes == trial.reserved_bytes
     # FSDP2 frees its unsharded parameters by resizing their storages to 0: the held storages are the
     # shards, and each trial allocates and frees the gathered parameters under the same keys.
     assert len(runs["a100-80gb"].trials[0].held) == len(runs["h200"].trials[0].held)
     assert sum(n for _, n in runs["a100-80gb"].trials[0].held) < sum(n for _, n in runs["h200"].trials[0].held)
+
+
+def test_fsdp2_allocates_its_collectives_on_streams_of_their_own(runs: dict[str, EmulatedRun]) -> None:
+    # FSDP2 all-gathers on one stream and reduce-scatters on another (FSDPCommContext.lazy_init); the caching
+    # allocator keeps each stream's blocks apart, so the trace says which allocations were made there. DDP's
+    # trials make none off the default stream.
+    fsdp = runs["a100-80gb"].trials[0]
+    sizes = dict(fsdp.held + tuple(e for e in fsdp.events if e[1] != FREE))
+    side = {stream: [sizes[key] for key, s in fsdp.streams.items() if s == stream] for stream in fsdp.streams.values()}
+    assert len(side) == 2, side  # the all-gather stream and the reduce-scatter stream
+    # The model's parameters gathered (bf16) and its gradients reduce-scattered (fp32: the policy's reduce
+    # dtype), a block at a time: each side stream's largest allocation is one block's, under the whole model.
+    whole_fp32 = _cpu_semantics_step_bytes(SIZES[0])[1]
+    assert all(0 < max(found) < whole_fp32 for found in side.values())
+    assert runs["h200"].trials[0].streams == {} and runs["t4"].trials[0].streams == {}
+    single = replay(fsdp.held + fsdp.events).peak_reserved_bytes
+    assert fsdp.reserved_bytes is not None and fsdp.reserved_bytes > single
 
 
 def test_an_uncovered_entry_point_is_one_line_naming_it(cuda_python: str) -> None:
@@ -199,7 +216,7 @@ def test_the_ledger_records_allocations_resizes_and_releases(meter: CpuMeter) ->
         a.untyped_storage().resize_(1024)  # and its all-gather's allocation
         a.untyped_storage().resize_(2048)  # another size: the new bytes first, the old freed after
         del a
-    (held_key, held_bytes), = recorded.held
+    ((held_key, held_bytes),) = recorded.held
     assert held_bytes == 64 and held_key == kept.untyped_storage()._cdata
     key = recorded.events[0][0]
     renamed = recorded.events[3][0]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,10 +32,13 @@ __all__ = ["CpuMeter", "CpuOutOfMemoryError", "StorageEvents"]
 @dataclass
 class StorageEvents:
     """Storages live when a recording began (``held``: (key, bytes)) and every allocation (key,
-    bytes) and release (key, FREE) after it, in order (CpuMeter.record_events)."""
+    bytes) and release (key, FREE) after it, in order (CpuMeter.record_events); ``streams``: the CUDA
+    stream (its ``stream_id``) of each allocation made off the current device's default stream, by key
+    (FSDP2's all-gather and reduce-scatter buffers: the caching allocator keeps each stream's blocks apart)."""
 
     held: list[tuple[int, int]]
     events: list[tuple[int, int]]
+    streams: dict[int, int] = field(default_factory=dict)
 
 
 class CpuOutOfMemoryError(torch.OutOfMemoryError):
@@ -70,6 +73,11 @@ class _StorageLedger:
         # new bytes under a new key first and the old ones freed after, as resize_ copies.
         self.events: list[tuple[int, int]] | None = None
         self._renamed: dict[int, int] = {}  # storage key -> its event key, after a resize to a new size
+        # While recorded on a CUDA device: the current stream's id, and the default stream's; an allocation
+        # on another stream goes into `streams` (event key -> stream id).
+        self.stream_of: Callable[[], int] | None = None
+        self.default_stream = 0
+        self.streams: dict[int, int] = {}
         self._new_keys = itertools.count(-2, -1)  # never a storage's key (those are addresses)
 
     def _release(self, key: int) -> None:
@@ -101,6 +109,8 @@ class _StorageLedger:
                 self.live_bytes += nbytes
                 if self.events is not None and nbytes:
                     self.events.append((key, nbytes))
+                    if self.stream_of is not None:
+                        self._tag(key)
             elif entry[1] != nbytes:
                 self.live_bytes += nbytes - entry[1]
                 if self.events is not None:
@@ -111,14 +121,27 @@ class _StorageLedger:
                 self.trace.append(self.live_bytes)
             return self.live_bytes
 
+    def _tag(self, event_key: int) -> None:
+        """The stream an allocation under event_key is made on, where it is not the default one."""
+        assert self.stream_of is not None
+        stream = self.stream_of()
+        if stream != self.default_stream:
+            self.streams[event_key] = stream
+        else:
+            self.streams.pop(event_key, None)
+
     def _resized(self, key: int, old_bytes: int, new_bytes: int) -> None:
         assert self.events is not None
         event_key = self._renamed.get(key, key)
         if old_bytes and new_bytes:
             self._renamed[key] = new_key = next(self._new_keys)
             self.events += [(new_key, new_bytes), (event_key, FREE)]
+            if self.stream_of is not None:
+                self._tag(new_key)
         elif new_bytes:
             self.events.append((event_key, new_bytes))
+            if self.stream_of is not None:
+                self._tag(event_key)
         else:
             self.events.append((event_key, FREE))
 
@@ -141,6 +164,8 @@ class _StorageLedger:
                 held += nbytes
                 if self.events is not None and nbytes:
                     self.events.append((key, nbytes))
+                    if self.stream_of is not None:
+                        self._tag(key)
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes + held)
 
     def event_key(self, storage: torch.UntypedStorage) -> int | None:
@@ -174,6 +199,10 @@ class _StorageLedger:
         with self._lock:
             peak, self.peak_bytes = self.peak_bytes, self.live_bytes
             return peak
+
+
+def _current_stream_id() -> int:
+    return torch.cuda.current_stream().stream_id
 
 
 def _plain_tensors(leaf: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -346,11 +375,18 @@ class CpuMeter(Meter):
         ``_StorageLedger.events``). A trial recorded from before its ``measure()`` to after its
         ``release()`` has balanced events: each key it allocates, it frees."""
         recorded = StorageEvents(held=self._ledger.held(), events=[])
-        self._ledger.events = recorded.events
+        ledger = self._ledger
+        ledger.events = recorded.events
+        ledger.streams = recorded.streams
+        if self.device.type == "cuda":
+            ledger.stream_of = _current_stream_id
+            ledger.default_stream = torch.cuda.default_stream().stream_id
         try:
             yield recorded
         finally:
-            self._ledger.events = None
+            ledger.events = None
+            ledger.stream_of = None
+            ledger.streams = {}
 
     def event_key(self, storage: torch.UntypedStorage) -> int | None:
         """The key the recorded events give storage (None where it is not counted)."""
