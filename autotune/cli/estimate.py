@@ -67,6 +67,14 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
         help="with --gpu: memory outside the caching allocator (CUDA context and modules); default the catalog's",
     )
     e.add_argument(
+        "--estimate-bound",
+        choices=("safe", "tight"),
+        default="safe",
+        help="with --gpu: safe (the default) adds a stated upper bound for what the card's figure does not model "
+        "(NCCL's buffers, for more than one rank), so that the answer never promises more than the card holds; "
+        "tight adds nothing (docs/cuda-estimates.md)",
+    )
+    e.add_argument(
         "--micro-batches",
         type=positive_int_list,
         metavar="M1,M2,...",
@@ -123,6 +131,7 @@ def estimate_config(
         device_name=device_name,
         context_bytes=args.context_bytes,
         micro_batches=tuple(micro_batches),
+        estimate_bound=getattr(args, "estimate_bound", "safe"),
     )
 
 

@@ -11,6 +11,7 @@ for the card's budget and name, and says what to install.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, outside_allocator, outs
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.schemas import Device, Fit, PipelineStages, Profile, Trial
 from autotune.core.units import format_bytes
+from autotune.core.unmodelled import UnmodelledBound, unmodelled_bound
 from autotune.orchestrate.config import EstimateConfig
 from autotune.orchestrate.estimated import estimated_profile
 from autotune.tasks.task import ProbeTask
@@ -60,6 +62,15 @@ def context_bytes_for(
     return stand_in.bytes, (
         f"{format_bytes(stand_in.bytes)} outside the allocator: not measured on a {card.short_name}; the H200's "
         f"figure stands in ({stand_in.source}; --context-bytes to say otherwise)"
+    )
+
+
+def bound_line(bound: UnmodelledBound) -> str:
+    """The datasheet's words for the safe bound: its share and each part's."""
+    parts = "; ".join(f"{part.name} {format_bytes(part.bytes)} ({part.why})" for part in bound.parts)
+    return (
+        f"safe bound: each figure includes {format_bytes(bound.bytes)} for what the emulation does not model: "
+        f"{parts} (--estimate-bound tight leaves it out; docs/cuda-estimates.md)"
     )
 
 
@@ -123,9 +134,26 @@ def _on_card(
         card, config.context_bytes, cuda_torch.torch_version, cuda_torch.cuda_version, config.context_source
     )
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
+    # --estimate-bound safe: what the figure does not model, bounded, joins the memory outside the allocator.
+    bound = unmodelled_bound(card, setup.world_size, setup.mesh, os.environ)
+    bounded = config.estimate_bound == "safe" and bound.bytes > 0
+    bound_notes = [bound_line(bound)] if bounded else []
+    if bounded:
+        outside += bound.bytes
+    elif bound.bytes:
+        bound_notes.append(
+            f"tight (--estimate-bound tight): NCCL's buffers are not in the figures, up to "
+            f"{format_bytes(bound.bytes)} more on the card"
+        )
     if outside >= limit_bytes:
+        safe = (
+            f" (with the safe bound's {format_bytes(bound.bytes)} for NCCL's buffers: --estimate-bound tight "
+            "leaves it out)"
+            if bounded
+            else ""
+        )
         raise CannotFitError(
-            f"the {format_bytes(outside)} outside the allocator on a {card.short_name} leave nothing of the "
+            f"the {format_bytes(outside)} outside the allocator on a {card.short_name}{safe} leave nothing of the "
             f"{format_bytes(limit_bytes)} limit (budget less headroom)"
         )
     try:
@@ -148,6 +176,7 @@ def _on_card(
         f"under torch {cuda_torch.torch_version}, reserved bytes by the caching allocator's model, "
         f"plus {outside_source}"
     )
+
     # --gpu NAME --gpu-memory: a card the catalog lacks, with the architecture it was given.
     unlisted = [f"{card.nvml_name} is {card.source}; assumed: {card.assumed}"] if card.assumed_from else []
     device = Device(
@@ -188,7 +217,7 @@ def _on_card(
             max_micro_batch=found.max_micro_batch,
             trials=trials,
             fit=Fit.model_validate(found.fit) if found.fit else None,
-            warnings=[semantics, *unlisted, *found.warnings, *nothing_fits],
+            warnings=[semantics, *bound_notes, *unlisted, *found.warnings, *nothing_fits],
             started=started,
             torch_version=cuda_torch.torch_version,
         )

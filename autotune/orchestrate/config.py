@@ -271,6 +271,9 @@ class EstimateConfig:
     micro_batches: tuple[int, ...] = ()
     # Why the card could not be emulated, where a run over lengths found out already: CPU semantics then.
     emulation_failed: str | None = None
+    # --estimate-bound: "safe" adds a stated bound for each part the card's figure does not model (NCCL's
+    # buffers: autotune/core/unmodelled.py), "tight" adds none.
+    estimate_bound: str = "safe"
 
     def __post_init__(self) -> None:
         if self.card is None:
@@ -292,6 +295,7 @@ class EstimateConfig:
         context_source: str | None = None,
         micro_batches: tuple[int, ...] = (),
         emulation_failed: str | None = None,
+        estimate_bound: str = "safe",
         **setup: Any,
     ) -> EstimateConfig:
         """The config from flat keywords: ``setup`` is ProbeConfig's fields, ``gpu`` a card's name and
@@ -315,6 +319,7 @@ class EstimateConfig:
             context_source=context_source,
             micro_batches=tuple(micro_batches),
             emulation_failed=emulation_failed,
+            estimate_bound=estimate_bound,
         )
 
     def with_setup(self, **changes: Any) -> EstimateConfig:
@@ -338,6 +343,10 @@ class EstimateConfig:
                 )
         elif self.context_bytes is not None:
             raise AutotuneError("--context-bytes applies to an estimate for a card: name it with --gpu")
+        from autotune.core.unmodelled import BOUNDS
+
+        if self.estimate_bound not in BOUNDS:
+            raise AutotuneError(f"--estimate-bound must be one of {', '.join(BOUNDS)}, got {self.estimate_bound!r}")
         if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in self.micro_batches):
             raise AutotuneError(f"--micro-batches must be positive integers, got {list(self.micro_batches)}")
         if self.probe.budget_bytes is None:
