@@ -65,27 +65,30 @@ def renumbered(
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[int, int]]:
     """A trace's keys as small integers, one per allocation in order: a storage's address can come back
     for another storage once freed, and traces then compare across runs. A release of a storage the
-    recording never saw gets key 0, which no allocation has. ``streams`` (an allocation's key -> its stream,
-    where not the default) comes back keyed by the new numbers.
+    recording never saw gets key 0, which no allocation has. ``streams`` (an allocation event's index in events ->
+    its stream, where not the default: StorageEvents.streams) comes back keyed by the new numbers.
 
-    >>> renumbered([(7000, 64)], [(9000, 512), (7000, -1), (9000, -1), (7000, 32), (5, -1)], {7000: 3})
-    ([(1, 64)], [(2, 512), (1, -1), (2, -1), (3, 32), (0, -1)], {3: 3})
+    >>> renumbered([(7000, 64)], [(9000, 512), (7000, -1), (9000, -1), (7000, 32), (5, -1)], {3: 77})
+    ([(1, 64)], [(2, 512), (1, -1), (2, -1), (3, 32), (0, -1)], {3: 77})
     """
     ids: dict[int, int] = {}
     counter = 0
     on_streams = streams or {}
     out_streams: dict[int, int] = {}
 
-    def allocate(key: int, event: bool) -> int:
+    def allocate(key: int, index: int) -> int:
         nonlocal counter
         counter += 1
         ids[key] = counter
-        if event and key in on_streams:  # an event's stream is its own (a held storage's came before)
-            out_streams[counter] = on_streams[key]
+        if index in on_streams:
+            out_streams[counter] = on_streams[index]
         return counter
 
-    out_held = [(allocate(key, False), nbytes) for key, nbytes in held]
-    out_events = [(ids.pop(key, 0), nbytes) if nbytes < 0 else (allocate(key, True), nbytes) for key, nbytes in events]
+    out_held = [(allocate(key, -1), nbytes) for key, nbytes in held]
+    out_events = [
+        (ids.pop(key, 0), nbytes) if nbytes < 0 else (allocate(key, index), nbytes)
+        for index, (key, nbytes) in enumerate(events)
+    ]
     return out_held, out_events, out_streams
 
 

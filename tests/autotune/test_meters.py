@@ -95,3 +95,24 @@ def test_measurement_after_oom_equals_fresh_process_byte_for_byte() -> None:
     fresh_peak, fresh_fb = json.loads(out.stdout)
     assert (after.peak_bytes, after.forward_backward_bytes) == (fresh_peak, fresh_fb)
     assert after.fits and not after.oom
+
+
+def test_the_recorded_streams_follow_each_allocation_not_its_address() -> None:
+    """An allocation's stream is kept by its place in the events: a storage's key is its address, which the next
+    storage of the same size usually takes again once it is freed (the streams keyed by address gave that storage
+    the first one's stream, or took the first one's away: a replay that changed from run to run)."""
+    from autotune.measure.meters.cpu import _StorageLedger
+
+    ledger = _StorageLedger()
+    ledger.events, ledger.streams = [], {}
+    on = iter([77, 0, 77, 0])
+    ledger.stream_of, ledger.default_stream = lambda: next(on), 0
+    for _ in range(2):
+        first = torch.empty(1024).untyped_storage()  # on stream 77
+        ledger.add(first)
+        del first
+        second = torch.empty(1024).untyped_storage()  # on the default stream, most likely at the same address
+        ledger.add(second)
+        del second
+    allocations = [i for i, (_, nbytes) in enumerate(ledger.events) if nbytes > 0]
+    assert len(allocations) == 4 and ledger.streams == {allocations[0]: 77, allocations[2]: 77}

@@ -33,8 +33,9 @@ __all__ = ["CpuMeter", "CpuOutOfMemoryError", "StorageEvents"]
 class StorageEvents:
     """Storages live when a recording began (``held``: (key, bytes)) and every allocation (key,
     bytes) and release (key, FREE) after it, in order (CpuMeter.record_events); ``streams``: the CUDA
-    stream (its ``stream_id``) of each allocation made off the current device's default stream, by key
-    (FSDP2's all-gather and reduce-scatter buffers: the caching allocator keeps each stream's blocks apart)."""
+    stream (its ``stream_id``) of each allocation made off the current device's default stream, by the event's
+    index in ``events`` (FSDP2's all-gather and reduce-scatter buffers: the caching allocator keeps each stream's
+    blocks apart). By index, not key: a key is a storage's address, which a later storage can take again."""
 
     held: list[tuple[int, int]]
     events: list[tuple[int, int]]
@@ -74,7 +75,7 @@ class _StorageLedger:
         self.events: list[tuple[int, int]] | None = None
         self._renamed: dict[int, int] = {}  # storage key -> its event key, after a resize to a new size
         # While recorded on a CUDA device: the current stream's id, and the default stream's; an allocation
-        # on another stream goes into `streams` (event key -> stream id).
+        # on another stream goes into `streams` (the event's index -> stream id).
         self.stream_of: Callable[[], int] | None = None
         self.default_stream = 0
         self.streams: dict[int, int] = {}
@@ -110,7 +111,7 @@ class _StorageLedger:
                 if self.events is not None and nbytes:
                     self.events.append((key, nbytes))
                     if self.stream_of is not None:
-                        self._tag(key)
+                        self._tag()
             elif entry[1] != nbytes:
                 self.live_bytes += nbytes - entry[1]
                 if self.events is not None:
@@ -121,14 +122,12 @@ class _StorageLedger:
                 self.trace.append(self.live_bytes)
             return self.live_bytes
 
-    def _tag(self, event_key: int) -> None:
-        """The stream an allocation under event_key is made on, where it is not the default one."""
-        assert self.stream_of is not None
+    def _tag(self, back: int = 1) -> None:
+        """The stream the allocation event ``back`` from the end was made on, where it is not the default one."""
+        assert self.stream_of is not None and self.events is not None
         stream = self.stream_of()
         if stream != self.default_stream:
-            self.streams[event_key] = stream
-        else:
-            self.streams.pop(event_key, None)
+            self.streams[len(self.events) - back] = stream
 
     def _resized(self, key: int, old_bytes: int, new_bytes: int) -> None:
         assert self.events is not None
@@ -137,11 +136,11 @@ class _StorageLedger:
             self._renamed[key] = new_key = next(self._new_keys)
             self.events += [(new_key, new_bytes), (event_key, FREE)]
             if self.stream_of is not None:
-                self._tag(new_key)
+                self._tag(back=2)
         elif new_bytes:
             self.events.append((event_key, new_bytes))
             if self.stream_of is not None:
-                self._tag(event_key)
+                self._tag()
         else:
             self.events.append((event_key, FREE))
 
@@ -165,7 +164,7 @@ class _StorageLedger:
                 if self.events is not None and nbytes:
                     self.events.append((key, nbytes))
                     if self.stream_of is not None:
-                        self._tag(key)
+                        self._tag()
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes + held)
 
     def event_key(self, storage: torch.UntypedStorage) -> int | None:
