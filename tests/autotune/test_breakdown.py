@@ -60,16 +60,32 @@ def _ordinary_llama() -> Any:
     return model
 
 
-def _memtracker_peak(micro_batch: int) -> dict[str, int]:
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _memtracker_peak(micro_batch: int, lora_rank: int | None = None) -> dict[str, int]:
     """MemTracker's categories at the peak of the trial's steps, run the ordinary way: AdamW, two micro-batches
     of input ids and their labels (a copy, as the hf: task's batch holds; the batch held until after its
-    backward, as a loop over a loader holds it), forward and backward each, a step, zero_grad, twice."""
+    backward, as a loop over a loader holds it), forward and backward each, a step, zero_grad, twice. With
+    lora_rank: peft's LoRA over the model (alpha 2r, no dropout, peft's default targets), AdamW over the adapters."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
     tracker = MemTracker()
     model = _ordinary_llama()
-    optimizer = torch.optim.AdamW(model.parameters())
+    if lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
+        # MemTracker hooks every parameter's gradient, which a frozen one refuses (register_hook raises): a frozen
+        # parameter has none to track, so it is marked as hooked already. MemTracker's counts are unchanged.
+        for param in model.parameters():
+            if not param.requires_grad:
+                tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     tracker.track_external(model, optimizer)
     generator = torch.Generator().manual_seed(0)
     with tracker:
@@ -148,6 +164,17 @@ def test_under_lora_the_frozen_base_and_the_trained_adapters_are_apart(tmp_path:
     assert breakdown.parts["optimizer_state"] == 2 * trained + 4 * sum(
         1 for p in ordinary.parameters() if p.requires_grad
     )
+    # The whole peak against PyTorch's MemTracker over the same steps of peft's model built the ordinary way.
+    truth = _memtracker_peak(4, lora_rank=4)
+    parts = breakdown.parts
+    print(f"LoRA m=4: autotune {parts} at {breakdown.peak_where}; MemTracker {truth}")
+    assert sum(parts.values()) == breakdown.peak_bytes == truth["Total"]
+    assert parts["trainable_parameters"] + parts["frozen_parameters"] == truth["PARAM"] == trained + frozen
+    assert parts["gradients"] == truth["GRAD"] and parts["optimizer_state"] == truth["OPT"]
+    assert parts.get("buffers", 0) == truth["BUFFER"]
+    seed = 4  # the loss's seed gradient: MemTracker's activation, autotune's backward temporary (above)
+    assert parts["activations"] + parts["inputs"] == truth["ACT"] - seed
+    assert parts["temporaries"] == truth["TEMP"] + seed
 
 
 def test_a_probe_stores_the_breakdown_of_m_max_and_the_next_size_summing_to_the_real_peaks(tmp_path: Path) -> None:
@@ -199,6 +226,62 @@ def test_under_fsdp_each_part_is_the_ranks_shard(tmp_path: Path) -> None:
     assert breakdown.parts["gradients"] == shard_bytes
     assert breakdown.parts["optimizer_state"] == 2 * shard_bytes + 4 * len(list(_ordinary_llama().parameters()))
     assert sum(breakdown.parts.values()) == breakdown.peak_bytes
+    # The whole peak against PyTorch's FSDPMemTracker over the same steps of the model sharded the ordinary way.
+    truth = _fsdp_memtracker_peak(4)
+    parts = breakdown.parts
+    print(f"fsdp x 2, m=4: autotune {parts} at {breakdown.peak_where}; FSDPMemTracker {truth}")
+    assert sum(parts.values()) == breakdown.peak_bytes == truth["Total"]
+    assert parts["trainable_parameters"] == truth["Sharded Param"] == shard_bytes
+    assert parts["gradients"] == truth["Sharded Grad"] and parts["optimizer_state"] == truth["OptState"]
+    assert parts["buffers"] == truth["Buffer"]
+    # What FSDP2 gathers (the unsharded parameters, the all-gather and reduce-scatter buffers, the unsharded
+    # gradients) is, in autotune's parts, the activations' and temporaries' (not a part of its own yet).
+    gathered = sum(truth[k] for k in ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"))
+    assert truth["Unsharded Param"] > 0
+    seed = 4  # the loss's seed gradient (above)
+    assert parts["activations"] + parts["inputs"] + parts["temporaries"] == (
+        truth["Activation"] + truth["Inputs"] + truth["Temp"] + gathered
+    )
+    assert parts["temporaries"] == truth["Temp"] + seed
+
+
+def _fsdp_memtracker_peak(micro_batch: int) -> dict[str, int]:
+    """FSDPMemTracker's categories at the peak, rank 0 of 2 under torch's fake process group: the Llama with each
+    decoder layer a fully_shard unit (the last one kept unsharded after forward, torchtitan's way) and the root,
+    AdamW, the steps of _memtracker_peak."""
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = _ordinary_llama()
+        layers = list(model.model.layers)
+        for index, layer in enumerate(layers):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=index < len(layers) - 1)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+        tracker = FSDPMemTracker(model, optimizer)
+        generator = torch.Generator().manual_seed(0)
+        with tracker:
+            for _ in range(2):
+                for _ in range(2):
+                    tracker.reset_mod_stats()
+                    ids = torch.randint(0, CONFIGS["llama"]["vocab_size"], (micro_batch, SEQ_LEN), generator=generator)
+                    batch = {"input_ids": ids, "labels": ids.clone()}
+                    loss = model(**batch).loss / 2
+                    loss.backward()
+                    del ids, batch, loss
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+    finally:
+        dist.destroy_process_group()
+    return {getattr(key, "value", key): value for key, value in peak.items()}
 
 
 def test_an_estimate_breaks_down_its_own_fake_trials(tmp_path: Path) -> None:
