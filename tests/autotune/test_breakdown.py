@@ -137,6 +137,45 @@ def test_the_peaks_parts_are_memtrackers_and_the_ordinary_counts(tmp_path: Path)
     assert [b.fits for b in breakdowns] == [True, True]  # no limit was given: both ran whole
 
 
+def test_a_task_files_parts_are_memtrackers() -> None:
+    """The GPT example (examples/gpt.py:task: its own model, right-padded batches, token-mean loss) against
+    MemTracker over its loop written out by hand with the file's own model, batch and loss: AdamW, two
+    micro-batches a step, two steps."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from autotune.tasks.load import load_task
+
+    task = load_task("examples/gpt.py:task")
+    (breakdown,) = fake_breakdowns(task, Replicated(1), device_type="cpu", sizes=(4,), limit_bytes=1 << 40)
+    torch.manual_seed(0)
+    tracker = MemTracker()
+    model = task.model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    tracker.track_external(model, optimizer)
+    with tracker:
+        for _ in range(2):
+            for _ in range(2):
+                tracker.reset_mod_stats()
+                batch = task.batch(4)
+                assert task.loss is not None  # the GPT example's token-mean loss
+                loss = task.loss(model, batch) / 2
+                loss.backward()
+                del batch, loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    truth = {getattr(key, "name", key): value for key, value in peak.items()}
+    parts = breakdown.parts
+    print(f"gpt example m=4: autotune {parts} at {breakdown.peak_where}; MemTracker {truth}")
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(parts.values()) == breakdown.peak_bytes == truth["Total"]
+    assert parts["trainable_parameters"] == truth["PARAM"] == param_bytes == parts["gradients"] == truth["GRAD"]
+    assert parts["optimizer_state"] == truth["OPT"]
+    seed = 4  # the loss's seed gradient (above)
+    assert parts["activations"] + parts["inputs"] == truth["ACT"] - seed
+    assert parts["temporaries"] == truth["TEMP"] + seed
+
+
 def test_the_timeline_reaches_the_peak_at_its_event_in_phase_order(tmp_path: Path) -> None:
     task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
     (breakdown,) = fake_breakdowns(task, Replicated(1), device_type="cpu", sizes=(4,), limit_bytes=1 << 40)
