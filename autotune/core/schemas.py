@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import warnings
 from datetime import datetime, timezone
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from autotune.core import units
 from autotune.core.policy_names import (
@@ -322,6 +322,9 @@ MEMORY_PARTS = (
     "activations",
     "inputs",
     "temporaries",
+    # What the mesh adds: FSDP2's gathered parameters and its all-gather and reduce-scatter buffers. Last, so that a
+    # timeline stored before it (a point one part shorter) reads with 0 here.
+    "collectives",
 )
 # A profile's note on the attention kernel its trials ran starts so (autotune/measure/trial.py, attention_line): the
 # datasheet prints it as its own row, not as a warning.
@@ -336,6 +339,7 @@ MEMORY_PART_LABELS = {
     "activations": "activations",
     "inputs": "inputs",
     "temporaries": "temporaries",
+    "collectives": "mesh (gathered params, collectives)",
 }
 PHASES = ("model", "inputs", "forward", "backward", "step")
 
@@ -374,6 +378,14 @@ class MemoryBreakdown(_Model):
         list[tuple[Annotated[int, Field(ge=0, le=2**40)], Literal["model", "inputs", "forward", "backward", "step"]]],
         Field(max_length=512),
     ]
+
+    @field_validator("timeline", mode="before")
+    @classmethod
+    def _before_collectives(cls, timeline: Any) -> Any:
+        """A timeline stored before the mesh's part existed has points one part shorter: that part held 0."""
+        if isinstance(timeline, list):
+            return [[*p, 0] if isinstance(p, list) and len(p) == len(MEMORY_PARTS) else p for p in timeline]
+        return timeline
 
 
 class Lever(_Model):

@@ -6,7 +6,8 @@ storages to be once it knows it: the model's parameters (trainable and frozen ap
 starts, each micro-batch's gradients after its backward, the optimizer's state after each step. After the trial
 the events are replayed twice: the first pass gives every allocation its category (what it was last known to be,
 else its phase's: the micro-batch's tensors are ``inputs``, what the forward allocates ``activations``, what the
-backward or the step allocates and is nothing else ``temporaries``); the second sums the live bytes of each
+backward or the step allocates and is nothing else ``temporaries``; what FSDP2 allocates while it gathers a unit's
+parameters or reduce-scatters its gradients, ``collectives``); the second sums the live bytes of each
 category after every event. The parts at the event where the total peaks sum to the trial's peak exactly (the
 same storages, counted once), and the totals after every event, thinned to a few hundred points that keep every
 local peak, are the timeline.
@@ -46,6 +47,11 @@ _PHASE_PART = {
 }
 
 
+# FSDP2's methods whose allocations are the mesh's: the all-gather and its copy-out into the unsharded parameters,
+# and the reduce-scatter of a unit's gradients (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
+_COLLECTIVE_METHODS = ("unshard", "wait_for_unshard", "post_backward")
+
+
 class BreakdownRecorder:
     """Records one trial on a CPU (or fake) meter for :meth:`breakdown`. The trial marks its phases
     (:meth:`phase`) and says what storages are (:meth:`classify`); the meter tells it the operator of each new
@@ -56,6 +62,9 @@ class BreakdownRecorder:
         self._held: list[tuple[int, int]] = []
         self._phases: list[tuple[int, str]] = []
         self._known: list[tuple[int, int, str]] = []  # (event index, event key, category)
+        # (event index, in a collective or not): the spans where FSDP2 gathers or reduce-scatters.
+        self._collective: list[tuple[int, bool]] = []
+        self._collective_depth = 0
         self._event_key: Any = None
         self._peak_label = ""
         self._best = -1
@@ -66,7 +75,7 @@ class BreakdownRecorder:
         """Record meter's events for the block (meter: a CpuMeter or FakeMeter), the modules tracked."""
         from torch.distributed._tools.mod_tracker import ModTracker
 
-        with meter.record_events() as recorded, ModTracker() as tracker:
+        with meter.record_events() as recorded, ModTracker() as tracker, self._collectives_marked():
             self._events, self._held = recorded.events, recorded.held
             self._event_key = meter.event_key
             self._tracker = tracker
@@ -77,6 +86,40 @@ class BreakdownRecorder:
             finally:
                 meter.recorder = None
                 self._tracker = None
+
+    @contextmanager
+    def _collectives_marked(self) -> Iterator[None]:
+        """FSDP2's gathering and reduce-scattering methods mark their spans while the trial is recorded (put
+        back after it)."""
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        except ImportError:  # a torch without FSDP2: nothing to mark
+            yield
+            return
+        originals = {name: getattr(FSDPParamGroup, name) for name in _COLLECTIVE_METHODS}
+
+        def marked(original: Any) -> Any:
+            def method(*args: Any, **kwargs: Any) -> Any:
+                self._enter_collective(True)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self._enter_collective(False)
+
+            return method
+
+        for name, original in originals.items():
+            setattr(FSDPParamGroup, name, marked(original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(FSDPParamGroup, name, original)
+
+    def _enter_collective(self, entering: bool) -> None:
+        self._collective_depth += 1 if entering else -1
+        if self._events is not None and self._collective_depth == (1 if entering else 0):
+            self._collective.append((len(self._events), entering))
 
     def phase(self, name: str) -> None:
         """The allocations from now on were made in phase ``name`` (a key of the phase table above)."""
@@ -189,8 +232,10 @@ class BreakdownRecorder:
             categories.append(_PHASE_PART["held"])
         known = sorted(self._known, key=lambda k: k[0])
         phases = self._phases
-        next_known = next_phase = 0
+        collective = self._collective
+        next_known = next_phase = next_collective = 0
         phase = _PHASE_PART["held"]
+        in_collective = False
         for index, (key, nbytes) in enumerate([*self._events, (0, 0)]):
             while next_known < len(known) and known[next_known][0] <= index:
                 _, known_key, part = known[next_known]
@@ -200,13 +245,16 @@ class BreakdownRecorder:
             while next_phase < len(phases) and phases[next_phase][0] <= index:
                 phase = _PHASE_PART[phases[next_phase][1]]
                 next_phase += 1
+            while next_collective < len(collective) and collective[next_collective][0] <= index:
+                in_collective = collective[next_collective][1]
+                next_collective += 1
             if index == len(self._events):
                 break
             if nbytes == FREE:
                 live.pop(key, None)
             else:
                 live[key] = len(categories)
-                categories.append(phase)
+                categories.append("collectives" if in_collective else phase)
         return categories
 
 

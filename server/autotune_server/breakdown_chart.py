@@ -23,6 +23,7 @@ PART_COLOURS = {
     "activations": "#d62728",
     "inputs": "#9467bd",
     "temporaries": "#e7ba52",
+    "collectives": "#17becf",
 }
 _WIDTH = 640
 _BAR_HEIGHT = 26

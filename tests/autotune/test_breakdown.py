@@ -273,14 +273,12 @@ def test_under_fsdp_each_part_is_the_ranks_shard(tmp_path: Path) -> None:
     assert parts["trainable_parameters"] == truth["Sharded Param"] == shard_bytes
     assert parts["gradients"] == truth["Sharded Grad"] and parts["optimizer_state"] == truth["OptState"]
     assert parts["buffers"] == truth["Buffer"]
-    # What FSDP2 gathers (the unsharded parameters, the all-gather and reduce-scatter buffers, the unsharded
-    # gradients) is, in autotune's parts, the activations' and temporaries' (not a part of its own yet).
+    # What the mesh adds, its own part: the parameters FSDP2 gathered (the last block's, kept after forward), its
+    # all-gather and reduce-scatter buffers and the unsharded gradients.
     gathered = sum(truth[k] for k in ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"))
-    assert truth["Unsharded Param"] > 0
+    assert parts["collectives"] == gathered and truth["Unsharded Param"] > 0
     seed = 4  # the loss's seed gradient (above)
-    assert parts["activations"] + parts["inputs"] + parts["temporaries"] == (
-        truth["Activation"] + truth["Inputs"] + truth["Temp"] + gathered
-    )
+    assert parts["activations"] + parts["inputs"] == truth["Activation"] + truth["Inputs"] - seed
     assert parts["temporaries"] == truth["Temp"] + seed
 
 
@@ -321,6 +319,21 @@ def _fsdp_memtracker_peak(micro_batch: int) -> dict[str, int]:
     finally:
         dist.destroy_process_group()
     return {getattr(key, "value", key): value for key, value in peak.items()}
+
+
+def test_a_timeline_stored_before_the_mesh_part_reads_with_it_at_zero() -> None:
+    old: dict[str, Any] = {"micro_batch": 1, "fits": True, "peak_bytes": 10, "parts": {"activations": 10}}
+    old |= {"peak_event": 1, "events": 1, "phases": [[0, "forward"]]}
+    old["timeline"] = [[0] + [0] * 8, [1, 0, 0, 0, 0, 0, 10, 0, 0]]  # event, then the 8 parts of before
+    read = MemoryBreakdown.model_validate(old)
+    assert [len(point) for point in read.timeline] == [len(MEMORY_PARTS) + 1] * 2
+    assert read.timeline[1][1 + MEMORY_PARTS.index("collectives")] == 0 and read.timeline[1][-1] == 0
+    # A profile checks every point's width (the parts sum to the peak, each point has every part).
+    from autotune.core.schemas import _parts_sum_to_peak
+
+    assert _parts_sum_to_peak(read) is read
+    with pytest.raises(ValueError, match="each timeline point"):
+        _parts_sum_to_peak(MemoryBreakdown.model_validate({**old, "timeline": [[0, 1, 2]]}))
 
 
 def test_an_estimate_breaks_down_its_own_fake_trials(tmp_path: Path) -> None:
