@@ -195,10 +195,12 @@ COMPOSITIONS: tuple[Rule, ...] = (
     Rule(
         "--quantize",
         "--strategy fsdp",
-        "not measured yet",
+        "a library's limit",
         lambda d: d.quantize is not None and d.strategy == "fsdp",
         lambda d: f"--quantize {d.quantize} with --strategy fsdp",
-        "sharding a 4-bit base (FSDP-QLoRA, bf16 quant storage) is not measured; use ddp",
+        "sharding a 4-bit base fails in the libraries: FSDP2's fully_shard makes bitsandbytes' Params4bit a plain "
+        "DTensor without its quant_state (even with bf16 quant storage), and its forward stops on 'quant_state is "
+        "required'; train a 4-bit base over data-parallel replicas (--strategy ddp)",
     ),
     Rule(
         "--quantize",

@@ -219,5 +219,33 @@ def test_the_library_refuses_a_4bit_base_under_fsdp(tmp_path: Path) -> None:
 
     task = load_task(_spec(write_config(tmp_path, "llama"))).at_length(SEQ_LEN)
     config = EstimateConfig.of(budget_bytes=BUDGET, device_kind="cpu", strategy="fsdp", world_size=2)
-    with pytest.raises(AutotuneError, match=r"^--quantize nf4 with --strategy fsdp: sharding a 4-bit base"):
+    with pytest.raises(AutotuneError, match=r"^--quantize nf4 with --strategy fsdp: sharding a 4-bit base fails"):
         estimate(task, config)
+
+
+def test_the_limit_is_the_libraries_own() -> None:
+    """The refusal's reason, run the ordinary way: bitsandbytes' Linear4bit with bf16 quant storage (the FSDP-QLoRA
+    recipe's), sharded by FSDP2 over 2 ranks of torch's fake process group, loses its Params4bit and quant_state
+    and cannot run its forward. Where a release fixes it, this fails: measure the composition then."""
+    import bitsandbytes as bnb
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    linear = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4", quant_storage=torch.bfloat16)
+    linear.weight = bnb.nn.Params4bit(
+        torch.randn(64, 64), requires_grad=False, quant_type="nf4", quant_storage=torch.bfloat16
+    )
+    model = nn.Sequential(linear.to("cpu"), nn.Linear(64, 64))
+    assert type(model[0].weight).__name__ == "Params4bit" and model[0].weight.quant_state is not None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert type(model[0].weight).__name__ == "DTensor"
+        with pytest.raises(ValueError, match="quant_state is required"):
+            model(torch.randn(4, 64))
+    finally:
+        dist.destroy_process_group()
