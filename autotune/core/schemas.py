@@ -322,9 +322,14 @@ MEMORY_PARTS = (
     "activations",
     "inputs",
     "temporaries",
-    # What the mesh adds: FSDP2's gathered parameters and its all-gather and reduce-scatter buffers. Last, so that a
-    # timeline stored before it (a point one part shorter) reads with 0 here.
+    # What the mesh adds: FSDP2's gathered parameters and its all-gather and reduce-scatter buffers.
     "collectives",
+    # On a card (an emulated one's estimate): the caching allocator's reserve beyond the live tensors at the peak
+    # (cached blocks, rounding, the cuBLAS workspaces), and the memory outside the allocator (the CUDA context, and
+    # under --estimate-bound safe NCCL's bound). The parts added last, so that a timeline stored before them (its
+    # points shorter) reads with 0 there.
+    "allocator_reserve",
+    "outside_allocator",
 )
 # A profile's note on the attention kernel its trials ran starts so (autotune/measure/trial.py, attention_line): the
 # datasheet prints it as its own row, not as a warning.
@@ -339,9 +344,14 @@ MEMORY_PART_LABELS = {
     "activations": "activations",
     "inputs": "inputs",
     "temporaries": "temporaries",
-    "collectives": "mesh (gathered params, collectives)",
+    "collectives": "mesh buffers",
+    "allocator_reserve": "allocator reserve",
+    "outside_allocator": "outside allocator",
 }
 PHASES = ("model", "inputs", "forward", "backward", "step")
+# The parts the first breakdowns had (trainable_parameters ... temporaries): a timeline point then was the event and
+# these, 9 values; the parts after them came later.
+_FIRST_PARTS = 8
 
 
 def _parts_sum_to_peak(breakdown: MemoryBreakdown) -> MemoryBreakdown:
@@ -382,9 +392,15 @@ class MemoryBreakdown(_Model):
     @field_validator("timeline", mode="before")
     @classmethod
     def _before_collectives(cls, timeline: Any) -> Any:
-        """A timeline stored before the mesh's part existed has points one part shorter: that part held 0."""
+        """A timeline stored before the last parts existed (the mesh's, the card's) has shorter points: those parts
+        held 0. A point of 9 values (an event and the first eight parts) is padded; any other width is left to the
+        width check."""
+        width = len(MEMORY_PARTS) + 1
         if isinstance(timeline, list):
-            return [[*p, 0] if isinstance(p, list) and len(p) == len(MEMORY_PARTS) else p for p in timeline]
+            return [
+                [*p, *([0] * (width - len(p)))] if isinstance(p, list) and _FIRST_PARTS < len(p) < width else p
+                for p in timeline
+            ]
         return timeline
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.core.cards import Card
@@ -47,6 +47,8 @@ class CardSearch:
     fit: dict[str, float] | None
     no_fit: bool
     pipeline: dict[str, Any] | None = None  # --pp: each stage's figure at m_max and the bubble (PipelineStages)
+    # With breakdown: the figures at m_max and the next size broken down (MemoryBreakdown dicts).
+    breakdowns: list[dict[str, Any]] = field(default_factory=list)
 
 
 def search_on_card(
@@ -61,6 +63,7 @@ def search_on_card(
     multiple_of: int,
     extra_sizes: Sequence[int] = (),
     python: str | None = None,
+    breakdown: bool = False,
 ) -> list[CardSearch]:
     """Run the search at each length (None: a task that is not sequence-aware) in one child process with
     the card emulated (autotune/emulation/runner.py): one torch import and one task load for all. ``job`` is the
@@ -89,6 +92,7 @@ def search_on_card(
         "multiple_of": multiple_of,
         "extra_sizes": [int(m) for m in extra_sizes],
         "moe_load_factor": current_load_factor(),
+        "breakdown": breakdown,
     }
     found, _ = _run_child(
         chosen,
@@ -108,6 +112,7 @@ def search_on_card(
             fit=one.get("fit"),
             no_fit=bool(one.get("no_fit")),
             pipeline=one.get("pipeline"),
+            breakdowns=list(one.get("breakdowns") or ()),
         )
         for one in found["lengths"]
     ]
@@ -166,6 +171,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
                 alloc_conf=request.get("alloc_conf"),
                 extra_sizes=[int(m) for m in request.get("extra_sizes") or ()],
                 hint=hint,
+                breakdown=bool(request.get("breakdown")),
             )
             if not found.no_fit and seq_len is not None:
                 previous = (int(seq_len), found.max_micro_batch)
@@ -177,6 +183,12 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
                     "warnings": found.warnings,
                     "fit": found.fit.model_dump(mode="json") if found.fit is not None else None,
                     "no_fit": found.no_fit,
+                    # The profile keeps m_max's and the next size's (autotune/orchestrate/breakdowns.py).
+                    "breakdowns": [
+                        found.breakdowns[m].model_dump(mode="json")
+                        for m in (found.max_micro_batch, found.max_micro_batch + multiple_of)
+                        if m in found.breakdowns
+                    ],
                 }
             )
     return {"device": device, "lengths": results}

@@ -33,7 +33,7 @@ from torch import nn
 from autotune.core.allocator import FREE
 from autotune.core.schemas import MEMORY_PARTS, MemoryBreakdown
 
-__all__ = ["BreakdownRecorder", "TIMELINE_POINTS"]
+__all__ = ["BreakdownRecorder", "TIMELINE_POINTS", "with_card_parts"]
 
 TIMELINE_POINTS = 120
 # The category an allocation takes from the phase it was made in, unless the trial later says what it is.
@@ -256,6 +256,25 @@ class BreakdownRecorder:
                 live[key] = len(categories)
                 categories.append("collectives" if in_collective else phase)
         return categories
+
+
+def with_card_parts(live: MemoryBreakdown, *, reserved_bytes: int, outside_bytes: int, fits: bool) -> MemoryBreakdown:
+    """A card's figure broken down: the live tensors' parts at their peak (``live``, a fake trial's), the caching
+    allocator's reserve beyond them (its peak reserved bytes, by its model, less the live peak: cached blocks,
+    rounding, the cuBLAS workspaces) and the memory outside the allocator. They sum to the figure the card's
+    search decides on, reserved + outside. The timeline stays the live tensors' (the card's parts at 0 there)."""
+    reserve = reserved_bytes - live.peak_bytes
+    if reserve < 0:  # the model's reserved peak is at least the live peak (every live byte is in a block)
+        raise ValueError(f"reserved {reserved_bytes} bytes below the live peak {live.peak_bytes}")
+    parts = dict(live.parts)
+    parts.update({"allocator_reserve": reserve, "outside_allocator": outside_bytes})
+    return live.model_copy(
+        update={
+            "parts": {part: parts[part] for part in MEMORY_PARTS if parts.get(part)},
+            "peak_bytes": reserved_bytes + outside_bytes,
+            "fits": fits,
+        }
+    )
 
 
 def _thinned(points: list[list[int]], peak_index: int, count: int) -> list[list[int]]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from autotune.core import units
 from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, outside_allocator, outside_allocator_stand_in
 from autotune.core.errors import AutotuneError, CannotFitError
-from autotune.core.schemas import Device, Fit, PipelineStages, Profile, Trial
+from autotune.core.schemas import Device, Fit, MemoryBreakdown, PipelineStages, Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.core.unmodelled import UnmodelledBound, unmodelled_bound
 from autotune.orchestrate.config import EstimateConfig
@@ -168,6 +168,7 @@ def _on_card(
             max_micro_batch=setup.max_micro_batch,
             multiple_of=setup.multiple_of,
             extra_sizes=config.micro_batches,
+            breakdown=setup.breakdown,
         )
     except EmulationError as exc:
         raise EmulationUnavailable(str(exc)) from None
@@ -220,6 +221,7 @@ def _on_card(
             warnings=[semantics, *bound_notes, *unlisted, *found.warnings, *nothing_fits],
             started=started,
             torch_version=cuda_torch.torch_version,
+            breakdown=[MemoryBreakdown.model_validate(raw) for raw in found.breakdowns] or None,
         )
         for at_length, found, trials in made
     ]

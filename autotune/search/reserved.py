@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autotune.core.allocator import AllocatorConfig, replay
-from autotune.core.schemas import Fit, Trial
+from autotune.core.schemas import Fit, MemoryBreakdown, Trial
+from autotune.measure.breakdown import with_card_parts
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategies import Strategy
 from autotune.measure.trial import TrialRunner
@@ -101,6 +102,8 @@ class ReservedSearch:
     fit: Fit | None = None
     no_fit: bool = False
     warnings: list[str] = field(default_factory=list)
+    # With breakdown=True: each trial's figure broken down (MemoryBreakdown), by micro-batch.
+    breakdowns: dict[int, MemoryBreakdown] = field(default_factory=dict)
 
 
 def reserved_search(
@@ -118,11 +121,14 @@ def reserved_search(
     alloc_conf: str | None = None,
     extra_sizes: Sequence[int] = (),
     hint: int | None = None,
+    breakdown: bool = False,
 ) -> ReservedSearch:
     """The search on fake trials replayed through the caching allocator (the module docstring).
 
     ``budget_bytes`` is the card's memory (what the allocator may hold is that less ``outside_bytes``);
-    ``limit_bytes`` the figure that still fits; ``hint`` a predicted m_max to start from.
+    ``limit_bytes`` the figure that still fits; ``hint`` a predicted m_max to start from. ``breakdown``: each
+    trial's figure broken down (autotune/measure/breakdown.py), the live tensors' parts with the allocator's reserve
+    and the memory outside it, into ``breakdowns``.
     """
     config = AllocatorConfig.parse(alloc_conf)
     # The workspaces come first: each is made at its thread's first matmul, before the trial's peak.
@@ -130,6 +136,8 @@ def reserved_search(
     meter = FakeMeter(budget_bytes, device_type, device_name)
     found = ReservedSearch(max_micro_batch=0)
     runner = TrialRunner(task, meter, limit_bytes=budget_bytes, strategy=strategy)
+    live_breakdowns: dict[int, MemoryBreakdown] | None = {} if breakdown else None
+    runner.breakdowns = live_breakdowns
 
     def trial(micro_batch: int) -> Trial:
         meter.release()
@@ -156,6 +164,11 @@ def reserved_search(
                     fake=True,
                     host_peak_bytes=live.host_peak_bytes,  # --offload: the host's bytes (autotune/measure/offload.py)
                 )
+                parts = (live_breakdowns or {}).get(micro_batch)
+                if parts is not None:
+                    found.breakdowns[micro_batch] = with_card_parts(
+                        parts, reserved_bytes=peaks.peak_reserved_bytes, outside_bytes=outside_bytes, fits=result.fits
+                    )
         found.trials[micro_batch] = result
         return result
 

@@ -24,6 +24,8 @@ PART_COLOURS = {
     "inputs": "#9467bd",
     "temporaries": "#e7ba52",
     "collectives": "#17becf",
+    "allocator_reserve": "#bcbd22",
+    "outside_allocator": "#8c564b",
 }
 _WIDTH = 640
 _BAR_HEIGHT = 26

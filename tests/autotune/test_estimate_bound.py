@@ -120,3 +120,25 @@ def test_a_bound_that_leaves_nothing_is_one_line(cuda_python: str, capsys: pytes
     assert exited.value.code == 2
     refused = capsys.readouterr().err.strip().splitlines()
     assert len(refused) == 1 and "--estimate-bound: invalid choice: 'loose'" in refused[0]
+
+
+def test_a_cards_figure_is_broken_down_to_the_byte(bounded: dict[str, Profile]) -> None:
+    """The breakdown on a card: the live tensors' parts, the allocator's reserve beyond them and the memory outside
+    the allocator sum to the trial's figure; the safe bound is in the part outside the allocator, nothing else
+    moves; under fsdp the gathered parameters are the mesh's part."""
+    safe, tight = bounded["safe"], bounded["tight"]
+    assert safe.breakdown is not None and tight.breakdown is not None
+    for profile in (safe, tight):
+        trials = {t.micro_batch: t for t in profile.trials}
+        assert profile.breakdown is not None
+        for breakdown in profile.breakdown:
+            trial = trials[breakdown.micro_batch]
+            assert breakdown.peak_bytes == trial.peak_bytes == sum(breakdown.parts.values())
+            assert breakdown.parts["outside_allocator"] == trial.outside_allocator_bytes
+            assert breakdown.parts["allocator_reserve"] > 0 and breakdown.parts["collectives"] > 0
+    by_size = {b.micro_batch: b for b in tight.breakdown}
+    for breakdown in safe.breakdown:
+        other = by_size[breakdown.micro_batch]
+        moved = {p for p in breakdown.parts if breakdown.parts[p] != other.parts.get(p)}
+        assert moved == {"outside_allocator"}
+        assert breakdown.parts["outside_allocator"] - other.parts["outside_allocator"] == COMMUNICATOR + NVLS_8

@@ -289,6 +289,7 @@ class CpuMeter(Meter):
         self.device = torch.device("cpu")
         self.budget_bytes = budget_bytes
         self._ledger = _StorageLedger()
+        self._recording: StorageEvents | None = None  # record_events's, while one runs
         self._enforce = True
         self.keep_trace = False
         self.last_trace: list[int] | None = None
@@ -372,8 +373,15 @@ class CpuMeter(Meter):
         """Record every storage allocation and release from now to the end of the block: what was
         live when it began (``held``, in the order it was counted), then the events in order (see
         ``_StorageLedger.events``). A trial recorded from before its ``measure()`` to after its
-        ``release()`` has balanced events: each key it allocates, it frees."""
+        ``release()`` has balanced events: each key it allocates, it frees.
+
+        Inside a recording, another one is the same recording (its held storages and its events so far): a card's
+        search records a trial for the allocator's model while the trial's breakdown records it too."""
+        if self._recording is not None:
+            yield self._recording
+            return
         recorded = StorageEvents(held=self._ledger.held(), events=[])
+        self._recording = recorded
         ledger = self._ledger
         ledger.events = recorded.events
         ledger.streams = recorded.streams
@@ -383,6 +391,7 @@ class CpuMeter(Meter):
         try:
             yield recorded
         finally:
+            self._recording = None
             ledger.events = None
             ledger.stream_of = None
             ledger.streams = {}
