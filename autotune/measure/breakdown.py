@@ -50,6 +50,9 @@ _PHASE_PART = {
 # FSDP2's methods whose allocations are the mesh's: the all-gather and its copy-out into the unsharded parameters,
 # and the reduce-scatter of a unit's gradients (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
 _COLLECTIVE_METHODS = ("unshard", "wait_for_unshard", "post_backward")
+# DDP's: its forward's preamble, where the reducer builds (and after the first iteration rebuilds) the gradient
+# buckets it all-reduces (torch/nn/parallel/distributed.py, _pre_forward: reducer._rebuild_buckets()).
+_DDP_COLLECTIVE_METHODS = ("_pre_forward",)
 
 
 class BreakdownRecorder:
@@ -91,12 +94,16 @@ class BreakdownRecorder:
     def _collectives_marked(self) -> Iterator[None]:
         """FSDP2's gathering and reduce-scattering methods mark their spans while the trial is recorded (put
         back after it)."""
+        from torch.nn.parallel import DistributedDataParallel
+
         try:
             from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-        except ImportError:  # a torch without FSDP2: nothing to mark
-            yield
-            return
-        originals = {name: getattr(FSDPParamGroup, name) for name in _COLLECTIVE_METHODS}
+        except ImportError:  # a torch without FSDP2: DDP's alone
+            marked_methods: list[tuple[Any, str]] = []
+        else:
+            marked_methods = [(FSDPParamGroup, name) for name in _COLLECTIVE_METHODS]
+        marked_methods += [(DistributedDataParallel, name) for name in _DDP_COLLECTIVE_METHODS]
+        originals = {(owner, name): getattr(owner, name) for owner, name in marked_methods}
 
         def marked(original: Any) -> Any:
             def method(*args: Any, **kwargs: Any) -> Any:
@@ -108,13 +115,13 @@ class BreakdownRecorder:
 
             return method
 
-        for name, original in originals.items():
-            setattr(FSDPParamGroup, name, marked(original))
+        for (owner, name), original in originals.items():
+            setattr(owner, name, marked(original))
         try:
             yield
         finally:
-            for name, original in originals.items():
-                setattr(FSDPParamGroup, name, original)
+            for (owner, name), original in originals.items():
+                setattr(owner, name, original)
 
     def _enter_collective(self, entering: bool) -> None:
         self._collective_depth += 1 if entering else -1

@@ -321,6 +321,31 @@ def _fsdp_memtracker_peak(micro_batch: int) -> dict[str, int]:
     return {getattr(key, "value", key): value for key, value in peak.items()}
 
 
+def test_under_ddp_the_buckets_are_the_mesh_part(tmp_path: Path) -> None:
+    """ddp x 2 (CPU meter, torch's DDP over a fake process group): the reducer's gradient buckets, one flat copy of
+    every gradient (gradient_as_bucket_view off, DDP's default), are the mesh's part; every other part is the one
+    rank's job's."""
+    from autotune.measure.meters import CpuMeter
+    from autotune.measure.trial import TrialRunner
+
+    task = hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
+    found = {}
+    for world_size in (1, 2):
+        meter = CpuMeter(1 << 40)
+        strategy = Replicated(world_size)
+        with strategy.process_group(meter.device):
+            runner = TrialRunner(task, meter, limit_bytes=1 << 40, strategy=strategy, reuse_model=False)
+            runner.breakdowns = {}
+            trial = runner(4)
+            runner.close()
+        found[world_size] = runner.breakdowns[4]
+        assert found[world_size].peak_bytes == trial.peak_bytes
+    grads = sum(p.numel() * p.element_size() for p in _ordinary_llama().parameters() if p.requires_grad)
+    one, two = found[1].parts, found[2].parts
+    assert two["collectives"] == grads == two["gradients"]
+    assert {k: v for k, v in two.items() if k != "collectives"} == one and "collectives" not in one
+
+
 def test_a_timeline_stored_before_the_mesh_part_reads_with_it_at_zero() -> None:
     old: dict[str, Any] = {"micro_batch": 1, "fits": True, "peak_bytes": 10, "parts": {"activations": 10}}
     old |= {"peak_event": 1, "events": 1, "phases": [[0, "forward"]]}
