@@ -265,14 +265,18 @@ class BreakdownRecorder:
         return categories
 
 
-def with_card_parts(live: MemoryBreakdown, *, reserved_bytes: int, outside_bytes: int, fits: bool) -> MemoryBreakdown:
+def with_card_parts(
+    live: MemoryBreakdown, *, reserved_bytes: int, outside_bytes: int, fits: bool
+) -> MemoryBreakdown | None:
     """A card's figure broken down: the live tensors' parts at their peak (``live``, a fake trial's), the caching
     allocator's reserve beyond them (its peak reserved bytes, by its model, less the live peak: cached blocks,
     rounding, the cuBLAS workspaces) and the memory outside the allocator. They sum to the figure the card's
-    search decides on, reserved + outside. The timeline stays the live tensors' (the card's parts at 0 there)."""
+    search decides on, reserved + outside. The timeline stays the live tensors' (the card's parts at 0 there).
+    None where the reserved bytes are below the live peak, which a replay of the same storages cannot give: no
+    breakdown rather than a wrong one."""
     reserve = reserved_bytes - live.peak_bytes
-    if reserve < 0:  # the model's reserved peak is at least the live peak (every live byte is in a block)
-        raise ValueError(f"reserved {reserved_bytes} bytes below the live peak {live.peak_bytes}")
+    if reserve < 0:
+        return None
     parts = dict(live.parts)
     parts.update({"allocator_reserve": reserve, "outside_allocator": outside_bytes})
     return live.model_copy(

@@ -165,10 +165,11 @@ def reserved_search(
                     host_peak_bytes=live.host_peak_bytes,  # --offload: the host's bytes (autotune/measure/offload.py)
                 )
                 parts = (live_breakdowns or {}).get(micro_batch)
-                if parts is not None:
-                    found.breakdowns[micro_batch] = with_card_parts(
-                        parts, reserved_bytes=peaks.peak_reserved_bytes, outside_bytes=outside_bytes, fits=result.fits
-                    )
+                on_card = parts and with_card_parts(
+                    parts, reserved_bytes=peaks.peak_reserved_bytes, outside_bytes=outside_bytes, fits=result.fits
+                )
+                if on_card:
+                    found.breakdowns[micro_batch] = on_card
         found.trials[micro_batch] = result
         return result
 

@@ -372,3 +372,23 @@ def test_an_estimate_breaks_down_its_own_fake_trials(tmp_path: Path) -> None:
     assert profile.breakdown is not None and profile.breakdown[0].micro_batch == profile.max_micro_batch
     assert profile.breakdown[0].peak_bytes == fake[profile.max_micro_batch]
     assert [b.fits for b in profile.breakdown] == [True, False]
+
+
+def test_a_cards_parts_add_the_reserve_and_the_outside_bytes() -> None:
+    from autotune.measure.breakdown import with_card_parts
+
+    live = MemoryBreakdown.model_validate(
+        {"micro_batch": 2, "fits": True, "peak_bytes": 100, "parts": {"activations": 60, "gradients": 40},
+         "peak_event": 3, "events": 5, "timeline": [[0] + [0] * len(MEMORY_PARTS)], "phases": [[0, "forward"]]}
+    )  # fmt: skip
+    card = with_card_parts(live, reserved_bytes=2 << 20, outside_bytes=900, fits=False)
+    assert card is not None and card.peak_bytes == (2 << 20) + 900 == sum(card.parts.values())
+    assert card.parts == {
+        "gradients": 40,
+        "activations": 60,
+        "allocator_reserve": (2 << 20) - 100,
+        "outside_allocator": 900,
+    }
+    assert list(card.parts) == [p for p in MEMORY_PARTS if p in card.parts] and card.fits is False
+    # Reserved bytes below the live peak cannot come from a replay of the same storages: no breakdown.
+    assert with_card_parts(live, reserved_bytes=99, outside_bytes=0, fits=True) is None
