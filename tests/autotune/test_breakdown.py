@@ -60,16 +60,43 @@ def _ordinary_llama() -> Any:
     return model
 
 
+def _tracked_peak(tracker: Any, model: Any, optimizer: Any, make_batch: Any, loss_of: Any) -> dict[Any, int]:
+    """The tracker's categories at the peak of the trial's steps, run the ordinary way: two micro-batches of
+    make_batch() a step, each held through its backward (as a loop over a loader holds it), loss_of(model, batch)
+    halved, a step, zero_grad, twice."""
+    with tracker:
+        for _ in range(2):
+            for _ in range(2):
+                tracker.reset_mod_stats()  # one forward of the model per tracked iteration
+                batch = make_batch()
+                loss = loss_of(model, batch) / 2
+                loss.backward()
+                del batch, loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return dict(peak)
+
+
+def _llama_batch(micro_batch: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Input ids and their labels (a copy, as the hf: task's batch holds)."""
+    ids = torch.randint(0, CONFIGS["llama"]["vocab_size"], (micro_batch, SEQ_LEN), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _llama_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
 class _NoHook:
     def remove(self) -> None:
         pass
 
 
 def _memtracker_peak(micro_batch: int, lora_rank: int | None = None) -> dict[str, int]:
-    """MemTracker's categories at the peak of the trial's steps, run the ordinary way: AdamW, two micro-batches
-    of input ids and their labels (a copy, as the hf: task's batch holds; the batch held until after its
-    backward, as a loop over a loader holds it), forward and backward each, a step, zero_grad, twice. With
-    lora_rank: peft's LoRA over the model (alpha 2r, no dropout, peft's default targets), AdamW over the adapters."""
+    """MemTracker's categories at the peak of the trial's steps (_tracked_peak) over the Llama built the ordinary
+    way, AdamW. With lora_rank: peft's LoRA over the model (alpha 2r, no dropout, peft's default targets), AdamW over
+    the adapters."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
@@ -88,18 +115,7 @@ def _memtracker_peak(micro_batch: int, lora_rank: int | None = None) -> dict[str
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     tracker.track_external(model, optimizer)
     generator = torch.Generator().manual_seed(0)
-    with tracker:
-        for _ in range(2):
-            for _ in range(2):
-                tracker.reset_mod_stats()  # one forward of the model per tracked iteration
-                ids = torch.randint(0, CONFIGS["llama"]["vocab_size"], (micro_batch, SEQ_LEN), generator=generator)
-                batch = {"input_ids": ids, "labels": ids.clone()}  # held through the backward, as a loader's is
-                loss = model(**batch).loss / 2
-                loss.backward()
-                del ids, batch, loss
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    peak = _tracked_peak(tracker, model, optimizer, lambda: _llama_batch(micro_batch, generator), _llama_loss)
     return {getattr(key, "name", key): value for key, value in peak.items()}
 
 
@@ -152,18 +168,8 @@ def test_a_task_files_parts_are_memtrackers() -> None:
     model = task.model()
     optimizer = torch.optim.AdamW(model.parameters())
     tracker.track_external(model, optimizer)
-    with tracker:
-        for _ in range(2):
-            for _ in range(2):
-                tracker.reset_mod_stats()
-                batch = task.batch(4)
-                assert task.loss is not None  # the GPT example's token-mean loss
-                loss = task.loss(model, batch) / 2
-                loss.backward()
-                del batch, loss
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    assert task.loss is not None  # the GPT example's token-mean loss
+    peak = _tracked_peak(tracker, model, optimizer, lambda: task.batch(4), task.loss)
     truth = {getattr(key, "name", key): value for key, value in peak.items()}
     parts = breakdown.parts
     print(f"gpt example m=4: autotune {parts} at {breakdown.peak_where}; MemTracker {truth}")
@@ -285,7 +291,7 @@ def test_under_fsdp_each_part_is_the_ranks_shard(tmp_path: Path) -> None:
 def _fsdp_memtracker_peak(micro_batch: int) -> dict[str, int]:
     """FSDPMemTracker's categories at the peak, rank 0 of 2 under torch's fake process group: the Llama with each
     decoder layer a fully_shard unit (the last one kept unsharded after forward, torchtitan's way) and the root,
-    AdamW, the steps of _memtracker_peak."""
+    AdamW, the steps of _tracked_peak."""
     import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
@@ -304,18 +310,7 @@ def _fsdp_memtracker_peak(micro_batch: int) -> dict[str, int]:
         optimizer = torch.optim.AdamW(model.parameters())
         tracker = FSDPMemTracker(model, optimizer)
         generator = torch.Generator().manual_seed(0)
-        with tracker:
-            for _ in range(2):
-                for _ in range(2):
-                    tracker.reset_mod_stats()
-                    ids = torch.randint(0, CONFIGS["llama"]["vocab_size"], (micro_batch, SEQ_LEN), generator=generator)
-                    batch = {"input_ids": ids, "labels": ids.clone()}
-                    loss = model(**batch).loss / 2
-                    loss.backward()
-                    del ids, batch, loss
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        (peak,) = tracker.get_tracker_snapshot("peak").values()
+        peak = _tracked_peak(tracker, model, optimizer, lambda: _llama_batch(micro_batch, generator), _llama_loss)
     finally:
         dist.destroy_process_group()
     return {getattr(key, "value", key): value for key, value in peak.items()}
