@@ -137,9 +137,10 @@ def _on_card(
     # --estimate-bound safe: what the figure does not model, bounded, joins the memory outside the allocator.
     bound = unmodelled_bound(card, setup.world_size, setup.mesh, os.environ)
     bounded = config.estimate_bound == "safe" and bound.bytes > 0
-    bound_notes = [bound_line(bound)] if bounded else []
+    bound_notes: list[str] = []
     if bounded:
         outside += bound.bytes
+        bound_notes.append(bound_line(bound))
     elif bound.bytes:
         bound_notes.append(
             f"tight (--estimate-bound tight): NCCL's buffers are not in the figures, up to "
@@ -177,7 +178,6 @@ def _on_card(
         f"under torch {cuda_torch.torch_version}, reserved bytes by the caching allocator's model, "
         f"plus {outside_source}"
     )
-
     # --gpu NAME --gpu-memory: a card the catalog lacks, with the architecture it was given.
     unlisted = [f"{card.nvml_name} is {card.source}; assumed: {card.assumed}"] if card.assumed_from else []
     device = Device(
