@@ -66,7 +66,8 @@ class BreakdownRecorder:
         self._held: list[tuple[int, int]] = []
         self._phases: list[tuple[int, str]] = []
         self._known: list[tuple[int, int, str]] = []  # (event index, event key, category)
-        # (event index, in a collective or not): the spans where FSDP2 gathers or reduce-scatters.
+        # (event index, in a collective or not): the spans where FSDP2 gathers or reduce-scatters, or DDP builds
+        # its buckets.
         self._collective: list[tuple[int, bool]] = []
         self._collective_depth = 0
         self._event_key: Any = None
@@ -105,8 +106,8 @@ class BreakdownRecorder:
 
     @contextmanager
     def _collectives_marked(self) -> Iterator[None]:
-        """FSDP2's gathering and reduce-scattering methods mark their spans while the trial is recorded (put
-        back after it)."""
+        """FSDP2's gathering and reduce-scattering methods, and DDP's forward preamble, mark their spans while the
+        trial is recorded (put back after it)."""
         from torch.nn.parallel import DistributedDataParallel
 
         try:
