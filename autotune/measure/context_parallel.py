@@ -84,14 +84,8 @@ from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.measure.layout import Layout
-from autotune.measure.strategies import (
-    Sharded,
-    Strategy,
-    _is_fake,
-    _mesh_coordinates_outside_fake_modes,
-    hold_ddp_buckets,
-    parallelize_tp,
-)
+from autotune.measure.parallelize import Parallelism, compose
+from autotune.measure.strategies import Strategy
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["MEASURED_RANK", "ROTATION", "ContextParallel", "install_cpu_flash_attention"]
@@ -401,7 +395,7 @@ class ContextParallel(Strategy):
         return args, {**kwargs, "shift_labels": shift_labels, "position_ids": position_ids}
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
         refuse_composition(Dimensions.of(self.inner, self.world_size, self.mesh, offload=task.offload), TaskError)
         _check_model(model, task, self.mesh.cp)
@@ -420,36 +414,35 @@ class ContextParallel(Strategy):
                 f"--cp {self.mesh.cp}: fp32 attention over grouped key/value heads ({kv_heads} for {heads}) takes "
                 "SDPA's math path on CUDA, which torch's context parallelism cannot run: --precision bf16 (flash)"
             )
+        # Tensor parallel inside each cp rank, as TensorParallel parallelizes (its plan, the heads divided per tp
+        # rank): the attention's query, key and value leave their column-wise projections as local tensors of
+        # H / tp heads, which context_parallel's SDPA then shards along the sequence over the cp ranks.
+        # Under fsdp, FSDP2 over every rank, the (dp, cp) mesh flattened: the cp ranks hold the same parameters, so
+        # their gradients are reduced together and their shards are cut over all W ranks (torchtitan's and
+        # accelerate's dp_shard_cp mesh). The measured rank is global rank ``rank``: its shard is the rank-th of W
+        # (FSDP2 pads the shards to one size, rank 0's the largest before padding).
+        # Under ddp, DDP over every rank; a fake model holds its buckets instead (DDP's constructor broadcasts the
+        # weights, which fake tensors cannot carry), as plain ddp's fake trials do (strategies.FakeReplicas). The
+        # fake group's all-reduce completes with no value, which DDP's reducer refuses; a real one reduces each
+        # bucket in place and hands the same buffer back, which is what noop_hook returns.
+        parallelism = Parallelism(
+            self.inner,
+            replicas=self.world_size,
+            tp_mesh=self._device_mesh["tp"] if self.mesh.tp > 1 else None,
+            shard_mesh=self._shard_mesh,
+            group=self._group,
+            comm_hook=noop_hook,
+            context=self._install,
+        )
+        return compose(model, task, device, parallelism).model
+
+    def _install(self, model: nn.Module) -> None:
+        """cp's applier: each attention's mask dropped (torch's ring attention runs causal SDPA without one), and
+        every forward entered under context_parallel (:meth:`_enter`)."""
         for name, module in model.named_modules():
             if name.endswith("self_attn"):
                 module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
         model.register_forward_pre_hook(self._enter, with_kwargs=True)
-        if self.mesh.tp > 1:
-            # Tensor parallel inside each cp rank, as TensorParallel parallelizes (its plan, the heads divided per
-            # tp rank): the attention's query, key and value leave their column-wise projections as local tensors
-            # of H / tp heads, which context_parallel's SDPA then shards along the sequence over the cp ranks.
-            parallelize_tp(model, task, self._device_mesh["tp"])
-        if self.inner == "fsdp":
-            # FSDP2 over every rank, the (dp, cp) mesh flattened: the cp ranks hold the same parameters, so their
-            # gradients are reduced together and their shards are cut over all W ranks (torchtitan's and
-            # accelerate's dp_shard_cp mesh). The measured rank is global rank ``rank``: its shard is the
-            # rank-th of W (FSDP2 pads the shards to one size, rank 0's the largest before padding).
-            with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
-                Sharded(self.world_size, mesh=self._shard_mesh).wrap(model, task, device)
-            return model
-        if _is_fake(model):
-            # DDP's constructor broadcasts the weights, which fake tensors cannot carry: its gradient buckets are
-            # held without it, as plain ddp's fake trials hold them (strategies.FakeReplicas).
-            hold_ddp_buckets(model)
-            return model
-        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
-
-        device_ids = [device.index] if device.type == "cuda" else None
-        replicated = DistributedDataParallel(model, device_ids=device_ids, process_group=self._group)
-        # The fake group's all-reduce completes with no value, which DDP's reducer refuses; a real one reduces
-        # each bucket in place and hands the same buffer back, which is what noop_hook returns.
-        replicated.register_comm_hook(None, noop_hook)
-        return replicated
 
     @contextmanager
     def sync(self, model: nn.Module, last: bool) -> Iterator[None]:

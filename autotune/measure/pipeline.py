@@ -82,8 +82,9 @@ from autotune.measure.layout import Layout
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.oom import is_oom
+from autotune.measure.parallelize import Parallelism, apply_ddp, compose, fsdp_api
 from autotune.measure.policies import apply_policy
-from autotune.measure.strategies import Strategy, hold_ddp_buckets
+from autotune.measure.strategies import Strategy
 from autotune.measure.trial import _initialise, build_on_meta, make_batch
 from autotune.tasks.batches import map_tensors
 from autotune.tasks.task import ProbeTask
@@ -245,8 +246,8 @@ class StageStrategy(Strategy):
     def stage_built(self, model: nn.Module) -> None:
         """After the stage's parameters (or shards) were given storage, inside the measured span: DDP's buckets
         where DDP wraps the stage (ddp over more than one replica)."""
-        if self.name == "ddp" and self.replicas > 1:
-            hold_ddp_buckets(model)
+        if self.name == "ddp":
+            apply_ddp(model, torch.device("meta"), replicas=self.replicas)  # no group: the buckets alone
 
     def forward_ended(self, model: nn.Module, output: Any) -> Any:
         """The stage's output when its forward stopped at its last block, before the model's own end."""
@@ -309,7 +310,7 @@ class ShardedStage(StageStrategy):
         self._device_mesh: Any = None
         self._entered = 0
         # The plan shards the sequence between the blocks (sequence parallel: the activations that cross the
-        # stages are each rank's L / tp positions, as torchtitan's stages send them): set by _parallelize, with
+        # stages are each rank's L / tp positions, as torchtitan's stages send them): set by shard_stage, with
         # loss_parallel.
         self._sequence_sharded = False
 
@@ -325,8 +326,6 @@ class ShardedStage(StageStrategy):
 
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
-        from autotune.measure.strategies import _fsdp_api
-
         if self._entered:  # the probe enters it around the search, and the search again
             self._entered += 1
             try:
@@ -334,7 +333,7 @@ class ShardedStage(StageStrategy):
             finally:
                 self._entered -= 1
             return
-        _fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
+        fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -353,47 +352,22 @@ class ShardedStage(StageStrategy):
                 self._device_mesh = None
 
     def shard_stage(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
-        from autotune.measure.strategies import _LOW_PRECISION, _fsdp_api, _is_fake, shard_units
+        from autotune.measure.tensor_parallel import shards_sequence, uses_loss_parallel
 
         if self._device_mesh is None:
             raise AutotuneError(f"--strategy {self.inner} --pp: the stage was built outside its process group")
-        if self.tp > 1:
-            self._parallelize(model, task, not_held)
-        if self.inner != "fsdp":
-            return
-        fully_shard, mixed_precision_policy = _fsdp_api()
-        ignored = {p for p in model.parameters() if id(p) in not_held}
-        units = [u for u in shard_units(model, task.shard_classes) if any(p not in ignored for p in u.parameters())]
-        kwargs: dict[str, Any] = {"mesh": self._device_mesh["dp"]}
-        low = _LOW_PRECISION.get(task.precision)
-        if low is not None:
-            kwargs["mp_policy"] = mixed_precision_policy(param_dtype=low, reduce_dtype=torch.float32)
-        from autotune.measure.strategies import _mesh_coordinates_outside_fake_modes
 
-        fake = self.tp > 1 and _is_fake(model)
-        with _mesh_coordinates_outside_fake_modes() if fake else nullcontext():
-            for index, unit in enumerate(units):
-                fully_shard(unit, reshard_after_forward=index < len(units) - 1, **kwargs)
-            fully_shard(model, ignored_params=ignored or None, **kwargs)
-
-    def _parallelize(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
-        """The task's tensor-parallel plan over the tp sub-mesh, on the modules the stage holds."""
-        from autotune.measure.tensor_parallel import (
-            apply_tp_plan,
-            check_tp_plan,
-            shards_sequence,
-            uses_loss_parallel,
+        # tp over the modules the stage holds, then (fsdp) its blocks and root sharded over dp; under ddp the
+        # buckets come once the stage has its storage (stage_built), so nothing here.
+        parallelism = Parallelism(
+            self.inner,
+            tp_mesh=self._device_mesh["tp"] if self.tp > 1 else None,
+            shard_mesh=self._device_mesh["dp"] if self.inner == "fsdp" else None,
+            not_held=frozenset(not_held),
         )
-
-        styles = check_tp_plan(model, task, self.tp)
+        styles = compose(model, task, torch.device("meta"), parallelism).styles
         self._sequence_sharded = shards_sequence(styles)
         self.loss_parallel = uses_loss_parallel(styles)
-        kept: dict[str, Any] = {}
-        for name, style in styles.items():
-            params = list(model.get_submodule(name).parameters())
-            if not params or any(id(p) not in not_held for p in params):
-                kept[name] = style
-        apply_tp_plan(model, self._device_mesh["tp"], kept)
 
     def crossing_meta(self, meta: tuple[torch.Size, torch.dtype]) -> tuple[torch.Size, torch.dtype]:
         if not self._sequence_sharded:

@@ -40,6 +40,15 @@ from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.measure.layout import Layout
+from autotune.measure.parallelize import (
+    FSDP_MIN_TORCH,
+    LOW_PRECISION,
+    Parallelism,
+    compose,
+    fsdp_api,
+    hold_ddp_buckets,
+    shard_units,
+)
 from autotune.tasks.task import ProbeTask
 
 __all__ = [
@@ -50,12 +59,8 @@ __all__ = [
     "Strategy",
     "TensorParallel",
     "hold_ddp_buckets",
-    "parallelize_tp",
     "shard_units",
 ]
-
-FSDP_MIN_TORCH = "2.6"
-_LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-autocast": torch.bfloat16, "fp16": torch.float16}
 
 
 class Strategy(ABC):
@@ -81,7 +86,7 @@ class Strategy(ABC):
     def autocast_dtype(self, precision: str) -> torch.dtype | None:
         """The dtype the forward runs under autocast in, or None for no autocast: every low precision
         autocasts under ddp (the weights stay fp32)."""
-        return _LOW_PRECISION.get(precision)
+        return LOW_PRECISION.get(precision)
 
     def autocast(self, precision: str, device: torch.device) -> AbstractContextManager[Any]:
         """The autocast context a forward runs in at ``precision`` (a null one where there is none)."""
@@ -146,41 +151,15 @@ class Replicated(Strategy):
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         refuse_composition(Dimensions(offload=task.offload), TaskError)  # a task file's own offload too
-        if self._group is None:
-            return model
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, process_group=self._group)
+        # DDP itself in its one-process group; none where there is none (one replica, or inside a job's own group).
+        replicas = self.world_size if self._group is not None else 1
+        return compose(model, task, device, Parallelism("ddp", replicas=replicas, group=self._group)).model
 
     def sync(self, model: nn.Module, last: bool) -> AbstractContextManager[Any]:
         # Under DDP only the last micro-batch of a group all-reduces, as a correct job does.
         if self._group is None or last:
             return nullcontext()
         return model.no_sync()  # type: ignore[operator,no-any-return]
-
-
-def hold_ddp_buckets(model: nn.Module) -> None:
-    """Hold on ``model`` the gradient buckets DDP's reducer would allocate for it (:class:`FakeReplicas` says why
-    and how they are cut): one flat tensor per dtype and device of its trainable parameters, made from a
-    parameter, so that under the fake mode they are fake tensors on its device, counted as DDP's are.
-
-    A DTensor parameter (``--tp``) counts its local shard: DDP over a tensor-parallel model
-    (``DistributedDataParallel(device_mesh=dp)``, torch's ``_pre_dp_module_transform``) swaps each DTensor for
-    its local tensor before it builds the reducer. A parameter left on ``meta`` (one a pipeline stage does not
-    hold) is not the stage's: DDP over the stage never sees it."""
-    numel: dict[tuple[torch.dtype, torch.device], int] = {}
-    first: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if not parameter.requires_grad or parameter.is_meta:
-                continue
-            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # a DTensor's shard
-            key = (local.dtype, local.device)
-            numel[key] = numel.get(key, 0) + local.numel()
-            first.setdefault(key, local)
-        buckets = [first[key].new_empty((count,)) for key, count in numel.items()]
-    model._autotune_ddp_buckets = buckets  # type: ignore[assignment]
 
 
 class FakeReplicas(Replicated):
@@ -199,46 +178,12 @@ class FakeReplicas(Replicated):
         yield None
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        model = super().wrap(model, task, device)  # its refusals; no group, so the model itself
-        if self.world_size <= 1:
-            return model
-        hold_ddp_buckets(model)
-        return model
+        refuse_composition(Dimensions(offload=task.offload), TaskError)  # a task file's own offload too
+        # No group: DDP's buckets alone (apply_ddp), none for one replica.
+        return compose(model, task, device, Parallelism("ddp", replicas=self.world_size)).model
 
     def sync(self, model: nn.Module, last: bool) -> AbstractContextManager[Any]:
         return nullcontext()
-
-
-def _fsdp_api() -> tuple[Any, Any]:
-    """fully_shard and MixedPrecisionPolicy, or a one-line error where this torch lacks them or the fake process
-    group (fake_group.fake_process_group's store)."""
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - checked here, used there
-    except ImportError as exc:
-        raise AutotuneError(
-            f"--strategy fsdp needs torch >= {FSDP_MIN_TORCH} with torch.distributed "
-            f"(fully_shard and the fake process group); this torch is {torch.__version__}: {exc}"
-        ) from None
-    return fully_shard, MixedPrecisionPolicy
-
-
-def _is_fake(model: nn.Module) -> bool:
-    """Whether the model's parameters are fake, a DTensor's by its local shard (under torchtitan's tp plan every
-    parameter is a DTensor, the norms' too)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return any(isinstance(getattr(p, "_local_tensor", p), FakeTensor) for p in model.parameters())
-
-
-def shard_units(model: nn.Module, shard_classes: tuple[type[nn.Module], ...] | None) -> list[nn.Module]:
-    """The modules FSDP2 wraps one by one: instances of shard_classes when given, else every child of
-    every nn.ModuleList (the repeated blocks of most models)."""
-    if shard_classes:
-        units = [m for m in model.modules() if isinstance(m, shard_classes) and m is not model]
-    else:
-        units = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m.children()]
-    return units
 
 
 class Sharded(Strategy):
@@ -267,7 +212,7 @@ class Sharded(Strategy):
 
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
-        _fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
+        fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
         import torch.distributed as dist
 
         if self._given_mesh is not None:
@@ -287,28 +232,7 @@ class Sharded(Strategy):
                 self._mesh = None
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        fully_shard, mixed_precision_policy = _fsdp_api()
-        units = shard_units(model, task.shard_classes)
-        if not units:
-            raise TaskError(
-                f"--strategy fsdp found no block to shard in {type(model).__name__} of task {task.name!r}: "
-                "it has no nn.ModuleList; name the block classes in the task (ProbeTask(shard_classes=(Block,)))"
-            )
-        low = _LOW_PRECISION.get(task.precision)
-        kwargs: dict[str, Any] = {"mesh": self._mesh}
-        if low is not None:
-            kwargs["mp_policy"] = mixed_precision_policy(param_dtype=low, reduce_dtype=torch.float32)
-        if task.offload == "params":  # FSDP2's CPUOffloadPolicy (autotune/measure/offload.py), pinned on a card
-            from torch.distributed.fsdp import CPUOffloadPolicy
-
-            pin = device.type == "cuda" and not _is_fake(model) and torch.cuda.is_available()
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-        for index, unit in enumerate(units):
-            # torchtitan's default: the last block stays unsharded after forward (it is the first one
-            # backward needs; resharding it would all-gather it again at once).
-            fully_shard(unit, reshard_after_forward=index < len(units) - 1, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        return compose(model, task, device, Parallelism("fsdp", shard_mesh=self._mesh)).model
 
 
 class TensorParallel(Strategy):
@@ -337,7 +261,7 @@ class TensorParallel(Strategy):
 
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
-        _fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
+        fsdp_api()  # its one-line error where this torch has no fully_shard or fake process group
         import torch.distributed as dist
 
         if self._given_mesh is not None:
@@ -358,51 +282,19 @@ class TensorParallel(Strategy):
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         from autotune.measure.tensor_parallel import uses_loss_parallel
 
-        self.loss_parallel = uses_loss_parallel(parallelize_tp(model, task, self._device_mesh["tp"]))
-        if self.inner == "fsdp":
-            with _mesh_coordinates_outside_fake_modes() if _is_fake(model) else nullcontext():
-                Sharded(self.replicas, mesh=self._device_mesh["dp"]).wrap(model, task, device)
-        elif self.replicas > 1:
-            # DDP over the dp sub-mesh (torch's TP + DDP: DistributedDataParallel(device_mesh=dp) swaps each DTensor
-            # parameter for its local tensor, _pre_dp_module_transform) allocates one flat bucket per dtype of the
-            # local shards. Held here, real and fake trials alike, rather than built: that transform leaves the
-            # DTensors as plain attributes after the first forward, so a model reused across trials would hand the
-            # next trial's optimizer its norms alone; and the fake group cannot run DDP on fake tensors. The real
-            # job's other bytes of DDP (its broadcast at construction) pass before the first forward.
-            hold_ddp_buckets(model)
-        return model
-
-
-def parallelize_tp(model: nn.Module, task: ProbeTask, tp_mesh: Any) -> dict[str, Any]:
-    """model parallelized in place over the tp ranks of ``tp_mesh`` with its plan (autotune/measure/tensor_parallel.py:
-    transformers' plan, torchtitan's by name, or the task's own), the plan checked against the model first; the
-    styles applied, by module name."""
-    from autotune.measure.tensor_parallel import apply_tp_plan, check_tp_plan
-
-    styles = check_tp_plan(model, task, tp_mesh.size())
-    apply_tp_plan(model, tp_mesh, styles)
-    return styles
-
-
-@contextmanager
-def _mesh_coordinates_outside_fake_modes() -> Iterator[None]:
-    """FSDP2 over a tp mesh concatenates the dp and tp meshes (``DeviceMesh._concatenate``, once per
-    parameter), and the new mesh finds this rank's coordinates with ``(mesh == rank).nonzero()``. Under
-    the fake trials' FakeTensorMode that mesh tensor (made from the real rank map) is fake and nonzero's
-    size depends on its values, so the fake trial stopped there. The coordinates are bookkeeping on the
-    host (a few integers, gone before the first micro-batch): computed outside the modes, on the real
-    rank map, they are the real job's."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    original = DeviceMesh._compute_coordinate_on_dim
-
-    def outside(self: Any) -> Any:
-        with _disable_current_modes():
-            return original(self)
-
-    DeviceMesh._compute_coordinate_on_dim = outside  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DeviceMesh._compute_coordinate_on_dim = original  # type: ignore[method-assign]
+        # Under ddp with D > 1, DDP over the dp sub-mesh (torch's TP + DDP: DistributedDataParallel(device_mesh=dp)
+        # swaps each DTensor parameter for its local tensor, _pre_dp_module_transform) allocates one flat bucket per
+        # dtype of the local shards. Held (group None), real and fake trials alike, rather than built: that
+        # transform leaves the DTensors as plain attributes after the first forward, so a model reused across
+        # trials would hand the next trial's optimizer its norms alone; and the fake group cannot run DDP on fake
+        # tensors. The real job's other bytes of DDP (its broadcast at construction) pass before the first forward.
+        mesh = self._device_mesh
+        parallelism = Parallelism(
+            self.inner,
+            replicas=self.replicas,
+            tp_mesh=mesh["tp"],
+            shard_mesh=mesh["dp"] if self.inner == "fsdp" else None,
+        )
+        composed = compose(model, task, device, parallelism)
+        self.loss_parallel = uses_loss_parallel(composed.styles)
+        return composed.model
