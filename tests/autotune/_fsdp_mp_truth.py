@@ -8,8 +8,8 @@ autocast; 2 micro-batches forward and backward, an AdamW step, zero_grad, twice.
 tests/autotune/_ordinary_optimizers.py's constructors (torch's or the library's own, not the project's spec);
 ``precision="fp32"`` wraps without a policy; ``strategy="ddp"`` wraps the whole model in DistributedDataParallel
 instead, the first micro-batch under ``no_sync`` (one all-reduce per step, as the probe's ddp trial). The peak is
-the CPU allocator's own running total of allocated bytes, rank 0's written to a file; the least of three runs
-per size (below: why).
+the CPU allocator's own running total of allocated bytes, rank 0's written to a file; one run per size (below:
+why).
 
 Why the allocator's total and not the sum of the profiler's memory events: the profiler records the
 allocations and frees made on the threads it profiles. gloo's worker thread sometimes drops the last reference
@@ -23,12 +23,13 @@ largest total over the run's events, less the total before its first, is what on
 measures. (A peak made by an allocation on gloo's own thread would not be seen at an event of a profiled thread;
 the probe does not model one either.)
 
-Why the least of three runs per size: when gloo's thread drops a collective's input late, after the main
-thread's next allocation, the total holds both for a moment. That is the timing of two threads, not the job: one
-run in three of fused AdamW under fsdp read 25,216 bytes more at m=4 (1,032,060 against 1,006,844), the other
-runs equal to each other. The least is the order in which each collective's input is gone when it completes, as
-a card's caching allocator frees it on its stream's order and as the probe counts it; every run's figure is
-written beside it (rank{N}.runs.json) so a test can say the spread.
+Why one run per size: when gloo's thread dropped a collective's input late, after the main thread's next
+allocation, the total held both for a moment (one run in three of fused AdamW under fsdp read 25,216 bytes more at
+m=4: 1,032,060 against 1,006,844). That is the timing of two threads, not the job, and it is removed at its cause:
+FSDP2's collectives return once gloo has let go of their buffers (tests/autotune/_gloo_released.py), so each
+input is gone where the job drops it, as a card's caching allocator frees it on its stream's order and as the
+probe counts it. Earlier versions ran each size three times and took the least; every run's figure is still
+written (rank{N}.runs.json).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import json
 import os
 import traceback
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from examples import gpt
+from tests.autotune._gloo_released import collectives_released
 from tests.autotune._ordinary_checkpointing import checkpointed
 from tests.autotune._ordinary_optimizers import DEFAULT, ORDINARY
 
@@ -149,7 +151,7 @@ def _peak_bytes(mesh: object, micro_batch: int, job: Job) -> int:
     return max(total for _, _, total in events) - before
 
 
-RUNS_PER_SIZE = 3
+RUNS_PER_SIZE = 1
 
 
 def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job) -> None:
@@ -158,7 +160,9 @@ def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    released = ExitStack()
     try:
+        released.enter_context(collectives_released())
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world_size,))
         # A script imports its libraries before it trains: bitsandbytes' import makes two 64-byte code tables
@@ -168,4 +172,5 @@ def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): min(r) for m, r in runs.items()}))
         Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
     finally:
+        released.close()
         dist.destroy_process_group()

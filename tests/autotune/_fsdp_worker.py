@@ -8,6 +8,7 @@ fits when the largest peak over the ranks is within the limit (what the job need
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import traceback
@@ -22,6 +23,8 @@ from autotune.measure.strategies import Sharded
 from autotune.measure.trial import TrialRunner
 from autotune.search.boundary import find_max_micro_batch
 from examples import gpt
+from tests.autotune import _gloo_released
+from tests.autotune._gloo_released import collectives_released
 
 UNBOUNDED_BYTES = 1 << 40
 
@@ -40,7 +43,10 @@ def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    try:
+    # Each collective returns once gloo let go of its buffers (tests/autotune/_gloo_released.py says why).
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(collectives_released())
+        stack.callback(dist.destroy_process_group)
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world_size,))
         strategy = Sharded(world_size, mesh=mesh)
@@ -77,11 +83,10 @@ def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch:
                     "peak_bytes": peak_at,
                     "max_micro_batch": result.max_micro_batch,
                     "tried": [t.micro_batch for t in result.trials],
+                    "late_releases": _gloo_released.late_releases,
                 }
             )
         )
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # pragma: no cover - spawned by the test
