@@ -8,8 +8,7 @@ allocator's own running total. The one-process answer's m_max and m_max + 1 must
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.hf import hf_task
 from tests.autotune._hf_configs import CONFIGS, write_config
+from tests.autotune.test_cli_input import run_cli
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
@@ -179,9 +179,12 @@ def test_lora_under_tp2_agrees_with_peft_over_transformers_tp_plan_on_real_ranks
     assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
 
 
-def test_lora_on_a_row_wise_layer_under_tp_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_lora_on_a_row_wise_layer_under_tp_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     output = tmp_path / "profile.json"
     done = _cli(
+        capsys,
         f"hf:{_llama_dir(tmp_path)}",
         *("--seq-len", str(SEQ_LEN), "--tp", "2", "--world-size", "2", "--lora-rank", "4"),
         *("--lora-targets", "q_proj,o_proj", "--output", str(output)),
@@ -207,14 +210,17 @@ def test_the_plan_holds_the_target_over_the_data_parallel_replicas_only() -> Non
     assert the_plan.micro_batch * the_plan.accumulation_steps * the_plan.world_size == 64
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autotune.cli", "probe", *args, "--device", "cpu", "--budget", "1MiB"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+@dataclass(frozen=True)
+class _Done:
+    returncode: int
+    stderr: str
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> _Done:
+    """``autotune probe ARGS`` in this process (main's return, the code ``python -m autotune.cli`` exits with):
+    the refusals below come before any trial, and a process of their own cost each one the imports again."""
+    code, _, err = run_cli(["probe", *args, "--device", "cpu", "--budget", "1MiB"], capsys)
+    return _Done(code, err)
 
 
 @pytest.mark.parametrize(
@@ -224,17 +230,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--tp", "4", "--world-size", "4"], "--tp 4 does not divide the 2 key-value heads"),
     ],
 )
-def test_a_mesh_the_model_cannot_take_is_one_line_and_exit_2(tmp_path: Path, flags: list[str], line: str) -> None:
+def test_a_mesh_the_model_cannot_take_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], line: str
+) -> None:
     output = tmp_path / "profile.json"
-    done = _cli(f"hf:{_llama_dir(tmp_path)}", "--seq-len", str(SEQ_LEN), *flags, "--output", str(output))
+    done = _cli(capsys, f"hf:{_llama_dir(tmp_path)}", "--seq-len", str(SEQ_LEN), *flags, "--output", str(output))
     errors = [text for text in done.stderr.splitlines() if text.startswith("autotune: error:")]
     assert done.returncode == 2 and len(errors) == 1 and line in errors[0], done.stderr[-2000:]
     assert not output.exists()
 
 
-def test_a_model_with_no_tp_plan_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_a_model_with_no_tp_plan_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     output = tmp_path / "profile.json"
-    done = _cli("examples/gpt.py", "--tp", "2", "--world-size", "2", "--output", str(output))
+    done = _cli(capsys, "examples/gpt.py", "--tp", "2", "--world-size", "2", "--output", str(output))
     assert done.returncode == 2 and "has no tensor-parallel plan" in done.stderr, done.stderr[-2000:]
     assert not output.exists()
 
