@@ -150,7 +150,14 @@ def breakdown_lines(profile: Profile) -> list[str]:
         lines.append(f"    {label:<28s}{cells}")
     totals = "".join(f"{format_bytes(b.peak_bytes):>14s}{'':7s}" for b in breakdowns)
     lines.append(f"    {'total':<28s}{totals}".rstrip())
-    lines += [f"    peak of m={b.micro_batch} at {b.peak_where}" for b in breakdowns if b.peak_where]
+    lines += [
+        f"    peak of m={b.micro_batch} at {b.peak_where}" + ("" if b.stage is None else f" (stage {b.stage})")
+        for b in breakdowns
+        if b.peak_where
+    ]
+    stages = {b.stage for b in breakdowns if b.stage is not None}
+    if stages:
+        lines.append(f"    the pipeline's most loaded stage: {', '.join(str(stage) for stage in sorted(stages))}")
     return lines
 
 

@@ -388,6 +388,8 @@ class MemoryBreakdown(_Model):
         list[tuple[Annotated[int, Field(ge=0, le=2**40)], Literal["model", "inputs", "forward", "backward", "step"]]],
         Field(max_length=512),
     ]
+    # A pipeline's: the stage (the rank's pp coordinate) whose peak this is, its most loaded; None: no pipeline.
+    stage: Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE)] | None = None
 
     @field_validator("timeline", mode="before")
     @classmethod

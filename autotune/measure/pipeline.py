@@ -77,7 +77,7 @@ from torch import nn
 from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
-from autotune.core.schemas import Trial
+from autotune.core.schemas import MemoryBreakdown, Trial
 from autotune.measure.layout import Layout
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
@@ -85,7 +85,7 @@ from autotune.measure.oom import is_oom
 from autotune.measure.parallelize import Parallelism, apply_ddp, compose, fsdp_api
 from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Strategy
-from autotune.measure.trial import _initialise, build_on_meta, make_batch
+from autotune.measure.trial import _initialise, build_on_meta, make_batch, recorder_of
 from autotune.tasks.batches import map_tensors
 from autotune.tasks.task import ProbeTask
 
@@ -887,17 +887,22 @@ class _Replay:
         self.schedule, self.k, self.micro_batch = schedule, microbatches, micro_batch
         shapes = stage.flow.shapes
         assert shapes is not None
+        # The breakdown's recorder the steps tell what they do (recorder_of: set by run, or by the interleaved
+        # replay for each of its chunks, before any forward).
+        self.recorder: Any = None
         # The crossing activations as the rank holds them (sequence parallel: its L / tp positions).
         self.input_meta = strategy.crossing_meta(shapes.block_inputs[stage.first_block])
         self.output_meta = strategy.crossing_meta(shapes.block_outputs[stage.first_block + stage.block_count - 1])
 
     def run(self, meter: Meter) -> None:
         stage, k = self.stage, self.k
+        self.recorder = recorder = recorder_of(meter)
+        recorder.classify_model(stage.model)
+        recorder.phase("step")  # the optimizer's construction
         optimizer = self.task.make_optimizer(stage.model)
-        # PipelineStage's receive buffers: one per micro-batch, made once, kept for the schedule's life.
-        arrivals = [] if stage.first else [self._buffer(self.input_meta, fill="normal") for _ in range(k)]
-        grads_in = [] if stage.last else [self._buffer(self.output_meta, fill="zero") for _ in range(k)]
+        arrivals, grads_in = self.receive_buffers()
         for _ in range(OPTIMIZER_STEPS):
+            recorder.phase("inputs")
             batches = [make_batch(self.task, self.micro_batch, self.device) for _ in range(k)]
             if self.schedule == "gpipe":
                 self._gpipe(batches, arrivals, grads_in)
@@ -906,18 +911,31 @@ class _Replay:
             del batches
             self._backwards_ended()
             meter.checkpoint(FORWARD_BACKWARD)
+            recorder.phase("step")
             optimizer.step()
+            recorder.classify_optimizer(optimizer)
             optimizer.zero_grad(set_to_none=self.task.zero_grad_to_none)
             meter.checkpoint(STEP)
+
+    def receive_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """PipelineStage's receive buffers, one per micro-batch, made once and kept for the schedule's life: the
+        activations arriving from the previous stage and the gradients from the next (what the pipeline adds to a
+        rank, its ``collectives`` in a breakdown)."""
+        arrivals = [] if self.stage.first else [self._buffer(self.input_meta, fill="normal") for _ in range(self.k)]
+        grads_in = [] if self.stage.last else [self._buffer(self.output_meta, fill="zero") for _ in range(self.k)]
+        self.recorder.classify([*arrivals, *grads_in], "collectives")
+        return arrivals, grads_in
 
     def _backwards_ended(self) -> None:
         """After the stage's last backward of the step: its gradients reduced by the strategy (FSDP2's
         reduce-scatter), then divided by K, as the schedule scales them before the step."""
+        self.recorder.phase("step")
         self.strategy.grads_reduced(self.stage.model)
         with torch.no_grad():
             for param in self.stage.model.parameters():
                 if param.grad is not None:
                     param.grad.div_(self.k)
+        self.recorder.classify_gradients(self.stage.model)
 
     def _buffer(self, meta: tuple[torch.Size, torch.dtype], fill: str) -> torch.Tensor:
         shape, dtype = meta
@@ -932,6 +950,7 @@ class _Replay:
     def _forward(self, index: int, batches: list[Any], arrivals: list[torch.Tensor]) -> tuple[Any, Any]:
         """One forward: (what the stage keeps for its backward, its output)."""
         stage, flow = self.stage, self.stage.flow
+        self.recorder.phase("forward")
         if not stage.first:
             flow.arrival = self.strategy.arriving(arrivals[index].requires_grad_(True))
         flow.output = None
@@ -964,6 +983,7 @@ class _Replay:
     def _backward(self, index: int, cache: dict[int, Any], arrivals: list[torch.Tensor], grads_in: list[torch.Tensor]):
         """One backward: the gradient of the stage's input (None on the first stage)."""
         (output, loss) = cache.pop(index)
+        self.recorder.phase("backward")
         self.strategy.backward_begins(self.stage.model)
         if self.stage.last:
             with self.strategy.loss_context():
@@ -971,6 +991,7 @@ class _Replay:
         else:
             torch.autograd.backward([output], grad_tensors=[grads_in[index]])
         del output, loss
+        self.recorder.classify_gradients(self.stage.model)
         if self.stage.first:
             return None
         grad = arrivals[index].grad
@@ -1057,14 +1078,22 @@ class _InterleavedReplay:
     def run(self, meter: Meter) -> None:
         chunks = self.chunks
         task, k, strategy = chunks[0].task, chunks[0].k, chunks[0].strategy
+        recorder = recorder_of(meter)
+        for chunk in chunks:
+            chunk.recorder = recorder
+            recorder.classify_model(chunk.stage.model)
+        recorder.phase("step")  # the optimizers' construction
         optimizers = [task.make_optimizer(chunk.stage.model) for chunk in chunks]
-        arrivals = [[] if c.stage.first else [c._buffer(c.input_meta, fill="normal") for _ in range(k)] for c in chunks]
-        grads_in = [[] if c.stage.last else [c._buffer(c.output_meta, fill="zero") for _ in range(k)] for c in chunks]
+        buffers = [chunk.receive_buffers() for chunk in chunks]
+        arrivals = [arriving for arriving, _ in buffers]
+        grads_in = [grads for _, grads in buffers]
+        del buffers
         rank = chunks[0].stage.index
         actions = interleaved_actions(rank, self.ranks, k, len(chunks))
         first_computes = list(dict.fromkeys(local for _, local, _ in actions))
         last_backward = {local: position for position, (kind, local, _) in enumerate(actions) if kind == "B"}
         for _ in range(OPTIMIZER_STEPS):
+            recorder.phase("inputs")
             batches = [make_batch(task, chunks[0].micro_batch, chunks[0].device) for _ in range(k)]
             pending = {local: strategy.unshard_begins(chunks[local].stage.model) for local in first_computes}
             caches: list[dict[int, Any]] = [{} for _ in chunks]
@@ -1091,8 +1120,10 @@ class _InterleavedReplay:
                     strategy.stage_resharded(chunk.stage.model)
             del sent, losses, caches, batches, pending
             meter.checkpoint(FORWARD_BACKWARD)
+            recorder.phase("step")
             for optimizer in optimizers:
                 optimizer.step()
+                recorder.classify_optimizer(optimizer)
                 optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
             meter.checkpoint(STEP)
 
@@ -1150,6 +1181,10 @@ class PipelineTrials:
         self.stage_figure = stage_figure
         self.warnings: list[str] = []
         self.stage_peaks: dict[int, list[int]] = {}
+        # With a dict here, each stage's steps on a CPU or fake meter are recorded (autotune/measure/breakdown.py)
+        # and the most loaded stage's peak broken down, kept by micro-batch (its stage named).
+        self.breakdowns: dict[int, MemoryBreakdown] | None = None
+        self.stage_breakdowns: dict[int, MemoryBreakdown | None] = {}  # the size being measured, by stage
         recorder = build_on_meta(task, self.warnings)
         if recorder is None:
             raise TaskError(
@@ -1171,6 +1206,24 @@ class PipelineTrials:
 
     def measure_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:
         """(the meter's reading, oom) of one stage's two steps at micro_batch."""
+        recorder = self._breakdown_recorder()
+        with recorder.recording(self.meter) if recorder is not None else nullcontext():
+            reading, oom = self._measure_stage(stage_index, micro_batch)
+        if recorder is not None:
+            fits = not oom and reading.peak_bytes <= self.limit_bytes
+            self.stage_breakdowns[stage_index] = recorder.breakdown(micro_batch, fits, reading.peak_bytes)
+        return reading, oom
+
+    def _breakdown_recorder(self) -> Any:
+        """A breakdown's recorder for a stage's steps where breakdowns are asked for and the meter counts storages
+        (the CPU and fake meters, an eager job, each stage's own figure: not a card's, which replays the stage)."""
+        from autotune.measure.breakdown import BreakdownRecorder
+        from autotune.measure.meters.cpu import CpuMeter
+
+        wanted = self.breakdowns is not None and self.stage_figure is None and self.task.compile is None
+        return BreakdownRecorder() if wanted and isinstance(self.meter, CpuMeter) else None
+
+    def _measure_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:
         shapes = _record_shapes(self.task, self._recorder, self.layout, micro_batch)
         meter = self.meter
         oom = False
@@ -1189,6 +1242,8 @@ class PipelineTrials:
                 for index, held in zip(indices, not_held, strict=True):
                     stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0), held)
                     self.strategy.stage_built(stage.model)
+                    # DDP's buckets over the stage's replicas: what the mesh adds (ddp with D > 1).
+                    recorder_of(meter).classify(getattr(stage.model, "_autotune_ddp_buckets", ()), "collectives")
                     stage.flow.shapes = shapes
                     replays.append(
                         _Replay(
@@ -1214,6 +1269,7 @@ class PipelineTrials:
         started = time.perf_counter()
         readings: list[MemoryReading] = []
         oom = False
+        self.stage_breakdowns = {}
         for stage_index in range(self.stages):
             if self.stage_figure is None:
                 reading, oom = self.measure_stage(stage_index, micro_batch)
@@ -1225,7 +1281,11 @@ class PipelineTrials:
         peaks = [reading.peak_bytes for reading in readings]
         if not oom:
             self.stage_peaks[micro_batch] = peaks
-        heaviest = readings[-1] if oom else readings[peaks.index(max(peaks))]
+        heaviest_index = len(readings) - 1 if oom else peaks.index(max(peaks))
+        heaviest = readings[heaviest_index]
+        found = self.stage_breakdowns.get(heaviest_index)
+        if self.breakdowns is not None and found is not None:
+            self.breakdowns[micro_batch] = found.model_copy(update={"stage": heaviest_index})
         return Trial(
             micro_batch=micro_batch,
             peak_bytes=heaviest.peak_bytes,

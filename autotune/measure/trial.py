@@ -50,6 +50,7 @@ __all__ = [
     "materialize",
     "measure_weights",
     "move_to_device",
+    "recorder_of",
     "run_trial",
 ]
 
@@ -215,8 +216,17 @@ class _NoRecorder:
     def classify_optimizer(self, optimizer: Any) -> None:
         pass
 
+    def classify(self, tensors: Any, part: str) -> None:
+        pass
+
 
 _NO_RECORDER = _NoRecorder()
+
+
+def recorder_of(meter: Meter) -> Any:
+    """The breakdown's recorder (autotune/measure/breakdown.py) a meter carries while its trial is recorded: told
+    each phase and what the model's, the gradients' and the optimizer's storages are; else one that hears nothing."""
+    return getattr(meter, "recorder", None) or _NO_RECORDER
 
 
 def _cycle(
@@ -231,9 +241,7 @@ def _cycle(
     (optimizer and its state, batches, activations) lives in this frame and dies with it; the model's
     gradients are dropped by the caller."""
     device = meter.device
-    # A breakdown's recorder (autotune/measure/breakdown.py), when the trial is recorded: told each phase and
-    # what the model's, the gradients' and the optimizer's storages are (a recorder that hears nothing otherwise).
-    recorder = getattr(meter, "recorder", None) or _NO_RECORDER
+    recorder = recorder_of(meter)
     recorder.classify_model(model)
     recorder.phase("step")  # the optimizer's construction
     optimizer = task.make_optimizer(model)

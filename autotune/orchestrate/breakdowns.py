@@ -18,19 +18,12 @@ def chosen_breakdowns(
     warnings: list[str],
 ) -> list[MemoryBreakdown] | None:
     """The breakdowns of the trials at m_max and the next size (autotune/measure/breakdown.py: recorded by the
-    search's own trials, so their parts sum to the figures the profile stores), where config asks for them. A job
-    whose trials are not broken down yet (compiled, on a card, a pipeline's stages) says so in a warning."""
+    search's own trials, so their parts sum to the figures the profile stores; a pipeline's, its most loaded
+    stage's), where config asks for them. A job whose trials are not broken down yet (compiled, a card's real
+    trials) says so in a warning."""
     if not config.breakdown or recorded is None:
         return None
-    left_out = (
-        "a compiled job"
-        if task.compile is not None
-        else "a card's trials"
-        if device_type != "cpu"
-        else "a pipeline's stages"
-        if config.mesh.pp > 1
-        else None
-    )
+    left_out = "a compiled job" if task.compile is not None else "a card's trials" if device_type != "cpu" else None
     if left_out is not None:
         warnings.append(f"the peak is not broken down for {left_out} yet")
         return None

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 from autotune.core import units
-from autotune.core.schemas import Device, Profile, Trial
+from autotune.core.schemas import Device, MemoryBreakdown, Profile, Trial
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategy_choice import make_strategy
+from autotune.orchestrate.breakdowns import chosen_breakdowns
 from autotune.orchestrate.config import EstimateConfig
 from autotune.orchestrate.estimated import estimated_profile
 from autotune.search.pipelined import search_pipeline
@@ -45,6 +46,7 @@ def estimate_pipeline(
     started = time.perf_counter()
     meter = FakeMeter(setup.budget_bytes, device_type, device_name)
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
+    breakdowns: dict[int, MemoryBreakdown] | None = {} if setup.breakdown else None
     result = search_pipeline(
         task,
         meter,
@@ -56,6 +58,7 @@ def estimate_pipeline(
         max_micro_batch=setup.max_micro_batch,
         multiple_of=setup.multiple_of,
         extra_sizes=config.micro_batches,
+        breakdowns=breakdowns,
     )
     device = Device(
         kind=config.device_kind, name=device_name, total_bytes=setup.budget_bytes, torch_version=torch.__version__
@@ -72,4 +75,5 @@ def estimate_pipeline(
         torch_version=torch.__version__,
     )
     profile.pipeline = result.pipeline
+    profile.breakdown = chosen_breakdowns(breakdowns, task, setup, result.max_micro_batch, device_type, warnings)
     return profile

@@ -98,6 +98,7 @@ def _search(
                 on_trial,
                 max_micro_batch=config.max_micro_batch,
                 multiple_of=config.multiple_of,
+                breakdowns=breakdowns,
             ),
             None,
             None,

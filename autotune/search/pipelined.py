@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autotune.core.mesh import Mesh
-from autotune.core.schemas import PipelineStages, Trial
+from autotune.core.schemas import MemoryBreakdown, PipelineStages, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters import Meter
 from autotune.measure.pipeline import PipelineTrials, StageFigure
@@ -79,13 +79,16 @@ def search_pipeline(
     stage_figure: StageFigure | None = None,
     far_extrapolation: float = FAR_EXTRAPOLATION,
     extra_sizes: Sequence[int] = (),
+    breakdowns: dict[int, MemoryBreakdown] | None = None,
 ) -> PipelineSearch:
     """m_max of the pipeline: the largest m at which every stage fits, by the boundary search over
     :class:`PipelineTrials`, with each stage's peak at m_max, the most loaded stage and the bubble (also a
     line of the warnings, for the datasheet). ``extra_sizes`` (``--micro-batches``): sizes tried besides the
-    search's, their trials with the others."""
+    search's, their trials with the others. ``breakdowns``: a dict each size's most loaded stage's peak, broken
+    down, is put in (autotune/measure/breakdown.py; on a CPU or fake meter)."""
     k = measured_microbatches(mesh)
     trials = pipeline_trials(task, meter, mesh, strategy, limit_bytes, stage_figure=stage_figure)
+    trials.breakdowns = breakdowns
 
     trial = reported(trials, on_trial)
 

@@ -12,7 +12,7 @@ from html import escape
 from autotune.core.schemas import MEMORY_PART_LABELS, MEMORY_PARTS, MemoryBreakdown, Profile
 from autotune.core.units import format_bytes
 
-__all__ = ["PART_COLOURS", "breakdown_bars", "breakdown_rows", "timeline_svg"]
+__all__ = ["PART_COLOURS", "breakdown_bars", "breakdown_rows", "size_label", "timeline_svg"]
 
 PART_COLOURS = {
     "trainable_parameters": "#1f77b4",
@@ -29,6 +29,12 @@ PART_COLOURS = {
 }
 _WIDTH = 640
 _BAR_HEIGHT = 26
+
+
+def size_label(breakdown: MemoryBreakdown) -> str:
+    """What a breakdown is of: its micro-batch, and a pipeline's most loaded stage (whose peak it is)."""
+    stage = "" if breakdown.stage is None else f", stage {breakdown.stage}"
+    return f"m = {breakdown.micro_batch}{stage}"
 
 
 def breakdown_rows(profile: Profile) -> list[tuple[str, str, str, list[int]]]:
@@ -49,7 +55,9 @@ def breakdown_bars(profile: Profile) -> str:
     breakdowns = profile.breakdown or []
     if not breakdowns:
         return ""
-    label_width, left = 150, 150
+    # Room for the longest label ("m = 12, stage 3 (does not fit)"), about 7 px a character at the labels' size.
+    longest = max(len(f"{size_label(b)} (does not fit)") for b in breakdowns)
+    label_width = left = max(150, 7 * longest + 8)
     span = _WIDTH - left - 90  # room on the right for the largest bar's total
     scale = max(max(b.peak_bytes for b in breakdowns), profile.limit_bytes) or 1
     height = 20 + len(breakdowns) * (_BAR_HEIGHT + 14) + 24
@@ -59,7 +67,7 @@ def breakdown_bars(profile: Profile) -> str:
         verdict = "fits" if breakdown.fits else "does not fit"
         parts_svg.append(
             f'<text x="{label_width - 8}" y="{y + _BAR_HEIGHT * 0.65:.1f}" text-anchor="end" class="bar-label">'
-            f"m = {breakdown.micro_batch} ({verdict})</text>"
+            f"{escape(size_label(breakdown))} ({verdict})</text>"
         )
         x = float(left)
         for part in MEMORY_PARTS:

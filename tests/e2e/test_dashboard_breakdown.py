@@ -4,6 +4,7 @@ table and the timelines are SVG drawn by the server (server/autotune_server/brea
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,42 @@ def test_the_profile_page_lists_the_levers_with_what_each_leaves_out(
     ]
     assert page.locator("#levers b").count() == 0  # the note is text, escaped
     assert page.console_errors == [] and page.dialogs == []
+
+
+@pytest.fixture(scope="module")
+def pipelined(live_server: LiveServer) -> tuple[int, Profile]:
+    from autotune.core.mesh import Mesh
+    from autotune.orchestrate.config import ProbeConfig
+    from autotune.orchestrate.probe import probe
+    from examples import gpt
+
+    mesh = Mesh(pp=2, pp_schedule="1f1b", pp_microbatches=2)
+    config = ProbeConfig(device="cpu", budget_bytes=4_000_000, headroom=0.0, world_size=2, mesh=mesh, breakdown=True)
+    profile = probe(gpt.task, config)
+    with TunerClient(base_url=live_server.url, token=live_server.token) as client:
+        return client.upload(profile), profile
+
+
+def test_a_pipelines_breakdown_names_its_most_loaded_stage(
+    page: Any,  # noqa: F811
+    live_server: LiveServer,
+    pipelined: tuple[int, Profile],
+) -> None:
+    number, profile = pipelined
+    assert profile.breakdown is not None and profile.pipeline is not None
+    stage = profile.pipeline.most_loaded_stage
+    page.goto(f"{live_server.url}/profiles/{number}")
+    page.locator("#breakdown").wait_for()
+    labels = [f"m = {b.micro_batch}, stage {b.stage}" for b in profile.breakdown]
+    assert profile.breakdown[0].stage == stage
+    bars = page.locator("#breakdown svg.breakdown-bars text.bar-label").all_text_contents()
+    assert [text.split(" (")[0] for text in bars] == labels
+    headers = page.locator("#breakdown table.breakdown-table thead th").all_text_contents()
+    assert headers[1:] == labels
+    headings = page.locator("#breakdown h3").all_text_contents()
+    assert headings == [f"The step at {label}" for label in labels]
+    assert "most loaded stage" in (page.locator("#breakdown p.muted").first.text_content() or "")
+    assert page.console_errors == [] and page.dialogs == []
+    shot = os.environ.get("AUTOTUNE_DASHBOARD_PIPELINE_SCREENSHOT")  # a path: the section, for a note or a doc
+    if shot:
+        page.locator("#breakdown").screenshot(path=shot)
