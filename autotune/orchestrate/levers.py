@@ -13,14 +13,17 @@ precision, context):
 
     --ac every-2, --ac op, --ac full    recompute part or all of the forward in the backward
     --optimizer adamw8bit               8-bit AdamW state (bitsandbytes), for an AdamW job
-    --strategy fsdp                     the same world size, sharded (a ddp job over more than one rank)
+    --strategy fsdp                     the same world size, sharded (a ddp job over more than one rank; a
+                                        pipeline's stages over their data-parallel ranks)
     --tp 2                              tensor parallel over pairs of the same ranks
     --offload activations               the blocks' saved activations in host memory
     --compile                           listed, never estimated: fake trials run the eager model (probe it compiled)
     --weights-dtype bf16                the weights held in bf16 (their gradients and state follow)
     --seq-len L/2                       half the sequence (a sequence-aware job)
 
-The no-fit diagnosis (exit 4) names the cheapest that makes the smallest micro-batch fit (:func:`cheapest_lever`).
+A pipeline's changes are tried on every stage, each change's peak its most loaded stage's, as the pipeline's search
+decides. The no-fit diagnosis (exit 4) names the cheapest that makes the smallest micro-batch fit
+(:func:`cheapest_lever`).
 """
 
 from __future__ import annotations
@@ -33,11 +36,10 @@ import torch
 
 from autotune.core.compositions import composition_refusal
 from autotune.core.errors import AutotuneError, CannotFitError
-from autotune.core.mesh import Mesh
 from autotune.core.schemas import MAX_BYTES, Lever, Profile
 from autotune.measure.trial import build_on_meta
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
-from autotune.search.diagnose import fake_trial, job_strategy
+from autotune.search.diagnose import fake_trial, job_strategy, pipeline_peak
 from autotune.tasks.hf import is_hf_spec, with_options
 from autotune.tasks.load import load_task
 from autotune.tasks.optimizers import optimizer_text
@@ -71,10 +73,12 @@ def _changes(task: ProbeTask, config: ProbeConfig) -> Iterator[_Change]:
     optimizer = "adamw" if task.optimizer is None else (optimizer_text(task.optimizer) or "").lower()
     if optimizer.startswith("adamw") and "8bit" not in optimizer and "4bit" not in optimizer:
         yield _Change("--optimizer adamw8bit", dataclasses.replace(task, optimizer="adamw8bit"), config)
-    if config.strategy == "ddp" and config.world_size > 1 and config.mesh.trivial:
+    # A pipeline's stages sharded over its data-parallel ranks too (torchtitan's pp x fsdp).
+    if config.strategy == "ddp" and config.world_size > 1 and config.mesh.tp == config.mesh.cp == 1:
         yield _Change(f"--strategy fsdp --world-size {config.world_size}", task, config.with_setup(strategy="fsdp"))
     if config.mesh.tp == 1 and config.world_size % (2 * config.mesh.pp * config.mesh.cp) == 0:
-        yield _Change("--tp 2", task, config.with_setup(mesh=Mesh(tp=2, pp=config.mesh.pp, cp=config.mesh.cp)))
+        # The rest of the mesh kept as it is (a pipeline's schedule, K and V with it).
+        yield _Change("--tp 2", task, config.with_setup(mesh=dataclasses.replace(config.mesh, tp=2)))
     if task.offload == "none":
         yield _Change("--offload activations", task, config.with_setup(offload="activations"))
     if task.compile is None:
@@ -112,7 +116,13 @@ def _bf16_weights(task: ProbeTask, config: ProbeConfig) -> _Change:
 
 
 def _fake_peak(task: ProbeTask, config: ProbeConfig, micro_batch: int, device_type: str) -> int:
-    """The peak of one fake trial of the job at micro_batch, with no budget (its whole peak)."""
+    """The peak of one fake trial of the job at micro_batch, with no budget (its whole peak); a pipeline's, its most
+    loaded stage's (every stage's fake trial replaying its schedule).
+
+    Raises:
+        AutotuneError: the job cannot run a fake trial (the line says why)."""
+    if config.mesh.pp > 1:
+        return pipeline_peak(task, micro_batch, device_type, config.strategy, config.world_size, config.mesh)
     strategy = job_strategy(config.strategy, config.world_size, config.mesh)
     return fake_trial(task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=MAX_BYTES).peak_bytes
 

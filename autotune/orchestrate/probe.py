@@ -380,17 +380,17 @@ def probe_with_meter(
             # (An OOM's figure is where the budget stopped it, a floor, not a peak: left out.)
             measured_bytes=None if no_fit.trial.fake or no_fit.trial.oom else no_fit.trial.peak_bytes,
         )
-        if config.mesh.pp == 1:  # the cheapest change that fits (autotune/orchestrate/levers.py); not per stage yet
-            from autotune.orchestrate.levers import with_cheapest_lever
+        # The cheapest change that fits (autotune/orchestrate/levers.py; a pipeline's on its most loaded stage).
+        from autotune.orchestrate.levers import with_cheapest_lever
 
-            error = with_cheapest_lever(
-                error,
-                task,
-                config,
-                budget_bytes=meter.budget_bytes,
-                device_type=meter.device.type,
-                unseen_bytes=meter.unseen_bytes(),
-            )
+        error = with_cheapest_lever(
+            error,
+            task,
+            config,
+            budget_bytes=meter.budget_bytes,
+            device_type=meter.device.type,
+            unseen_bytes=meter.unseen_bytes(),
+        )
         raise error
 
     m_max = result.max_micro_batch
@@ -452,9 +452,7 @@ def probe_with_meter(
         **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device.type, warnings),
     )
     profile.breakdown = chosen_breakdowns(breakdowns, task, config, m_max, meter.device.type, profile.warnings)
-    if config.levers and config.mesh.pp > 1:
-        profile.warnings.append("--levers: the changes are not tried on a pipeline's stages yet")
-    elif config.levers:  # what each change of the setup would buy, by fake trials (autotune/orchestrate/levers.py)
+    if config.levers:  # what each change of the setup would buy, by fake trials (autotune/orchestrate/levers.py)
         from autotune.orchestrate.estimate import estimate
         from autotune.orchestrate.levers import pull_levers
 

@@ -178,10 +178,13 @@ def job_strategy(strategy: str, world_size: int, mesh: Mesh) -> Strategy:
     return fake_strategy(make_strategy(strategy, world_size, mesh))
 
 
-def _pipeline_peak(
+def pipeline_peak(
     task: ProbeTask, micro_batch: int, device_type: str, strategy: str, world_size: int, mesh: Mesh
-) -> int | None:
-    """The most loaded stage's fake peak at micro_batch, no budget (None where the pipeline cannot run fake)."""
+) -> int:
+    """The most loaded stage's fake peak at micro_batch, no budget.
+
+    Raises:
+        AutotuneError: the pipeline cannot run fake (the line says why)."""
     meter = FakeMeter(MAX_BYTES, device_type)
     try:
         trials = pipeline_trials(task, meter, mesh, make_strategy(strategy, world_size, mesh), MAX_BYTES)
@@ -190,10 +193,18 @@ def _pipeline_peak(
                 return trials(micro_batch).peak_bytes
         finally:
             trials.close()
-    except AutotuneError:
-        return None
     finally:
         meter.close()
+
+
+def _pipeline_peak(
+    task: ProbeTask, micro_batch: int, device_type: str, strategy: str, world_size: int, mesh: Mesh
+) -> int | None:
+    """:func:`pipeline_peak`, or None where the pipeline cannot run fake."""
+    try:
+        return pipeline_peak(task, micro_batch, device_type, strategy, world_size, mesh)
+    except AutotuneError:
+        return None
 
 
 def diagnose_no_fit(

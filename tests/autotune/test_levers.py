@@ -138,3 +138,32 @@ def test_the_cli_prints_every_lever_and_the_profile_carries_them(estimated: Esti
     assert [lever["max_micro_batch"] for lever in ran] == sorted(
         (lever["max_micro_batch"] for lever in ran), reverse=True
     )
+
+
+def test_a_pipelines_levers_are_tried_on_its_stages_and_a_levers_m_max_is_a_probe_of_it() -> None:
+    """pp 2 of the GPT example: each change's peak and m_max are its most loaded stage's (every stage's fake trials
+    replaying 1F1B); --ac full's m_max against a probe of the pipeline with --ac full (real trials, every stage); the
+    changes a pipeline of two ranks cannot take are left out with why."""
+    from autotune.core.mesh import Mesh
+    from autotune.orchestrate.config import EstimateConfig
+    from examples import gpt
+
+    mesh = Mesh(pp=2, pp_schedule="1f1b", pp_microbatches=2)
+    setup = ProbeConfig(budget_bytes=4_000_000, headroom=0.0, world_size=2, mesh=mesh, levers=True)
+    profile = estimate(gpt.task, EstimateConfig(probe=setup, device_kind="cpu"))
+    assert profile.levers is not None and profile.pipeline is not None
+    by_flags = {lever.flags: lever for lever in profile.levers}
+    print({flags: (lever.max_micro_batch, lever.freed_bytes, lever.note) for flags, lever in by_flags.items()})
+    full = by_flags["--ac full"]
+    assert full.at_micro_batch == profile.max_micro_batch and (full.freed_bytes or 0) > 0
+    probed = probe(gpt.task, ProbeConfig(**{**vars_of(setup), "activation_checkpointing": "full"}))
+    assert full.max_micro_batch == probed.max_micro_batch > profile.max_micro_batch
+    assert "--tp 2" not in by_flags  # two ranks hold the two stages: none left for a tp pair
+    assert by_flags["--strategy fsdp --world-size 2"].note.startswith("--strategy fsdp with --world-size 2 over pp 2")
+    assert by_flags["--offload activations"].note.startswith("--pp 2 with --offload activations: ")
+
+
+def vars_of(config: ProbeConfig) -> dict[str, Any]:
+    """The fields a ProbeConfig was made with (the levers off: the probe is the truth, not another estimate)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {**fields, "levers": False, "device": "cpu"}
