@@ -81,7 +81,7 @@ class InconsistentProfile(AutotuneError):
 
 
 def device_kind_of_name(name: str) -> str | None:
-    """ "cpu" or "cuda" when a device name tells its kind ("cpu", "NVIDIA H100 80GB HBM3"), else None."""
+    """"cpu" or "cuda" when a device name tells its kind ("cpu", "NVIDIA H100 80GB HBM3"), else None."""
     lowered = name.strip().lower()
     if lowered == "cpu" or lowered.startswith("cpu ") or any(word in lowered for word in _CPU_WORDS):
         return "cpu"
@@ -251,7 +251,9 @@ def _plan_problems(profile: Profile) -> list[Problem]:
             )
         )
     if plan.max_micro_batch != m_max:
-        problems.append(Problem("plan.max_micro_batch", f"{plan.max_micro_batch} differs from max_micro_batch {m_max}"))
+        problems.append(
+            Problem("plan.max_micro_batch", f"{plan.max_micro_batch} differs from max_micro_batch {m_max}")
+        )
     return problems
 
 

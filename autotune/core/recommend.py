@@ -228,6 +228,7 @@ def _extra_work(option: Option) -> tuple[tuple[float, int], ...]:
     return tuple(key)
 
 
+
 def recommend(options: Sequence[Option], objective: str = "throughput") -> Option:
     """The best option among those that hold the target (all where none does): the most samples per
     second (timed ones before untimed; untimed ones by the stated ordering: the fewest accumulation steps),

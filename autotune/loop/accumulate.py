@@ -289,7 +289,9 @@ class Accumulator:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
         if partial_last_group not in ("own_denominator", "drop"):
-            raise ValueError(f"partial_last_group must be 'own_denominator' or 'drop', got {partial_last_group!r}")
+            raise ValueError(
+                f"partial_last_group must be 'own_denominator' or 'drop', got {partial_last_group!r}"
+            )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.model = model
@@ -537,7 +539,9 @@ class Accumulator:
         if group is None or not self._in_micro_step:
             raise AccumulationError("backward() must be called inside `with acc.micro_step():`")
         if self._position in self._backward_done:
-            raise AccumulationError(f"backward() called twice for micro-batch {self._position} of group {group.index}")
+            raise AccumulationError(
+                f"backward() called twice for micro-batch {self._position} of group {group.index}"
+            )
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise AccumulationError("backward() needs a scalar loss tensor")
         self._backward_done.add(self._position)

@@ -183,7 +183,9 @@ class _Comparison:
                 counts = iter([_count(task.loss_sum(model, b)[1]) for b in self.micro])
             count_fn = lambda _batch: next(counts)  # noqa: E731  (groups() calls it in order)
         # lr=0: the step leaves the weights as they are; the gradient is read just before it.
-        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), accumulation_steps=len(self.micro))
+        acc = Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.0), accumulation_steps=len(self.micro)
+        )
         out: Grads = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SmallBatchNormWarning)  # verify names BatchNorm itself
@@ -280,7 +282,9 @@ def _verify(
     full = comparison.full()
     accumulated = comparison.accumulated()
     error, worst = _worst(_relative_errors(accumulated, full))
-    normalization: Literal["group_count", "sample_mean"] = "group_count" if task.loss_sum is not None else "sample_mean"
+    normalization: Literal["group_count", "sample_mean"] = (
+        "group_count" if task.loss_sum is not None else "sample_mean"
+    )
     mean_of_means_error = None
     if task.loss_sum is not None:
         mean_of_means_error = _worst(_relative_errors(comparison.mean_of_means(), full))[0]
@@ -371,13 +375,19 @@ def _names(layers: list[str]) -> str:
     return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
 
 
-def _diagnose(comparison: _Comparison, full: Grads, accumulated: Grads, tolerance: float) -> tuple[str | None, str]:
+def _diagnose(
+    comparison: _Comparison, full: Grads, accumulated: Grads, tolerance: float
+) -> tuple[str | None, str]:
     model = comparison.model
     # Randomness first: while the full batch does not even agree with itself, nothing else can be judged.
     again_error, _ = _worst(_relative_errors(comparison.full(), full))
     if again_error > tolerance:
         dropout = _dropout_layers(model)
-        what = f"dropout with p > 0 in train mode ({_names(dropout)})" if dropout else "randomness in the model or loss"
+        what = (
+            f"dropout with p > 0 in train mode ({_names(dropout)})"
+            if dropout
+            else "randomness in the model or loss"
+        )
         return CAUSE_RANDOMNESS, (
             f"the same full batch gives different gradients twice (error {again_error:.1e}): {what}; "
             "compare with model.eval() or a fixed seed, or accept that dropout makes gradients random"
@@ -386,7 +396,9 @@ def _diagnose(comparison: _Comparison, full: Grads, accumulated: Grads, toleranc
     batchnorm = batchnorm_layers(model)
     if batchnorm:
         confirmed = ""
-        bn_modules = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+        bn_modules = [
+            m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+        ]
         if bn_modules:
             for module in bn_modules:
                 module.eval()

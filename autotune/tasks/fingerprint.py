@@ -98,7 +98,9 @@ def _signature(batch: Any, seq_len: int | None = None) -> Any:
 def _masked(at_one: Any, at_other: Any) -> Any:
     """The signature at one length with every dimension that differs at the other read as "L"."""
     if isinstance(at_one, dict) and isinstance(at_other, dict) and "shape" in at_one and "shape" in at_other:
-        shape = [SEQ_DIM if d != e else d for d, e in zip(at_one["shape"], at_other["shape"], strict=False)]
+        shape = [
+            SEQ_DIM if d != e else d for d, e in zip(at_one["shape"], at_other["shape"], strict=False)
+        ]
         return {**at_one, "shape": shape}
     if isinstance(at_one, dict) and isinstance(at_other, dict):
         return {key: _masked(value, at_other.get(key)) for key, value in at_one.items()}
