@@ -96,15 +96,8 @@ _BNB_NO_DTENSOR = (
 )
 _TORCHAO_STEP = (
     "torchao's low-bit optimizers step through torch.compile(fullgraph=True), one parameter a call; measured on one "
-    "device and over ddp replicas (against real ranks), not yet over DTensor parameters or a pipeline's stages: use "
-    "--strategy ddp without a mesh"
+    "device only (not against real ranks yet)"
 )
-
-
-def _sharded_or_mesh(d: Dimensions) -> str:
-    if d.strategy == "fsdp":
-        return "--strategy fsdp"
-    return " ".join(f"--{name} {size}" for name, size in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp)) if size > 1)
 
 
 def _sharded(d: Dimensions) -> str:
@@ -228,12 +221,10 @@ COMPOSITIONS: tuple[Rule, ...] = (
     ),
     Rule(
         "--optimizer (torchao)",
-        "--strategy fsdp or a mesh",
+        "--world-size > 1",
         "not measured yet",
-        lambda d: (
-            d.optimizer_library == "torchao" and d.world_size > 1 and (d.strategy == "fsdp" or not d.trivial_mesh)
-        ),
-        lambda d: f"--optimizer {d.optimizer} under {_sharded_or_mesh(d)}",
+        lambda d: d.optimizer_library == "torchao" and d.world_size > 1,
+        lambda d: f"--optimizer {d.optimizer} with --world-size {d.world_size}",
         _TORCHAO_STEP,
     ),
     Rule(
