@@ -182,15 +182,23 @@ def _estimate_pipeline(
     warnings: list[str],
     on_trial: Callable[[Trial], None] | None,
 ) -> Profile:
+    from autotune.orchestrate.levers import pull_levers, with_cheapest_lever
     from autotune.orchestrate.pipelined import estimate_pipeline
 
+    setup = config.probe
+    assert setup.budget_bytes is not None
     try:
         with frozen_heap():
-            return estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
+            profile = estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
     except NoFitError:
-        setup = config.probe
-        assert setup.budget_bytes is not None
-        raise no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type) from None
+        budget = setup.budget_bytes
+        error = no_fit_error(task, setup, budget_bytes=budget, device_type=device_type)
+        raise with_cheapest_lever(error, task, setup, budget_bytes=budget, device_type=device_type) from None
+    if setup.levers:  # what each change would buy, on every stage (autotune/orchestrate/levers.py)
+        profile.levers = pull_levers(
+            task, setup, at_micro_batch=profile.max_micro_batch, device_type=device_type, estimator=estimate
+        )
+    return profile
 
 
 def estimate_for_card_at_lengths(

@@ -76,11 +76,4 @@ def estimate_pipeline(
     )
     profile.pipeline = result.pipeline
     profile.breakdown = chosen_breakdowns(breakdowns, task, setup, result.max_micro_batch, device_type, warnings)
-    if setup.levers:  # what each change would buy, on every stage (autotune/orchestrate/levers.py)
-        from autotune.orchestrate.estimate import estimate
-        from autotune.orchestrate.levers import pull_levers
-
-        profile.levers = pull_levers(
-            task, setup, at_micro_batch=result.max_micro_batch, device_type=device_type, estimator=estimate
-        )
     return profile
