@@ -882,21 +882,21 @@ class _Replay:
         schedule: str,
         microbatches: int,
         micro_batch: int,
+        recorder: Any,
     ) -> None:
         self.task, self.stage, self.strategy, self.device = task, stage, strategy, device
         self.schedule, self.k, self.micro_batch = schedule, microbatches, micro_batch
+        # The breakdown's recorder the steps tell what they do (trial.recorder_of: one that hears nothing unless the
+        # stage's steps are recorded).
+        self.recorder = recorder
         shapes = stage.flow.shapes
         assert shapes is not None
-        # The breakdown's recorder the steps tell what they do (recorder_of: set by run, or by the interleaved
-        # replay for each of its chunks, before any forward).
-        self.recorder: Any = None
         # The crossing activations as the rank holds them (sequence parallel: its L / tp positions).
         self.input_meta = strategy.crossing_meta(shapes.block_inputs[stage.first_block])
         self.output_meta = strategy.crossing_meta(shapes.block_outputs[stage.first_block + stage.block_count - 1])
 
     def run(self, meter: Meter) -> None:
-        stage, k = self.stage, self.k
-        self.recorder = recorder = recorder_of(meter)
+        stage, k, recorder = self.stage, self.k, self.recorder
         recorder.classify_model(stage.model)
         recorder.phase("step")  # the optimizer's construction
         optimizer = self.task.make_optimizer(stage.model)
@@ -1078,9 +1078,8 @@ class _InterleavedReplay:
     def run(self, meter: Meter) -> None:
         chunks = self.chunks
         task, k, strategy = chunks[0].task, chunks[0].k, chunks[0].strategy
-        recorder = recorder_of(meter)
+        recorder = chunks[0].recorder
         for chunk in chunks:
-            chunk.recorder = recorder
             recorder.classify_model(chunk.stage.model)
         recorder.phase("step")  # the optimizers' construction
         optimizers = [task.make_optimizer(chunk.stage.model) for chunk in chunks]
@@ -1239,15 +1238,23 @@ class PipelineTrials:
         try:
             with meter.measure():
                 replays = []
+                recorder = recorder_of(meter)
                 for index, held in zip(indices, not_held, strict=True):
                     stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0), held)
                     self.strategy.stage_built(stage.model)
                     # DDP's buckets over the stage's replicas: what the mesh adds (ddp with D > 1).
-                    recorder_of(meter).classify(getattr(stage.model, "_autotune_ddp_buckets", ()), "collectives")
+                    recorder.classify(getattr(stage.model, "_autotune_ddp_buckets", ()), "collectives")
                     stage.flow.shapes = shapes
                     replays.append(
                         _Replay(
-                            self.task, stage, self.strategy, meter.device, self.schedule, self.microbatches, micro_batch
+                            self.task,
+                            stage,
+                            self.strategy,
+                            meter.device,
+                            self.schedule,
+                            self.microbatches,
+                            micro_batch,
+                            recorder,
                         )
                     )
                 del stage
