@@ -20,6 +20,7 @@ applier here, a field there, and a rule in the composition table (autotune/core/
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -158,7 +159,8 @@ def apply_ddp(
     comm_hook: Callable[..., Any] | None = None,
 ) -> nn.Module:
     """ddp over ``replicas`` ranks: nothing for one; DDP itself over ``group`` where the model is real and a group is
-    given; otherwise the gradient buckets DDP's reducer would allocate (a fake model cannot go through DDP's
+    given (over gloo, with an all-reduce that returns once gloo has let go of the bucket: autotune/measure/
+    gloo_released.py); otherwise the gradient buckets DDP's reducer would allocate (a fake model cannot go through DDP's
     constructor, which broadcasts the weights; tp's trials hold them for the reason strategies.TensorParallel
     gives)."""
     if replicas <= 1:
@@ -169,9 +171,20 @@ def apply_ddp(
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device.index] if device.type == "cuda" else None
-    replicated = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+    options: dict[str, Any] = {}
+    if group.size() == 1 and "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        # The probe's group of one process has no rank to agree with: no broadcast of the weights at construction.
+        # Over gloo that broadcast's flat buffer (every parameter's bytes) was freed by gloo's worker thread, out of
+        # the meter's sight, one compiled probe in ten under load: every trial read it (122,368 bytes) high.
+        options["init_sync"] = False
+    replicated = DistributedDataParallel(model, device_ids=device_ids, process_group=group, **options)
     if comm_hook is not None:
         replicated.register_comm_hook(None, comm_hook)
+    elif group.name() == "gloo":
+        # Its buckets freed where DDP drops them, not when gloo's worker thread gets round to it (gloo_released.py).
+        from autotune.measure.gloo_released import released_allreduce
+
+        replicated.register_comm_hook(group, released_allreduce)
     return replicated
 
 

@@ -10,7 +10,11 @@ release's size, in order, and their running sum is the live bytes the step holds
 A span this meter tracks (``hold()``: the model's build and the compilation; ``measure()``: a trial)
 runs under the profiler. What a hold span leaves allocated (the weights, what compilation keeps) is
 the base every trial's peak starts from; a trial's peak is the base plus the largest running sum of
-its own events. Phases (forward/backward, step) are split by markers the trial's checkpoints leave in
+its own events. A block freed on a thread the profiler does not follow (gloo's worker, which can drop the last
+reference to a collective's buffer) records no event: c10's ``caffe2_report_cpu_memory_usage`` is on while a span
+runs, so the allocator's own running total (each event's ``total_allocated``) counts that free, and whatever the
+total moved beyond an event's own bytes is counted just before that event. Phases (forward/backward, step) are split
+by markers the trial's checkpoints leave in
 the same event stream. The budget is enforced after the span: a trial whose peak crosses it ends in
 :class:`~autotune.measure.meters.cpu.CpuOutOfMemoryError`, the OOM the search reads as "does not
 fit" (the CPU has the memory to run it; the budget is the card's being emulated).
@@ -59,12 +63,12 @@ __all__ = [
 _MARK = "autotune.phase."
 
 
-def _memory_events(prof: Any) -> tuple[list[tuple[int, int, int]], list[tuple[int, str]]]:
-    """(start ns, bytes, address) of every allocator event (a release's bytes negative), and (start ns, phase) of
-    every checkpoint marker."""
+def _memory_events(prof: Any) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, str]]]:
+    """(start ns, bytes, address, the allocator's total after it) of every allocator event (a release's bytes
+    negative), and (start ns, phase) of every checkpoint marker."""
     from torch._C._profiler import _ExtraFields_Allocation
 
-    allocations: list[tuple[int, int, int]] = []
+    allocations: list[tuple[int, int, int, int]] = []
     marks: list[tuple[int, str]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -72,7 +76,7 @@ def _memory_events(prof: Any) -> tuple[list[tuple[int, int, int]], list[tuple[in
         stack.extend(node.children)
         fields = node.extra_fields
         if isinstance(fields, _ExtraFields_Allocation):
-            allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+            allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr, fields.total_allocated))
         elif node.name.startswith(_MARK):
             marks.append((node.start_time_ns, node.name.removeprefix(_MARK)))
     allocations.sort(key=lambda item: item[0])
@@ -80,14 +84,27 @@ def _memory_events(prof: Any) -> tuple[list[tuple[int, int, int]], list[tuple[in
     return allocations, marks
 
 
-def _counted(events: list[tuple[int, int, int]], held: dict[int, int], fresh: dict[int, int]) -> list[tuple[int, int]]:
+def _counted(
+    events: list[tuple[int, int, int, int]], held: dict[int, int], fresh: dict[int, int]
+) -> list[tuple[int, int]]:
     """(start ns, bytes) of the events this meter counts: every allocation (into ``fresh``, by address), and the
     release of a block allocated in a span it tracked (``held``: the hold spans' blocks; ``fresh``: this span's).
     The release of a block from before (a model of an earlier trial that the collector frees during this one) is
     left out: its allocation was never counted, and its release read the peak low (a GPT-2 config's static trial
-    at m_max once 917,508 B below an ordinary compile's)."""
+    at m_max once 917,508 B below an ordinary compile's).
+
+    What the allocator's total moved between two events beyond the later event's own bytes was allocated or freed
+    on a thread the profiler does not follow, and is counted just before the later event (what moved before a
+    span's first event is not seen: a block of before, freed then, is not this span's): gloo's worker thread freeing the
+    bucket DDP's reducer replaced after its first backward read the tiny GPT's torchao probe over ddp one bucket
+    (122,368 B) high, one run in five, while no thread's free was counted."""
     counted: list[tuple[int, int]] = []
-    for at, nbytes, address in events:
+    total_before: int | None = None
+    for at, nbytes, address, total in events:
+        unseen = 0 if total_before is None else total - total_before - nbytes
+        total_before = total
+        if unseen:  # it happened before this event: counted first, so that a peak between the two is read
+            counted.append((at, unseen))
         if nbytes > 0:
             fresh[address] = nbytes
             counted.append((at, nbytes))
@@ -96,6 +113,39 @@ def _counted(events: list[tuple[int, int, int]], held: dict[int, int], fresh: di
         elif address in held:
             counted.append((at, -held.pop(address)))
     return counted
+
+
+@contextmanager
+def _every_threads_frees() -> Iterator[None]:
+    """c10's flag ``caffe2_report_cpu_memory_usage`` on within: the CPU allocator's total then counts the frees of
+    every thread, not only of the threads the profiler follows (c10/core/CPUAllocator.cpp,
+    ProfiledCPUMemoryReporter::Delete). Where the flag cannot be found (another platform's library name), nothing
+    changes: the events alone are counted, as before."""
+    flag = _report_flag()
+    if flag is None:
+        yield
+        return
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
+def _report_flag() -> Any:
+    import ctypes
+    import os
+
+    library_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libc10.so", "libc10.dylib", "c10.dll"):
+        path = os.path.join(library_dir, name)
+        if os.path.exists(path):
+            try:
+                return ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+            except (OSError, ValueError):
+                return None
+    return None
 
 
 class CompiledCpuMeter(CpuMeter):
@@ -113,22 +163,23 @@ class CompiledCpuMeter(CpuMeter):
         self._held_blocks: dict[int, int] = {}  # address -> bytes of what the hold spans allocated and kept
 
     @contextmanager
-    def _profiled(self) -> Iterator[tuple[list[tuple[int, int, int]], list[tuple[int, str]]]]:
+    def _profiled(self) -> Iterator[tuple[list[tuple[int, int, int, int]], list[tuple[int, str]]]]:
         from torch.profiler import ProfilerActivity, profile
 
-        allocations: list[tuple[int, int, int]] = []
+        allocations: list[tuple[int, int, int, int]] = []
         marks: list[tuple[int, str]] = []
         self._profiling = True
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         try:
             # Kineto prints a line at every start and stop, which only a quiet stderr keeps off the terminal.
-            with quiet_native_stderr():
-                prof.__enter__()
-            try:
-                yield allocations, marks
-            finally:
+            with _every_threads_frees():
                 with quiet_native_stderr():
-                    prof.__exit__(None, None, None)
+                    prof.__enter__()
+                try:
+                    yield allocations, marks
+                finally:
+                    with quiet_native_stderr():
+                        prof.__exit__(None, None, None)
         finally:
             self._profiling = False
             # After the profiler has stopped: its results exist only then.

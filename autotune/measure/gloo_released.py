@@ -1,0 +1,56 @@
+"""DDP's all-reduce over a gloo group that returns once gloo has let go of the bucket, so that a probe's trial frees
+DDP's buckets where the job's code drops them, as a card does.
+
+gloo runs a collective on a worker thread of its own, which holds the collective's work (and through it the bucket)
+until after it has signalled completion and taken its queue's lock again. Under load that thread can be descheduled
+for the length of a trial: the bucket DDP's reducer replaces after its first backward (1 MiB, then 25 MiB buckets) is
+then freed by gloo's thread long after the reducer let go of it, and a trial's peak holds it beside its successor.
+Seen: the tiny GPT's compiled probe over ddp replicas (the probe's one-process gloo group, strategies.Replicated)
+read one bucket, 122,368 bytes, high at m = 1 and 2, two runs in twelve with both cores busy; real ranks read the
+lower figure. NCCL has no such thread: its kernels are stream-ordered and the caching allocator frees a block where
+the program drops it. (tests/autotune/_gloo_released.py does the same for the truths' FSDP2 collectives.)
+
+The hook all-reduces the bucket's flat buffer in place, waits, and waits again until the buffer and its storage are
+back to the references they had before the call; it allocates nothing (the one-process group's sum is the buffer
+itself, so it divides by nothing, as the reducer's own division by 1 changes no byte).
+"""
+
+# No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's annotations with
+# dist.GradBucket and Future[Tensor] themselves.
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RELEASE_TIMEOUT_S", "released_allreduce"]
+
+# gloo lets go within microseconds once scheduled; a thread that never gets there fails the trial loudly instead.
+RELEASE_TIMEOUT_S = 30.0
+
+
+def _references(tensor: torch.Tensor) -> tuple[int, int]:
+    """The references to the tensor itself (gloo's work keeps the caller's tensors) and to its storage."""
+    return tensor._use_count(), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)  # type: ignore[attr-defined]
+
+
+def released_allreduce(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook (``register_comm_hook(group, released_allreduce)``): the bucket summed over ``group``,
+    returned as a completed future once gloo holds none of it.
+
+    Raises:
+        RuntimeError: gloo still held the bucket after :data:`RELEASE_TIMEOUT_S`.
+    """
+    buffer = bucket.buffer()
+    before = _references(buffer)
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    work.wait()
+    del work
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    while any(now > then for now, then in zip(_references(buffer), before, strict=True)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gloo held a DDP bucket for over {RELEASE_TIMEOUT_S} s after its all-reduce")
+        time.sleep(0)  # gloo's worker thread drops its work after it signalled completion
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
