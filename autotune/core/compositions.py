@@ -96,8 +96,15 @@ _BNB_NO_DTENSOR = (
 )
 _TORCHAO_STEP = (
     "torchao's low-bit optimizers step through torch.compile(fullgraph=True), one parameter a call; measured on one "
-    "device only (not against real ranks yet)"
+    "device and over ddp replicas (against real ranks), not yet over DTensor parameters or a pipeline's stages: use "
+    "--strategy ddp without a mesh"
 )
+
+
+def _sharded_or_mesh(d: Dimensions) -> str:
+    if d.strategy == "fsdp":
+        return "--strategy fsdp"
+    return " ".join(f"--{name} {size}" for name, size in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp)) if size > 1)
 
 
 def _sharded(d: Dimensions) -> str:
@@ -221,10 +228,12 @@ COMPOSITIONS: tuple[Rule, ...] = (
     ),
     Rule(
         "--optimizer (torchao)",
-        "--world-size > 1",
+        "--strategy fsdp or a mesh",
         "not measured yet",
-        lambda d: d.optimizer_library == "torchao" and d.world_size > 1,
-        lambda d: f"--optimizer {d.optimizer} with --world-size {d.world_size}",
+        lambda d: (
+            d.optimizer_library == "torchao" and d.world_size > 1 and (d.strategy == "fsdp" or not d.trivial_mesh)
+        ),
+        lambda d: f"--optimizer {d.optimizer} under {_sharded_or_mesh(d)}",
         _TORCHAO_STEP,
     ),
     Rule(

@@ -32,6 +32,12 @@ def _adamw8bit(params: Any) -> torch.optim.Optimizer:
     return bnb.optim.AdamW8bit(params)  # type: ignore[no-any-return]
 
 
+def _adamw4bit(params: Any) -> torch.optim.Optimizer:
+    from torchao.optim import AdamW4bit
+
+    return AdamW4bit(params)  # type: ignore[no-any-return]
+
+
 def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params)
 
@@ -42,6 +48,7 @@ ORDINARY: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "torch.optim.AdamW:fused=true": _adamw_fused,
     "adafactor": _adafactor,
     "adamw8bit": _adamw8bit,
+    "adamw4bit": _adamw4bit,
 }
 
 # The truths' default (no spec): torch's AdamW as the probe's default builds it.

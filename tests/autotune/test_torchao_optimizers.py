@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from autotune.core.errors import TaskError
+from autotune.core.mesh import Mesh
 from autotune.measure.meters.cpu import CpuMeter
 from autotune.orchestrate.config import EstimateConfig
 from autotune.orchestrate.estimate import estimate
@@ -145,8 +146,8 @@ def test_where_a_compiled_step_is_not_measured_it_is_refused_in_one_line() -> No
     with pytest.raises(TaskError, match=r"^--optimizer adamw4bit: torchao's .* not under the CPU's dispatch") as caught:
         probe_with_meter(task, CpuMeter(6 * MiB), config)  # the dispatch meter
     assert "\n" not in str(caught.value)
-    with pytest.raises(TaskError, match=r"^--optimizer adamw4bit with --world-size 2: .* one device only"):
-        probe(task, dataclasses.replace(config, world_size=2))
+    with pytest.raises(TaskError, match=r"^--optimizer adamw4bit under --tp 2: .* over ddp replicas"):
+        probe(task, dataclasses.replace(config, world_size=2, mesh=Mesh(tp=2)))
 
 
 def test_a_probe_over_lengths_gets_the_compiled_meter(monkeypatch: pytest.MonkeyPatch) -> None:
