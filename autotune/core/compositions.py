@@ -151,11 +151,11 @@ COMPOSITIONS: tuple[Rule, ...] = (
     ),
     Rule(
         "--pp",
-        "--offload",
+        "--offload params",
         "not measured yet",
-        lambda d: d.pp > 1 and d.offload != "none",
+        lambda d: d.pp > 1 and d.offload == "params",
         lambda d: f"--pp {d.pp} with --offload {d.offload}",
-        "a pipeline stage's offloaded activations are not measured yet",
+        "FSDP2's CPUOffloadPolicy over a pipeline stage's shards is not measured yet; --offload activations is",
     ),
     Rule(
         "--strategy fsdp",

@@ -81,6 +81,8 @@ from autotune.core.schemas import MemoryBreakdown, Trial
 from autotune.measure.layout import Layout
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.meters.host import HOST
+from autotune.measure.offload import apply_offload
 from autotune.measure.oom import is_oom
 from autotune.measure.parallelize import Parallelism, apply_ddp, compose, fsdp_api
 from autotune.measure.policies import apply_policy
@@ -765,6 +767,9 @@ def _shard_on_meta(
     _keep_blocks(layout, stage, model)
     model.train()
     apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
+    # Its blocks' saved activations in host memory, around the policy's wrapper, before FSDP2 wraps them (as
+    # build_model leaves a whole model for compose()).
+    apply_offload(model, task.offload, task.shard_classes, task_name=task.name)
     not_held = {id(p) for p in model.parameters() if id(p) not in held}
     strategy.shard_stage(model, task, not_held)
     return not_held
@@ -818,8 +823,9 @@ def _build_stage(
         kept = _keep_blocks(layout, stage, model)
         _initialise(model)
         model.train()
-        # The task's memory policy on the stage's blocks, as build_model applies it to a whole model.
+        # The task's memory policy and offload on the stage's blocks, as build_model applies them to a whole model.
         apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
+        apply_offload(model, task.offload, task.shard_classes, task_name=task.name)
     flow = _Flow()
     built = _Stage(stage, stages, model, flow, layout.ranges[stage].start, len(kept))
 
@@ -1162,6 +1168,7 @@ class PipelineTrials:
         virtual_stages: int = 1,
         strategy: Strategy | None = None,
         stage_figure: StageFigure | None = None,
+        host_limit_bytes: int | None = None,
     ) -> None:
         refusal = pipeline_refusal(schedule, stages, microbatches, None)
         if refusal is not None:
@@ -1169,6 +1176,8 @@ class PipelineTrials:
         # The task's own compile and offload too (a task file's), not only the flags'.
         refuse_composition(Dimensions(world_size=stages, pp=stages, compile=task.compile, offload=task.offload))
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
+        # --host-budget under --offload: a size whose most loaded rank holds more host bytes does not fit either.
+        self.host_limit_bytes = host_limit_bytes
         self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
         self.virtual_stages = virtual_stages if schedule == "interleaved-1f1b" else 1
         strategy = strategy or StageStrategy(1)
@@ -1180,6 +1189,8 @@ class PipelineTrials:
         self.stage_figure = stage_figure
         self.warnings: list[str] = []
         self.stage_peaks: dict[int, list[int]] = {}
+        # Under --offload: each stage's host bytes (autotune/measure/offload.py) at the size being measured.
+        self.stage_host_peaks: dict[int, int] = {}
         # With a dict here, each stage's steps on a CPU or fake meter are recorded (autotune/measure/breakdown.py)
         # and the most loaded stage's peak broken down, kept by micro-batch (its stage named).
         self.breakdowns: dict[int, MemoryBreakdown] | None = None
@@ -1235,6 +1246,7 @@ class PipelineTrials:
             _shard_on_meta(self.task, self.layout, index, meta, self.strategy) if self.strategy.shards else None
             for index, meta in zip(indices, metas, strict=True)
         ]
+        HOST.take_peak()  # the host's peak restarts with the stage's, as a trial's does
         try:
             with meter.measure():
                 replays = []
@@ -1269,6 +1281,8 @@ class PipelineTrials:
                 raise
             oom = True
         reading = meter.reading()
+        if self.task.offload != "none":
+            self.stage_host_peaks[stage_index] = HOST.take_peak()
         meter.release()
         return reading, oom
 
@@ -1277,6 +1291,7 @@ class PipelineTrials:
         readings: list[MemoryReading] = []
         oom = False
         self.stage_breakdowns = {}
+        self.stage_host_peaks = {}
         for stage_index in range(self.stages):
             if self.stage_figure is None:
                 reading, oom = self.measure_stage(stage_index, micro_batch)
@@ -1293,16 +1308,20 @@ class PipelineTrials:
         found = self.stage_breakdowns.get(heaviest_index)
         if self.breakdowns is not None and found is not None:
             self.breakdowns[micro_batch] = found.model_copy(update={"stage": heaviest_index})
+        # Each rank's host bytes are its own (a stage's offloaded activations): the trial's is the most any holds.
+        host_peak = max(self.stage_host_peaks.values()) if self.stage_host_peaks else None
+        over_host = self.host_limit_bytes is not None and host_peak is not None and host_peak > self.host_limit_bytes
         return Trial(
             micro_batch=micro_batch,
             peak_bytes=heaviest.peak_bytes,
-            fits=(not oom) and heaviest.peak_bytes <= self.limit_bytes,
+            fits=(not oom) and heaviest.peak_bytes <= self.limit_bytes and not over_host,
             oom=oom,
             seconds=round(time.perf_counter() - started, 6),
             forward_backward_bytes=None if oom else heaviest.forward_backward_bytes,
             step_bytes=None if oom else heaviest.step_bytes,
             allocated_bytes=heaviest.allocated_bytes,
             outside_allocator_bytes=heaviest.outside_allocator_bytes,
+            host_peak_bytes=host_peak,
             fake=isinstance(self.meter, FakeMeter),
         )
 

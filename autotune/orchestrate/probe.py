@@ -99,6 +99,7 @@ def _search(
                 max_micro_batch=config.max_micro_batch,
                 multiple_of=config.multiple_of,
                 breakdowns=breakdowns,
+                host_limit_bytes=config.host_budget_bytes,
             ),
             None,
             None,

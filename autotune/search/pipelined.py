@@ -49,6 +49,7 @@ def pipeline_trials(
     limit_bytes: int,
     *,
     stage_figure: StageFigure | None = None,
+    host_limit_bytes: int | None = None,
 ) -> PipelineTrials:
     """The trial of a pipeline of ``mesh`` at m (every stage's, the most loaded stage's peak), at the K its stages are
     measured at: what the search and the no-fit diagnosis run."""
@@ -62,6 +63,7 @@ def pipeline_trials(
         virtual_stages=mesh.virtual_stages,
         strategy=strategy,
         stage_figure=stage_figure,
+        host_limit_bytes=host_limit_bytes,
     )
 
 
@@ -80,14 +82,18 @@ def search_pipeline(
     far_extrapolation: float = FAR_EXTRAPOLATION,
     extra_sizes: Sequence[int] = (),
     breakdowns: dict[int, MemoryBreakdown] | None = None,
+    host_limit_bytes: int | None = None,
 ) -> PipelineSearch:
     """m_max of the pipeline: the largest m at which every stage fits, by the boundary search over
     :class:`PipelineTrials`, with each stage's peak at m_max, the most loaded stage and the bubble (also a
     line of the warnings, for the datasheet). ``extra_sizes`` (``--micro-batches``): sizes tried besides the
     search's, their trials with the others. ``breakdowns``: a dict each size's most loaded stage's peak, broken
-    down, is put in (autotune/measure/breakdown.py; on a CPU or fake meter)."""
+    down, is put in (autotune/measure/breakdown.py; on a CPU or fake meter). ``host_limit_bytes`` (``--host-budget``
+    under ``--offload``): a size whose stages hold more host bytes does not fit either."""
     k = measured_microbatches(mesh)
-    trials = pipeline_trials(task, meter, mesh, strategy, limit_bytes, stage_figure=stage_figure)
+    trials = pipeline_trials(
+        task, meter, mesh, strategy, limit_bytes, stage_figure=stage_figure, host_limit_bytes=host_limit_bytes
+    )
     trials.breakdowns = breakdowns
 
     trial = reported(trials, on_trial)

@@ -32,6 +32,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.profiler import ProfilerActivity, profile
 
+from tests.autotune._host_copies import HostCopies, offload_blocks
+
 VOCAB = 96
 DIM = 32
 HEADS = 2
@@ -118,6 +120,10 @@ def cut_to_stage(model: TinyLlama, stage: int, stages: int) -> TinyLlama:
     return model
 
 
+# This rank's host copies while an offloaded job runs ("1f1b+offload"); None otherwise.
+_host: dict[str, HostCopies | None] = {"copies": None}
+
+
 def _stage_model(stage: int, stages: int, layers: int, checkpointed: bool = False) -> nn.Module:
     with torch.device("meta"):
         model = cut_to_stage(TinyLlama(layers), stage, stages)
@@ -128,11 +134,15 @@ def _stage_model(stage: int, stages: int, layers: int, checkpointed: bool = Fals
     if checkpointed:  # every block recomputes its forward in backward (torch's own wrapper)
         for index, layer in enumerate(model.layers):
             model.layers[index] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    copies = _host["copies"]
+    if copies is not None:
+        offload_blocks(model.layers, copies)
     return model.train()
 
 
 def _steps(job: str, rank: int, ranks: int, microbatches: int, micro_batch: int) -> None:
-    # "1f1b+full": the 1F1B schedule with every block checkpointed.
+    # "1f1b+full": the 1F1B schedule with every block checkpointed; "1f1b+offload": every block's saved activations
+    # in host memory.
     schedule_name, _, policy = job.partition("+")
     # Interleaved: each rank holds INTERLEAVED_VIRTUAL stages (rank, rank + ranks, ...) of a deeper model, and one
     # optimizer per stage (torchtitan's one per model part).
@@ -211,9 +221,15 @@ def run(rank: int, world_size: int, rendezvous: str, out_dir: str, jobs: list[tu
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
         try:
             torch.manual_seed(rank)
-            peaks = {
-                f"{name}/{k}/{m}": peak_bytes(name, rank, world_size, k, m) for name, k, sizes in jobs for m in sizes
-            }
+            peaks = {}
+            for name, k, sizes in jobs:
+                for m in sizes:
+                    offloaded = name.endswith("+offload")
+                    _host["copies"] = HostCopies() if offloaded else None
+                    peaks[f"{name}/{k}/{m}"] = peak_bytes(name, rank, world_size, k, m)
+                    if offloaded:
+                        peaks[f"{name}/{k}/{m}/host"] = _host["copies"].peak_bytes  # type: ignore[union-attr]
+            _host["copies"] = None
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
         finally:
             dist.destroy_process_group()

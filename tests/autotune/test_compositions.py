@@ -29,7 +29,7 @@ REFUSED = [
     Dimensions(world_size=4, cp=2, tp=2),
     Dimensions(world_size=2, cp=2, compile="default"),
     Dimensions(world_size=2, pp=2, compile="default"),
-    Dimensions(world_size=2, pp=2, offload="activations"),
+    Dimensions(strategy="fsdp", world_size=4, pp=2, offload="params"),
     Dimensions(strategy="fsdp", world_size=1),
     Dimensions(strategy="fsdp", world_size=2, tp=2),
     Dimensions(offload="params"),
@@ -64,6 +64,7 @@ def test_each_rule_is_reached_by_a_job_and_names_both_of_its_flags() -> None:
         Dimensions(strategy="fsdp", world_size=4, cp=2, tp=2),
         Dimensions(world_size=4, pp=2, tp=2),
         Dimensions(strategy="fsdp", world_size=4, pp=2, offload="none", compile=None),
+        Dimensions(world_size=2, pp=2, offload="activations"),  # test_pipeline.py: against real ranks
         Dimensions(strategy="fsdp", world_size=2, offload="params", host_budget=True),
         Dimensions(world_size=2, optimizer="adamw8bit", optimizer_library="bitsandbytes"),
         Dimensions(quantize="nf4", lora=True, world_size=2),
@@ -117,9 +118,9 @@ def test_every_asker_says_the_same_line() -> None:
 
 def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
     """What only the task knows (its compile or offload, its optimizer's library) is asked before any trial."""
-    task = dataclasses.replace(linear_task(), offload="activations")
+    task = dataclasses.replace(linear_task(), compile="default")
     config = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, mesh=Mesh(pp=2))
-    said = composition_refusal(Dimensions(world_size=2, pp=2, offload="activations"))
+    said = composition_refusal(Dimensions(world_size=2, pp=2, compile="default"))
     assert _raised(lambda: config.applied_to(task)) == said
     adam8 = dataclasses.replace(linear_task(), optimizer="adamw8bit")
     fsdp = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, strategy="fsdp")
@@ -138,7 +139,10 @@ def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
     [
         (["--world-size", "4", "--cp", "2", "--pp", "2"], "--cp 2 with --pp 2: "),
         (["--world-size", "2", "--pp", "2", "--compile"], "--pp 2 with --compile default: "),
-        (["--world-size", "2", "--pp", "2", "--offload", "activations"], "--pp 2 with --offload activations: "),
+        (
+            ["--strategy", "fsdp", "--world-size", "4", "--pp", "2", "--offload", "params"],
+            "--pp 2 with --offload params: ",
+        ),
         (["--offload", "params"], "--offload params with --strategy ddp: "),
         (["--weights-dtype", "fp16", "--precision", "fp16"], "--weights-dtype fp16 with --precision fp16: "),
     ],

@@ -160,7 +160,10 @@ def test_a_pipelines_levers_are_tried_on_its_stages_and_a_levers_m_max_is_a_prob
     assert full.max_micro_batch == probed.max_micro_batch > profile.max_micro_batch
     assert "--tp 2" not in by_flags  # two ranks hold the two stages: none left for a tp pair
     assert by_flags["--strategy fsdp --world-size 2"].note.startswith("--strategy fsdp with --world-size 2 over pp 2")
-    assert by_flags["--offload activations"].note.startswith("--pp 2 with --offload activations: ")
+    # Each stage's blocks offload (tests/autotune/test_pipeline.py measures it against real ranks).
+    offload = by_flags["--offload activations"]
+    assert not offload.note and (offload.freed_bytes or 0) > 0
+    assert (offload.max_micro_batch or 0) > profile.max_micro_batch
 
 
 def vars_of(config: ProbeConfig) -> dict[str, Any]:

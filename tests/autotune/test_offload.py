@@ -13,15 +13,12 @@ memory) and the unpack is a copy the allocator makes, as a card's ``tensor.to(de
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from autotune.cli import main
@@ -34,45 +31,16 @@ from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.fingerprint import task_fingerprint
 from examples.gpt import GPT, Block, GPTConfig, make_task
 from tests.autotune._allocator_truth import allocator_peak_bytes
+from tests.autotune._host_copies import HostCopies, offload_blocks
 
 MiB = 1 << 20
 TINY = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=4)
 REPO = Path(__file__).resolve().parents[2]
 
 
-class HostCopies:
-    """save_on_cpu's pack and unpack as a card runs them, the host copies in numpy's memory; their live bytes
-    and peak."""
-
-    def __init__(self) -> None:
-        self.live_bytes = self.peak_bytes = 0
-
-    def _freed(self, nbytes: int) -> None:
-        self.live_bytes -= nbytes
-
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.device, np.ndarray]:
-        host = tensor.detach().numpy().copy(order="K")
-        self.live_bytes += host.nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(host, self._freed, host.nbytes)
-        return tensor.device, host
-
-    def unpack(self, packed: tuple[torch.device, np.ndarray]) -> torch.Tensor:
-        device, host = packed
-        return torch.from_numpy(host).to(device, copy=True)
-
-
 def offloaded(model: nn.Module, copies: HostCopies) -> nn.Module:
-    """model with every block's forward under the hooks (outside a block's checkpoint wrapper, if it has one),
-    as torchtitan-style recipes wrap a block in save_on_cpu."""
-    for block in model.blocks:
-        forward = block.forward
-
-        def run(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
-            with saved_tensors_hooks(copies.pack, copies.unpack):
-                return _forward(*args, **kwargs)
-
-        block.forward = run
+    """model with every block's forward under the hooks."""
+    offload_blocks(model.blocks, copies)
     return model
 
 

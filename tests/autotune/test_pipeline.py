@@ -24,6 +24,7 @@ from autotune.core.mesh import Mesh
 from autotune.core.plan import pipeline_plan
 from autotune.core.schemas import PipelineStages, Profile
 from autotune.measure.meters import CpuMeter
+from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.pipeline import PipelineTrials, interleaved_actions, schedule_actions, stage_block_ranges
 from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.probe import probe
@@ -51,7 +52,13 @@ def llama_task(layers: int = worker.LAYERS) -> ProbeTask:
 def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """Each rank's peak per schedule and size, from one spawn of 2 real processes: {"1f1b/2/3": [rank0, rank1]}."""
     out = tmp_path_factory.mktemp("pipeline")
-    jobs = [("1f1b", K, SIZES), ("gpipe", K, SIZES), ("interleaved-1f1b", K, SIZES), ("1f1b+full", K, [3])]
+    jobs = [
+        ("1f1b", K, SIZES),
+        ("gpipe", K, SIZES),
+        ("interleaved-1f1b", K, SIZES),
+        ("1f1b+full", K, [3]),
+        ("1f1b+offload", K, SIZES),
+    ]
     try:
         mp.spawn(worker.run, args=(2, str(out / "rendezvous"), str(out), jobs), nprocs=2, join=True)
     except ProcessException as exc:
@@ -293,8 +300,58 @@ def test_checkpointed_stages_equal_the_real_ranks(real_peaks: dict[str, list[int
     assert all(f < p for f, p in zip(trials.stage_peaks[3], real_peaks[f"1f1b/{K}/3"], strict=True))
 
 
-def test_offload_under_a_pipeline_is_refused_in_one_line() -> None:
+def test_offloaded_stages_equal_the_real_ranks_on_the_device_and_the_host(real_peaks: dict[str, list[int]]) -> None:
+    """--offload activations under --pp: each stage's blocks save their activations in host memory. The real ranks
+    wrap each block's forward in save_on_cpu's hooks as a card runs them (the host copies in numpy's memory,
+    tests/autotune/_pipeline_worker.py): the device's peak is the allocator's, the host's the copies' own."""
     task = dataclasses.replace(llama_task(), offload="activations")
-    said = "^--pp 2 with --offload activations: a pipeline stage's offloaded activations are not measured yet$"
+    trials = PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
+    fake = PipelineTrials(
+        task, FakeMeter(UNBOUNDED, "cpu", "cpu"), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K
+    )
+    for m in SIZES:
+        trial = trials(m)
+        host = [trials.stage_host_peaks[stage] for stage in range(2)]
+        assert (trials.stage_peaks[m], host) == (
+            real_peaks[f"1f1b+offload/{K}/{m}"],
+            real_peaks[f"1f1b+offload/{K}/{m}/host"],
+        )
+        assert trial.host_peak_bytes == max(host)
+        # The estimate's fake trials count the same (CPU semantics, no storage).
+        fake_trial = fake(m)
+        assert (fake.stage_peaks[m], fake_trial.host_peak_bytes) == (trials.stage_peaks[m], trial.host_peak_bytes)
+    # The blocks' activations left the device: every stage holds less than without offload.
+    assert all(o < p for o, p in zip(real_peaks[f"1f1b+offload/{K}/3"], real_peaks[f"1f1b/{K}/3"], strict=True))
+
+
+def test_a_host_budget_decides_an_offloaded_pipeline_too(real_peaks: dict[str, list[int]]) -> None:
+    host = real_peaks[f"1f1b+offload/{K}/2/host"]
+    config = ProbeConfig(
+        device="cpu",
+        budget_bytes=UNBOUNDED,
+        world_size=2,
+        target_batch=4,
+        mesh=Mesh(pp=2, pp_microbatches=K),
+        offload="activations",
+        host_budget_bytes=max(host),  # m = 2's most loaded rank fits it exactly; m = 3's does not
+        max_micro_batch=8,
+    )
+    profile = probe(llama_task(), config)
+    assert profile.max_micro_batch == 2
+    assert profile.host_peak_bytes == max(host)
+    above = next(t for t in profile.trials if t.micro_batch == 3)
+    assert (
+        not above.fits
+        and above.peak_bytes < UNBOUNDED
+        and above.host_peak_bytes == max(real_peaks[f"1f1b+offload/{K}/3/host"])
+    )
+
+
+def test_params_offload_under_a_pipeline_is_refused_in_one_line() -> None:
+    task = dataclasses.replace(llama_task(), offload="params")
+    said = (
+        "^--pp 2 with --offload params: FSDP2's CPUOffloadPolicy over a pipeline stage's shards is not measured yet; "
+        "--offload activations is$"
+    )
     with pytest.raises(AutotuneError, match=said):
         PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)
