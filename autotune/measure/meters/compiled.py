@@ -27,6 +27,7 @@ search floor's (autotune/search/static.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 import weakref
@@ -133,7 +134,9 @@ def _every_threads_frees() -> Iterator[None]:
         flag.value = before
 
 
+@functools.cache
 def _report_flag() -> Any:
+    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` as a ctypes bool, or None where this torch's library lacks it."""
     import ctypes
     import os
 
