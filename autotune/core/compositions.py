@@ -96,14 +96,12 @@ _BNB_NO_DTENSOR = (
 )
 _TORCHAO_STEP = (
     "torchao's low-bit optimizers step through torch.compile(fullgraph=True), one parameter a call; measured on one "
-    "device and over ddp replicas (against real ranks), not yet over DTensor parameters or a pipeline's stages: use "
-    "--strategy ddp without a mesh"
+    "device, over ddp replicas and under --strategy fsdp (against real ranks), not yet under a tp, cp or pp mesh: "
+    "use --strategy ddp or fsdp without a mesh"
 )
 
 
-def _sharded_or_mesh(d: Dimensions) -> str:
-    if d.strategy == "fsdp":
-        return "--strategy fsdp"
+def _mesh_flags(d: Dimensions) -> str:
     return " ".join(f"--{name} {size}" for name, size in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp)) if size > 1)
 
 
@@ -228,12 +226,10 @@ COMPOSITIONS: tuple[Rule, ...] = (
     ),
     Rule(
         "--optimizer (torchao)",
-        "--strategy fsdp or a mesh",
+        "a mesh",
         "not measured yet",
-        lambda d: (
-            d.optimizer_library == "torchao" and d.world_size > 1 and (d.strategy == "fsdp" or not d.trivial_mesh)
-        ),
-        lambda d: f"--optimizer {d.optimizer} under {_sharded_or_mesh(d)}",
+        lambda d: d.optimizer_library == "torchao" and d.world_size > 1 and not d.trivial_mesh,
+        lambda d: f"--optimizer {d.optimizer} under {_mesh_flags(d)}",
         _TORCHAO_STEP,
     ),
     Rule(

@@ -38,7 +38,7 @@ REFUSED = [
     Dimensions(strategy="fsdp", world_size=2, quantize="nf4", lora=True),
     Dimensions(world_size=2, tp=2, quantize="nf4", lora=True),
     Dimensions(world_size=2, tp=2, optimizer="adamw8bit", optimizer_library="bitsandbytes"),
-    Dimensions(strategy="fsdp", world_size=2, optimizer="adamw4bit", optimizer_library="torchao"),
+    Dimensions(world_size=2, tp=2, optimizer="adamw4bit", optimizer_library="torchao"),
     Dimensions(activation_checkpointing="budget:0.5"),
     Dimensions(weights_dtype="fp16", precision="fp16"),
 ]
@@ -128,10 +128,12 @@ def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
         "--optimizer adamw8bit under --strategy fsdp: bitsandbytes'"
     )
     adam4 = dataclasses.replace(linear_task(), optimizer="adamw4bit")
-    ranks = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, strategy="fsdp")
-    assert _raised(lambda: ranks.applied_to(adam4)).startswith("--optimizer adamw4bit under --strategy fsdp: torchao's")
-    replicas = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2)  # measured over ddp (test_optimizer_ranks)
-    assert replicas.applied_to(adam4).name == "linear"  # not refused
+    ranks = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, mesh=Mesh(tp=2))
+    assert _raised(lambda: ranks.applied_to(adam4)).startswith("--optimizer adamw4bit under --tp 2: torchao's")
+    # Measured over ddp and under fsdp (test_optimizer_ranks): not refused.
+    for strategy in ("ddp", "fsdp"):
+        replicas = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, strategy=strategy)
+        assert replicas.applied_to(adam4).name == "linear"
 
 
 @pytest.mark.parametrize(

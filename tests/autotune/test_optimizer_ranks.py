@@ -53,13 +53,16 @@ CASES = [
     ("adamw8bit", "ddp"),
     # torchao's compiled step over ddp replicas (each rank compiles its own; the probe's real trials too), with the
     # warnings inductor gives of torchao's types (test_torchao_optimizers.py's).
-    pytest.param(
-        "adamw4bit",
-        "ddp",
-        marks=[
-            pytest.mark.filterwarnings("ignore:.*does not implement _stable_hash_for_caching:UserWarning"),
-            pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-        ],
+    *(
+        pytest.param(
+            "adamw4bit",
+            strategy,
+            marks=[
+                pytest.mark.filterwarnings("ignore:.*does not implement _stable_hash_for_caching:UserWarning"),
+                pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+            ],
+        )
+        for strategy in ("ddp", "fsdp")
     ),
 ]
 

@@ -146,7 +146,10 @@ def test_where_a_compiled_step_is_not_measured_it_is_refused_in_one_line() -> No
     with pytest.raises(TaskError, match=r"^--optimizer adamw4bit: torchao's .* not under the CPU's dispatch") as caught:
         probe_with_meter(task, CpuMeter(6 * MiB), config)  # the dispatch meter
     assert "\n" not in str(caught.value)
-    with pytest.raises(TaskError, match=r"^--optimizer adamw4bit under --tp 2: .* over ddp replicas"):
+    with pytest.raises(
+        TaskError,
+        match=r"^--optimizer adamw4bit under --tp 2: .* under --strategy fsdp .*not yet under a tp, cp or pp mesh",
+    ):
         probe(task, dataclasses.replace(config, world_size=2, mesh=Mesh(tp=2)))
 
 
