@@ -23,8 +23,8 @@ NAME is a ``torch.optim`` class (any case), ``package.module.Class``, or one of 
   that leaves out is said on the datasheet (:func:`eager_step_note`). The rest is refused in one line
   (:func:`refuse_compiled_step`): under the CPU's dispatch meter dynamo compiles no frame ("found no compiled
   frames"); over ddp replicas it is measured as on one device (DDP's buckets beside it) and under fsdp over
-  FSDP2's DTensor shards, each exact against real gloo ranks; under a tp, cp
-  or pp mesh not yet (the composition table says so: autotune/core/compositions.py).
+  FSDP2's DTensor shards and under tp, each against real gloo ranks; over a pipeline's stages and under cp not
+  yet (the composition table says so: autotune/core/compositions.py).
 
 Under ``--strategy fsdp`` or ``--tp`` the parameters are DTensors; bitsandbytes' update ops
 (``bitsandbytes.optimizer_update_32bit``, ``optimizer_update_8bit_blockwise``) have no DTensor sharding rule,
@@ -276,7 +276,7 @@ def optimizer_factory(
 def optimizer_library(optimizer: object) -> str | None:
     """The library a spec's optimizer class comes from ("torch", "bitsandbytes", "torchao", ...); None for a
     factory of the user's (not known before its first step). The composition table reads it
-    (autotune/core/compositions.py: bitsandbytes under DTensor, torchao under a mesh)."""
+    (autotune/core/compositions.py: bitsandbytes under DTensor, torchao under pp or cp)."""
     if not isinstance(optimizer, SpecOptimizer):
         return None
     return optimizer.cls.__module__.partition(".")[0]

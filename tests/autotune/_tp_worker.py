@@ -212,7 +212,7 @@ def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
     if config.get("model_type") == "gpt2":
         model = _gpt2_torchtitan_model(mesh, config)
     else:
-        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "_plan"}))
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if not k.startswith("_")}))
         plan = torchtitan_plan(model) if config.get("_plan") == "torchtitan" else llama_plan(model)
         parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
     if mesh["dp"].size() > 1:
@@ -228,7 +228,12 @@ def _steps(mesh: Any, config: dict[str, Any], micro_batch: int) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
     model = _model(mesh, config)
-    optimizer = torch.optim.AdamW(model.parameters())
+    if config.get("_optimizer") == "adamw4bit":  # torchao's, as torchao builds it (its step compiled per parameter)
+        from torchao.optim import AdamW4bit
+
+        optimizer: torch.optim.Optimizer = AdamW4bit(model.parameters())
+    else:
+        optimizer = torch.optim.AdamW(model.parameters())
     generator = torch.Generator().manual_seed(micro_batch)
     # torchtitan's loss: the cross entropy on the vocabulary shards, forward and backward under loss_parallel().
     loss_context = loss_parallel if config.get("_plan") == "torchtitan" else contextlib.nullcontext

@@ -7,6 +7,7 @@ allocator's own running total. The one-process answer's m_max and m_max + 1 must
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from autotune.core.mesh import Mesh
+from autotune.orchestrate.config import EstimateConfig
+from autotune.orchestrate.estimate import estimate
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.hf import hf_task
@@ -48,6 +51,7 @@ def _truth(
     lora_rank: int | None = None,
     plan: str = "hf",
     family: str = "llama",
+    optimizer: str | None = None,
 ) -> dict[int, list[int]]:
     """The most loaded rank's peak of each run at each size, over world_size real processes: runs until one is at
     or below the size's floor (the probe's figure; a huge one for one run), as tests/autotune/_tp_worker.py says why.
@@ -65,6 +69,8 @@ def _truth(
         config["_lora"] = {"rank": lora_rank, "targets": ["q_proj", "v_proj"]}
     if plan != "hf":
         config["_plan"] = plan
+    if optimizer is not None:
+        config["_optimizer"] = optimizer
     try:
         mp.spawn(
             _tp_worker.run,
@@ -98,13 +104,33 @@ def test_tp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(
     _agrees_with_the_real_ranks(tmp_path, strategy, world_size, budget, plan=None)
 
 
+@pytest.mark.filterwarnings("ignore:.*does not implement _stable_hash_for_caching:UserWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_torchaos_adamw4bit_under_tp_agrees_with_the_real_ranks(tmp_path: Path) -> None:
+    """torchao's AdamW4bit stepping tp's DTensor shards (its step compiled per parameter on each rank); the estimate's
+    fake trials (torchao's step run eagerly) answer the same m_max."""
+    m_max = _agrees_with_the_real_ranks(tmp_path, "ddp", 2, 600_000, plan=None, optimizer="adamw4bit")
+    (tmp_path / "estimate").mkdir()
+    task = dataclasses.replace(hf_task(_llama_dir(tmp_path / "estimate")).at_length(SEQ_LEN), optimizer="adamw4bit")
+    config = ProbeConfig(device="cpu", budget_bytes=600_000, headroom=0.0, world_size=2, mesh=Mesh(tp=2))
+    assert estimate(task, EstimateConfig(probe=config, device_kind="cpu")).max_micro_batch == m_max
+
+
 def _agrees_with_the_real_ranks(
-    tmp_path: Path, strategy: str, world_size: int, budget: int, plan: str | None, family: str = "llama"
-) -> None:
+    tmp_path: Path,
+    strategy: str,
+    world_size: int,
+    budget: int,
+    plan: str | None,
+    family: str = "llama",
+    optimizer: str | None = None,
+) -> int:
     """The probe's m_max at ``budget`` and its figures at m_max and m_max + 1 against the most loaded of world_size
     real ranks running ``plan`` (None: transformers' own) the ordinary way (tests/autotune/_tp_worker.py)."""
     where = write_config(tmp_path, "gpt2") if family == "gpt2" else _llama_dir(tmp_path)
     task = hf_task(where).at_length(SEQ_LEN)
+    if optimizer is not None:
+        task = dataclasses.replace(task, optimizer=optimizer)
     config = ProbeConfig(
         device="cpu",
         budget_bytes=budget,
@@ -121,7 +147,7 @@ def _agrees_with_the_real_ranks(
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
     # A run within the slack of the probe's figure ends the repeats (the assertion below reads the least).
     floors = {m_max: peaks[m_max] + SLACK_BYTES, m_max + 1: peaks.get(m_max + 1, 1 << 62) + SLACK_BYTES}
-    runs = _truth(world_size, 2, floors, tmp_path, plan=plan or "hf", family=family)
+    runs = _truth(world_size, 2, floors, tmp_path, plan=plan or "hf", family=family, optimizer=optimizer)
     print(
         f"tp 2 {family} {plan or 'hf'} ({strategy} x{world_size}): m_max {m_max}; probe {peaks}; "
         f"most loaded real rank, {runs}"
@@ -131,6 +157,7 @@ def _agrees_with_the_real_ranks(
     assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
     if m_max + 1 in peaks:
         assert abs(peaks[m_max + 1] - truth[m_max + 1]) <= SLACK_BYTES
+    return m_max
 
 
 @pytest.mark.parametrize(

@@ -148,9 +148,9 @@ def test_where_a_compiled_step_is_not_measured_it_is_refused_in_one_line() -> No
     assert "\n" not in str(caught.value)
     with pytest.raises(
         TaskError,
-        match=r"^--optimizer adamw4bit under --tp 2: .* under --strategy fsdp .*not yet under a tp, cp or pp mesh",
+        match=r"^--optimizer adamw4bit under --pp 2: .* under --tp \(against real ranks\), not yet over a pipeline",
     ):
-        probe(task, dataclasses.replace(config, world_size=2, mesh=Mesh(tp=2)))
+        probe(task, dataclasses.replace(config, world_size=2, mesh=Mesh(pp=2)))
 
 
 def test_a_probe_over_lengths_gets_the_compiled_meter(monkeypatch: pytest.MonkeyPatch) -> None:
