@@ -43,7 +43,14 @@ from typing import Any
 from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device, Profile, Trial
 
-__all__ = ["InconsistentProfile", "Problem", "check_profile", "device_kind_of_name", "profile_problems"]
+__all__ = [
+    "InconsistentProfile",
+    "Problem",
+    "check_profile",
+    "device_kind_of_name",
+    "exceeds_host_budget",
+    "profile_problems",
+]
 
 # Words in a device name that tell its kind. ROCm builds report AMD GPUs as "cuda" devices.
 _GPU_WORDS = ("nvidia", "tesla", "geforce", "quadro", "titan", "radeon", "instinct")
@@ -90,9 +97,18 @@ def device_kind_of_name(name: str) -> str | None:
     return None
 
 
+def exceeds_host_budget(host_peak_bytes: int | None, host_budget_bytes: int | None) -> bool:
+    """Under --host-budget, a size whose host bytes (--offload) exceed it does not fit: the rule a trial's ``fits``
+    and this check both read.
+
+    >>> exceeds_host_budget(300, 200), exceeds_host_budget(200, 200), exceeds_host_budget(300, None)
+    (True, False, False)
+    """
+    return host_budget_bytes is not None and host_peak_bytes is not None and host_peak_bytes > host_budget_bytes
+
+
 def _over_host(trial: Trial, host_budget: int | None) -> bool:
-    """Under --host-budget, a size whose host bytes (--offload) exceed it does not fit."""
-    return host_budget is not None and trial.host_peak_bytes is not None and trial.host_peak_bytes > host_budget
+    return exceeds_host_budget(trial.host_peak_bytes, host_budget)
 
 
 def _failed(trial: Trial, limit: int, host_budget: int | None = None) -> bool:

@@ -75,6 +75,7 @@ import torch
 from torch import nn
 
 from autotune.core.compositions import Dimensions, refuse_composition
+from autotune.core.consistency import exceeds_host_budget
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.core.schemas import MemoryBreakdown, Trial
@@ -1310,7 +1311,7 @@ class PipelineTrials:
             self.breakdowns[micro_batch] = found.model_copy(update={"stage": heaviest_index})
         # Each rank's host bytes are its own (a stage's offloaded activations): the trial's is the most any holds.
         host_peak = max(self.stage_host_peaks.values()) if self.stage_host_peaks else None
-        over_host = self.host_limit_bytes is not None and host_peak is not None and host_peak > self.host_limit_bytes
+        over_host = exceeds_host_budget(host_peak, self.host_limit_bytes)
         return Trial(
             micro_batch=micro_batch,
             peak_bytes=heaviest.peak_bytes,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.core.consistency import exceeds_host_budget
 from autotune.core.errors import TaskError, TrialError
 from autotune.core.schemas import ATTENTION_NOTE, Trial
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
@@ -368,7 +369,7 @@ def run_trial(
     meter.release()
     if failure is not None:
         raise TrialError(failure)
-    over_host = host_limit_bytes is not None and host_peak is not None and host_peak > host_limit_bytes
+    over_host = exceeds_host_budget(host_peak, host_limit_bytes)
     return Trial(
         micro_batch=micro_batch,
         peak_bytes=reading.peak_bytes,
