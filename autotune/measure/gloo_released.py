@@ -2,13 +2,16 @@
 DDP's buckets where the job's code drops them, as a card does.
 
 gloo runs a collective on a worker thread of its own, which holds the collective's work (and through it the bucket)
-until after it has signalled completion and taken its queue's lock again. Under load that thread can be descheduled
-for the length of a trial: the bucket DDP's reducer replaces after its first backward (1 MiB, then 25 MiB buckets) is
-then freed by gloo's thread long after the reducer let go of it, and a trial's peak holds it beside its successor.
-Seen: the tiny GPT's compiled probe over ddp replicas (the probe's one-process gloo group, strategies.Replicated)
-read one bucket, 122,368 bytes, high at m = 1 and 2, two runs in twelve with both cores busy; real ranks read the
-lower figure. NCCL has no such thread: its kernels are stream-ordered and the caching allocator frees a block where
-the program drops it. (tests/autotune/_gloo_released.py does the same for the truths' FSDP2 collectives.)
+until after it has signalled completion and taken its queue's lock again. Under load that thread can be descheduled:
+the bucket DDP's reducer replaces after its first backward (1 MiB, then 25 MiB buckets) would then be freed by
+gloo's thread after the reducer let go of it, and a trial's peak could hold it beside its successor. NCCL has no such
+thread: its kernels are stream-ordered and the caching allocator frees a block where the program drops it.
+(tests/autotune/_gloo_released.py does the same, written apart, for the truths' FSDP2 collectives.)
+
+This hook alone did not cure the compiled probe over ddp that read 122,368 bytes high (2 runs in 16 with it, both
+cores busy): that block was the DDP constructor's broadcast of the weights, freed by gloo's thread after the build's
+span, which apply_ddp now avoids (``init_sync=False`` in the probe's one-process group). The hook keeps the buckets'
+frees where DDP drops them; no run was caught reading a bucket high without it.
 
 The hook all-reduces the bucket's flat buffer in place, waits, and waits again until the buffer and its storage are
 back to the references they had before the call; it allocates nothing (the one-process group's sum is the buffer

@@ -96,9 +96,9 @@ def _counted(
 
     What the allocator's total moved between two events beyond the later event's own bytes was allocated or freed
     on a thread the profiler does not follow, and is counted just before the later event (what moved before a
-    span's first event is not seen: a block of before, freed then, is not this span's): gloo's worker thread freeing the
-    bucket DDP's reducer replaced after its first backward read the tiny GPT's torchao probe over ddp one bucket
-    (122,368 B) high, one run in five, while no thread's free was counted."""
+    span's first event is not seen: a block of before, freed then, is not this span's). gloo's worker thread can drop
+    the last reference to a collective's buffer (tests/autotune/test_compiled_meter_threads.py frees a block on
+    another thread: 1 MiB read where 2 MiB was read before)."""
     counted: list[tuple[int, int]] = []
     total_before: int | None = None
     for at, nbytes, address, total in events:
