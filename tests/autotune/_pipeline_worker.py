@@ -120,11 +120,10 @@ def cut_to_stage(model: TinyLlama, stage: int, stages: int) -> TinyLlama:
     return model
 
 
-# This rank's host copies while an offloaded job runs ("1f1b+offload"); None otherwise.
-_host: dict[str, HostCopies | None] = {"copies": None}
-
-
-def _stage_model(stage: int, stages: int, layers: int, checkpointed: bool = False) -> nn.Module:
+def _stage_model(
+    stage: int, stages: int, layers: int, checkpointed: bool = False, copies: HostCopies | None = None
+) -> nn.Module:
+    """The stage built and initialised; with ``copies``, every block's saved activations in host memory."""
     with torch.device("meta"):
         model = cut_to_stage(TinyLlama(layers), stage, stages)
     model.to_empty(device="cpu")
@@ -134,22 +133,23 @@ def _stage_model(stage: int, stages: int, layers: int, checkpointed: bool = Fals
     if checkpointed:  # every block recomputes its forward in backward (torch's own wrapper)
         for index, layer in enumerate(model.layers):
             model.layers[index] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    copies = _host["copies"]
     if copies is not None:
         offload_blocks(model.layers, copies)
     return model.train()
 
 
-def _steps(job: str, rank: int, ranks: int, microbatches: int, micro_batch: int) -> None:
+def _steps(
+    job: str, rank: int, ranks: int, microbatches: int, micro_batch: int, copies: HostCopies | None = None
+) -> None:
     # "1f1b+full": the 1F1B schedule with every block checkpointed; "1f1b+offload": every block's saved activations
-    # in host memory.
+    # in host memory, in ``copies``.
     schedule_name, _, policy = job.partition("+")
     # Interleaved: each rank holds INTERLEAVED_VIRTUAL stages (rank, rank + ranks, ...) of a deeper model, and one
     # optimizer per stage (torchtitan's one per model part).
     virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1
     layers = INTERLEAVED_LAYERS if virtual > 1 else LAYERS
     indices = [rank + chunk * ranks for chunk in range(virtual)]
-    models = [_stage_model(index, ranks * virtual, layers, policy == "full") for index in indices]
+    models = [_stage_model(index, ranks * virtual, layers, policy == "full", copies) for index in indices]
     stages = [
         PipelineStage(model, index, ranks * virtual, torch.device("cpu"))
         for model, index in zip(models, indices, strict=True)
@@ -189,9 +189,16 @@ def count_every_thread() -> None:
     ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
-def peak_bytes(schedule_name: str, stage_index: int, stages: int, microbatches: int, micro_batch: int) -> int:
+def peak_bytes(
+    schedule_name: str,
+    stage_index: int,
+    stages: int,
+    microbatches: int,
+    micro_batch: int,
+    copies: HostCopies | None = None,
+) -> int:
     """The allocator's peak running total over the stage's build and two steps, less the total before them."""
-    return profiled_peak_bytes(lambda: _steps(schedule_name, stage_index, stages, microbatches, micro_batch))
+    return profiled_peak_bytes(lambda: _steps(schedule_name, stage_index, stages, microbatches, micro_batch, copies))
 
 
 def profiled_peak_bytes(steps: Callable[[], None]) -> int:
@@ -224,12 +231,10 @@ def run(rank: int, world_size: int, rendezvous: str, out_dir: str, jobs: list[tu
             peaks = {}
             for name, k, sizes in jobs:
                 for m in sizes:
-                    offloaded = name.endswith("+offload")
-                    _host["copies"] = HostCopies() if offloaded else None
-                    peaks[f"{name}/{k}/{m}"] = peak_bytes(name, rank, world_size, k, m)
-                    if offloaded:
-                        peaks[f"{name}/{k}/{m}/host"] = _host["copies"].peak_bytes  # type: ignore[union-attr]
-            _host["copies"] = None
+                    copies = HostCopies() if name.endswith("+offload") else None
+                    peaks[f"{name}/{k}/{m}"] = peak_bytes(name, rank, world_size, k, m, copies)
+                    if copies is not None:
+                        peaks[f"{name}/{k}/{m}/host"] = copies.peak_bytes
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
         finally:
             dist.destroy_process_group()
