@@ -57,6 +57,7 @@ def estimate_device_type(device_kind: DeviceKind) -> tuple[str, str | None]:
     return device_kind, None
 
 
+@frozen_heap()
 def estimate(
     task: ProbeTask,
     config: EstimateConfig,
@@ -117,7 +118,7 @@ def estimate(
     breakdowns: dict[int, MemoryBreakdown] | None = {} if setup.breakdown and fakes is None else None
     # A shared fake model lives in its caller's process group; a model of its own needs one.
     group = nullcontext() if fakes is not None else strategy.process_group(torch.device(device_type))
-    with group, frozen_heap():
+    with group:
         try:
             found = fake_search(
                 task,
@@ -188,8 +189,7 @@ def _estimate_pipeline(
     setup = config.probe
     assert setup.budget_bytes is not None
     try:
-        with frozen_heap():
-            profile = estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
+        profile = estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
     except NoFitError:
         budget = setup.budget_bytes
         error = no_fit_error(task, setup, budget_bytes=budget, device_type=device_type)

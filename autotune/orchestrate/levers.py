@@ -37,7 +37,7 @@ import torch
 from autotune.core.compositions import composition_refusal
 from autotune.core.errors import AutotuneError, CannotFitError
 from autotune.core.schemas import MAX_BYTES, Lever, Profile
-from autotune.measure.trial import build_on_meta
+from autotune.measure.trial import build_on_meta, frozen_heap
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
 from autotune.search.diagnose import fake_trial, job_strategy, pipeline_peak
 from autotune.tasks.hf import is_hf_spec, with_options
@@ -136,6 +136,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:400]
 
 
+@frozen_heap()
 def pull_levers(
     task: ProbeTask,
     config: ProbeConfig,
@@ -205,6 +206,7 @@ def _pull(
     return pulled + left_out
 
 
+@frozen_heap()
 def cheapest_lever(
     task: ProbeTask,
     config: ProbeConfig,

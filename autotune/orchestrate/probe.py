@@ -305,6 +305,7 @@ def _reserved_hint(
     return found.max_micro_batch
 
 
+@frozen_heap()
 def probe_with_meter(
     task: ProbeTask,
     meter: Meter,
@@ -344,27 +345,26 @@ def probe_with_meter(
         if isinstance(strategy, Replicated) and config.world_size > 1 and not strategy.measures_buckets:
             warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
         try:
-            with frozen_heap():
-                result, fake, predicted = _search(
-                    task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched, breakdowns
+            result, fake, predicted = _search(
+                task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched, breakdowns
+            )
+            # A compiled search's answer, confirmed by static compiles at m_max and above (docs/compile.md).
+            result = confirm_static(task, meter, config, strategy, limit_bytes, result, warnings, on_trial)
+            cap = single_step_cap(task, config, result.max_micro_batch, result.trials, limit_bytes)
+            if cap is not None:  # A = 1 can apply: measured as a case of its own
+                guide = fake.fit if fake is not None else None
+                single = _search_single_step(
+                    task,
+                    meter,
+                    config,
+                    strategy,
+                    limit_bytes,
+                    result.max_micro_batch,
+                    cap,
+                    guide,
+                    warnings,
+                    on_trial,
                 )
-                # A compiled search's answer, confirmed by static compiles at m_max and above (docs/compile.md).
-                result = confirm_static(task, meter, config, strategy, limit_bytes, result, warnings, on_trial)
-                cap = single_step_cap(task, config, result.max_micro_batch, result.trials, limit_bytes)
-                if cap is not None:  # A = 1 can apply: measured as a case of its own
-                    guide = fake.fit if fake is not None else None
-                    single = _search_single_step(
-                        task,
-                        meter,
-                        config,
-                        strategy,
-                        limit_bytes,
-                        result.max_micro_batch,
-                        cap,
-                        guide,
-                        warnings,
-                        on_trial,
-                    )
         except NoFitError as exc:  # diagnosed by fake trials, outside this process group
             no_fit = exc
     if no_fit is not None:

@@ -34,7 +34,7 @@ from autotune.core.units import format_bytes
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
-from autotune.measure.trial import run_trial
+from autotune.measure.trial import frozen_heap, run_trial
 from autotune.search.pipelined import pipeline_trials
 from autotune.search.presearch import fake_strategy
 from autotune.tasks.task import ProbeTask
@@ -148,6 +148,7 @@ def _b(value: int) -> str:
     return f"{value} bytes ({format_bytes(value)})"
 
 
+@frozen_heap()
 def fake_trial(task: ProbeTask, micro_batch: int, *, device_type: str, strategy: Strategy, limit_bytes: int) -> Trial:
     """One fake trial with no budget (it cannot run out), inside the strategy's process group, on a fake meter and a
     model of its own.
@@ -178,6 +179,7 @@ def job_strategy(strategy: str, world_size: int, mesh: Mesh) -> Strategy:
     return fake_strategy(make_strategy(strategy, world_size, mesh))
 
 
+@frozen_heap()
 def pipeline_peak(
     task: ProbeTask, micro_batch: int, device_type: str, strategy: str, world_size: int, mesh: Mesh
 ) -> int:
