@@ -62,6 +62,7 @@ def run(
     """The job at each size (rank 0 writes runs.json) under DDP or (inner "fsdp") FSDP2 over the cp ranks, with
     tp > 1 each cp rank's model parallelized over tp ranks (a (cp, tp) mesh, world_size = cp x tp); with ring, then
     check_ring's comparison in the same processes (rank 0 writes ring.json): one spawn for both."""
+    gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation, ring, inner, tp)
     except BaseException:

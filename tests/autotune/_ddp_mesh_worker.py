@@ -24,6 +24,7 @@ DDP reduces on the rank (its one bucket per dtype: the local shards under tp, th
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import traceback
 from contextlib import nullcontext
@@ -109,6 +110,7 @@ def run(
 ) -> None:
     """This rank's peaks: {"tp/m": least, "pp/m": least} to rank{rank}.json, every run's to rank{rank}.runs.json,
     the bytes DDP reduces on this rank (its buckets' size) to rank{rank}.buckets.json."""
+    gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         pp_models.count_every_thread()
         from torch.distributed.device_mesh import init_device_mesh

@@ -74,6 +74,7 @@ class Job:
 
 
 def run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job = Job()) -> None:
+    gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         count_every_thread()
         _run(rank, world_size, rendezvous, out_dir, sizes, job)

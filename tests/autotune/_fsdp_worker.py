@@ -9,6 +9,7 @@ fits when the largest peak over the ranks is within the limit (what the job need
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import sys
 import traceback
@@ -32,6 +33,7 @@ UNBOUNDED_BYTES = 1 << 40
 def run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: int, limit_bytes: int) -> None:
     # mp.spawn reports the first rank it sees exit; the others' errors would be lost with their
     # processes, so each rank leaves its own traceback for the test to show.
+    gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         _run(rank, world_size, rendezvous, out_dir, micro_batch, limit_bytes)
     except BaseException:

@@ -23,6 +23,7 @@ not). ``ScheduleGPipe`` runs the same way; ``ScheduleInterleaved1F1B`` with V 2 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import traceback
 from collections.abc import Callable
@@ -268,6 +269,7 @@ def run(
     every run's to rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's blocks parallelized over
     tp (q, k, v and the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp (none where dp is 1); with
     ``sequence_parallel`` (1F1B, dp 1), sequence and loss parallel instead (:func:`sp_plan`)."""
+    gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         count_every_thread()
         from torch.distributed.device_mesh import init_device_mesh

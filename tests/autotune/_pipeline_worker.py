@@ -223,6 +223,7 @@ def profiled_peak_bytes(steps: Callable[[], None]) -> int:
 
 def run(rank: int, world_size: int, rendezvous: str, out_dir: str, jobs: list[tuple[str, int, list[int]]]) -> None:
     """Each job (schedule, K, sizes): this rank's peak at each size, written to rank{rank}.json."""
+    gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         count_every_thread()
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)

@@ -37,6 +37,7 @@ MAX_REPEATS = 6
 def run(
     rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: dict[int, int]
 ) -> None:
+    gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         _run(rank, world_size, tp, rendezvous, out_dir, config, sizes)
     except BaseException:
