@@ -9,7 +9,6 @@ where they fail: CI must not pass by skipping the database it is meant to test.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import uuid
@@ -115,18 +114,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def frozen_heap() -> Iterator[None]:
-    """Every test starts with the heap that is alive frozen (what autotune.measure.trial.frozen_heap does for a
-    probe): a meter's collection after each trial walks only what the test made, not torch's, transformers' and
-    pytest's objects, which took a quarter of a second per trial and a fifth of the fake-trial tests' time.
-    The test's own garbage is collected as before; what was frozen is unfrozen after it."""
-    if gc.get_freeze_count():  # a test that froze its own and failed to undo it: left as it is
+    """Every test starts with the heap that is alive frozen, as a probe's span does (autotune/core/heap.py): a
+    meter's collection after each trial walks only what the test made, not torch's, transformers' and pytest's
+    objects, which took a quarter of a second per trial and a fifth of the fake-trial tests' time. The probe's
+    own spans are inner ones inside it. The test's own garbage is collected as before; the heap is unfrozen after
+    it."""
+    try:
+        from autotune.core.heap import FrozenHeap
+    except ImportError:  # the server's own environment: no trials to speed up
         yield
         return
-    gc.freeze()
-    try:
+    with FrozenHeap():
         yield
-    finally:
-        gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -18,11 +18,8 @@ the next measurement is as clean as a fresh process's. Any other error stops the
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,6 +27,7 @@ from torch import nn
 
 from autotune.core.consistency import exceeds_host_budget
 from autotune.core.errors import TaskError, TrialError
+from autotune.core.heap import FrozenHeap
 from autotune.core.schemas import ATTENTION_NOTE, Trial
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.measure.meters.host import HOST
@@ -406,21 +404,12 @@ def _import_trial_modules() -> None:
             continue
 
 
-@contextmanager
-def frozen_heap() -> Iterator[None]:
+def frozen_heap() -> FrozenHeap:
     """Objects alive now (modules, the task, torch's own) are never garbage of a trial: freezing them
-    makes the collection after every trial walk only what the trial made. The modules a trial imports
-    on first use are imported first, so that they are frozen too. A process that froze its own heap
-    (some servers do) is left as it was."""
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        _import_trial_modules()
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if freeze:
-            gc.unfreeze()
+    makes the collection after every trial walk only what the trial made (autotune/core/heap.py). The
+    modules a trial imports on first use are imported first, so that they are frozen too. Spans nest; a
+    process that froze its own heap (some servers do) is left as it was."""
+    return FrozenHeap(before=_import_trial_modules)
 
 
 def _fake_step(task: ProbeTask, meter: Meter) -> contextlib.AbstractContextManager[None]:
