@@ -133,14 +133,17 @@ def cuda_python() -> str:
     """The Python with a CUDA build of torch that emulated-card estimates run in (``make .venv-cuda``, which
     ``make test`` builds). Without one, its tests skip saying so, except under CI=true, where the suite
     installs it and a skip would hide a failure."""
-    from autotune.emulation import CudaTorchMissing, find_cuda_python
+    from autotune.emulation import CudaTorchMissing, find_cuda_python, keep_children_warm
 
     try:
-        return find_cuda_python()
+        python = find_cuda_python()
     except CudaTorchMissing as exc:
         if os.environ.get("CI") == "true":
             raise AssertionError(f"CI builds .venv-cuda (make test): {exc}") from None
         pytest.skip(str(exc))
+    # Each child forked from one that has imported torch (3 s less a child; each still a fresh process).
+    keep_children_warm()
+    return python
 
 
 def postgres_base_url() -> str:

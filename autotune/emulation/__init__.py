@@ -25,6 +25,7 @@ from autotune.emulation.runner import (
     EmulatedTrial,
     check_emulation,
     find_cuda_python,
+    keep_children_warm,
     run_emulated_trials,
 )
 
@@ -38,5 +39,6 @@ __all__ = [
     "check_emulation",
     "child_environment",
     "find_cuda_python",
+    "keep_children_warm",
     "run_emulated_trials",
 ]

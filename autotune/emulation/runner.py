@@ -13,13 +13,16 @@ outlives its timeout is killed with its process group.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +52,7 @@ __all__ = [
     "EmulatedTrial",
     "check_emulation",
     "find_cuda_python",
+    "keep_children_warm",
     "run_emulated_trials",
 ]
 
@@ -200,22 +204,14 @@ def _run_child(
     with tempfile.TemporaryDirectory(prefix="autotune-emulation-") as folder:
         request_path, result_path, log_path = (Path(folder) / name for name in ("request.json", "result.json", "log"))
         request_path.write_text(json.dumps(request))
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [torch.python, "-m", "autotune.emulation.child", str(request_path), str(result_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # its own process group: a timeout kills whatever it started
+        paths = (request_path, result_path, log_path)
+        status = _warm_child(torch.python, env, paths, timeout_seconds) if _KEEP_WARM else None
+        if status is None:
+            status = _cold_child(torch.python, env, paths, timeout_seconds)
+        if status == _TIMED_OUT:
+            raise EmulationError(
+                f"{what} on an emulated {card.short_name} did not finish within {timeout_seconds:g} s: killed"
             )
-            try:
-                status = process.wait(timeout=timeout_seconds)
-            except subprocess.TimeoutExpired:
-                _kill(process)
-                raise EmulationError(
-                    f"{what} on an emulated {card.short_name} did not finish within {timeout_seconds:g} s: killed"
-                ) from None
         lines = log_path.read_text(errors="replace").splitlines()
         emulation_lines = [line for line in lines if line.startswith(_LOG_PREFIX)]
         if not result_path.is_file():
@@ -230,6 +226,118 @@ def _run_child(
             raise EmulatedJobError(message)
         raise EmulationError(message)
     return result, emulation_lines
+
+
+# The exit status that stands for a child killed at its timeout.
+_TIMED_OUT = -(10**6)
+
+
+def _cold_child(python: str, env: dict[str, str], paths: tuple[Path, Path, Path], timeout_seconds: float) -> int:
+    """A child of its own: ``python -m autotune.emulation.child``; its exit status, or _TIMED_OUT."""
+    request_path, result_path, log_path = paths
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [python, "-m", "autotune.emulation.child", str(request_path), str(result_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: a timeout kills whatever it started
+        )
+        try:
+            return process.wait(timeout=timeout_seconds)
+        except subprocess.TimeoutExpired:
+            _kill(process)
+            return _TIMED_OUT
+
+
+# keep_children_warm(): one zygote per (Python, card environment), forking each child (autotune/emulation/zygote.py).
+_KEEP_WARM = False
+_ZYGOTES: dict[tuple[str, tuple[tuple[str, str], ...]], subprocess.Popen[bytes]] = {}
+
+
+def keep_children_warm(warm: bool = True) -> None:
+    """Fork each emulated-card child from a process that has already imported torch, one per card environment,
+    instead of starting it cold: 3 s less a child, for a caller that runs many (the test suite, a fleet of
+    estimates). Each child is still a fresh process. ``warm=False`` stops the zygotes."""
+    global _KEEP_WARM
+    _KEEP_WARM = warm
+    if not warm:
+        _stop_zygotes()
+
+
+def _stop_zygotes() -> None:
+    while _ZYGOTES:
+        _, zygote = _ZYGOTES.popitem()
+        _stop(zygote)
+
+
+def _stop(zygote: subprocess.Popen[bytes]) -> None:
+    _kill(zygote)
+    for pipe in (zygote.stdin, zygote.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+atexit.register(_stop_zygotes)
+
+
+def _zygote(python: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    key = (python, tuple(sorted(env.items())))
+    zygote = _ZYGOTES.get(key)
+    if zygote is not None and zygote.poll() is not None:
+        _stop(zygote)
+        zygote = None
+    if zygote is None:
+        zygote = subprocess.Popen(
+            [python, "-m", "autotune.emulation.zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        _ZYGOTES[key] = zygote
+    return zygote
+
+
+def _line(zygote: subprocess.Popen[bytes], deadline: float) -> int | None:
+    """The zygote's next line as an integer; None where it wrote none before the deadline (or died)."""
+    assert zygote.stdout is not None
+    ready, _, _ = select.select([zygote.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    if not ready:
+        return None
+    line = zygote.stdout.readline()
+    return int(line) if line.strip() else None
+
+
+def _warm_child(python: str, env: dict[str, str], paths: tuple[Path, Path, Path], timeout_seconds: float) -> int | None:
+    """The child forked by the card environment's zygote: its exit status, or _TIMED_OUT; None where the zygote
+    failed before the child started (the caller starts a cold one)."""
+    zygote = _zygote(python, env)
+    assert zygote.stdin is not None
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        zygote.stdin.write((json.dumps([str(path) for path in paths]) + "\n").encode())
+        zygote.stdin.flush()
+        pid = _line(zygote, deadline)
+    except (OSError, ValueError):
+        pid = None
+    if pid is None:  # it could not import torch, or died: dropped, and this child starts cold
+        _stop(zygote)
+        _ZYGOTES.pop((python, tuple(sorted(env.items()))), None)
+        return None
+    status = _line(zygote, deadline)
+    if status is not None:
+        return status
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if _line(zygote, time.monotonic() + 10) is None:  # the zygote reports the kill; if not, it goes too
+        _stop(zygote)
+        _ZYGOTES.pop((python, tuple(sorted(env.items()))), None)
+    return _TIMED_OUT
 
 
 def _emulation_at_fault(error: str, emulation_lines: list[str]) -> bool:

@@ -265,3 +265,22 @@ def test_the_trials_child_holds_the_setups_mesh(cuda_python: str) -> None:
     ranked = run_emulated_trials(llama, [2], card="h100", seq_len=64, world_size=2, mesh=Mesh(tp=2))
     whole = run_emulated_trials(llama, [2], card="h100", seq_len=64, world_size=2)
     assert 0 < ranked.trials[0].peak_bytes < whole.trials[0].peak_bytes
+
+
+def test_a_warm_child_is_a_fresh_process_measuring_what_a_cold_one_does(cuda_python: str) -> None:
+    # The suite keeps children warm (tests/conftest.py): one zygote per card environment forks each child.
+    warm = [run_emulated_trials(GPT, [2, 3], card="h100", python=cuda_python) for _ in range(2)]
+    zygotes = [z for z in runner_module._ZYGOTES.values() if z.poll() is None]
+    runner_module.keep_children_warm(False)
+    try:
+        cold = run_emulated_trials(GPT, [2, 3], card="h100", python=cuda_python)
+    finally:
+        runner_module.keep_children_warm()
+    assert zygotes, "no zygote was kept"
+
+    def figures(run: EmulatedRun) -> list[tuple[int, int | None, tuple[tuple[int, int], ...]]]:
+        return [(trial.peak_bytes, trial.reserved_bytes, trial.events) for trial in run.trials]
+
+    # The second warm child starts from nothing the first left: its trials, traces included, are the cold one's.
+    assert figures(warm[0]) == figures(warm[1]) == figures(cold)
+    assert warm[0].device == cold.device
