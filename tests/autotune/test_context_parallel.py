@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from autotune.cli import main
@@ -26,6 +25,7 @@ from autotune.measure.context_parallel import MEASURED_RANK
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.hf import hf_task
 from tests.autotune._hf_configs import CONFIGS, write_config
+from tests.ranks import spawn
 
 pytest.importorskip("transformers")
 pytestmark = [
@@ -47,7 +47,7 @@ SLACK_BYTES = 64
 
 def _spawn(target: Any, args: tuple[Any, ...], out: Path, processes: int = 2) -> None:
     try:
-        mp.spawn(target, args=args, nprocs=processes, join=True)
+        spawn(target, args=args, nprocs=processes, join=True)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the {processes}-process job failed: {exc}\n{errors}")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from examples import gpt
 from tests.autotune import _acc_ddp_worker as worker
 from tests.autotune._acc_helpers import concat, grads, max_relative_error
+from tests.ranks import spawn
 
 WORLD_SIZE = 2
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(worker.run, args=(WORLD_SIZE, str(out / "rendezvous"), str(out)), nprocs=WORLD_SIZE, join=True)
+    spawn(worker.run, args=(WORLD_SIZE, str(out / "rendezvous"), str(out)), nprocs=WORLD_SIZE, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 

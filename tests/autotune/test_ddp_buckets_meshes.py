@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from tests.autotune import _ddp_mesh_worker as worker
+from tests.ranks import FORKSERVER, spawn
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -46,9 +46,7 @@ def truth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     waits on FSDP2's."""
     out = tmp_path_factory.mktemp("ddp_meshes")
     try:
-        mp.spawn(
-            worker.run, args=(WORLD, str(out / "rendezvous"), str(out), SIZES, SIZES, K, 2), nprocs=WORLD, join=True
-        )
+        spawn(worker.run, args=(WORLD, str(out / "rendezvous"), str(out), SIZES, SIZES, K, 2), nprocs=WORLD, join=True)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the 4-process jobs failed: {exc}\n{errors}")
@@ -64,7 +62,7 @@ def truth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def answered() -> dict[str, Any]:
     """The probe's and the estimate's answers, in a process of their own: in the test's process a tp trial over the
     fake group can leave a later tp x fsdp trial unable to resolve its group (test_pipeline_fsdp.py says so)."""
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(1, mp_context=FORKSERVER) as pool:
         return pool.submit(_answers).result()  # type: ignore[no-any-return]
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
@@ -26,6 +25,7 @@ from autotune.tasks.fingerprint import task_fingerprint
 from examples import gpt
 from tests.autotune import _fsdp_worker as worker
 from tests.autotune._tasks import linear_task
+from tests.ranks import spawn
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -58,7 +58,7 @@ def _spawn_job(world_size: int, tmp_path: Path, attempts: int = 2) -> Path:
         out = tmp_path / f"attempt{attempt}"
         out.mkdir()
         try:
-            mp.spawn(
+            spawn(
                 worker.run,
                 args=(world_size, str(out / "rendezvous"), str(out), MICRO_BATCH, LIMIT_BYTES),
                 nprocs=world_size,
@@ -153,7 +153,7 @@ def _spawn_mixed_precision_truth(world_size: int, sizes: list[int], tmp_path: Pa
     out = tmp_path / "mp-truth"
     out.mkdir()
     try:
-        mp.spawn(
+        spawn(
             _fsdp_mp_truth.run,
             args=(world_size, str(out / "rendezvous"), str(out), sizes),
             nprocs=world_size,

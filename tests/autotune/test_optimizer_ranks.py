@@ -20,7 +20,6 @@ from typing import Literal
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from autotune.cli import main
@@ -35,6 +34,7 @@ from tests.autotune._allocator_truth import allocator_peak_bytes
 from tests.autotune._fsdp_mp_truth import Job
 from tests.autotune._hf_configs import write_config
 from tests.autotune._ordinary_optimizers import ORDINARY
+from tests.ranks import spawn
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -71,7 +71,7 @@ def real_rank0_peaks(job: Job, sizes: list[int], out: Path) -> dict[int, int]:
     """Rank 0's peaks of one job in two fresh processes (one job per spawn: _fsdp_mp_truth._run says why)."""
     out.mkdir()
     try:
-        mp.spawn(_fsdp_mp_truth.run, args=(WORLD_SIZE, str(out / "rendezvous"), str(out), sizes, job), nprocs=2)
+        spawn(_fsdp_mp_truth.run, args=(WORLD_SIZE, str(out / "rendezvous"), str(out), sizes, job), nprocs=2)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the {WORLD_SIZE}-process job failed: {exc}\n{errors}")

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from autotune.core.errors import AutotuneError, TaskError
@@ -31,6 +30,7 @@ from autotune.orchestrate.probe import probe
 from autotune.tasks.task import ProbeTask
 from tests.autotune import _pipeline_worker as worker
 from tests.autotune._pipeline_cli import refused_line
+from tests.ranks import spawn
 
 UNBOUNDED = 1 << 40
 K = 2
@@ -60,7 +60,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
         ("1f1b+offload", K, SIZES),
     ]
     try:
-        mp.spawn(worker.run, args=(2, str(out / "rendezvous"), str(out), jobs), nprocs=2, join=True)
+        spawn(worker.run, args=(2, str(out / "rendezvous"), str(out), jobs), nprocs=2, join=True)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the 2-process pipeline failed: {exc}\n{errors}")

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from autotune.core.errors import AutotuneError
@@ -33,6 +32,7 @@ from autotune.tasks.task import ProbeTask
 from tests.autotune import _pipeline_fsdp_worker as fsdp_worker
 from tests.autotune import _pipeline_worker as worker
 from tests.autotune._pipeline_cli import refused_line
+from tests.ranks import FORKSERVER, spawn
 
 UNBOUNDED = 1 << 40
 WORLD, STAGES, K = 4, 2, 2
@@ -78,7 +78,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[int]]
     floors = rank_floors(_sharded_stage_peaks())
     args = (WORLD, STAGES, str(out / "rendezvous"), str(out), K, SIZES, "1f1b", 1, fsdp_worker.RUNS_PER_SIZE, False)
     try:
-        mp.spawn(fsdp_worker.run, args=(*args, floors), nprocs=WORLD, join=True)
+        spawn(fsdp_worker.run, args=(*args, floors), nprocs=WORLD, join=True)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the 4-process pipeline over fsdp failed: {exc}\n{errors}")
@@ -162,7 +162,7 @@ def _real_rank_peaks(
     ``sequence_parallel``, fsdp_worker.sp_plan over tp); the least of up to ``runs_per_size`` runs, ending at one at
     the probe's ``stage_peaks`` (rank_floors)."""
     try:
-        mp.spawn(
+        spawn(
             fsdp_worker.run,
             args=(
                 4,
@@ -194,7 +194,7 @@ def test_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_path: Path) -> 
     # The probe's side in a process of its own: in this one, a later tp x fsdp trial (test_tp_fake's, test_tp_moe's)
     # stopped at "Could not resolve the process group registered under the name 7" (DTensor's caches kept this job's
     # meshes; every fake group now empties them, autotune/measure/fake_group.py, and test_fake_group checks it).
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(1, mp_context=FORKSERVER) as pool:
         stage_peaks = pool.submit(_tp_stage_peaks, "1f1b").result()
     real = _real_rank_peaks(tmp_path, "tp", 2, 2, schedule="1f1b", stage_peaks=stage_peaks)
     for m in SIZES:
@@ -253,7 +253,7 @@ def test_sequence_parallel_stages_equal_the_real_ranks(tmp_path: Path) -> None:
     the stages are each rank's L / tp positions, the last stage's loss is computed on the logits' vocabulary shards.
     Against 4 real processes running PipelineStage and Schedule1F1B over torch's own SequenceParallel, sharded
     row-wise outputs and loss_parallel() (least of 2 runs per size), on the CPU meter and on fake trials."""
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:  # see the 1F1B tp test
+    with ProcessPoolExecutor(1, mp_context=FORKSERVER) as pool:  # see the 1F1B tp test
         peaks = {kind: pool.submit(_sp_stage_peaks, kind).result() for kind in ("cpu", "fake")}
     real = _real_rank_peaks(
         tmp_path, "sequence-parallel tp", 2, 2, schedule="1f1b", sequence_parallel=True, stage_peaks=peaks["cpu"]
@@ -312,7 +312,7 @@ def test_interleaved_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_pat
     """--pp 2 --tp 2 --pp-schedule interleaved-1f1b --world-size 4 (D = 1): each rank's 2 stages tensor-parallel over
     its tp pair, against 4 real processes. Least of 3 runs per size: real collectives vary above a floor (one CI run
     read rank 2 4,096 B above rank 3 at m = 2, 576,092 against 571,996 B, where every run here had read them equal)."""
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:  # see the 1F1B tp test
+    with ProcessPoolExecutor(1, mp_context=FORKSERVER) as pool:  # see the 1F1B tp test
         stage_peaks = pool.submit(_tp_stage_peaks, "interleaved-1f1b").result()
     real = _real_rank_peaks(tmp_path, "tp", 2, 3, stage_peaks=stage_peaks)
     for m in SIZES:

@@ -526,11 +526,10 @@ def test_the_docs_blocks_run(capsys: pytest.CaptureFixture[str]) -> None:
 def test_under_ddp_every_rank_runs_its_share_and_training_equals_one_process(
     tmp_path: Any,
 ) -> None:
-    import torch.multiprocessing as mp
-
     from tests.autotune import _sampler_ddp_worker as worker
+    from tests.ranks import spawn
 
-    mp.spawn(worker.run, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+    spawn(worker.run, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["replicas"] for r in results] == [(2, 0), (2, 1)]
     plan = [list(worker.sampler(num_replicas=2, rank=r).updates()) for r in range(2)]

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from autotune.core.mesh import Mesh
@@ -26,6 +25,7 @@ from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.hf import hf_task
 from tests.autotune._hf_configs import CONFIGS, write_config
 from tests.autotune.test_cli_input import run_cli
+from tests.ranks import spawn
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
@@ -72,7 +72,7 @@ def _truth(
     if optimizer is not None:
         config["_optimizer"] = optimizer
     try:
-        mp.spawn(
+        spawn(
             _tp_worker.run,
             args=(world_size, tp, str(out / "rendezvous"), str(out), config, floors),
             nprocs=world_size,

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from autotune.core.mesh import Mesh
@@ -26,6 +25,7 @@ from autotune.measure.strategies import TensorParallel
 from autotune.measure.trial import TrialRunner
 from autotune.tasks.hf import hf_task
 from tests.autotune._tp_trials import LIMIT_BYTES, tp_peaks
+from tests.ranks import spawn
 
 pytest.importorskip("transformers")
 pytestmark = [
@@ -89,7 +89,7 @@ def test_the_real_trial_is_rank_0_of_a_real_job_on_transformers_own_tp_path(tmp_
     out = tmp_path / "truth"
     out.mkdir()
     try:  # each size runs until the ranks' peak is at or below the probe's (real collectives vary above a floor)
-        mp.spawn(_tp_moe_worker.run, args=(2, 2, str(out / "rendezvous"), str(out), CONFIG, probed), nprocs=2)
+        spawn(_tp_moe_worker.run, args=(2, 2, str(out / "rendezvous"), str(out), CONFIG, probed), nprocs=2)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the 2-process job failed: {exc}\n{errors}")

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.client import _dist_worker as worker
+from tests.ranks import spawn
 
 WORLD_SIZE = 2
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(worker.run, args=(WORLD_SIZE, str(out / "rendezvous"), str(out)), nprocs=WORLD_SIZE, join=True)
+    spawn(worker.run, args=(WORLD_SIZE, str(out / "rendezvous"), str(out)), nprocs=WORLD_SIZE, join=True)
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 
 

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("lightning", reason="the lightning extra is not installed")
 
@@ -19,6 +18,7 @@ from autotune_client import TunerUnavailableWarning  # noqa: E402
 from autotune_client.integrations.lightning import AutotuneBatchSize, IntegrationError  # noqa: E402
 from tests.client import _lightning_ddp_worker as worker  # noqa: E402
 from tests.client import _lightning_job as job  # noqa: E402
+from tests.ranks import spawn
 
 WORLD_SIZE = 2
 
@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 def test_under_ddp_rank0_decides_and_both_ranks_train_as_the_recipe(tmp_path: Path) -> None:
-    mp.spawn(worker.run, args=(WORLD_SIZE, _free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    spawn(worker.run, args=(WORLD_SIZE, _free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     zero, one = results
     assert [r["probes"] for r in results] == [1, 0]  # one decision per job
