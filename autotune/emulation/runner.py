@@ -258,8 +258,8 @@ _ZYGOTES: dict[tuple[str, tuple[tuple[str, str], ...]], subprocess.Popen[bytes]]
 
 def keep_children_warm(warm: bool = True) -> None:
     """Fork each emulated-card child from a process that has already imported torch, one per card environment,
-    instead of starting it cold: 3 s less a child, for a caller that runs many (the test suite, a fleet of
-    estimates). Each child is still a fresh process. ``warm=False`` stops the zygotes."""
+    instead of starting it cold: 3 s less a child, for a process that runs many (the test suite does). Each
+    child is still a fresh process. ``warm=False`` stops the zygotes."""
     global _KEEP_WARM
     _KEEP_WARM = warm
     if not warm:
