@@ -293,6 +293,7 @@ def _zygote(python: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
             [python, "-m", "autotune.emulation.zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: a line read ahead into a buffer would be invisible to select()
             stderr=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
