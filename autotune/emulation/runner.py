@@ -253,7 +253,8 @@ def _cold_child(python: str, env: dict[str, str], paths: tuple[Path, Path, Path]
 
 # keep_children_warm(): one zygote per (Python, card environment), forking each child (autotune/emulation/zygote.py).
 _KEEP_WARM = False
-_ZYGOTES: dict[tuple[str, tuple[tuple[str, str], ...]], subprocess.Popen[bytes]] = {}
+_ZygoteKey = tuple[str, tuple[tuple[str, str], ...]]  # a Python and a card environment
+_ZYGOTES: dict[_ZygoteKey, subprocess.Popen[bytes]] = {}
 
 
 def keep_children_warm(warm: bool = True) -> None:
@@ -282,15 +283,15 @@ def _stop(zygote: subprocess.Popen[bytes]) -> None:
 atexit.register(_stop_zygotes)
 
 
-def _zygote(python: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    key = (python, tuple(sorted(env.items())))
+def _zygote(key: _ZygoteKey, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The running zygote of key (a Python and a card environment), started where there is none or it died."""
     zygote = _ZYGOTES.get(key)
     if zygote is not None and zygote.poll() is not None:
-        _stop(zygote)
+        _drop(key)
         zygote = None
     if zygote is None:
         zygote = subprocess.Popen(
-            [python, "-m", "autotune.emulation.zygote"],
+            [key[0], "-m", "autotune.emulation.zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,  # unbuffered: a line read ahead into a buffer would be invisible to select()
@@ -300,6 +301,12 @@ def _zygote(python: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
         )
         _ZYGOTES[key] = zygote
     return zygote
+
+
+def _drop(key: _ZygoteKey) -> None:
+    zygote = _ZYGOTES.pop(key, None)
+    if zygote is not None:
+        _stop(zygote)
 
 
 def _line(zygote: subprocess.Popen[bytes], deadline: float) -> int | None:
@@ -315,7 +322,8 @@ def _line(zygote: subprocess.Popen[bytes], deadline: float) -> int | None:
 def _warm_child(python: str, env: dict[str, str], paths: tuple[Path, Path, Path], timeout_seconds: float) -> int | None:
     """The child forked by the card environment's zygote: its exit status, or _TIMED_OUT; None where the zygote
     failed before the child started (the caller starts a cold one)."""
-    zygote = _zygote(python, env)
+    key = (python, tuple(sorted(env.items())))
+    zygote = _zygote(key, env)
     assert zygote.stdin is not None
     deadline = time.monotonic() + timeout_seconds
     try:
@@ -325,8 +333,7 @@ def _warm_child(python: str, env: dict[str, str], paths: tuple[Path, Path, Path]
     except (OSError, ValueError):
         pid = None
     if pid is None:  # it could not import torch, or died: dropped, and this child starts cold
-        _stop(zygote)
-        _ZYGOTES.pop((python, tuple(sorted(env.items()))), None)
+        _drop(key)
         return None
     status = _line(zygote, deadline)
     if status is not None:
@@ -336,8 +343,7 @@ def _warm_child(python: str, env: dict[str, str], paths: tuple[Path, Path, Path]
     except ProcessLookupError:
         pass
     if _line(zygote, time.monotonic() + 10) is None:  # the zygote reports the kill; if not, it goes too
-        _stop(zygote)
-        _ZYGOTES.pop((python, tuple(sorted(env.items()))), None)
+        _drop(key)
     return _TIMED_OUT
 
 
