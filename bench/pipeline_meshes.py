@@ -3,12 +3,12 @@
     nice .venv/bin/python bench/pipeline_meshes.py                 # fsdp 2 x tp 2 x pp 2: 8 processes, ~75 s
     nice .venv/bin/python bench/pipeline_meshes.py --world-size 4 --tp 2 --strategy ddp   # pp 2 x tp 2
 
-The real job is tests/autotune/_pipeline_fsdp_worker.py (torchtitan's build: a (pp, dp, tp) mesh, each stage's
-blocks parallelize_module-d over tp, then fully_shard-ed over dp, PipelineStage + Schedule1F1B, K 2, two steps; the
-least of 3 runs per size); the probe's side is autotune/measure/pipeline.py's ShardedStage on the CPU meter and on
-fake trials. Too slow for the test suite on 2 cores (tests/autotune/test_pipeline_fsdp.py runs pp x fsdp and
-pp x tp at 4 processes). Prints each rank's figures, every run's, and whether each stage equals its ranks.
-"""
+The real job is tests/autotune/_pipeline_fsdp_worker.py (torchtitan's build: a (pp, dp, tp) mesh, each stage's blocks
+parallelize_module-d over tp, then fully_shard-ed over dp, PipelineStage + Schedule1F1B, K 2, two steps; two runs per
+size after a warm-up, gloo's collectives fenced: tests/autotune/_ordered_gloo.py); the probe's side is
+autotune/measure/pipeline.py's ShardedStage on the CPU meter and on fake trials. Too slow for the test suite on 2 cores
+(tests/autotune/test_pipeline_fsdp.py runs pp x fsdp and pp x tp at 4 processes). Prints each rank's figures, every
+run's, and whether each stage equals its ranks."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         mp.spawn(
             worker.run,
-            args=(args.world_size, stages, str(Path(folder) / "rendezvous"), folder, k, sizes, "1f1b", args.tp),
+            args=(args.world_size, stages, str(Path(folder) / "rendezvous"), folder, k, sizes, "1f1b", args.tp, 2),
             nprocs=args.world_size,
             join=True,
         )

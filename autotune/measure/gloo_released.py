@@ -6,7 +6,8 @@ until after it has signalled completion and taken its queue's lock again. Under 
 the bucket DDP's reducer replaces after its first backward (1 MiB, then 25 MiB buckets) would then be freed by
 gloo's thread after the reducer let go of it, and a trial's peak could hold it beside its successor. NCCL has no such
 thread: its kernels are stream-ordered and the caching allocator frees a block where the program drops it.
-(tests/autotune/_gloo_released.py does the same, written apart, for the truths' FSDP2 collectives.)
+(tests/autotune/_ordered_gloo.py orders the truths' collectives, written apart: a dispatch mode that waits on each
+collective and fences its group's one gloo thread.)
 
 This hook alone did not cure the compiled probe over ddp that read 122,368 bytes high (2 runs in 16 with it, both
 cores busy): that block was the DDP constructor's broadcast of the weights, freed by gloo's thread after the build's

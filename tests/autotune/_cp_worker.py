@@ -15,15 +15,13 @@ What it does share is the job's CPU attention kernel (autotune/measure/context_p
 ``install_cpu_flash_attention``): torch's ring attention calls CUDA-only flash kernels, so without that adapter
 this job cannot run on the CPU at all. It measures nothing.
 
-Each rank's peak is the CPU allocator's own count: its running total (``total_allocated``, which each memory
-event carries), with c10's flag ``caffe2_report_cpu_memory_usage`` on from the rank's start so that the frees
-gloo's threads make come off it, less the total before the run's first event. Real collectives make a run's
-peak vary above a floor (tests/autotune/_tp_worker.py): each size runs until the most loaded rank's peak is at or
-below the figure asked about, at most MAX_REPEATS times (a size with no figure to ask about, UNKNOWN_FLOOR_RUNS
-times: a rank's floor is then its least); every run's per-rank figures are reported. With
-``ring``, the same processes then check torch's ring attention on the CPU kernel against plain SDPA (one spawn
-for both: each start imports torch and transformers again).
-"""
+Each rank's peak is the CPU allocator's own count: its running total (``total_allocated``, which each memory event
+carries), with c10's flag ``caffe2_report_cpu_memory_usage`` on from the rank's start so that the frees gloo's threads
+make come off it, less the total before the run's first event. The groups have one gloo thread and each collective is
+waited and fenced as it is issued (tests/autotune/_ordered_gloo.py: gloo's late releases made a run read 12-36 KB above
+the floor about one time in three), so each size runs once, after one run at m = 1 that makes the first step's one-time
+allocations; every rank's figure is reported. With ``ring``, the same processes then check torch's ring attention on the
+CPU kernel against plain SDPA (one spawn for both: each start imports torch and transformers again)."""
 
 from __future__ import annotations
 
@@ -40,10 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-MAX_REPEATS = 6
-# A run reads 12-36 KB above a rank's floor about one time in three (gloo's thread drops a collective's input late):
-# the least of three runs is the floor but about one time in 27.
-UNKNOWN_FLOOR_RUNS = 3
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
 
 
 def run(
@@ -53,15 +48,15 @@ def run(
     rendezvous: str,
     out_dir: str,
     config: dict[str, Any],
-    sizes: dict[int, int | None],
+    sizes: list[int],
     rotation: str = "allgather",
     ring: bool = False,
     inner: str = "ddp",
     tp: int = 1,
 ) -> None:
-    """The job at each size (rank 0 writes runs.json) under DDP or (inner "fsdp") FSDP2 over the cp ranks, with
-    tp > 1 each cp rank's model parallelized over tp ranks (a (cp, tp) mesh, world_size = cp x tp); with ring, then
-    check_ring's comparison in the same processes (rank 0 writes ring.json): one spawn for both."""
+    """The job at each size (rank 0 writes every rank's peak per size to peaks.json) under DDP or (inner "fsdp") FSDP2
+    over the cp ranks, with tp > 1 each cp rank's model parallelized over tp ranks (a (cp, tp) mesh, world_size = cp x
+    tp); with ring, then check_ring's comparison in the same processes (rank 0 writes ring.json): one spawn for both."""
     gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation, ring, inner, tp)
@@ -142,7 +137,7 @@ def _count_every_thread() -> None:
 
 def _peak_bytes(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, inner: str) -> int:
     gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, collectives_in_order():
         _steps(mesh, config, seq_len, micro_batch, inner)
     found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while pending:
@@ -156,20 +151,11 @@ def _peak_bytes(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: in
     return max(total for _, _, total in found) - (first_total - first_bytes)
 
 
-def _runs(
-    mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, floor: int | None, inner: str
-) -> list[list[int]]:
-    """Every rank's peak of each run at micro_batch, until the most loaded one is at or below floor (every rank
-    runs as many: they agree through an all-gather); with no floor, UNKNOWN_FLOOR_RUNS runs."""
-    figures: list[list[int]] = []
-    while len(figures) < (MAX_REPEATS if floor is not None else UNKNOWN_FLOOR_RUNS):
-        mine = torch.tensor([_peak_bytes(mesh, config, seq_len, micro_batch, inner)])
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        figures.append([int(peak.item()) for peak in every])
-        if floor is not None and max(figures[-1]) <= floor:
-            break
-    return figures
+def _every_rank(peak_bytes: int) -> list[int]:
+    mine = torch.tensor([peak_bytes])
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(peak.item()) for peak in every]
 
 
 def _run(
@@ -179,7 +165,7 @@ def _run(
     rendezvous: str,
     out_dir: str,
     config: dict[str, Any],
-    sizes: dict[int, int | None],
+    sizes: list[int],
     rotation: str,
     ring: bool,
     inner: str,
@@ -193,16 +179,19 @@ def _run(
     _count_every_thread()
     install_cpu_flash_attention()
     set_rotate_method(rotation)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    with one_thread_groups():
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
-        if tp > 1:  # tp innermost, as torchtitan lays out its mesh
-            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
-        else:
-            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-        runs = {m: _runs(mesh, config, seq_len, m, floor, inner) for m, floor in sizes.items()}
+        with one_thread_groups():
+            if tp > 1:  # tp innermost, as torchtitan lays out its mesh
+                mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
+            else:
+                mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+        _peak_bytes(mesh, config, seq_len, 1, inner)  # the first step's one-time allocations
+        peaks = {str(m): _every_rank(_peak_bytes(mesh, config, seq_len, m, inner)) for m in sizes}
         if rank == 0:
-            Path(out_dir, "runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
+            Path(out_dir, "peaks.json").write_text(json.dumps(peaks))
         if ring:
             _check_ring(mesh["cp"], rank, out_dir)
         dist.barrier()

@@ -14,12 +14,13 @@ test_ddp_buckets_meshes.py): tp 2 x ddp 2 and pp 2 x ddp 2. The truth for DDP's 
   sub-mesh's group and run by ``PipelineStage`` / ``Schedule1F1B`` over the pp group (torch's pipelining runs the
   forwards and every backward but the step's last under ``no_sync``); AdamW, two steps.
 
-The peak is the CPU allocator's own running total with c10's flag ``caffe2_report_cpu_memory_usage`` on (every
-thread's frees counted), over the model's build and two steps (``_pipeline_worker.profiled_peak_bytes``), the least
-of ``runs`` runs per size (gloo's threads drop a collective's input late in some runs: tests/autotune/_fsdp_mp_truth.py
-says why the least is the truth); every run's figure is written too, and the bytes of the parameters
-DDP reduces on the rank (its one bucket per dtype: the local shards under tp, the stage's own under pp).
-"""
+The peak is the CPU allocator's own running total with c10's flag ``caffe2_report_cpu_memory_usage`` on (every thread's
+frees counted), over the model's build and two steps (``_pipeline_worker.profiled_peak_bytes``), one run per size after
+one at the first size that makes the first step's one-time allocations: the groups have one gloo thread and each
+collective is waited and fenced as it is issued (tests/autotune/_ordered_gloo.py: gloo's thread used to drop a
+collective's input late in some runs); every run's figure is written (``runs`` of them),
+and the bytes of the parameters DDP reduces on the rank (its one bucket per dtype: the local shards under tp, the
+stage's own under pp)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.autotune import _pipeline_fsdp_worker as tp_models
 from tests.autotune import _pipeline_worker as pp_models
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
 
 TP, PP = 2, 2
 
@@ -108,27 +110,40 @@ def run(
     microbatches: int,
     runs: int,
 ) -> None:
-    """This rank's peaks: {"tp/m": least, "pp/m": least} to rank{rank}.json, every run's to rank{rank}.runs.json,
-    the bytes DDP reduces on this rank (its buckets' size) to rank{rank}.buckets.json."""
+    """This rank's peaks: {"tp/m": first run's, "pp/m": first run's} to rank{rank}.json, every run's to
+    rank{rank}.runs.json, the bytes DDP reduces on this rank (its buckets' size) to rank{rank}.buckets.json."""
     gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         pp_models.count_every_thread()
         from torch.distributed.device_mesh import init_device_mesh
 
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+        with one_thread_groups():
+            dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
         try:
             torch.manual_seed(rank)
-            tp_mesh = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
-            pp_mesh = init_device_mesh("cpu", (PP, world_size // PP), mesh_dim_names=("pp", "dp"))
+            with one_thread_groups():
+                tp_mesh = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
+                pp_mesh = init_device_mesh("cpu", (PP, world_size // PP), mesh_dim_names=("pp", "dp"))
             buckets: dict[str, int] = {}
             every: dict[str, list[int]] = {}
+
+            def peak_bytes(job: Any) -> int:
+                def ordered() -> None:
+                    with collectives_in_order():
+                        job()
+
+                return pp_models.profiled_peak_bytes(ordered)
+
+            # The first step's one-time allocations, each job's.
+            peak_bytes(functools.partial(_tp_steps, tp_mesh, tp_sizes[0], buckets))
+            peak_bytes(functools.partial(_pp_steps, pp_mesh, pp_sizes[0], microbatches, buckets))
             for m in tp_sizes:
                 tp_job = functools.partial(_tp_steps, tp_mesh, m, buckets)
-                every[f"tp/{m}"] = [pp_models.profiled_peak_bytes(tp_job) for _ in range(runs)]
+                every[f"tp/{m}"] = [peak_bytes(tp_job) for _ in range(runs)]
             for m in pp_sizes:
                 pp_job = functools.partial(_pp_steps, pp_mesh, m, microbatches, buckets)
-                every[f"pp/{m}"] = [pp_models.profiled_peak_bytes(pp_job) for _ in range(runs)]
-            Path(out_dir, f"rank{rank}.json").write_text(json.dumps({key: min(r) for key, r in every.items()}))
+                every[f"pp/{m}"] = [peak_bytes(pp_job) for _ in range(runs)]
+            Path(out_dir, f"rank{rank}.json").write_text(json.dumps({key: r[0] for key, r in every.items()}))
             Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps(every))
             Path(out_dir, f"rank{rank}.buckets.json").write_text(json.dumps(buckets))
         finally:

@@ -8,8 +8,8 @@ autocast; 2 micro-batches forward and backward, an AdamW step, zero_grad, twice.
 tests/autotune/_ordinary_optimizers.py's constructors (torch's or the library's own, not the project's spec);
 ``precision="fp32"`` wraps without a policy; ``strategy="ddp"`` wraps the whole model in DistributedDataParallel
 instead, the first micro-batch under ``no_sync`` (one all-reduce per step, as the probe's ddp trial). The peak is
-the CPU allocator's own running total of allocated bytes, rank 0's written to a file; the least of three runs per
-size (below: why).
+the CPU allocator's own running total of allocated bytes, rank 0's written to a file; one run per size, after one at
+m = 1 that makes the first step's one-time allocations (below: why one is enough).
 
 Why the allocator's total and not the sum of the profiler's memory events: the profiler records the
 allocations and frees made on the threads it profiles. gloo's worker thread sometimes drops the last reference
@@ -23,15 +23,12 @@ largest total over the run's events, less the total before its first, is what on
 measures. (A peak made by an allocation on gloo's own thread would not be seen at an event of a profiled thread;
 the probe does not model one either.)
 
-Why the least of three runs per size: when gloo's thread dropped a collective's input late, after the main thread's
-next allocation, the total held both for a moment (one run in three of fused AdamW under fsdp read 25,216 bytes more
-at m=4: 1,032,060 against 1,006,844). That is the timing of two threads, not the job, and it is removed at its
-cause: FSDP2's collectives return once gloo has let go of their buffers (tests/autotune/_gloo_released.py), so each
+Why one run per size: when gloo's thread dropped a collective's input late, after the main thread's next allocation,
+the total held both for a moment (one run in three of fused AdamW under fsdp read 25,216 bytes more at m=4: 1,032,060
+against 1,006,844). That is the timing of two threads, not the job, and it is removed at its cause: every group has
+one gloo thread and each collective is waited and fenced as it is issued (tests/autotune/_ordered_gloo.py), so each
 input is gone where the job drops it, as a card's caching allocator frees it on its stream's order and as the probe
-counts it. One run a size was not yet enough: under load, op-level checkpointing under fsdp once read one block's
-bytes more (50,816 at m=1: 865,436 against 814,620 in every other run) with no late collective, a second cause not
-yet found. Until it is, the least of three runs is the figure (rank{N}.runs.json keeps every run,
-rank{N}.late_releases how many collectives gloo still held).
+counts it. rank{N}.runs.json keeps the run.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ import json
 import os
 import traceback
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,10 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import _disable_current_modes
 
 from examples import gpt
-from tests.autotune import _gloo_released
-from tests.autotune._gloo_released import collectives_released
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
 from tests.autotune._ordinary_checkpointing import checkpointed
 from tests.autotune._ordinary_optimizers import DEFAULT, ORDINARY
 
@@ -128,7 +125,9 @@ def _steps(mesh: Any, micro_batch: int, job: Job) -> None:
                 loss = task.compute_loss(model, batch) / 2
                 loss.backward()
                 del batch, loss
-        optimizer.step()
+        # torchao compiles its step, which dynamo refuses under a dispatch mode; no optimizer step issues a collective.
+        with _disable_current_modes():
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     del model, optimizer
 
@@ -147,7 +146,7 @@ def _cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
 
 def _peak_bytes(mesh: object, micro_batch: int, job: Job) -> int:
     gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, collectives_in_order():
         _steps(mesh, micro_batch, job)
     events = _cpu_allocations(prof)
     _, first_bytes, first_total = events[0]
@@ -155,28 +154,23 @@ def _peak_bytes(mesh: object, micro_batch: int, job: Job) -> int:
     return max(total for _, _, total in events) - before
 
 
-RUNS_PER_SIZE = 3
-
-
 def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[int], job: Job) -> None:
     """One job per spawn: two jobs one after the other in the same processes do not peak as each alone does
     (fused AdamW after foreach=false under fsdp: +35,968 bytes at m=3)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    released = ExitStack()
+    with one_thread_groups():
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
-        released.enter_context(collectives_released())
         torch.manual_seed(0)
-        mesh = init_device_mesh("cpu", (world_size,))
+        with one_thread_groups():
+            mesh = init_device_mesh("cpu", (world_size,))
         # A script imports its libraries before it trains: bitsandbytes' import makes two 64-byte code tables
         # (nf4, fp4) that live as long as the process, and an import inside the profile would count them.
         _optimizer(job)([nn.Parameter(torch.zeros(1))])
-        runs = {m: [_peak_bytes(mesh, m, job) for _ in range(RUNS_PER_SIZE)] for m in sizes}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): min(r) for m, r in runs.items()}))
-        Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
-        # How many collectives gloo still held after completing them (each waited for: _gloo_released.py).
-        Path(out_dir, f"rank{rank}.late_releases").write_text(str(_gloo_released.late_releases))
+        _peak_bytes(mesh, 1, job)  # the first step's one-time allocations (torchao compiles its step)
+        peaks = {str(m): _peak_bytes(mesh, m, job) for m in sizes}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
+        Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({m: [peak] for m, peak in peaks.items()}))
     finally:
-        released.close()
         dist.destroy_process_group()

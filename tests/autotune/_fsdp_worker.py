@@ -24,8 +24,7 @@ from autotune.measure.strategies import Sharded
 from autotune.measure.trial import TrialRunner
 from autotune.search.boundary import find_max_micro_batch
 from examples import gpt
-from tests.autotune import _gloo_released
-from tests.autotune._gloo_released import collectives_released
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
 
 UNBOUNDED_BYTES = 1 << 40
 
@@ -44,13 +43,16 @@ def run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: 
 def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: int, limit_bytes: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    # Each collective returns once gloo let go of its buffers (tests/autotune/_gloo_released.py says why).
+    with one_thread_groups():
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    # Each collective waited and fenced as it is issued: gloo lets go of its buffers before the rank goes on
+    # (tests/autotune/_ordered_gloo.py says why).
     with contextlib.ExitStack() as stack:
-        stack.enter_context(collectives_released())
         stack.callback(dist.destroy_process_group)
         torch.manual_seed(0)
-        mesh = init_device_mesh("cpu", (world_size,))
+        with one_thread_groups():
+            mesh = init_device_mesh("cpu", (world_size,))
+        stack.enter_context(collectives_in_order())
         strategy = Sharded(world_size, mesh=mesh)
         meter = CpuMeter(UNBOUNDED_BYTES)
         with strategy.process_group(meter.device):
@@ -85,7 +87,6 @@ def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch:
                     "peak_bytes": peak_at,
                     "max_micro_batch": result.max_micro_batch,
                     "tried": [t.micro_batch for t in result.trials],
-                    "late_releases": _gloo_released.late_releases,
                 }
             )
         )

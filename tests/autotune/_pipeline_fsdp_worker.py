@@ -2,23 +2,22 @@
 test_pipeline_fsdp.py and bench/pipeline_meshes.py).
 
 The truth for ``--strategy fsdp --pp 2 --world-size 4`` (and, with ``tp``, for ``--pp 2 --tp 2``: a stage's blocks
-parallelized by ``parallelize_module`` over the tp sub-mesh first, torchtitan's ``apply_tp``), sharing no code with
-the probe, built as torchtitan builds it: a ``(pp, dp)`` device mesh; rank r runs pipeline stage ``r // 2`` and is
-rank ``r % 2`` of its data-parallel group. Each stage's module is the tiny Llama of
-tests/autotune/_pipeline_worker.py built on ``meta`` and cut by hand (the stage's blocks kept, the embedding None
-past the first stage, the norm and the head None before the last), each block then the root wrapped by
-``fully_shard`` over the dp sub-mesh (the last block not resharded after forward, torchtitan's ``apply_fsdp``), then
-given storage with ``to_empty`` (only the shards are ever made) and small normal values; ``PipelineStage`` over the
-pp sub-mesh's group with ``Schedule1F1B`` (torch's pipelining keeps every micro-batch's gradient unsharded and the
-parameters gathered until the step's last backward, then reduce-scatters once: ``perform_reduce_grad``), an AdamW
-step and ``zero_grad``, twice. The peak is the CPU allocator's own running total with c10's flag
-``caffe2_report_cpu_memory_usage`` on (every thread's frees counted), the least of three runs per size
-(tests/autotune/_fsdp_mp_truth.py says why: gloo's thread drops a collective's input late in some runs); every run's
-figure is written beside it. FSDP2's all-gather is written straight into its output, as NCCL writes it
-(:func:`_in_place_all_gather`: gloo's own makes two transient copies of the whole output that a card's job does
-not). ``ScheduleGPipe`` runs the same way; ``ScheduleInterleaved1F1B`` with V 2 stages per rank (r, r + pp) of a
-4-block model, each stage's module sharded on its own with its own optimizer (torchtitan's model parts).
-"""
+parallelized by ``parallelize_module`` over the tp sub-mesh first, torchtitan's ``apply_tp``), sharing no code with the
+probe, built as torchtitan builds it: a ``(pp, dp)`` device mesh; rank r runs pipeline stage ``r // 2`` and is rank ``r
+% 2`` of its data-parallel group. Each stage's module is the tiny Llama of tests/autotune/_pipeline_worker.py built on
+``meta`` and cut by hand (the stage's blocks kept, the embedding None past the first stage, the norm and the head None
+before the last), each block then the root wrapped by ``fully_shard`` over the dp sub-mesh (the last block not resharded
+after forward, torchtitan's ``apply_fsdp``), then given storage with ``to_empty`` (only the shards are ever made) and
+small normal values; ``PipelineStage`` over the pp sub-mesh's group with ``Schedule1F1B`` (torch's pipelining keeps
+every micro-batch's gradient unsharded and the parameters gathered until the step's last backward, then reduce-scatters
+once: ``perform_reduce_grad``), an AdamW step and ``zero_grad``, twice. The peak is the CPU allocator's own running
+total with c10's flag ``caffe2_report_cpu_memory_usage`` on (every thread's frees counted), one run per size after one
+at m = 1 that makes the first step's one-time allocations: the groups have one gloo thread and each collective is waited
+and fenced as it is issued (tests/autotune/_ordered_gloo.py), so gloo's late releases no longer move a run's figure.
+FSDP2's all-gather is written straight into its output, as NCCL writes it (:func:`_in_place_all_gather`: gloo's own
+makes two transient copies of the whole output that a card's job does not). ``ScheduleGPipe`` runs the same way;
+``ScheduleInterleaved1F1B`` with V 2 stages per rank (r, r + pp) of a 4-block model, each stage's module sharded on its
+own with its own optimizer (torchtitan's model parts)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ import contextlib
 import gc
 import json
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor.parallel import loss_parallel
 
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
 from tests.autotune._pipeline_worker import (
     DIM,
     HEADS,
@@ -53,7 +52,7 @@ from tests.autotune._pipeline_worker import (
     train_two_steps,
 )
 
-RUNS_PER_SIZE = 3
+RUNS_PER_SIZE = 1
 
 
 def _in_place_all_gather(
@@ -232,21 +231,11 @@ def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str, s
 def _peak_bytes(
     mesh: Any, microbatches: int, micro_batch: int, schedule_name: str, sequence_parallel: bool = False
 ) -> int:
-    return profiled_peak_bytes(lambda: _steps(mesh, microbatches, micro_batch, schedule_name, sequence_parallel))
+    def steps() -> None:
+        with collectives_in_order():
+            _steps(mesh, microbatches, micro_batch, schedule_name, sequence_parallel)
 
-
-def _runs_until_floor(measure: Callable[[], int], floor: int | None, max_runs: int) -> list[int]:
-    """This rank's figure of each run of ``measure``: up to max_runs, ending at the first run where every rank that
-    has a floor reads at or below its own (where none has one, every run). One all-reduce a run, outside what is
-    measured, keeps the ranks' collectives in step."""
-    figures: list[int] = []
-    while len(figures) < max_runs:
-        figures.append(measure())
-        votes = torch.tensor([int(floor is not None), int(floor is not None and figures[-1] > floor)])
-        dist.all_reduce(votes)  # ranks with a floor, ranks above theirs
-        if votes[0].item() and not votes[1].item():
-            break
-    return figures
+    return profiled_peak_bytes(steps)
 
 
 def run(
@@ -261,14 +250,12 @@ def run(
     tp: int = 1,
     runs_per_size: int = RUNS_PER_SIZE,
     sequence_parallel: bool = False,
-    floors: dict[int, list[int]] | None = None,
 ) -> None:
     """This rank's peak under ``schedule_name`` (1f1b, gpipe, interleaved-1f1b: V 2 stages per rank of a 4-block
-    model) at each size (the least of up to ``runs_per_size`` runs: with ``floors``, the figure asked about per
-    size and rank, a size's runs end at the first where every rank reads at or below its own) to rank{rank}.json,
-    every run's to rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's blocks parallelized over
-    tp (q, k, v and the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp (none where dp is 1); with
-    ``sequence_parallel`` (1F1B, dp 1), sequence and loss parallel instead (:func:`sp_plan`)."""
+    model) at each size (its first run's) to rank{rank}.json, every one of ``runs_per_size`` runs' to
+    rank{rank}.runs.json. ``tp`` > 1: a ``(pp, dp, tp)`` mesh, the stage's blocks
+    parallelized over tp (q, k, v and the MLP's w1, w3 column-wise, o and w2 row-wise) before fsdp over dp (none where
+    dp is 1); with ``sequence_parallel`` (1F1B, dp 1), sequence and loss parallel instead (:func:`sp_plan`)."""
     gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
         count_every_thread()
@@ -277,23 +264,22 @@ def run(
 
         _fsdp_collectives.DefaultAllGather.__call__ = _in_place_all_gather  # type: ignore[method-assign,assignment]
 
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+        with one_thread_groups():
+            dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
         try:
             torch.manual_seed(rank)
-            if tp > 1:  # pp x dp x tp, the tiny Llama's blocks tensor-parallel over tp
-                shape = (stages, world_size // (stages * tp), tp)
-                mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
-            else:
-                mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
+            with one_thread_groups():
+                if tp > 1:  # pp x dp x tp, the tiny Llama's blocks tensor-parallel over tp
+                    shape = (stages, world_size // (stages * tp), tp)
+                    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+                else:
+                    mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
+            _peak_bytes(mesh, k, 1, schedule_name, sequence_parallel)  # the first step's one-time allocations
             runs = {
-                m: _runs_until_floor(
-                    lambda m=m: _peak_bytes(mesh, k, m, schedule_name, sequence_parallel),
-                    None if floors is None else floors[m][rank],
-                    runs_per_size,
-                )
+                m: [_peak_bytes(mesh, k, m, schedule_name, sequence_parallel) for _ in range(runs_per_size)]
                 for m in sizes
             }
-            Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): min(r) for m, r in runs.items()}))
+            Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): r[0] for m, r in runs.items()}))
             Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
         finally:
             dist.destroy_process_group()

@@ -10,9 +10,11 @@ each memory event carries), with c10's flag ``caffe2_report_cpu_memory_usage`` o
 that the frees gloo's threads make come off it (the profiler's event sum would miss them), less the total
 before the run's first event.
 
-Real collectives make a run's peak vary above a floor (seen at tp = 2, m = 3: 608,316 bytes in most runs,
-682,044 in one, on one rank): each size runs until the most loaded rank's peak is at or below the figure asked
-about, at most MAX_REPEATS times, and every run's figure is reported (rank 0 writes them).
+Gloo's worker threads used to make a run's peak vary above a floor (at tp = 2, m = 3: 608,316 bytes in most runs,
+633,676 or 682,044 in some): the groups have one thread and each collective is waited and fenced as it is issued
+(tests/autotune/_ordered_gloo.py), so each size runs once and reads the same figure every run, after one run at m = 1
+that makes the first step's one-time allocations (peft's and DTensor's caches, torchao's compiled step). Rank 0
+writes the most loaded rank's peak per size.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import _disable_current_modes
+
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
 
 SEQ_LEN = 16
-MAX_REPEATS = 6
 
 
 def run(
-    rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: dict[int, int]
+    rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: list[int]
 ) -> None:
     gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
@@ -246,7 +250,9 @@ def _steps(mesh: Any, config: dict[str, Any], micro_batch: int) -> None:
                 loss = model(**batch).loss / 2
                 loss.backward()
             del input_ids, batch, loss
-        optimizer.step()
+        # torchao compiles its step, which dynamo refuses under a dispatch mode; the step issues no collective.
+        with _disable_current_modes() if config.get("_optimizer") == "adamw4bit" else contextlib.nullcontext():
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     del model, optimizer
 
@@ -259,7 +265,7 @@ def _count_every_thread() -> None:
 
 def _peak_bytes(mesh: Any, config: dict[str, Any], micro_batch: int) -> int:
     gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, collectives_in_order():
         _steps(mesh, config, micro_batch)
     found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while pending:
@@ -273,32 +279,26 @@ def _peak_bytes(mesh: Any, config: dict[str, Any], micro_batch: int) -> int:
     return max(total for _, _, total in found) - (first_total - first_bytes)
 
 
-def _runs(mesh: Any, config: dict[str, Any], micro_batch: int, floor: int) -> list[int]:
-    """The most loaded rank's peak of each run at micro_batch, until one is at or below floor (every rank runs
-    as many: they agree through an all-reduce)."""
-    figures: list[int] = []
-    while len(figures) < MAX_REPEATS:
-        most = torch.tensor([_peak_bytes(mesh, config, micro_batch)])
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        figures.append(int(most.item()))
-        if figures[-1] <= floor:
-            break
-    return figures
-
-
 def _run(
-    rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: dict[int, int]
+    rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: list[int]
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     _count_every_thread()
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    with one_thread_groups():
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
-        mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-        runs = {m: _runs(mesh, config, m, floor) for m, floor in sizes.items()}
+        with one_thread_groups():
+            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        _peak_bytes(mesh, config, 1)  # the first step's one-time allocations (peft's, DTensor's caches: 144 bytes)
+        peaks = {}
+        for m in sizes:
+            most = torch.tensor([_peak_bytes(mesh, config, m)])
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most loaded rank's
+            peaks[str(m)] = int(most.item())
         if rank == 0:
-            Path(out_dir, "runs.json").write_text(json.dumps({str(m): r for m, r in runs.items()}))
+            Path(out_dir, "peaks.json").write_text(json.dumps(peaks))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -55,9 +55,8 @@ def _spawn(target: Any, args: tuple[Any, ...], out: Path, processes: int = 2) ->
 
 def _cp_job(tmp_path_factory: pytest.TempPathFactory, inner: Strategy, ring: bool, tp: int = 1) -> dict[str, Any]:
     """The probe's answer at cp = 2 over inner (ddp, or fsdp over both ranks) and, in one spawn of 2 real processes
-    (cp = 2), each run's per-rank peaks at m_max and m_max + 1, until the most loaded rank is at or below the size's
-    floor (the probe's figure; three runs where the probe has none); with ring, then the ring's differences from
-    plain SDPA under each rotation."""
+    (cp = 2), every rank's peak at m_max and m_max + 1 (one run each: tests/autotune/_ordered_gloo.py); with ring,
+    then the ring's differences from plain SDPA under each rotation."""
     from tests.autotune import _cp_worker
 
     tmp_path = tmp_path_factory.mktemp(f"cp_{inner}_tp{tp}")
@@ -75,23 +74,29 @@ def _cp_job(tmp_path_factory: pytest.TempPathFactory, inner: Strategy, ring: boo
     m_max = measured.max_micro_batch
     # A trial that crossed the budget stopped there: its figure is where it stopped, not its peak.
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
-    # A real run is done once its most loaded rank is within the slack of the probe's figure (FSDP2's real ranks
-    # read 16 bytes above it, DDP's 8 below; a run above that is gloo's late frees, tests/autotune/_cp_worker.py).
     # A size the probe stopped at the budget has no real figure: its fake trial's stands in (the estimate's test
-    # asserts it against these runs). Without a figure a size ran 3 times and a rank's least was its floor, which
-    # misses one time in 27 (a whole run of the real-process tests read 4,080 bytes over at m_max + 1).
+    # asserts it against the real ranks).
     fake = _fake_peaks(task, inner, tp, (m_max, m_max + 1))  # also the estimate's test's figures
-    known = {m: peaks.get(m, fake[m]) for m in (m_max, m_max + 1)}
-    floors = {m: figure + SLACK_BYTES for m, figure in known.items()}
     worker_config: dict[str, Any] = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
     worker_config["tie_word_embeddings"] = False
     out = tmp_path / "truth"
     out.mkdir()
-    args = (world_size, SEQ_LEN, str(out / "rendezvous"), str(out), worker_config, floors, "allgather", ring, inner, tp)
+    args = (
+        world_size,
+        SEQ_LEN,
+        str(out / "rendezvous"),
+        str(out),
+        worker_config,
+        [m_max, m_max + 1],
+        "allgather",
+        ring,
+        inner,
+        tp,
+    )
     _spawn(_cp_worker.run, args, out, processes=world_size)
-    runs = {int(m): figures for m, figures in json.loads((out / "runs.json").read_text()).items()}
+    real = {int(m): ranks for m, ranks in json.loads((out / "peaks.json").read_text()).items()}
     found = json.loads((out / "ring.json").read_text()) if ring else None
-    return {"inner": inner, "tp": tp, "measured": measured, "peaks": peaks, "fake": fake, "runs": runs, "ring": found}
+    return {"inner": inner, "tp": tp, "measured": measured, "peaks": peaks, "fake": fake, "real": real, "ring": found}
 
 
 def _fake_peaks(task: Any, inner: str, tp: int, sizes: tuple[int, ...]) -> dict[int, int]:
@@ -136,18 +141,16 @@ JOBS = ["cp_job", "cp_fsdp_job", "cp_tp_fsdp_job"]
 @pytest.mark.parametrize("job", JOBS)
 def test_cp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(job: str, request: pytest.FixtureRequest) -> None:
     found: dict[str, Any] = request.getfixturevalue(job)
-    measured, peaks, runs = found["measured"], found["peaks"], found["runs"]
+    measured, peaks, real = found["measured"], found["peaks"], found["real"]
     m_max = measured.max_micro_batch
     tp = found["tp"]
     assert measured.mesh == ({"cp": 2, "tp": tp} if tp > 1 else {"cp": 2}) and measured.strategy == found["inner"]
     label = f"cp 2{f' x tp {tp}' if tp > 1 else ''} ({found['inner']}, L={SEQ_LEN})"
-    print(f"{label}: m_max {m_max}; probe {peaks}; real ranks' peaks, runs {runs}")
-    # Each rank's least run: a run reads above a rank's floor, never below (tests/autotune/_cp_worker.py).
-    floor = {m: [min(rank) for rank in zip(*figures, strict=True)] for m, figures in runs.items()}
+    print(f"{label}: m_max {m_max}; probe {peaks}; real ranks' peaks {real}")
     # The rank the probe measures is the most loaded one (the head-tail balancer gives it the partial merges): cp
     # rank MEASURED_RANK, tp rank 0, global rank MEASURED_RANK x tp (tp innermost).
-    assert all(ranks[MEASURED_RANK * tp] == max(ranks) for ranks in floor.values())
-    truth = {m: max(ranks) for m, ranks in floor.items()}
+    assert all(ranks[MEASURED_RANK * tp] == max(ranks) for ranks in real.values())
+    truth = {m: max(ranks) for m, ranks in real.items()}
     assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
     assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
     if m_max + 1 in peaks:
@@ -159,11 +162,11 @@ def test_the_fake_trials_of_an_estimate_equal_the_real_trials(job: str, request:
     """`autotune estimate`'s trials (fake tensors, the CPU's semantics) hold what the real trial holds: under ddp
     DDP's buckets without DDP (strategies.hold_ddp_buckets), under fsdp the shards over the flattened (dp, cp) mesh."""
     found: dict[str, Any] = request.getfixturevalue(job)
-    measured, peaks, runs, fake = found["measured"], found["peaks"], found["runs"], found["fake"]
+    measured, peaks, real, fake = found["measured"], found["peaks"], found["real"], found["fake"]
     m_max = measured.max_micro_batch
     print(f"cp 2 x tp {found['tp']} ({found['inner']}): fake {fake}; probe's real trials {peaks}")
     assert fake[m_max] == peaks[m_max]
-    truth = max(min(rank) for rank in zip(*runs[m_max + 1], strict=True))
+    truth = max(real[m_max + 1])
     assert abs(fake[m_max + 1] - truth) <= SLACK_BYTES
 
 

@@ -39,14 +39,13 @@ SLACK_BYTES = {"tp": 64, "pp": 0}
 @pytest.fixture(scope="module")
 def truth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """{"tp" | "pp": {m: [rank 0..3 peaks]}, "buckets": {"tp" | "pp": [rank 0..3 bytes DDP reduces]}}: one spawn
-    of 4 real processes, each rank's least of two runs per size. One run each read 4,096 bytes high on one rank at
-    tp m 2, once in three rounds of the real-process tests (872,704 where the others and the probe read 868,608 and
-    868,624): one row-wise layer's all-reduced output (m x L x d fp32 = 2 x 16 x 32 x 4 bytes) still held by gloo's
-    worker thread. DTensor's functional collectives give no handle to wait on it, as tests/autotune/_gloo_released.py
-    waits on FSDP2's."""
+    of 4 real processes, one run per size. The old way's runs (the least of two) once read 4,096 bytes high on one
+    rank at tp m 2, once in three rounds of the real-process tests (872,704 where the others and the probe read
+    868,608 and 868,624): one row-wise layer's all-reduced output (m x L x d fp32 = 2 x 16 x 32 x 4 bytes) still held
+    by gloo's worker thread, now fenced off at each collective (tests/autotune/_ordered_gloo.py)."""
     out = tmp_path_factory.mktemp("ddp_meshes")
     try:
-        spawn(worker.run, args=(WORLD, str(out / "rendezvous"), str(out), SIZES, SIZES, K, 2), nprocs=WORLD, join=True)
+        spawn(worker.run, args=(WORLD, str(out / "rendezvous"), str(out), SIZES, SIZES, K, 1), nprocs=WORLD, join=True)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the 4-process jobs failed: {exc}\n{errors}")

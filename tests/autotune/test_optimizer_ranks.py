@@ -2,10 +2,9 @@
 (tests/autotune/_fsdp_mp_truth.py), the tiny GPT wrapped the ordinary way (FSDP2's ``fully_shard``, or
 DistributedDataParallel with ``no_sync`` on the first micro-batch) and stepped by the optimizer as torch or the
 library builds it (tests/autotune/_ordinary_optimizers.py), the peak counted by the CPU allocator itself, every
-thread's frees in it: at m_max and m_max + 1, byte for byte, the least of three runs per size (gloo's thread freed a
+thread's frees in it: at m_max and m_max + 1, byte for byte, one run per size (gloo's thread used to free a
 collective's input after the main thread's next allocation, one run in three or four 12,672 to 35,968 bytes more
-under fsdp, which the truth now removes by waiting for gloo to let go of FSDP2's buffers; _fsdp_mp_truth says why
-three runs stay).
+under fsdp; the truth removes it at its cause, tests/autotune/_ordered_gloo.py).
 
 adamw8bit under fsdp is refused (bitsandbytes' update ops have no DTensor sharding rule: the ordinary FSDP2 job
 fails at its first step too, as the last test shows)."""

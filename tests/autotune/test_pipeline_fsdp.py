@@ -50,13 +50,6 @@ def llama_task(layers: int = worker.LAYERS) -> ProbeTask:
     )
 
 
-def rank_floors(stage_peaks: dict[int, list[int]]) -> dict[int, list[int]]:
-    """The probe's figure for each of the 4 ranks per size: ranks 0 and 1 hold stage 0 (or stages 0 and 2), ranks 2
-    and 3 stage 1 (or 1 and 3). A real size's runs end at the first where every rank reads at or below its figure
-    (the least is still the truth: a run below the figure would be the least, and fail the test as well)."""
-    return {m: [peaks[0], peaks[0], peaks[1], peaks[1]] for m, peaks in stage_peaks.items()}
-
-
 def _sharded_stage_peaks() -> dict[int, list[int]]:
     """Each stage's peak at each of SIZES by the probe's pipeline trials over fsdp (1F1B, pp 2 x dp 2) on the CPU."""
     strategy = ShardedStage(WORLD, STAGES)
@@ -72,20 +65,16 @@ def _sharded_stage_peaks() -> dict[int, list[int]]:
 
 @pytest.fixture(scope="module")
 def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[int]]:
-    """Each rank's peak per size (the least of up to three runs, ending at one at the probe's figures), from one
-    spawn of 4 real processes: {m: [rank 0..3]}."""
+    """Each rank's peak per size (one run: tests/autotune/_ordered_gloo.py), from one spawn of 4 real processes:
+    {m: [rank 0..3]}."""
     out = tmp_path_factory.mktemp("pipeline_fsdp")
-    floors = rank_floors(_sharded_stage_peaks())
     args = (WORLD, STAGES, str(out / "rendezvous"), str(out), K, SIZES, "1f1b", 1, fsdp_worker.RUNS_PER_SIZE, False)
     try:
-        spawn(fsdp_worker.run, args=(*args, floors), nprocs=WORLD, join=True)
+        spawn(fsdp_worker.run, args=args, nprocs=WORLD, join=True)
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the 4-process pipeline over fsdp failed: {exc}\n{errors}")
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    runs = [json.loads((out / f"rank{rank}.runs.json").read_text()) for rank in range(WORLD)]
-    # Every run's figure, for the spread gloo's thread timing makes (none seen: 3 of 3 runs equal on every rank).
-    print("runs per rank and size:", runs)
     return {m: [rank[str(m)] for rank in ranks] for m in SIZES}
 
 
@@ -153,14 +142,11 @@ def _real_rank_peaks(
     out: Path,
     what: str,
     tp: int,
-    runs_per_size: int,
     schedule: str = "interleaved-1f1b",
     sequence_parallel: bool = False,
-    stage_peaks: dict[int, list[int]] | None = None,
 ) -> list[dict[str, int]]:
     """Each of 4 real ranks' peak per size under ``schedule`` (interleaved: V 2 stages per rank, K 2; with
-    ``sequence_parallel``, fsdp_worker.sp_plan over tp); the least of up to ``runs_per_size`` runs, ending at one at
-    the probe's ``stage_peaks`` (rank_floors)."""
+    ``sequence_parallel``, fsdp_worker.sp_plan over tp); one run per size (tests/autotune/_ordered_gloo.py)."""
     try:
         spawn(
             fsdp_worker.run,
@@ -173,9 +159,8 @@ def _real_rank_peaks(
                 SIZES,
                 schedule,
                 tp,
-                runs_per_size,
+                1,
                 sequence_parallel,
-                None if stage_peaks is None else rank_floors(stage_peaks),
             ),
             nprocs=4,
             join=True,
@@ -183,20 +168,19 @@ def _real_rank_peaks(
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the 4-process {schedule} pipeline over {what} failed: {exc}\n{errors}")
-    print("runs per rank and size:", [json.loads((out / f"rank{r}.runs.json").read_text()) for r in range(4)])
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 
 def test_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_path: Path) -> None:
     """--pp 2 --tp 2 --world-size 4 (D = 1): each stage's blocks tensor-parallel over its 2 tp ranks, against 4 real
-    processes (least of 2 runs per size; spread 0 bytes seen in 3 of 3). The same at fsdp 2 x tp 2 x pp 2 over 8
+    processes (one run per size). The same at fsdp 2 x tp 2 x pp 2 over 8
     real processes is bench/pipeline_meshes.py's (a minute and more on 2 cores): equal to the byte too."""
     # The probe's side in a process of its own: in this one, a later tp x fsdp trial (test_tp_fake's, test_tp_moe's)
     # stopped at "Could not resolve the process group registered under the name 7" (DTensor's caches kept this job's
     # meshes; every fake group now empties them, autotune/measure/fake_group.py, and test_fake_group checks it).
     with ProcessPoolExecutor(1, mp_context=FORKSERVER) as pool:
         stage_peaks = pool.submit(_tp_stage_peaks, "1f1b").result()
-    real = _real_rank_peaks(tmp_path, "tp", 2, 2, schedule="1f1b", stage_peaks=stage_peaks)
+    real = _real_rank_peaks(tmp_path, "tp", 2, schedule="1f1b")
     for m in SIZES:
         # Ranks 0, 1: stage 0's tp pair; ranks 2, 3: stage 1's. Stage 0: 544,844 / 693,580 B at m = 2 / 3.
         assert real[0][str(m)] == real[1][str(m)] and real[2][str(m)] == real[3][str(m)], real
@@ -252,12 +236,10 @@ def test_sequence_parallel_stages_equal_the_real_ranks(tmp_path: Path) -> None:
     """--pp 2 --tp 2 under sequence and loss parallel (torchtitan's plan on the tiny Llama): the activations that cross
     the stages are each rank's L / tp positions, the last stage's loss is computed on the logits' vocabulary shards.
     Against 4 real processes running PipelineStage and Schedule1F1B over torch's own SequenceParallel, sharded
-    row-wise outputs and loss_parallel() (least of 2 runs per size), on the CPU meter and on fake trials."""
+    row-wise outputs and loss_parallel() (one run per size), on the CPU meter and on fake trials."""
     with ProcessPoolExecutor(1, mp_context=FORKSERVER) as pool:  # see the 1F1B tp test
         peaks = {kind: pool.submit(_sp_stage_peaks, kind).result() for kind in ("cpu", "fake")}
-    real = _real_rank_peaks(
-        tmp_path, "sequence-parallel tp", 2, 2, schedule="1f1b", sequence_parallel=True, stage_peaks=peaks["cpu"]
-    )
+    real = _real_rank_peaks(tmp_path, "sequence-parallel tp", 2, schedule="1f1b", sequence_parallel=True)
     print("probe's stages:", peaks)
     for m in SIZES:
         assert real[0][str(m)] == real[1][str(m)] and real[2][str(m)] == real[3][str(m)], real
@@ -278,9 +260,8 @@ INTERLEAVED_BUDGET = 1_000_000
 def test_interleaved_stages_over_fsdp_equal_the_real_ranks(tmp_path: Path) -> None:
     """--pp 2 --pp-schedule interleaved-1f1b --strategy fsdp --world-size 4: each rank holds 2 stages of a 4-block
     Llama (r, r + 2), each fully_shard-ed on its own over dp 2, driven by torch's multi-stage runtime (all of a
-    rank's stages gathered when the step starts, each reduce-scattered right after its last backward). Least of 2
-    runs per size (spread 0 bytes seen in 2 of 2 at K 2 and K 4; at K 4 the probe equals them too: 1,165,644 /
-    1,491,532 B on rank 0 at m = 2 / 3)."""
+    rank's stages gathered when the step starts, each reduce-scattered right after its last backward). One run per
+    size (at K 4 the probe equals them too: 1,165,644 / 1,491,532 B on rank 0 at m = 2 / 3)."""
     probed: dict[str, dict[int, list[int]]] = {}
     for meter in (CpuMeter(UNBOUNDED), FakeMeter(UNBOUNDED)):
         strategy = make_strategy("fsdp", WORLD, INTERLEAVED)
@@ -293,7 +274,7 @@ def test_interleaved_stages_over_fsdp_equal_the_real_ranks(tmp_path: Path) -> No
             for m in SIZES:
                 trials(m)
             probed[type(meter).__name__] = {m: list(trials.stage_peaks[m]) for m in SIZES}
-    real = _real_rank_peaks(tmp_path, "fsdp", 1, 2, stage_peaks=probed["CpuMeter"])
+    real = _real_rank_peaks(tmp_path, "fsdp", 1)
     for kind, stage_peaks in probed.items():
         for m in SIZES:
             # Ranks 0, 1 hold stages 0 and 2; ranks 2, 3 stages 1 and 3. Rank 0: 878,924 / 1,126,220 B.
@@ -310,11 +291,11 @@ def test_interleaved_stages_over_fsdp_equal_the_real_ranks(tmp_path: Path) -> No
 
 def test_interleaved_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_path: Path) -> None:
     """--pp 2 --tp 2 --pp-schedule interleaved-1f1b --world-size 4 (D = 1): each rank's 2 stages tensor-parallel over
-    its tp pair, against 4 real processes. Least of 3 runs per size: real collectives vary above a floor (one CI run
-    read rank 2 4,096 B above rank 3 at m = 2, 576,092 against 571,996 B, where every run here had read them equal)."""
+    its tp pair, against 4 real processes, one run per size (one CI run of the old way, the least of three, read rank 2
+    4,096 B above rank 3 at m = 2, 576,092 against 571,996 B: gloo's late releases, tests/autotune/_ordered_gloo.py)."""
     with ProcessPoolExecutor(1, mp_context=FORKSERVER) as pool:  # see the 1F1B tp test
         stage_peaks = pool.submit(_tp_stage_peaks, "interleaved-1f1b").result()
-    real = _real_rank_peaks(tmp_path, "tp", 2, 3, stage_peaks=stage_peaks)
+    real = _real_rank_peaks(tmp_path, "tp", 2)
     for m in SIZES:
         # Ranks 0, 1: stages 0 and 2's tp pair (565,324 / 722,252 B); ranks 2, 3: stages 1 and 3 (571,996 / 714,460 B):
         # the most loaded rank changes with m.

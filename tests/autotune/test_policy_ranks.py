@@ -3,8 +3,8 @@ every-2 and op-level checkpointing of the tiny GPT against rank 0 of two real gl
 (tests/autotune/_fsdp_mp_truth.py), the blocks checkpointed the ordinary way (torch's ``checkpoint_wrapper``, op-level
 with ``create_selective_checkpoint_contexts`` and torchtitan's rule: tests/autotune/_ordinary_checkpointing.py), then
 wrapped by FSDP2's ``fully_shard`` per block or by DistributedDataParallel (``no_sync`` on the first micro-batch), the
-peak counted by the CPU allocator itself, every thread's frees in it (the least of three runs per size): at m_max
-and m_max + 1.
+peak counted by the CPU allocator itself, every thread's frees in it (one run per size:
+tests/autotune/_ordered_gloo.py): at m_max and m_max + 1.
 
 What the probe's meter cannot see is the one difference, and it is stated: torch.utils.checkpoint keeps the CPU
 generator's state (``torch.get_rng_state()``, 5,056 bytes made below the dispatcher) for each checkpointed block

@@ -46,16 +46,16 @@ def _llama_dir(tmp_path: Path) -> Path:
 def _truth(
     world_size: int,
     tp: int,
-    floors: dict[int, int],
+    sizes: list[int],
     tmp_path: Path,
     lora_rank: int | None = None,
     plan: str = "hf",
     family: str = "llama",
     optimizer: str | None = None,
 ) -> dict[int, list[int]]:
-    """The most loaded rank's peak of each run at each size, over world_size real processes: runs until one is at
-    or below the size's floor (the probe's figure; a huge one for one run), as tests/autotune/_tp_worker.py says why.
-    With lora_rank, peft's LoRA on q_proj and v_proj, its adapters laid out as peft does under tp."""
+    """The most loaded rank's peak at each size, over world_size real processes, one run each (gloo's releases in
+    program order: tests/autotune/_ordered_gloo.py). With lora_rank, peft's LoRA on q_proj and v_proj, its adapters laid
+    out as peft does under tp."""
     from tests.autotune import _tp_worker
 
     if family == "gpt2":  # the worker builds GPT-2 under torchtitan's layout (its embedding and head tied)
@@ -74,14 +74,14 @@ def _truth(
     try:
         spawn(
             _tp_worker.run,
-            args=(world_size, tp, str(out / "rendezvous"), str(out), config, floors),
+            args=(world_size, tp, str(out / "rendezvous"), str(out), config, sizes),
             nprocs=world_size,
             join=True,
         )
     except ProcessException as exc:
         errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
         pytest.fail(f"the {world_size}-process job failed: {exc}\n{errors}")
-    return {int(m): runs for m, runs in json.loads((out / "runs.json").read_text()).items()}
+    return {int(m): peak for m, peak in json.loads((out / "peaks.json").read_text()).items()}
 
 
 @pytest.mark.parametrize(
@@ -145,14 +145,11 @@ def _agrees_with_the_real_ranks(
     assert measured.mesh == {"tp": 2}
     # A trial that crossed the budget stopped there: its figure is where it stopped, not its peak.
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
-    # A run within the slack of the probe's figure ends the repeats (the assertion below reads the least).
-    floors = {m_max: peaks[m_max] + SLACK_BYTES, m_max + 1: peaks.get(m_max + 1, 1 << 62) + SLACK_BYTES}
-    runs = _truth(world_size, 2, floors, tmp_path, plan=plan or "hf", family=family, optimizer=optimizer)
+    truth = _truth(world_size, 2, [m_max, m_max + 1], tmp_path, plan=plan or "hf", family=family, optimizer=optimizer)
     print(
         f"tp 2 {family} {plan or 'hf'} ({strategy} x{world_size}): m_max {m_max}; probe {peaks}; "
-        f"most loaded real rank, {runs}"
+        f"most loaded real rank {truth}"
     )
-    truth = {m: min(figures) for m, figures in runs.items()}  # the floor the runs reach
     assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
     assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
     if m_max + 1 in peaks:
@@ -199,9 +196,8 @@ def test_lora_under_tp2_agrees_with_peft_over_transformers_tp_plan_on_real_ranks
     measured = probe(task, config)
     m_max = measured.max_micro_batch
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake and not t.oom}
-    runs = _truth(2, 2, {m_max: peaks[m_max], m_max + 1: peaks.get(m_max + 1, 1 << 62)}, tmp_path, lora_rank=4)
-    print(f"tp 2 LoRA r4 (ddp x2): m_max {m_max}; probe {peaks}; most loaded real rank, runs {runs}")
-    truth = {m: min(figures) for m, figures in runs.items()}
+    truth = _truth(2, 2, [m_max, m_max + 1], tmp_path, lora_rank=4)
+    print(f"tp 2 LoRA r4 (ddp x2): m_max {m_max}; probe {peaks}; most loaded real rank {truth}")
     assert truth[m_max] <= measured.limit_bytes < truth[m_max + 1]
     assert abs(peaks[m_max] - truth[m_max]) <= SLACK_BYTES
 
