@@ -11,16 +11,21 @@ most loaded rank read at or below the probe's figure; a test that can fail one r
 What this does, without changing what the job allocates or when it lets go of anything:
 - ``one_thread_groups()``: every gloo group made inside it (the world and each device-mesh dimension's) has one
   worker thread (gloo's own ``threads`` option, 2 by default);
-- ``collectives_in_order()``: a dispatch mode that waits on each collective as it is issued, then runs a barrier on
-  the same group. The barrier runs on that group's only worker thread, after the collective's loop has ended, so
-  when it completes gloo holds none of the collective's tensors: each is freed where the job lets go of it, on the
-  main thread, as if gloo had released it with the completion.
-It sees c10d's ops (``torch.distributed``'s calls, FSDP2's all-gathers and reduce-scatters) and funcol's (DTensor's
-tp and cp). Point-to-point sends and receives (a pipeline's) are left alone: a receive's buffer and a send's input are
-the caller's until it waits, and a barrier would pair two stages' different sequences wrongly.
+- ``collectives_in_order()``: a dispatch mode that waits on each collective as it is issued, then fences its group:
+  a one-element all-reduce on the group's backend, which runs on that group's only worker thread after the
+  collective's loop has ended, so when it completes gloo holds none of the collective's tensors: each is freed where
+  the job lets go of it, on the main thread, as if gloo had released it with the completion. (gloo's barrier would
+  not do: it keeps the work still in progress as its prior work and lets go of it late itself.)
+It sees c10d's ops (``torch.distributed``'s calls, FSDP2's all-gathers and reduce-scatters, DDP's all-reduce) and
+funcol's (DTensor's tp and cp). Point-to-point sends and receives (a pipeline's) are left alone: a receive's buffer
+and a send's input are the caller's until it waits, and waiting at issue would deadlock two stages' batched
+sends and receives.
+A truth also runs once at m = 1 before it measures: the first step makes one-time allocations (peft's and DTensor's
+caches, 144 bytes under LoRA; torchao's compiled step) that a warm process, as the probe measures, does not.
 
 Measured: the tp truth at tp 2, m 3, 48 runs over two ranks: 608,316 bytes every run (the old way: 608,316, and
-633,676 in 3 runs of 24); under dp 2 x tp 2, with FSDP2: 502,972 every run (the old way: 503,220 once in 16).
+633,676 in 3 runs of 24); at m 4, 24 runs: 711,548 every run (the old way: 745,364 once in 12); under dp 2 x tp 2,
+with FSDP2: 502,972 every run (the old way: 503,220 once in 16).
 """
 
 from __future__ import annotations
