@@ -28,7 +28,7 @@ def _model(mesh: Any, config: dict[str, Any]) -> torch.nn.Module:
 
 
 def run(
-    rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: dict[int, int]
+    rank: int, world_size: int, tp: int, rendezvous: str, out_dir: str, config: dict[str, Any], sizes: list[int]
 ) -> None:
     _tp_worker._model = _model  # type: ignore[assignment]
     _tp_worker.run(rank, world_size, tp, rendezvous, out_dir, config, sizes)
