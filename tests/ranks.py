@@ -32,6 +32,7 @@ _PRELOAD = [
     "transformers",
     "autotune.measure.trial",
     "autotune.measure.strategies",
+    "autotune.cli",
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_cli
 from tests.autotune._tasks import assert_profile_contract
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ vector_loss = ProbeTask(
 
 
 def autotune(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "autotune.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
     )
 

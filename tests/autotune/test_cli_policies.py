@@ -9,13 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import warm_cli
 from tests.autotune.test_cli import REPO
 
 
 def autotune(*args: str) -> subprocess.CompletedProcess[str]:
     # One intra-op thread: two spin against each other on a shared 2-core machine (20x slower trials).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "autotune.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env
     )
 

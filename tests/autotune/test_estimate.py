@@ -16,6 +16,7 @@ from autotune.core.schemas import Profile
 from autotune.orchestrate.estimate import EstimateConfig, estimate
 from autotune.orchestrate.probe import ProbeConfig, probe
 from examples import gpt
+from tests import warm_cli
 from tests.autotune._tasks import linear_task
 
 MiB = 1 << 20
@@ -82,7 +83,7 @@ def test_bad_estimate_configs_are_refused(config: EstimateConfig, message: str) 
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "autotune.cli", "estimate", *args], capture_output=True, text=True, timeout=300
     )
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_SECONDS = 600
@@ -31,7 +32,7 @@ def block(heading: str, language: str) -> str:
 def run(command: list[str], cwd: Path) -> str:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("AUTOTUNE_URL", None)
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
+    done = warm_cli.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr
 

@@ -21,6 +21,7 @@ import textwrap
 from pathlib import Path
 
 import autotune
+from tests import warm_cli
 from tests.e2e.conftest import REPO, LiveServer, autotune_command
 
 README = REPO / "README.md"
@@ -77,7 +78,7 @@ def normalized(output: str) -> list[str]:
 
 def run(args: list[str], env: dict[str, str]) -> str:
     """What the command prints, stdout and stderr in the order a terminal shows them."""
-    done = subprocess.run(
+    done = warm_cli.run(
         args,
         cwd=REPO,
         env={**env, "PYTHONUNBUFFERED": "1"},

@@ -20,6 +20,7 @@ import pytest
 
 from autotune.core.schemas import Profile, Suggestion
 from autotune_client import TunerClient
+from tests import warm_cli
 from tests.e2e.conftest import REPO, LiveServer, autotune_command
 
 JOB = str(REPO / "tests" / "e2e" / "_launch_job.py")
@@ -28,7 +29,7 @@ PROCESS_TIMEOUT_SECONDS = 240
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm_cli.run(
         args, cwd=REPO, env=env, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS, check=False
     )
 

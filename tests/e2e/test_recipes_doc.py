@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_cli
 from tests.e2e.test_docs import DOCS, REPO, blocks, section
 
 PAGE = DOCS / "recipes.md"
@@ -57,7 +58,7 @@ def tiny(command: list[str]) -> list[str]:
 def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("AUTOTUNE_URL", None)
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
+    return warm_cli.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
 
 
 @pytest.fixture

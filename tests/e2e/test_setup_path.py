@@ -17,6 +17,7 @@ import pytest
 from autotune.core.schemas import Observation, Profile, Suggestion
 from autotune_client import TunerClient
 from autotune_client._suggest import job_fingerprint, suggest
+from tests import warm_cli
 from tests.conftest import PostgresSchemas
 from tests.e2e.conftest import REPO, LiveServer, autotune_command
 
@@ -25,7 +26,7 @@ TINY_LLAMA = "hf:examples/configs/tiny-llama.json"
 
 
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm_cli.run(
         args, cwd=REPO, env=env, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_SECONDS, check=False
     )
 
