@@ -29,6 +29,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
+from tests import warm_cli
 from tests.e2e.conftest import REPO, LiveServer, autotune_command, child_env, free_port, start_server
 
 # A loaded 2-core CI machine (the suite runs two pytest workers beside the cluster) has taken over a
@@ -157,7 +158,7 @@ def fleet_env(cluster: RayCluster, server: LiveServer | None, **extra: str) -> d
 
 def run_fleet_cli(args: Sequence[str], *, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``autotune fleet ARGS`` from the repository root (the working directory shipped to Ray)."""
-    return subprocess.run(
+    return warm_cli.run(
         [*autotune_command(), "fleet", *args],
         cwd=REPO,
         env=env,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 
+from tests import warm_cli
 from tests.e2e.conftest import REPO, LiveServer, autotune_command, free_port
 
 from .conftest import FAKE_ACCELERATOR, FLEET_TIMEOUT_SECONDS, RayCluster, fleet_env, run_fleet_cli, stored_profiles
@@ -125,14 +126,14 @@ def test_server_down_keeps_the_profiles_for_a_later_upload(
     assert len(files) == 2 and not list(output.glob("*.tmp")), _explain(done)
     assert sorted(json.loads(f.read_text())["budget_bytes"] for f in files) == [4 * MiB, 8 * MiB]
 
-    upload = subprocess.run(
+    upload = warm_cli.run(
         [*autotune_command(), "profiles", "upload", str(output), "--server", fleet_server.url],
         cwd=REPO, env=fleet_env(ray_cluster, fleet_server), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert upload.returncode == 0, _explain(upload)
     added = [item for item in stored_profiles(fleet_server) if item["id"] not in before]
     assert sorted(item["budget_bytes"] for item in added) == [4 * MiB, 8 * MiB]
-    again = subprocess.run(
+    again = warm_cli.run(
         [*autotune_command(), "profiles", "upload", str(output), "--server", fleet_server.url],
         cwd=REPO, env=fleet_env(ray_cluster, fleet_server), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
