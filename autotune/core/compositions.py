@@ -148,14 +148,6 @@ COMPOSITIONS: tuple[Rule, ...] = (
         "a pipeline stage's compiled step is not measured yet; probe the pipeline without --compile",
     ),
     Rule(
-        "--pp",
-        "--offload params",
-        "not measured yet",
-        lambda d: d.pp > 1 and d.offload == "params",
-        lambda d: f"--pp {d.pp} with --offload {d.offload}",
-        "FSDP2's CPUOffloadPolicy over a pipeline stage's shards is not measured yet; --offload activations is",
-    ),
-    Rule(
         "--strategy fsdp",
         "--world-size 1",
         "meaningless",

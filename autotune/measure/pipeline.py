@@ -83,7 +83,7 @@ from autotune.measure.layout import Layout
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.meters.host import HOST
-from autotune.measure.offload import apply_offload
+from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
 from autotune.measure.oom import is_oom
 from autotune.measure.parallelize import Parallelism, apply_ddp, compose, fsdp_api
 from autotune.measure.policies import apply_policy
@@ -919,9 +919,10 @@ class _Replay:
             self._backwards_ended()
             meter.checkpoint(FORWARD_BACKWARD)
             recorder.phase("step")
-            optimizer.step()
-            recorder.classify_optimizer(optimizer)
-            optimizer.zero_grad(set_to_none=self.task.zero_grad_to_none)
+            with step_on_host(self.task.offload, optimizer):  # --offload params: the step runs on the host
+                optimizer.step()
+                recorder.classify_optimizer(optimizer)
+                optimizer.zero_grad(set_to_none=self.task.zero_grad_to_none)
             meter.checkpoint(STEP)
 
     def receive_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -1128,9 +1129,10 @@ class _InterleavedReplay:
             meter.checkpoint(FORWARD_BACKWARD)
             recorder.phase("step")
             for optimizer in optimizers:
-                optimizer.step()
-                recorder.classify_optimizer(optimizer)
-                optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
+                with step_on_host(task.offload, optimizer):  # --offload params: the step runs on the host
+                    optimizer.step()
+                    recorder.classify_optimizer(optimizer)
+                    optimizer.zero_grad(set_to_none=task.zero_grad_to_none)
             meter.checkpoint(STEP)
 
 
@@ -1174,8 +1176,6 @@ class PipelineTrials:
         refusal = pipeline_refusal(schedule, stages, microbatches, None)
         if refusal is not None:
             raise AutotuneError(refusal)
-        # The task's own compile and offload too (a task file's), not only the flags'.
-        refuse_composition(Dimensions(world_size=stages, pp=stages, compile=task.compile, offload=task.offload))
         self.task, self.meter, self.limit_bytes = task, meter, limit_bytes
         # --host-budget under --offload: a size whose most loaded rank holds more host bytes does not fit either.
         self.host_limit_bytes = host_limit_bytes
@@ -1185,6 +1185,17 @@ class PipelineTrials:
         if not isinstance(strategy, StageStrategy):  # autotune/measure/strategy_choice.py makes one for pp > 1
             raise AutotuneError(f"--pp {stages}: a stage is held by a stage strategy, not {type(strategy).__name__}")
         self.strategy: StageStrategy = strategy
+        # The task's own compile and offload too (a task file's), not only the flags', over the stages' strategy.
+        refuse_composition(
+            Dimensions(
+                strategy=getattr(strategy, "inner", "ddp"),
+                world_size=max(stages, getattr(strategy, "world_size", stages)),
+                pp=stages,
+                tp=getattr(strategy, "tp", 1),
+                compile=task.compile,
+                offload=task.offload,
+            )
+        )
         # An emulated card's figure of a stage (autotune/emulation/card_search.py): the stage's allocations
         # replayed through the caching allocator; None: the meter's own reading.
         self.stage_figure = stage_figure
@@ -1255,6 +1266,9 @@ class PipelineTrials:
                 for index, held in zip(indices, not_held, strict=True):
                     stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0), held)
                     self.strategy.stage_built(stage.model)
+                    # --offload params: the stage's shards and, from their reduce-scatter on, its gradients'
+                    # are host memory (FSDP2's CPUOffloadPolicy, applied where fsdp shards the stage).
+                    offload_params_to_host(stage.model, self.task.offload, meter)
                     # DDP's buckets over the stage's replicas: what the mesh adds (ddp with D > 1).
                     recorder.classify(getattr(stage.model, "_autotune_ddp_buckets", ()), "collectives")
                     stage.flow.shapes = shapes

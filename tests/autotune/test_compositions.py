@@ -29,7 +29,6 @@ REFUSED = [
     Dimensions(world_size=4, cp=2, tp=2),
     Dimensions(world_size=2, cp=2, compile="default"),
     Dimensions(world_size=2, pp=2, compile="default"),
-    Dimensions(strategy="fsdp", world_size=4, pp=2, offload="params"),
     Dimensions(strategy="fsdp", world_size=1),
     Dimensions(strategy="fsdp", world_size=2, tp=2),
     Dimensions(offload="params"),
@@ -65,6 +64,7 @@ def test_each_rule_is_reached_by_a_job_and_names_both_of_its_flags() -> None:
         Dimensions(world_size=4, pp=2, tp=2),
         Dimensions(strategy="fsdp", world_size=4, pp=2, offload="none", compile=None),
         Dimensions(world_size=2, pp=2, offload="activations"),  # test_pipeline.py: against real ranks
+        Dimensions(strategy="fsdp", world_size=4, pp=2, offload="params"),  # test_pipeline_fsdp.py
         Dimensions(strategy="fsdp", world_size=2, offload="params", host_budget=True),
         Dimensions(world_size=2, optimizer="adamw8bit", optimizer_library="bitsandbytes"),
         Dimensions(quantize="nf4", lora=True, world_size=2),
@@ -141,10 +141,6 @@ def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
     [
         (["--world-size", "4", "--cp", "2", "--pp", "2"], "--cp 2 with --pp 2: "),
         (["--world-size", "2", "--pp", "2", "--compile"], "--pp 2 with --compile default: "),
-        (
-            ["--strategy", "fsdp", "--world-size", "4", "--pp", "2", "--offload", "params"],
-            "--pp 2 with --offload params: ",
-        ),
         (["--offload", "params"], "--offload params with --strategy ddp: "),
         (["--weights-dtype", "fp16", "--precision", "fp16"], "--weights-dtype fp16 with --precision fp16: "),
     ],

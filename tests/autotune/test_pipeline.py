@@ -347,11 +347,10 @@ def test_a_host_budget_decides_an_offloaded_pipeline_too(real_peaks: dict[str, l
     )
 
 
-def test_params_offload_under_a_pipeline_is_refused_in_one_line() -> None:
+def test_params_offload_over_a_pipelines_ddp_stages_is_refused_in_one_line() -> None:
+    """A task file's own --offload params over stages that are not sharded (test_pipeline_fsdp measures it over
+    fsdp)."""
     task = dataclasses.replace(llama_task(), offload="params")
-    said = (
-        "^--pp 2 with --offload params: FSDP2's CPUOffloadPolicy over a pipeline stage's shards is not measured yet; "
-        "--offload activations is$"
-    )
+    said = "^--offload params with --strategy ddp: it is FSDP2's CPUOffloadPolicy"
     with pytest.raises(AutotuneError, match=said):
         PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)

@@ -10,6 +10,7 @@ budget between them is the real one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from concurrent.futures import ProcessPoolExecutor
@@ -301,6 +302,57 @@ def test_interleaved_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_pat
         # the most loaded rank changes with m.
         assert real[0][str(m)] == real[1][str(m)] and real[2][str(m)] == real[3][str(m)], real
         assert stage_peaks[m] == [real[0][str(m)], real[2][str(m)]], m
+
+
+def _moved_by_params_offload(stage: int) -> int:
+    """What FSDP2's CPUOffloadPolicy takes off a dp rank's device at the stage's peak (in the backward, every unit
+    gathered and its gradients unsharded): the rank's half of the stage's weights and of AdamW's moments, and AdamW's
+    step counts (one per parameter, whole on each rank). Counted on the stage cut by hand from the model built the
+    ordinary way and stepped once by torch's own AdamW."""
+    model = worker.cut_to_stage(worker.TinyLlama(), stage, STAGES)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.step()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = [value for each in optimizer.state.values() for value in each.values()]
+    moments = sum(t.numel() * t.element_size() for t in state if t.dim() > 0)
+    steps = sum(t.numel() * t.element_size() for t in state if t.dim() == 0)
+    return (weights + moments) // (WORLD // STAGES) + steps
+
+
+def test_params_offload_over_a_pipelines_fsdp_moves_each_stages_shards_and_state_to_the_host() -> None:
+    """--pp 2 --strategy fsdp --world-size 4 --offload params: each stage's fully_shard takes FSDP2's CPUOffloadPolicy,
+    as a whole model's does. At every size each stage's device peak is the plain stage's less exactly its rank's
+    weight and moment shards and step counts (_moved_by_params_offload); the host holds those, the gradient shards
+    and the CPU step's own, the same at every size; the receive buffers stay on the device through the step. The
+    estimate's fake trials read the same."""
+    found = {}
+    for offload, meter in (
+        ("none", CpuMeter(UNBOUNDED)),
+        ("params", CpuMeter(UNBOUNDED)),
+        ("fake", FakeMeter(UNBOUNDED)),
+    ):
+        task = dataclasses.replace(llama_task(), offload="none" if offload == "none" else "params")
+        strategy = ShardedStage(WORLD, STAGES)
+        with strategy.process_group(torch.device("cpu")):
+            trials = PipelineTrials(
+                task, meter, limit_bytes=UNBOUNDED, stages=STAGES, schedule="1f1b", microbatches=K, strategy=strategy
+            )
+            found[offload] = {m: (trials(m), list(trials.stage_peaks[m]), dict(trials.stage_host_peaks)) for m in SIZES}
+    print({offload: {m: (peaks, hosts) for m, (_, peaks, hosts) in by_m.items()} for offload, by_m in found.items()})
+    # The estimate's fake trials (the CPU's semantics) hold what the real ones do, on the device and on the host.
+    assert {m: found["fake"][m][1:] for m in SIZES} == {m: found["params"][m][1:] for m in SIZES}
+    for m in SIZES:
+        plain, offloaded = found["none"][m], found["params"][m]
+        for stage in range(STAGES):
+            assert plain[1][stage] - offloaded[1][stage] == _moved_by_params_offload(stage), (m, stage)
+        # Host: the same at every size, more than what left the device (the gradient shards, the step's own).
+        assert offloaded[2] == found["params"][SIZES[0]][2]
+        assert all(offloaded[2][stage] > _moved_by_params_offload(stage) for stage in range(STAGES))
+        assert offloaded[0].host_peak_bytes == max(offloaded[2].values())
+        # The step ran on the host: on the device only stage 0's receive buffers for the gradients are left.
+        assert offloaded[0].step_bytes == K * m * worker.SEQ_LEN * worker.DIM * 4
 
 
 def test_what_is_not_measured_over_fsdp_is_refused_in_one_line() -> None:
