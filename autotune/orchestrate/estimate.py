@@ -28,15 +28,16 @@ import torch
 from autotune.core import units
 from autotune.core.errors import AutotuneError
 from autotune.core.schemas import Device, MemoryBreakdown, Profile, Trial
+from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import frozen_heap
 from autotune.orchestrate.breakdowns import chosen_breakdowns
 from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card, estimate_on_card_lengths
-from autotune.orchestrate.config import DeviceKind, EstimateConfig
+from autotune.orchestrate.config import DeviceKind, EstimateConfig, ProbeConfig
 from autotune.orchestrate.estimated import estimated_profile
 from autotune.search.boundary import NoFitError
 from autotune.search.diagnose import no_fit_error
-from autotune.search.presearch import FakeTrials, fake_search
+from autotune.search.presearch import FakeSearch, FakeTrials, fake_search
 from autotune.tasks.optimizers import eager_step_note, refuse_compiled_step
 from autotune.tasks.task import ProbeTask
 
@@ -114,7 +115,8 @@ def estimate(
         return _estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
     strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
     no_fit: NoFitError | None = None
-    # The fake trials' peaks broken down (autotune/measure/breakdown.py); not on a run's shared fake model.
+    # The fake trials' peaks broken down (autotune/measure/breakdown.py); a run's shared fake model (a run over
+    # lengths) records none: its sizes are broken down on a model of their own below.
     breakdowns: dict[int, MemoryBreakdown] | None = {} if setup.breakdown and fakes is None else None
     # A shared fake model lives in its caller's process group; a model of its own needs one.
     group = nullcontext() if fakes is not None else strategy.process_group(torch.device(device_type))
@@ -146,6 +148,8 @@ def estimate(
         error = no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
         raise with_cheapest_lever(error, task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
     warnings.extend(found.warnings)
+    if setup.breakdown and fakes is not None:  # a run over lengths: this length's own datasheet
+        breakdowns = _broken_down(task, found, setup, strategy, device_type, device_name, limit_bytes)
     breakdown = chosen_breakdowns(breakdowns, task, setup, found.max_micro_batch, device_type, warnings)
     levers = None
     if setup.levers:  # what each change of the setup would buy (autotune/orchestrate/levers.py)
@@ -173,6 +177,33 @@ def estimate(
         breakdown=breakdown,
         levers=levers,
     )
+
+
+def _broken_down(
+    task: ProbeTask,
+    found: FakeSearch,
+    setup: ProbeConfig,
+    strategy: Strategy,
+    device_type: str,
+    device_name: str,
+    limit_bytes: int,
+) -> dict[int, MemoryBreakdown]:
+    """The fake trials at m_max and the next size broken down on a fake model of their own, as one estimate's are
+    (inside the caller's process group). A run over lengths shares one fake model between its lengths, its lanes
+    run trials in other processes, and a trial run again on that shared model after the run's last one at another
+    setup did not always read what the first did: a model of its own reads what the length's own trials read."""
+    ran = {trial.micro_batch for trial in found.trials if trial.fake}
+    sizes = [m for m in (found.max_micro_batch, found.max_micro_batch + setup.multiple_of) if m in ran]
+    recorded: dict[int, MemoryBreakdown] = {}
+    own = FakeTrials(task, device_type=device_type, strategy=strategy, device_name=device_name)
+    own.runner.breakdowns = recorded
+    try:
+        assert setup.budget_bytes is not None
+        for size in sizes:
+            own.run_here(task, size, budget_bytes=setup.budget_bytes, limit_bytes=limit_bytes)
+    finally:
+        own.close()
+    return recorded
 
 
 def _estimate_pipeline(

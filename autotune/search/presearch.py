@@ -118,6 +118,11 @@ class FakeTrials:
             return ready
         return self._run_here(task, point)
 
+    def run_here(self, task: ProbeTask, micro_batch: int, *, budget_bytes: int, limit_bytes: int) -> Trial:
+        """The fake trial at micro_batch run in this process, never a lane's."""
+        trial, _ = self._run_here(task, Point(task.seq_len or 0, micro_batch, budget_bytes, limit_bytes))
+        return trial
+
     def _run_here(self, task: ProbeTask, point: Point) -> tuple[Trial, list[int] | None]:
         self.runner.task = task
         self.runner.limit_bytes = point.limit_bytes

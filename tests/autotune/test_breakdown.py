@@ -369,6 +369,29 @@ def test_an_estimate_breaks_down_its_own_fake_trials(tmp_path: Path) -> None:
     assert [b.fits for b in profile.breakdown] == [True, False]
 
 
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_an_estimate_over_lengths_breaks_down_each_lengths_own_trials(
+    workers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`autotune estimate --seq-len 8,16`: each length's datasheet has the breakdown of its m_max and the next size,
+    summing to that length's own fake trials, with the lanes or without (a size a lane ran is run here again)."""
+    where = write_config(tmp_path, "llama")
+    output = tmp_path / "lengths.json"
+    argv = ["estimate", f"hf:{where}", "--device-kind", "cpu", "--budget", "1MB", "--headroom", "0"]
+    code = main([*argv, "--seq-len", "8,16", "--max-seq-len", "16", "--workers", workers, "--output", str(output)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    stored = json.loads(output.read_text())
+    assert [p["seq_len"] for p in stored] == [8, 16]
+    for profile in stored:
+        fake = {t["micro_batch"]: t["peak_bytes"] for t in profile["trials"] if t["fake"]}
+        m_max = profile["max_micro_batch"]
+        at_max, above = profile["breakdown"]
+        assert (at_max["micro_batch"], at_max["fits"], at_max["peak_bytes"]) == (m_max, True, fake[m_max])
+        # The next size's trial stopped at the budget (its figure is where it stopped): its parts are up to there.
+        assert (above["micro_batch"], above["fits"]) == (m_max + 1, False) and above["peak_bytes"] > 1_000_000
+        assert all(sum(b["parts"].values()) == b["peak_bytes"] for b in profile["breakdown"])
+
+
 def test_a_cards_parts_add_the_reserve_and_the_outside_bytes() -> None:
     from autotune.measure.breakdown import with_card_parts
 
