@@ -149,7 +149,8 @@ def estimate(
         raise with_cheapest_lever(error, task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
     warnings.extend(found.warnings)
     if setup.breakdown and fakes is not None:  # a run over lengths: this length's own datasheet
-        breakdowns = _broken_down(task, found, setup, strategy, device_type, device_name, limit_bytes)
+        # The strategy whose process group the caller holds (a mesh's: its device mesh is that group's).
+        breakdowns = _broken_down(task, found, setup, fakes.runner.strategy, device_type, device_name, limit_bytes)
     breakdown = chosen_breakdowns(breakdowns, task, setup, found.max_micro_batch, device_type, warnings)
     levers = None
     if setup.levers:  # what each change of the setup would buy (autotune/orchestrate/levers.py)
@@ -189,9 +190,9 @@ def _broken_down(
     limit_bytes: int,
 ) -> dict[int, MemoryBreakdown]:
     """The fake trials at m_max and the next size broken down on a fake model of their own, as one estimate's are
-    (inside the caller's process group). A run over lengths shares one fake model between its lengths, its lanes
-    run trials in other processes, and a trial run again on that shared model after the run's last one at another
-    setup did not always read what the first did: a model of its own reads what the length's own trials read."""
+    (inside the caller's process group, of ``strategy``). A run over lengths shares one fake model between its lengths,
+    its lanes run trials in other processes, and a trial run again on that shared model after the run's last one at
+    another setup did not always read what the first did: a model of its own reads what the length's own trials read."""
     ran = {trial.micro_batch for trial in found.trials if trial.fake}
     sizes = [m for m in (found.max_micro_batch, found.max_micro_batch + setup.multiple_of) if m in ran]
     recorded: dict[int, MemoryBreakdown] = {}
