@@ -370,13 +370,13 @@ def test_an_estimate_breaks_down_its_own_fake_trials(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("workers", "mesh"), [("0", []), ("1", []), ("0", ["--world-size", "2", "--tp", "2"])], ids=["here", "lanes", "tp"]
+    ("workers", "mesh"), [("0", []), ("1", ["--world-size", "2", "--tp", "2"])], ids=["here", "tp"]
 )
 def test_an_estimate_over_lengths_breaks_down_each_lengths_own_trials(
     workers: str, mesh: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`autotune estimate --seq-len 8,16`: each length's datasheet has the breakdown of its m_max and the next size,
-    summing to that length's own fake trials, with the lanes or without, and under a mesh (in the run's group)."""
+    summing to that length's own fake trials: without lanes, and with a lane under a mesh (run in the run's group)."""
     where = write_config(tmp_path, "llama")
     output = tmp_path / "lengths.json"
     argv = ["estimate", f"hf:{where}", "--device-kind", "cpu", "--budget", "1MB", "--headroom", "0", *mesh]
