@@ -87,7 +87,7 @@ def _fence(group: Any) -> None:
 
 
 class collectives_in_order(TorchDispatchMode):  # noqa: N801 (used as a context manager, named as one)
-    """Each collective waited at once and followed by a barrier on its group (the module's docstring says why)."""
+    """Each collective waited at once, then its group fenced by _fence (the module's docstring says why)."""
 
     def __torch_dispatch__(
         self, func: Any, types: tuple[type, ...], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
