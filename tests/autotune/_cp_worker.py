@@ -179,15 +179,14 @@ def _run(
     _count_every_thread()
     install_cpu_flash_attention()
     set_rotate_method(rotation)
-    with one_thread_groups():
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    one_thread_groups()  # every gloo group this rank makes: one worker thread
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
-        with one_thread_groups():
-            if tp > 1:  # tp innermost, as torchtitan lays out its mesh
-                mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
-            else:
-                mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+        if tp > 1:  # tp innermost, as torchtitan lays out its mesh
+            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
         _peak_bytes(mesh, config, seq_len, 1, inner)  # the first step's one-time allocations
         peaks = {str(m): _every_rank(_peak_bytes(mesh, config, seq_len, m, inner)) for m in sizes}
         if rank == 0:

@@ -117,13 +117,12 @@ def run(
         pp_models.count_every_thread()
         from torch.distributed.device_mesh import init_device_mesh
 
-        with one_thread_groups():
-            dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+        one_thread_groups()  # every gloo group this rank makes: one worker thread
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
         try:
             torch.manual_seed(rank)
-            with one_thread_groups():
-                tp_mesh = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
-                pp_mesh = init_device_mesh("cpu", (PP, world_size // PP), mesh_dim_names=("pp", "dp"))
+            tp_mesh = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
+            pp_mesh = init_device_mesh("cpu", (PP, world_size // PP), mesh_dim_names=("pp", "dp"))
             buckets: dict[str, int] = {}
             every: dict[str, list[int]] = {}
 

@@ -159,12 +159,11 @@ def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[
     (fused AdamW after foreach=false under fsdp: +35,968 bytes at m=3)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with one_thread_groups():
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    one_thread_groups()  # every gloo group this rank makes: one worker thread
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
-        with one_thread_groups():
-            mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh("cpu", (world_size,))
         # A script imports its libraries before it trains: bitsandbytes' import makes two 64-byte code tables
         # (nf4, fp4) that live as long as the process, and an import inside the profile would count them.
         _optimizer(job)([nn.Parameter(torch.zeros(1))])

@@ -43,15 +43,14 @@ def run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: 
 def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, micro_batch: int, limit_bytes: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    with one_thread_groups():
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    one_thread_groups()  # every gloo group this rank makes: one worker thread
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     # Each collective waited and fenced as it is issued: gloo lets go of its buffers before the rank goes on
     # (tests/autotune/_ordered_gloo.py says why).
     with contextlib.ExitStack() as stack:
         stack.callback(dist.destroy_process_group)
         torch.manual_seed(0)
-        with one_thread_groups():
-            mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh("cpu", (world_size,))
         stack.enter_context(collectives_in_order())
         strategy = Sharded(world_size, mesh=mesh)
         meter = CpuMeter(UNBOUNDED_BYTES)

@@ -9,8 +9,8 @@ after the main thread's next allocations was the scheduler's choice. The truths 
 most loaded rank read at or below the probe's figure; a test that can fail one run in N is a defect.
 
 What this does, without changing what the job allocates or when it lets go of anything:
-- ``one_thread_groups()``: every gloo group made inside it (the world and each device-mesh dimension's) has one
-  worker thread (gloo's own ``threads`` option, 2 by default);
+- ``one_thread_groups()``: every gloo group the rank makes after it (the world and each device-mesh dimension's) has
+  one worker thread (gloo's own ``threads`` option, 2 by default);
 - ``collectives_in_order()``: a dispatch mode that waits on each collective as it is issued, then fences its group:
   a one-element all-reduce on the group's backend, which runs on that group's only worker thread after the
   collective's loop has ended, so when it completes gloo holds none of the collective's tensors: each is freed where
@@ -30,8 +30,6 @@ with FSDP2: 502,972 every run (the old way: 503,220 once in 16).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -58,14 +56,10 @@ class _OneThreadGloo(_Gloo):  # type: ignore[misc]
         super().__init__(store, rank, size, options)
 
 
-@contextlib.contextmanager
-def one_thread_groups() -> Iterator[None]:
-    """Every gloo group made inside has one worker thread (distributed_c10d builds gloo through this name)."""
+def one_thread_groups() -> None:
+    """Every gloo group this process makes from now on has one worker thread (distributed_c10d builds gloo through
+    this name). For a rank's own process: a truth's ranks make no group of another kind."""
     c10d.ProcessGroupGloo = _OneThreadGloo  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        c10d.ProcessGroupGloo = _Gloo  # type: ignore[misc]
 
 
 def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:

@@ -264,16 +264,15 @@ def run(
 
         _fsdp_collectives.DefaultAllGather.__call__ = _in_place_all_gather  # type: ignore[method-assign,assignment]
 
-        with one_thread_groups():
-            dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+        one_thread_groups()  # every gloo group this rank makes: one worker thread
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
         try:
             torch.manual_seed(rank)
-            with one_thread_groups():
-                if tp > 1:  # pp x dp x tp, the tiny Llama's blocks tensor-parallel over tp
-                    shape = (stages, world_size // (stages * tp), tp)
-                    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
-                else:
-                    mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
+            if tp > 1:  # pp x dp x tp, the tiny Llama's blocks tensor-parallel over tp
+                shape = (stages, world_size // (stages * tp), tp)
+                mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+            else:
+                mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
             _peak_bytes(mesh, k, 1, schedule_name, sequence_parallel)  # the first step's one-time allocations
             runs = {
                 m: [_peak_bytes(mesh, k, m, schedule_name, sequence_parallel) for _ in range(runs_per_size)]

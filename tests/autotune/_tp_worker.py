@@ -285,12 +285,11 @@ def _run(
     from torch.distributed.device_mesh import init_device_mesh
 
     _count_every_thread()
-    with one_thread_groups():
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    one_thread_groups()  # every gloo group this rank makes: one worker thread
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
-        with one_thread_groups():
-            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         _peak_bytes(mesh, config, 1)  # the first step's one-time allocations (peft's, DTensor's caches: 144 bytes)
         peaks = {}
         for m in sizes:
