@@ -104,8 +104,6 @@ def test_tp2_m_max_agrees_with_the_most_loaded_of_the_real_ranks(
     _agrees_with_the_real_ranks(tmp_path, strategy, world_size, budget, plan=None)
 
 
-@pytest.mark.filterwarnings("ignore:.*does not implement _stable_hash_for_caching:UserWarning")
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_torchaos_adamw4bit_under_tp_agrees_with_the_real_ranks(tmp_path: Path) -> None:
     """torchao's AdamW4bit stepping tp's DTensor shards (its step compiled per parameter on each rank); the estimate's
     fake trials (torchao's step run eagerly) answer the same m_max."""

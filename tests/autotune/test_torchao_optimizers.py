@@ -28,13 +28,6 @@ from tests.autotune._allocator_truth import allocator_peak_bytes
 from tests.autotune._tasks import linear_task
 
 pytest.importorskip("torchao")
-# Warnings a job sees once while inductor compiles torchao's step (its state subclasses have no stable hash for AOT
-# autograd's cache; a module inductor imports uses torch.jit.script_method): under the suite's warnings-as-errors
-# the compile would fail.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*does not implement _stable_hash_for_caching:UserWarning"),
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-]
 
 MiB = 1 << 20
 # Matrices of 4,096 elements and more get 4-bit states (torchao's rule, bitsandbytes' threshold); the step is
