@@ -127,6 +127,17 @@ def _fake_peak(task: ProbeTask, config: ProbeConfig, micro_batch: int, device_ty
     return fake_trial(task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=MAX_BYTES).peak_bytes
 
 
+def _peak_among(found: Profile, micro_batch: int, config: ProbeConfig, device_type: str) -> int | None:
+    """The whole peak at micro_batch where the changed setup's estimate already ran it (a fake trial on the CPU that
+    fit: an OOM stops at the budget, short of the peak); None where it did not (a pipeline's trials are its stages')."""
+    if device_type != "cpu" or config.mesh.pp > 1:
+        return None
+    for trial in found.trials:
+        if trial.fake and trial.micro_batch == micro_batch and trial.fits and not trial.oom:
+            return trial.peak_bytes
+    return None
+
+
 def _refusal(change: _Change) -> str | None:
     assert change.task is not None and change.config is not None
     return composition_refusal(change.config.dimensions(change.task))
@@ -185,11 +196,13 @@ def _pull(
         setup = change.config.with_setup(breakdown=False, levers=False, target_batch=None)
         try:
             changed = setup.applied_to(change.task)
-            peak = _fake_peak(changed, setup, at_micro_batch, device_type)
             try:
-                m_max = estimate(change.task, EstimateConfig(probe=setup, device_kind="cpu")).max_micro_batch
+                found = estimate(change.task, EstimateConfig(probe=setup, device_kind="cpu"))
+                m_max, peak = found.max_micro_batch, _peak_among(found, at_micro_batch, setup, device_type)
             except CannotFitError:
-                m_max = 0
+                m_max, peak = 0, None
+            if peak is None:
+                peak = _fake_peak(changed, setup, at_micro_batch, device_type)
         except (AutotuneError, ValueError, RuntimeError) as exc:  # a change the model refuses: said, not raised
             left_out.append(Lever(flags=change.flags, at_micro_batch=at_micro_batch, note=_first_line(exc)))
             continue

@@ -20,7 +20,7 @@ from autotune.cli.report import lever_lines
 from autotune.core.schemas import Profile
 from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.estimate import estimate
-from autotune.orchestrate.levers import _changes, pull_levers
+from autotune.orchestrate.levers import _changes, _fake_peak, pull_levers
 from autotune.orchestrate.probe import probe
 from autotune.tasks.hf import hf_task
 from tests.autotune._hf_configs import write_config
@@ -78,6 +78,10 @@ def test_a_levers_m_max_is_a_probe_of_the_changed_setup(estimated: Estimated) ->
     )
     eight_bit = dataclasses.replace(task, optimizer="adamw8bit")
     assert levers["--optimizer adamw8bit"]["max_micro_batch"] == probe(eight_bit, config).max_micro_batch
+    # A lever's peak at m_max is read off its estimate's own fake trial there: the whole peak, as a fake trial of the
+    # changed setup without a budget gives it.
+    full = config.with_setup(activation_checkpointing="full")
+    assert levers["--ac full"]["peak_bytes"] == _fake_peak(full.applied_to(task), full, m_max, "cpu")
     # Every lever that ran frees something at m_max and so fits at least m_max; best first.
     ran = [lever for lever in pulled if lever["peak_bytes"] is not None]
     assert all(lever["freed_bytes"] is not None and lever["freed_bytes"] > 0 for lever in ran)
