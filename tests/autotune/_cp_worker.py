@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups, warmed_up
 
 
 def run(
@@ -187,7 +188,7 @@ def _run(
             mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
         else:
             mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-        _peak_bytes(mesh, config, seq_len, 1, inner)  # the first step's one-time allocations
+        warmed_up(functools.partial(_steps, mesh, config, seq_len, 1, inner))
         peaks = {str(m): _every_rank(_peak_bytes(mesh, config, seq_len, m, inner)) for m in sizes}
         if rank == 0:
             Path(out_dir, "peaks.json").write_text(json.dumps(peaks))

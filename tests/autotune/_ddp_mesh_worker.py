@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.autotune import _pipeline_fsdp_worker as tp_models
 from tests.autotune import _pipeline_worker as pp_models
-from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups, warmed_up
 
 TP, PP = 2, 2
 
@@ -134,8 +134,8 @@ def run(
                 return pp_models.profiled_peak_bytes(ordered)
 
             # The first step's one-time allocations, each job's.
-            peak_bytes(functools.partial(_tp_steps, tp_mesh, tp_sizes[0], buckets))
-            peak_bytes(functools.partial(_pp_steps, pp_mesh, pp_sizes[0], microbatches, buckets))
+            warmed_up(functools.partial(_tp_steps, tp_mesh, tp_sizes[0], buckets))
+            warmed_up(functools.partial(_pp_steps, pp_mesh, pp_sizes[0], microbatches, buckets))
             for m in tp_sizes:
                 tp_job = functools.partial(_tp_steps, tp_mesh, m, buckets)
                 every[f"tp/{m}"] = [peak_bytes(tp_job) for _ in range(runs)]

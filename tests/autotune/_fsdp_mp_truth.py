@@ -34,6 +34,7 @@ counts it. rank{N}.runs.json keeps the run.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -51,7 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import _disable_current_modes
 
 from examples import gpt
-from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups, warmed_up
 from tests.autotune._ordinary_checkpointing import checkpointed
 from tests.autotune._ordinary_optimizers import DEFAULT, ORDINARY
 
@@ -167,7 +168,7 @@ def _run(rank: int, world_size: int, rendezvous: str, out_dir: str, sizes: list[
         # A script imports its libraries before it trains: bitsandbytes' import makes two 64-byte code tables
         # (nf4, fp4) that live as long as the process, and an import inside the profile would count them.
         _optimizer(job)([nn.Parameter(torch.zeros(1))])
-        _peak_bytes(mesh, 1, job)  # the first step's one-time allocations (torchao compiles its step)
+        warmed_up(functools.partial(_steps, mesh, 1, job))  # torchao compiles its step here
         peaks = {str(m): _peak_bytes(mesh, m, job) for m in sizes}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(peaks))
         Path(out_dir, f"rank{rank}.runs.json").write_text(json.dumps({m: [peak] for m, peak in peaks.items()}))

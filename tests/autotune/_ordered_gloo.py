@@ -30,6 +30,7 @@ with FSDP2: 502,972 every run (the old way: 503,220 once in 16).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -104,3 +105,12 @@ class collectives_in_order(TorchDispatchMode):  # noqa: N801 (used as a context 
                 torch.ops._c10d_functional.wait_tensor(tensor)
             _fence(c10d._resolve_process_group(_argument(func, args, kwargs, "group_name")))
         return out
+
+
+def warmed_up(steps: Callable[[], None]) -> None:
+    """The job run once before it is measured, collectives in order as in the measured runs, without the profiler (whose
+    recording of every op and allocation is most of a tiny job's time): the first step's one-time allocations (peft's
+    and DTensor's caches, torchao's compiled step, a pipeline's schedule) are made here, not in the first measured
+    run."""
+    with collectives_in_order():
+        steps()

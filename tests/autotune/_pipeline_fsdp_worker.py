@@ -22,6 +22,7 @@ own with its own optimizer (torchtitan's model parts)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import traceback
@@ -35,7 +36,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups, warmed_up
 from tests.autotune._pipeline_worker import (
     DIM,
     HEADS,
@@ -273,7 +274,7 @@ def run(
                 mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
             else:
                 mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
-            _peak_bytes(mesh, k, 1, schedule_name, sequence_parallel)  # the first step's one-time allocations
+            warmed_up(functools.partial(_steps, mesh, k, 1, schedule_name, sequence_parallel))
             runs = {
                 m: [_peak_bytes(mesh, k, m, schedule_name, sequence_parallel) for _ in range(runs_per_size)]
                 for m in sizes

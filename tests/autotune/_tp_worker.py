@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import _disable_current_modes
 
-from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups
+from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups, warmed_up
 
 SEQ_LEN = 16
 
@@ -290,7 +291,7 @@ def _run(
     try:
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-        _peak_bytes(mesh, config, 1)  # the first step's one-time allocations (peft's, DTensor's caches: 144 bytes)
+        warmed_up(functools.partial(_steps, mesh, config, 1))  # peft's, DTensor's caches: 144 bytes
         peaks = {}
         for m in sizes:
             most = torch.tensor([_peak_bytes(mesh, config, m)])
