@@ -33,6 +33,17 @@ _PRELOAD = [
     "autotune.measure.trial",
     "autotune.measure.strategies",
     "autotune.cli",
+    # What the truths' models and the CLI's hf: tasks import on first use, 0.5-2 s each in every rank and every
+    # forked command (measured over the lines above): transformers' lazy model modules, peft (which imports
+    # bitsandbytes' and torchao's kinds), inductor and the low-bit optimizers.
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "peft",
+    "bitsandbytes",
+    "torchao.optim",
+    "torch._inductor.compile_fx",
+    "autotune.orchestrate.probe",
+    "autotune.orchestrate.estimate",
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
