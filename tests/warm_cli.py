@@ -102,10 +102,14 @@ def run(
     text: bool = False,
     check: bool = False,
 ) -> subprocess.CompletedProcess[Any]:
-    """``subprocess.run(command, ...)`` with the same keywords the tests use; an autotune command forked warm."""
+    """``subprocess.run(command, ...)`` with the same keywords the tests use; an autotune command forked warm (in a
+    bash script too: :func:`_shim_folder`)."""
     arguments = autotune_arguments(command)
     piped = capture_output or (stdout == subprocess.PIPE and stderr in (subprocess.PIPE, subprocess.STDOUT))
     if arguments is None or not piped:
+        if command and Path(str(command[0])).name == "bash":
+            base = dict(os.environ if env is None else env)
+            env = {**base, "PATH": f"{_shim_folder()}{os.pathsep}{base.get('PATH', '')}"}
         kwargs: dict[str, Any] = {"cwd": cwd, "env": env, "timeout": timeout, "text": text, "check": check}
         if capture_output:
             kwargs["capture_output"] = True
@@ -137,3 +141,74 @@ def run(
     if check:
         done.check_returncode()
     return done
+
+
+# A documented bash script runs in bash as written; the ``autotune`` its PATH finds first is this shim, which hands
+# its arguments, folder and environment to the test process (a thread serving a Unix socket) and prints what the
+# command forked warm there printed, exiting with its status. The shim is a Python without site (-S: stdlib only,
+# 20 ms), where the console script is a fresh interpreter importing torch (4-6 s a command).
+_SHIM = """#!{python} -S
+import base64, json, os, socket, sys
+connection = socket.socket(socket.AF_UNIX)
+connection.connect({address!r})
+asked = {{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}
+connection.sendall(json.dumps(asked).encode() + b"\\n")
+reply = b""
+while chunk := connection.recv(1 << 16):
+    reply += chunk
+done = json.loads(reply)
+sys.stdout.buffer.write(base64.b64decode(done["stdout"]))
+sys.stderr.buffer.write(base64.b64decode(done["stderr"]))
+sys.exit(done["code"])
+"""
+_SHIM_SECONDS = 900.0  # a command's limit in the shim's server (the test's own timeout kills bash first)
+_shim: list[str] = []  # the shim's folder, once a process
+
+
+def _shim_folder() -> str:
+    """The folder of this process's ``autotune`` shim, its socket served by a daemon thread (made on first use)."""
+    if _shim:
+        return _shim[0]
+    import socket
+    import threading
+
+    folder = tempfile.mkdtemp(prefix="autotune-shim-")
+    address = str(Path(folder, "cli.sock"))
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(address)
+    server.listen()
+    script = Path(folder, "autotune")
+    script.write_text(_SHIM.format(python=sys.executable, address=address))
+    script.chmod(0o755)
+
+    def serve(connection: socket.socket) -> None:
+        import base64
+        import json
+
+        with connection:
+            asked = b""
+            while not asked.endswith(b"\n"):
+                chunk = connection.recv(1 << 16)
+                if not chunk:
+                    return
+                asked += chunk
+            request = json.loads(asked)
+            done = run(
+                ["autotune", *request["argv"]], cwd=request["cwd"], env=request["env"], capture_output=True,
+                timeout=_SHIM_SECONDS,
+            )  # fmt: skip
+            reply = {
+                "code": done.returncode,
+                "stdout": base64.b64encode(done.stdout).decode(),
+                "stderr": base64.b64encode(done.stderr).decode(),
+            }
+            connection.sendall(json.dumps(reply).encode())
+
+    def accept() -> None:
+        while True:
+            connection, _ = server.accept()
+            threading.Thread(target=serve, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    _shim.append(folder)
+    return folder
