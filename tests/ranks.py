@@ -44,6 +44,7 @@ _PRELOAD = [
     "torch._inductor.compile_fx",
     "autotune.orchestrate.probe",
     "autotune.orchestrate.estimate",
+    "tests._forkserver_heap",  # last: freezes what the lines above imported
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
