@@ -2,10 +2,11 @@
 
 torch's logging (``W1204 ... _pytree.py:630] ... Enum subclass ...``), Kineto's profiler lines
 (``USDT:... SyncActivityProfilerHandler.cpp ... profiler_start``, the compiled meter reads the allocator through the
-profiler), c10's C++ warnings, and the "Failed to load ..." lines torchao and bitsandbytes log on import say nothing
-about the job. ``autotune`` run from a terminal quiets them (``autotune -v`` keeps them); the processes it starts
-(fake lanes' workers, the emulated card's child, real-process ranks) inherit the environment and quiet their own
-Python loggers (:func:`quiet_if_asked`). A variable the user set stays as set.
+profiler), c10's C++ warnings, the libraries' Python warnings about themselves (torch's AOT autograd cache on
+torchao's states) and the "Failed to load ..." lines torchao and bitsandbytes log on import say nothing about the job.
+``autotune`` run from a terminal quiets them (``autotune -v`` keeps them); the processes it starts (fake lanes'
+workers, the emulated card's child, real-process ranks) inherit the environment and quiet their own Python loggers and
+warnings (:func:`quiet_if_asked`). A variable the user set stays as set.
 
 Torch-free: the environment must be set before torch is imported.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,6 +26,8 @@ __all__ = ["QUIET_VARIABLE", "quiet_if_asked", "quiet_library_logs", "quiet_nati
 QUIET_VARIABLE = "AUTOTUNE_LIBRARY_LOGS"
 # Python loggers of the libraries whose import or use logs warnings about themselves, not about the job.
 _LOGGERS = ("torch", "torchao", "bitsandbytes", "transformers", "accelerate", "peft", "lightning")
+# The modules of those libraries, for the warnings filter (matched from the start of a warning's module name).
+_LIBRARY_MODULES = rf"({'|'.join(_LOGGERS)})(\.|$)"
 _ENVIRONMENT = {
     "TORCH_LOGS": "-all",  # torch's own logging (dynamo, inductor, the pytree registry) below ERROR
     "KINETO_LOG_LEVEL": "4",  # the profiler's C++ lines (USDT, SyncActivityProfilerHandler): errors only
@@ -41,6 +45,10 @@ def quiet_library_logs() -> None:
             os.environ[name] = value
     for name in _LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    # Their Python warnings too (torch's AOT autograd cache on torchao's OptimState4bit: "does not implement
+    # _stable_hash_for_caching"): those raised in their own modules, not those they raise on a caller's behalf
+    # (attributed to the caller's module: the task's code, autotune's).
+    warnings.filterwarnings("ignore", module=_LIBRARY_MODULES)
 
 
 def quiet_if_asked() -> None:
