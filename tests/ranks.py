@@ -42,8 +42,6 @@ _PRELOAD = [
     "bitsandbytes",
     "torchao.optim",
     "torch._inductor.compile_fx",
-    "autotune.orchestrate.probe",
-    "autotune.orchestrate.estimate",
     "tests._forkserver_heap",  # last: freezes what the lines above imported
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)

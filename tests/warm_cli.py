@@ -17,6 +17,7 @@ itself (its start, its imports, its signals) runs ``subprocess`` directly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import signal
@@ -162,13 +163,11 @@ sys.stderr.buffer.write(base64.b64decode(done["stderr"]))
 sys.exit(done["code"])
 """
 _SHIM_SECONDS = 900.0  # a command's limit in the shim's server (the test's own timeout kills bash first)
-_shim: list[str] = []  # the shim's folder, once a process
 
 
+@functools.cache
 def _shim_folder() -> str:
     """The folder of this process's ``autotune`` shim, its socket served by a daemon thread (made on first use)."""
-    if _shim:
-        return _shim[0]
     import socket
     import threading
 
@@ -193,10 +192,12 @@ def _shim_folder() -> str:
                     return
                 asked += chunk
             request = json.loads(asked)
-            done = run(
-                ["autotune", *request["argv"]], cwd=request["cwd"], env=request["env"], capture_output=True,
-                timeout=_SHIM_SECONDS,
-            )  # fmt: skip
+            command = ["autotune", *request["argv"]]
+            try:
+                done = run(command, cwd=request["cwd"], env=request["env"], capture_output=True, timeout=_SHIM_SECONDS)
+            except subprocess.TimeoutExpired:  # said by the shim, as a timeout's status, not as its broken reply
+                said = f"autotune shim: timed out after {_SHIM_SECONDS} s\n".encode()
+                done = subprocess.CompletedProcess(command, 124, b"", said)
             reply = {
                 "code": done.returncode,
                 "stdout": base64.b64encode(done.stdout).decode(),
@@ -210,5 +211,4 @@ def _shim_folder() -> str:
             threading.Thread(target=serve, args=(connection,), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    _shim.append(folder)
     return folder

@@ -133,7 +133,7 @@ def _peak_among(found: Profile, micro_batch: int, config: ProbeConfig, device_ty
     if device_type != "cpu" or config.mesh.pp > 1:
         return None
     for trial in found.trials:
-        if trial.fake and trial.micro_batch == micro_batch and trial.fits and not trial.oom:
+        if trial.fake and trial.micro_batch == micro_batch and trial.fits:
             return trial.peak_bytes
     return None
 
@@ -195,14 +195,13 @@ def _pull(
             continue
         setup = change.config.with_setup(breakdown=False, levers=False, target_batch=None)
         try:
-            changed = setup.applied_to(change.task)
             try:
                 found = estimate(change.task, EstimateConfig(probe=setup, device_kind="cpu"))
                 m_max, peak = found.max_micro_batch, _peak_among(found, at_micro_batch, setup, device_type)
             except CannotFitError:
                 m_max, peak = 0, None
             if peak is None:
-                peak = _fake_peak(changed, setup, at_micro_batch, device_type)
+                peak = _fake_peak(setup.applied_to(change.task), setup, at_micro_batch, device_type)
         except (AutotuneError, ValueError, RuntimeError) as exc:  # a change the model refuses: said, not raised
             left_out.append(Lever(flags=change.flags, at_micro_batch=at_micro_batch, note=_first_line(exc)))
             continue

@@ -356,16 +356,11 @@ def _fake_inputs(args: Any, kwargs: Any) -> list[FakeTensor]:
     goes to it still."""
     found: list[FakeTensor] = []
     for item in (*args, *kwargs.values()):
-        if isinstance(item, FakeTensor):
-            found.append(item)
-        elif isinstance(item, list | tuple):
-            for inner in item:
-                if isinstance(inner, FakeTensor):
-                    found.append(inner)
-                elif isinstance(inner, list | tuple | dict):
-                    return [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, FakeTensor)]
-        elif isinstance(item, dict):
-            return [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, FakeTensor)]
+        for leaf in item if isinstance(item, list | tuple) else (item,):
+            if isinstance(leaf, FakeTensor):
+                found.append(leaf)
+            elif isinstance(leaf, list | tuple | dict):  # deeper than one level
+                return [deep for deep in tree_flatten((args, kwargs))[0] if isinstance(deep, FakeTensor)]
     return found
 
 
@@ -512,7 +507,7 @@ class _FakeCountingMode(_LiveStorageMode):
         without storage for those that carry none, whose values cannot change a size), and make fake
         outputs of the sizes it gives."""
         inputs = self._real_inputs(args, kwargs, stand_ins=True)
-        fakes = [item for item in tree_flatten((args, kwargs))[0] if isinstance(item, FakeTensor)]
+        fakes = _fake_inputs(args, kwargs)
         if inputs is None or not any(fake in self.values for fake in fakes):
             raise FakeTrialError(
                 f"{func} cannot run on fake tensors ({type(exc).__name__}: its output depends on data)"
