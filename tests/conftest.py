@@ -31,6 +31,11 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 # (the test process, each gloo rank, each CLI run): on two busy cores the pool's start-up is spent for no
 # parallelism (test_compile from cold caches: 144 -> 132 CPU seconds). No figure depends on where it compiles.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor's CPU kernels scalar, not vectorized: a cold compile is mostly g++ over the vectorized headers
+# (test_compile's truth 25.5 -> 8.8 s, torchao's 4-bit step 21.2 -> 9.3 s). The probe and every truth compile alike,
+# and the allocator's peak is the same byte for byte either way (the wrapper allocates the buffers; the instruction
+# set only computes them): bench/inductor_scalar_kernels.py prints both.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 
 def pytest_configure(config: pytest.Config) -> None:
