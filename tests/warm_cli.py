@@ -16,10 +16,12 @@ itself (its start, its imports, its signals) runs ``subprocess`` directly.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,6 +174,9 @@ def _shim_folder() -> str:
     import threading
 
     folder = tempfile.mkdtemp(prefix="autotune-shim-")
+    owner = os.getpid()
+    # Removed when this process exits (not by a forked child of it that exits through Python: the folder is not its).
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
     address = str(Path(folder, "cli.sock"))
     server = socket.socket(socket.AF_UNIX)
     server.bind(address)
