@@ -23,6 +23,7 @@ The peak's place: the operator that allocated the byte that set the peak, and th
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -74,15 +75,24 @@ class BreakdownRecorder:
         self._peak_label = ""
         self._best = -1
         self._tracker: Any = None
+        # A compiled trial's (CompiledCpuMeter): its events come after the span, so what happens during it is kept by
+        # serial, with a mark of that serial left in the profiler's stream, and placed when the events come.
+        self._deferred: Any = None
+        self._meter: Any = None
+        self._pending: list[tuple[str, Any]] = []
 
     @contextmanager
     def recording(self, meter: Any) -> Iterator[None]:
-        """Record meter's events for the block (meter: a CpuMeter or FakeMeter), the modules tracked."""
+        """Record meter's events for the block (meter: a CpuMeter or FakeMeter, the modules tracked; or a
+        CompiledCpuMeter, whose events come when its span ends and whose graphs no module hook may touch)."""
         from torch.distributed._tools.mod_tracker import ModTracker
 
+        from autotune.measure.meters.compiled import CompiledCpuMeter
+
+        compiled = isinstance(meter, CompiledCpuMeter)
         with (
             meter.record_events() as recorded,
-            ModTracker() as tracker,
+            contextlib.nullcontext() if compiled else ModTracker() as tracker,
             self._collectives_marked(),
             warnings.catch_warnings(),
         ):
@@ -93,8 +103,11 @@ class BreakdownRecorder:
             # stand in the trial's place.
             warnings.filterwarnings("ignore", message="global module forward hook with ``always_call=True``")
             warnings.filterwarnings("ignore", message="The module hierarchy tracking")
-            self._events, self._held = recorded.events, recorded.held
-            self._event_key = meter.event_key
+            if compiled:
+                self._deferred, self._meter, self._events, self._held = recorded, meter, [], []
+            else:
+                self._events, self._held = recorded.events, recorded.held
+                self._event_key = meter.event_key
             self._tracker = tracker
             self._phases = [(0, "model")]
             meter.recorder = self
@@ -103,6 +116,7 @@ class BreakdownRecorder:
             finally:
                 meter.recorder = None
                 self._tracker = None
+                self._meter = None
 
     @contextmanager
     def _collectives_marked(self) -> Iterator[None]:
@@ -140,11 +154,12 @@ class BreakdownRecorder:
     def _enter_collective(self, entering: bool) -> None:
         self._collective_depth += 1 if entering else -1
         if self._events is not None and self._collective_depth == (1 if entering else 0):
-            self._collective.append((len(self._events), entering))
+            if not self._mark_later("collective", entering):
+                self._collective.append((len(self._events), entering))
 
     def phase(self, name: str) -> None:
         """The allocations from now on were made in phase ``name`` (a key of the phase table above)."""
-        if self._events is not None:
+        if self._events is not None and not self._mark_later("phase", name):
             self._phases.append((len(self._events), name))
 
     def classify(self, tensors: Iterable[torch.Tensor | None], part: str) -> None:
@@ -153,11 +168,59 @@ class BreakdownRecorder:
             return
         from autotune.measure.meters.cpu import _storages
 
+        storages = _storages([t for t in tensors if t is not None])
+        if self._deferred is not None:  # a compiled trial's real storages: placed by address among its events
+            self._mark_later("known", [(storage.data_ptr(), part) for storage in storages if storage.nbytes()])
+            return
         index = len(self._events)
-        for storage in _storages([t for t in tensors if t is not None]):
+        for storage in storages:
             key = self._event_key(storage)
             if key is not None:
                 self._known.append((index, key, part))
+
+    def _mark_later(self, kind: str, what: Any) -> bool:
+        """In a compiled trial's recording: keep (kind, what) to be placed where its mark falls among the events
+        (True). Otherwise False: the caller places it now."""
+        if self._deferred is None:
+            return False
+        if self._meter is not None:
+            self._meter.record_mark(len(self._pending))
+            self._pending.append((kind, what))
+        return True
+
+    def _place_deferred(self) -> bool:
+        """A compiled trial's events and what was marked among them, as an eager trial's recording holds them (keys
+        per allocation, by address while it lives). False where they cannot be had whole (no breakdown then)."""
+        deferred = self._deferred
+        if not deferred.filled or not deferred.whole:
+            return False
+        events: list[tuple[int, int]] = []
+        self._events = events
+        live: dict[int, int] = {}  # address -> key of the block living there
+        serial = 0
+        for address, nbytes in deferred.held:
+            serial += 1
+            live[address] = serial
+            self._held.append((serial, nbytes))
+        for kind, where, nbytes in deferred.items:
+            if kind == "alloc":
+                serial += 1
+                live[where] = serial
+                events.append((serial, nbytes))
+            elif kind == "free":
+                key = live.pop(where, None)
+                if key is not None:  # a block from before the recording: never counted, as the meter does
+                    events.append((key, FREE))
+            elif where < len(self._pending):
+                index = len(events)
+                what, said = self._pending[where]
+                if what == "phase":
+                    self._phases.append((index, said))
+                elif what == "collective":
+                    self._collective.append((index, said))
+                else:
+                    self._known += [(index, live[address], part) for address, part in said if address in live]
+        return True
 
     def classify_model(self, model: nn.Module) -> None:
         params = list(model.parameters())
@@ -196,6 +259,8 @@ class BreakdownRecorder:
         it; the parts sum to it, and where they do not (a storage the meter counted outside its events) there is
         no breakdown (None) rather than a wrong one."""
         assert self._events is not None, "breakdown() after recording()"
+        if self._deferred is not None and not self._events and not self._place_deferred():
+            return None
         categories = self._categories()
         parts_index = {part: i for i, part in enumerate(MEMORY_PARTS)}
         live = [0] * len(MEMORY_PARTS)
@@ -229,6 +294,9 @@ class BreakdownRecorder:
         if best != peak_bytes:
             return None
         phases = [[index, name] for index, name in self._phases]
+        if self._deferred is not None:  # no operator is seen inside a compiled graph: the phase it peaked in
+            at = ([""] + [name for index, name in self._phases if index < best_index])[-1]
+            self._peak_label = f"compiled code in the {at}" if at else "compiled code"
         return MemoryBreakdown.model_validate(
             {
                 "micro_batch": micro_batch,

@@ -549,12 +549,16 @@ class TrialRunner:
         self.warnings[:] = [w for w in self.warnings if not w.startswith(ATTENTION_NOTE)] + [line]
 
     def _recorder(self) -> Any:
-        """A breakdown's recorder for the next trial, where one is asked for and the meter counts storages (the CPU
-        and fake meters; an eager job: a compiled graph's buffers are not the eager ops')."""
+        """A breakdown's recorder for the next trial, where one is asked for and the meter sees every allocation:
+        the CPU and fake meters' storages (an eager job: a compiled job's fake trials run it eager), the compiled
+        meter's allocator events (a compiled job)."""
         from autotune.measure.breakdown import BreakdownRecorder
+        from autotune.measure.meters.compiled import CompiledCpuMeter
         from autotune.measure.meters.cpu import CpuMeter
 
-        if self.breakdowns is None or self.task.compile is not None or not isinstance(self.meter, CpuMeter):
+        if self.breakdowns is None or not isinstance(self.meter, CpuMeter):
+            return None
+        if (self.task.compile is not None) != isinstance(self.meter, CompiledCpuMeter):
             return None
 
         return BreakdownRecorder()

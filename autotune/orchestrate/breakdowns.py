@@ -19,13 +19,18 @@ def chosen_breakdowns(
 ) -> list[MemoryBreakdown] | None:
     """The breakdowns of the trials at m_max and the next size (autotune/measure/breakdown.py: recorded by the
     search's own trials, so their parts sum to the figures the profile stores; a pipeline's, its most loaded
-    stage's), where config asks for them. A job whose trials are not broken down yet (compiled, a card's real
-    trials) says so in a warning."""
+    stage's), where config asks for them. A job whose trials are not broken down (a card's real trials; a compiled
+    job's fake trials, which run it eager, or a compiled trial whose frees the profiler did not all see) says so in
+    a warning."""
     if not config.breakdown or recorded is None:
         return None
-    left_out = "a compiled job" if task.compile is not None else "a card's trials" if device_type != "cpu" else None
-    if left_out is not None:
-        warnings.append(f"the peak is not broken down for {left_out} yet")
+    if device_type != "cpu":
+        warnings.append("the peak is not broken down for a card's trials yet")
         return None
     found = [recorded[m] for m in (m_max, m_max + config.multiple_of) if m in recorded]
+    if not found and task.compile is not None:
+        warnings.append(
+            "the peak is not broken down for this compiled job (fake trials run it eager; a compiled trial is broken "
+            "down where the profiler saw each of its frees)"
+        )
     return found or None

@@ -129,7 +129,10 @@ def make_task(**changes: Any) -> ProbeTask:
 
 @pytest.fixture(scope="module")
 def compiled_profile() -> Any:
-    return probe(make_task(compile="default"), ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0))
+    """The probe of the compiled task, its peaks broken down (the breakdown's marks ride in the profiler's stream:
+    the trials' figures are still the allocator's, as the test below them checks)."""
+    config = ProbeConfig(device="cpu", budget_bytes=BUDGET, headroom=0.0, breakdown=True)
+    return probe(make_task(compile="default"), config)
 
 
 @pytest.mark.slow  # two compilations of the truth, one of the probe: minutes on two cores
@@ -157,6 +160,30 @@ def test_the_datasheet_says_compiled_and_the_compile_seconds_apart(compiled_prof
     assert compiled_profile.compile_seconds > max(t.seconds for t in compiled_profile.trials if not t.fake)
     assert real_seconds + compiled_profile.compile_seconds <= compiled_profile.seconds
     assert any("fake pre-search ran the eager model" in w for w in compiled_profile.warnings)
+
+
+def test_a_compiled_peak_is_broken_down_and_its_parts_are_the_ordinary_counts(compiled_profile: Any) -> None:
+    """Issue 42 for a compiled job: the parts of the compiled trials' peaks (read off the allocator's events, by the
+    addresses of what the trial says its parameters, gradients and optimizer state are) against counts that share no
+    code with the meter: the model built the ordinary way, and the state torch's AdamW holds after a real step."""
+    real = {t.micro_batch: t for t in compiled_profile.trials if not t.fake}
+    m_max = compiled_profile.max_micro_batch
+    assert not any("not broken down" in w for w in compiled_profile.warnings), compiled_profile.warnings
+    assert [(b.micro_batch, b.fits) for b in compiled_profile.breakdown] == [(m_max, True), (m_max + 1, False)]
+    model = TinyGPT()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss(model, batch(2)).backward()
+    optimizer.step()
+    state = sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in s.values())
+    for part in compiled_profile.breakdown:
+        assert part.peak_bytes == real[part.micro_batch].peak_bytes == sum(part.parts.values())
+        assert part.parts["trainable_parameters"] == part.parts["gradients"] == weights, part.parts
+        assert part.parts["optimizer_state"] == state, part.parts
+        assert part.parts["activations"] > 0 and part.peak_where.startswith("compiled code in the"), part
+    # More samples hold more activations; the weights, gradients and state do not move.
+    low, high = compiled_profile.breakdown
+    assert high.parts["activations"] > low.parts["activations"]
 
 
 def test_compile_enters_the_fingerprint_and_eager_stays_as_it_was() -> None:

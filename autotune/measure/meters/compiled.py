@@ -33,6 +33,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from autotune.measure.meters.cpu import CpuMeter, CpuOutOfMemoryError
 __all__ = [
     "EAGER_PRESEARCH",
     "CompiledCpuMeter",
+    "DeferredEvents",
     "WARM_UP_MICRO_BATCH",
     "compile_and_warm",
     "compile_failure",
@@ -62,15 +64,21 @@ __all__ = [
 ]
 
 _MARK = "autotune.phase."
+# A breakdown recorder's marks (phase changes, what storages are) in the same event stream.
+_RECORD = "autotune.record."
 
 
-def _memory_events(prof: Any) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, str]]]:
+def _memory_events(
+    prof: Any,
+) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, str]], list[tuple[int, int]]]:
     """(start ns, bytes, address, the allocator's total after it) of every allocator event (a release's bytes
-    negative), and (start ns, phase) of every checkpoint marker."""
+    negative), (start ns, phase) of every checkpoint marker, and (start ns, serial) of every mark a breakdown's
+    recorder left (:meth:`CompiledCpuMeter.record_mark`)."""
     from torch._C._profiler import _ExtraFields_Allocation
 
     allocations: list[tuple[int, int, int, int]] = []
     marks: list[tuple[int, str]] = []
+    records: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -80,9 +88,46 @@ def _memory_events(prof: Any) -> tuple[list[tuple[int, int, int, int]], list[tup
             allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr, fields.total_allocated))
         elif node.name.startswith(_MARK):
             marks.append((node.start_time_ns, node.name.removeprefix(_MARK)))
+        elif node.name.startswith(_RECORD):
+            records.append((node.start_time_ns, int(node.name.removeprefix(_RECORD))))
     allocations.sort(key=lambda item: item[0])
     marks.sort(key=lambda item: item[0])
-    return allocations, marks
+    records.sort(key=lambda item: item[0])
+    return allocations, marks, records
+
+
+def _recorded_items(
+    allocations: list[tuple[int, int, int, int]], records: list[tuple[int, int]]
+) -> tuple[list[tuple[str, int, int]], bool]:
+    """A span's allocator events and a recorder's marks as one sequence in time order: ("alloc", address, bytes),
+    ("free", address, bytes), ("mark", serial, 0); and whether the events are the whole story (False where the
+    allocator's total moved by more than an event's own bytes: a block freed on a thread the profiler does not
+    follow, which no breakdown can place)."""
+    items: list[tuple[int, int, int, tuple[str, int, int]]] = []
+    whole = True
+    total_before: int | None = None
+    for order, (at, nbytes, address, total) in enumerate(allocations):
+        if total_before is not None and total - total_before - nbytes:
+            whole = False
+        total_before = total
+        items.append((at, 0, order, ("alloc" if nbytes > 0 else "free", address, abs(nbytes))))
+    # A mark stamped at the same nanosecond as an allocation is put after it: what a mark says a storage is (its
+    # gradients, its state) is said after the storage was made.
+    items += [(at, 1, serial, ("mark", serial, 0)) for at, serial in records]
+    items.sort(key=lambda item: item[:3])
+    return [item for *_, item in items], whole
+
+
+@dataclass
+class DeferredEvents:
+    """A compiled trial's events for a breakdown's recorder (autotune/measure/breakdown.py), known only after the
+    profiler stops: the blocks held when the span began (address, bytes), then ``items`` (:func:`_recorded_items`);
+    ``whole``: whether the allocator's total agreed with the events all along."""
+
+    held: list[tuple[int, int]] = field(default_factory=list)
+    items: list[tuple[str, int, int]] = field(default_factory=list)
+    whole: bool = False
+    filled: bool = False
 
 
 def _counted(
@@ -164,13 +209,17 @@ class CompiledCpuMeter(CpuMeter):
         self._profiling = False
         self._holders: list[weakref.finalize[Any, Any]] = []  # a held model's death takes its bytes out of the base
         self._held_blocks: dict[int, int] = {}  # address -> bytes of what the hold spans allocated and kept
+        self._deferred: DeferredEvents | None = None  # record_events's, while a breakdown records a trial
 
     @contextmanager
-    def _profiled(self) -> Iterator[tuple[list[tuple[int, int, int, int]], list[tuple[int, str]]]]:
+    def _profiled(
+        self,
+    ) -> Iterator[tuple[list[tuple[int, int, int, int]], list[tuple[int, str]], list[tuple[int, int]]]]:
         from torch.profiler import ProfilerActivity, profile
 
         allocations: list[tuple[int, int, int, int]] = []
         marks: list[tuple[int, str]] = []
+        records: list[tuple[int, int]] = []
         self._profiling = True
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         try:
@@ -179,7 +228,7 @@ class CompiledCpuMeter(CpuMeter):
                 with quiet_native_stderr():
                     prof.__enter__()
                 try:
-                    yield allocations, marks
+                    yield allocations, marks, records
                 finally:
                     with quiet_native_stderr():
                         prof.__exit__(None, None, None)
@@ -189,6 +238,7 @@ class CompiledCpuMeter(CpuMeter):
             found = _memory_events(prof)
             allocations.extend(found[0])
             marks.extend(found[1])
+            records.extend(found[2])
 
     def hold(self) -> AbstractContextManager[None]:
         return self._held()
@@ -198,7 +248,7 @@ class CompiledCpuMeter(CpuMeter):
         if self._profiling:  # inside a span already (build_model holds within the runner's hold)
             yield
             return
-        with self._profiled() as (allocations, _):
+        with self._profiled() as (allocations, _, _):
             yield
         fresh: dict[int, int] = {}
         self._base_bytes += sum(nbytes for _, nbytes in _counted(allocations, self._held_blocks, fresh))
@@ -206,6 +256,25 @@ class CompiledCpuMeter(CpuMeter):
 
     def adopt(self, module: nn.Module) -> None:
         """Nothing to add: the allocator saw the weights being made, in the hold span."""
+
+    @contextmanager
+    def record_events(self) -> Iterator[DeferredEvents]:  # type: ignore[override]
+        """A trial's events for its breakdown, filled when its measured span ends (the profiler's events exist only
+        after it stops): the recorder leaves marks in the stream (:meth:`record_mark`) instead of reading indices."""
+        if self._deferred is not None:
+            yield self._deferred
+            return
+        self._deferred = DeferredEvents()
+        try:
+            yield self._deferred
+        finally:
+            self._deferred = None
+
+    def record_mark(self, serial: int) -> None:
+        """A recorder's mark ``serial`` in the event stream, where a span runs."""
+        if self._profiling:
+            with torch.profiler.record_function(f"{_RECORD}{serial}"):
+                pass
 
     def checkpoint(self, phase: str) -> None:
         if self._profiling:
@@ -220,14 +289,20 @@ class CompiledCpuMeter(CpuMeter):
         if self._profiling:
             raise RuntimeError("the compiled meter's measure() cannot nest in another of its spans")
         failed = False
+        deferred = self._deferred
+        held = list(self._held_blocks.items())
         try:
-            with self._profiled() as (allocations, marks):
+            with self._profiled() as (allocations, marks, records):
                 try:
                     yield
                 except BaseException:
                     failed = True
                     raise
         finally:
+            if deferred is not None and not deferred.filled:  # the trial's recorder reads them after the span
+                deferred.held = held
+                deferred.items, deferred.whole = _recorded_items(allocations, records)
+                deferred.filled = True
             self._last = self._read(_counted(allocations, self._held_blocks, {}), marks)
         if not failed and self._enforce and self._last.peak_bytes > self.budget_bytes:
             raise CpuOutOfMemoryError(
