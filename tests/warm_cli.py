@@ -1,10 +1,12 @@
-"""`autotune` commands run as a user runs them, each in a process of its own, forked warm.
+"""`autotune` commands and documented Python scripts run as a user runs them, each in a process of its own, forked
+warm.
 
-``run`` is ``subprocess.run`` for the tests that run the CLI: where the command is ``autotune ...`` (the console
-script, by name or path) or ``python -m autotune.cli ...``, the process is forked from tests/ranks.py's forkserver,
-which has imported torch, transformers and autotune once per test process, and runs ``autotune.cli.main`` there with
-the command's arguments, working folder, environment and output files. Every other command goes to
-``subprocess.run`` unchanged.
+``run`` is ``subprocess.run`` for the tests that run the CLI or a page's script: where the command is ``autotune ...``
+(the console script, by name or path) or ``python -m autotune.cli ...``, the process is forked from tests/ranks.py's
+forkserver, which has imported torch, transformers and autotune once per test process, and runs ``autotune.cli.main``
+there with the command's arguments, working folder, environment and output files; where it is ``python SCRIPT ...``,
+the script runs there as ``__main__`` (its folder first on sys.path, as ``python SCRIPT`` puts it). Every other
+command goes to ``subprocess.run`` unchanged.
 
 Why: a fresh interpreter imports torch and transformers again for every command, 2.5-4 s of each on the 2-core
 machine, and the suite runs about a hundred of them. A forked process is as fresh for what a test asks of it (no
@@ -32,7 +34,7 @@ from typing import Any
 
 from tests.ranks import FORKSERVER
 
-__all__ = ["autotune_arguments", "run"]
+__all__ = ["autotune_arguments", "run", "script_of"]
 
 _CLI_MODULES = ("autotune.cli", "autotune")
 
@@ -49,8 +51,36 @@ def autotune_arguments(command: Sequence[str]) -> list[str] | None:
     return None
 
 
-def _child(arguments: list[str], cwd: str | None, env: dict[str, str] | None, out: str, err: str | None) -> None:
-    """In the forked process: the command's session, folder, environment and output, then the CLI's main."""
+def script_of(command: Sequence[str]) -> list[str] | None:
+    """``[SCRIPT, *ARGS]`` where ``command`` is ``python SCRIPT ARGS...``; None for any other command."""
+    words = [str(word) for word in command]
+    if len(words) < 2 or not Path(words[0]).name.startswith("python") or words[1].startswith("-"):
+        return None
+    return words[1:]
+
+
+def _main(arguments: list[str]) -> int:
+    from autotune.cli import main
+
+    sys.argv = ["autotune", *arguments]
+    return main(arguments)
+
+
+def _script(argv: list[str]) -> int:
+    import runpy
+
+    script = os.path.abspath(argv[0])
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def _child(
+    entry: Any, arguments: list[str], cwd: str | None, env: dict[str, str] | None, out: str, err: str | None
+) -> None:
+    """In the forked process: the command's session, folder, environment and output, then ``entry(arguments)``
+    (the CLI's main, or a script run as ``__main__``)."""
     os.setsid()
     if cwd is not None:
         os.chdir(cwd)
@@ -68,7 +98,6 @@ def _child(arguments: list[str], cwd: str | None, env: dict[str, str] | None, ou
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), write_through=unbuffered)  # noqa: SIM115
     sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True, write_through=unbuffered)  # noqa: SIM115
-    sys.argv = ["autotune", *arguments]
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit():  # read by OpenMP when torch loaded, in the forkserver: the command's own, set again
         import torch
@@ -76,9 +105,7 @@ def _child(arguments: list[str], cwd: str | None, env: dict[str, str] | None, ou
         torch.set_num_threads(int(threads))
     code: int = 1
     try:
-        from autotune.cli import main
-
-        code = main(arguments)
+        code = entry(arguments)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, int | None):
@@ -105,9 +132,11 @@ def run(
     text: bool = False,
     check: bool = False,
 ) -> subprocess.CompletedProcess[Any]:
-    """``subprocess.run(command, ...)`` with the same keywords the tests use; an autotune command forked warm (in a
-    bash script too: :func:`_shim_folder`)."""
-    arguments = autotune_arguments(command)
+    """``subprocess.run(command, ...)`` with the same keywords the tests use; an autotune command (in a bash script
+    too: :func:`_shim_folder`) or a Python script forked warm."""
+    arguments, entry = autotune_arguments(command), _main
+    if arguments is None:
+        arguments, entry = script_of(command), _script
     piped = capture_output or (stdout == subprocess.PIPE and stderr in (subprocess.PIPE, subprocess.STDOUT))
     if arguments is None or not piped:
         if command and Path(str(command[0])).name == "bash":
@@ -124,7 +153,7 @@ def run(
         out, err = str(Path(folder, "stdout")), None if merged else str(Path(folder, "stderr"))
         process = FORKSERVER.Process(
             target=_child,
-            args=(arguments, None if cwd is None else str(cwd), None if env is None else dict(env), out, err),
+            args=(entry, arguments, None if cwd is None else str(cwd), None if env is None else dict(env), out, err),
         )
         process.start()
         process.join(timeout)

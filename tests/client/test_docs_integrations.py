@@ -1,6 +1,7 @@
 """docs/client.md's "From a Lightning module", "From a Hugging Face Trainer" and "From a model config"
 blocks (the README's until the reference moved to docs/), run as written (each in a fresh process, in an
-empty folder, as a user would)."""
+empty folder, as a user would; the Python scripts and the bash block's `autotune`
+commands forked warm by tests/warm_cli.py)."""
 
 from __future__ import annotations
 
@@ -63,5 +64,8 @@ def test_from_a_model_config(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     (tmp_path / "run.sh").write_text(block("From a model config", "bash"))
     out = run(["bash", "-e", "run.sh"], tmp_path)
-    assert "llama-35K" in out
-    assert re.search(r"llama-35K: ok: accumulation reproduces the full-batch gradient", out), out[-2000:]
+    named = re.search(r"named after the config's `model_type` and size \(`(llama-\w+)`\)", PAGE.read_text())
+    assert named, "docs/client.md names no task for its config"
+    name = named.group(1)  # llama-26K: the page's name is the one the commands print
+    assert name in out
+    assert re.search(rf"{re.escape(name)}: ok: accumulation reproduces the full-batch gradient", out), out[-2000:]

@@ -1,4 +1,5 @@
-"""docs/fine-tuning.md's blocks, run as written (each in a fresh process, in an empty folder, as a user would):
+"""docs/fine-tuning.md's blocks, run as written (each in a fresh process, in an empty folder, as a user would; the
+scripts' `autotune` commands and the Python example forked warm by tests/warm_cli.py):
 the LoRA run on a Llama config (probe and estimate agree), the classifier (probe and verify), the Python
 example; and the datasheet lines the page shows are the ones the LoRA run prints."""
 

@@ -1,9 +1,10 @@
 """docs/recipes.md's commands, run (each in a fresh process, in a folder holding the page's model configs, as a
 user would). The recipes at real sizes (a 7B or 8B model on an emulated card) run here at tiny sizes: the same
-command line with the model replaced by examples/configs/tiny-llama.json, --seq-len by 32, the card
-(--gpu NAME, --micro-batches) by the CPU's semantics under a 64 MiB budget, and --max-micro-batch 4, as the page
-says; bench/recipes.py runs them at their real sizes. The page's last recipe is small by construction and
-runs as written."""
+command line with the model replaced by examples/configs/tiny-llama-one-layer.json (tiny-llama.json with one
+decoder layer: a command's time is its nine or so fake trials', each its ops', which one layer about halves),
+--seq-len by 32, the card (--gpu NAME, --micro-batches) by the CPU's semantics under a 64 MiB budget,
+and --max-micro-batch 4, as the page says; bench/recipes.py runs them at their real sizes. The page's last recipe
+is small by construction and runs as written."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.e2e.test_docs import DOCS, REPO, blocks, section
 
 PAGE = DOCS / "recipes.md"
 TIMEOUT_SECONDS = 600
-TINY = "hf:examples/configs/tiny-llama.json"
+TINY = "hf:examples/configs/tiny-llama-one-layer.json"
 
 pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 
@@ -79,7 +80,8 @@ def test_the_tiny_overrides_keep_every_other_flag() -> None:
 def test_torchtitans_recipe_runs(folder: Path) -> None:
     """--ac op on an hf: Llama runs: a checkpointed step keeps no KV cache (autotune.measure.policies turns
     config.use_cache off, as transformers' own checkpointing does); with the cache on, the recompute filled it
-    again and torch's selective checkpointing stopped at its first trial."""
+    again and torch's selective checkpointing stopped at its first trial (on the one-layer model too: each
+    checkpointed layer's recompute refills its own cache)."""
     (command,) = commands("## torchtitan's Llama 3.1 8B on eight H100s")
     done = run([*tiny(command), "--output", "titan.json"], folder)
     assert done.returncode == 0, done.stderr[-3000:]
