@@ -3,7 +3,7 @@
     .venv/bin/python bench/hf_estimate.py                 # Llama, GPT-2, Qwen2 at --seq-len 16,32
     .venv/bin/python bench/hf_estimate.py --output bench/results/hf_estimate.json
 
-Each architecture's tiny config (tests/autotune/_hf_configs.py: 2 layers, hidden 32, vocab 256, 64
+Each architecture's tiny config (tests/autotune/_hf_configs.py: 1 or 2 layers, hidden 32, vocab 256, 64
 positions) is written to a temporary folder as a user's config.json would be, then both commands run
 as a user runs them (``autotune probe hf:DIR --seq-len 16,32 --device cpu ...`` and ``autotune estimate
 hf:DIR --seq-len 16,32 --device-kind cpu ...``, same budget and target) in their own processes. A fake

@@ -9,13 +9,18 @@ from typing import Any
 VOCAB = 256
 SEQ_LEN = 16
 
+# The Llama config has one decoder layer: a fake trial's time is its ops', which a second layer nearly doubles, and
+# one layer holds every part a truth checks (embedding, attention, MLP, norms, head). A test about how layers
+# compose (pipeline stages, every-K checkpointing, a figure a page quotes) writes two: write_config(..., **TWO_LAYERS).
+TWO_LAYERS = {"num_hidden_layers": 2}
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
         "model_type": "llama",
         "vocab_size": VOCAB,
         "hidden_size": 32,
         "intermediate_size": 64,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": 1,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 64,

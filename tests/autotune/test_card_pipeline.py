@@ -20,14 +20,14 @@ from autotune.core.schemas import Profile
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.pipeline import PipelineTrials
 from autotune.tasks.hf import hf_task
-from tests.autotune._hf_configs import write_config
+from tests.autotune._hf_configs import TWO_LAYERS, write_config
 
 pytest.importorskip("transformers")
 SEQ_LEN, M_CAP, K = 512, 2, 2  # small: each stage trial replays K micro-batches, the search tries 1 up to M_CAP
 
 
 def test_a_pipeline_estimates_on_an_emulated_card_stage_by_stage(cuda_python: str, tmp_path: Path) -> None:
-    folder = write_config(tmp_path, "llama", tie_word_embeddings=False, max_position_embeddings=SEQ_LEN)
+    folder = write_config(tmp_path, "llama", tie_word_embeddings=False, max_position_embeddings=SEQ_LEN, **TWO_LAYERS)
     out = tmp_path / "pp.json"
     code = main(
         ["estimate", f"hf:{folder}", "--gpu", "h100", "--world-size", "2", "--pp", "2", "--pp-schedule", "1f1b",
@@ -73,7 +73,7 @@ def test_a_pipeline_over_fsdp_estimates_on_an_emulated_card(cuda_python: str, tm
     from autotune.core.mesh import Mesh
     from autotune.measure.strategy_choice import make_strategy
 
-    folder = write_config(tmp_path, "llama", tie_word_embeddings=False, max_position_embeddings=SEQ_LEN)
+    folder = write_config(tmp_path, "llama", tie_word_embeddings=False, max_position_embeddings=SEQ_LEN, **TWO_LAYERS)
     out = tmp_path / "pp_fsdp.json"
     world = 4 * tp
     code = main(
@@ -109,8 +109,9 @@ def test_a_pipeline_under_sequence_parallel_takes_the_extra_sizes_asked_for(cuda
     """--micro-batches on a pipeline's card estimate is tried besides the search's sizes (it was dropped), here
     under torchtitan's plan, whose stages send each rank's L / tp positions."""
     out = tmp_path / "pp.json"
+    folder = write_config(tmp_path, "llama", **TWO_LAYERS)
     code = main(
-        ["estimate", f"hf:{write_config(tmp_path, 'llama')}", "--gpu", "h100", "--seq-len", "16", "--tp", "2",
+        ["estimate", f"hf:{folder}", "--gpu", "h100", "--seq-len", "16", "--tp", "2",
          "--pp", "2", "--world-size", "4", "--tp-plan", "torchtitan", "--max-micro-batch", "8", "--micro-batches",
          "5", "--output", str(out)]
     )  # fmt: skip

@@ -20,7 +20,7 @@ from autotune.measure.fake_group import forget_meshes
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.hf import hf_task
 from autotune.tasks.task import ProbeTask
-from tests.autotune._hf_configs import write_config
+from tests.autotune._hf_configs import TWO_LAYERS, write_config
 
 pytest.importorskip("transformers")
 pytestmark = [
@@ -48,7 +48,7 @@ def _peaks(task: ProbeTask, mesh: Mesh, strategy: Strategy) -> dict[int, int]:
     ids=["pp2xtp2", "tp2xcp2"],
 )
 def test_a_tp_job_after_another_mesh_in_the_same_process(tmp_path: Path, first: Mesh, first_strategy: Strategy) -> None:
-    task = hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False)).at_length(64)
+    task = hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False, **TWO_LAYERS)).at_length(64)
     forget_meshes()
     alone = _peaks(task, Mesh(tp=2), "fsdp")
     assert _peaks(task, first, first_strategy)  # the job that leaves its meshes in DTensor's caches

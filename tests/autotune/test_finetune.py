@@ -27,7 +27,7 @@ from autotune.tasks.hf import with_options
 from autotune.tasks.load import load_task
 from autotune.tasks.task import ProbeTask, weights_dtype_refusal
 from tests.autotune._allocator_truth import allocator_peak_bytes
-from tests.autotune._hf_configs import HEADS, SEQ_LEN, VOCAB, write_config, write_head_config
+from tests.autotune._hf_configs import CONFIGS, HEADS, SEQ_LEN, VOCAB, write_config, write_head_config
 
 peft = pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 
@@ -89,7 +89,7 @@ def test_hf_class_overrides_the_architectures_and_the_causal_lm_stays_as_it_was(
     # No architectures: a causal LM, its tags (and so its stored profiles' fingerprints) unchanged.
     assert plain.tags == {"hf_model_type": "llama", "attn_implementation": "sdpa"}
     named = load_task(f"hf:{write_config(tmp_path / 'named', 'llama', architectures=['LlamaForCausalLM'])}")
-    assert type(named.model()) is type(plain.model()) and named.name == plain.name == "llama-35K"
+    assert type(named.model()) is type(plain.model()) and named.name == plain.name == "llama-26K"
 
 
 def _trainable(model: nn.Module) -> list[str]:
@@ -121,7 +121,7 @@ def test_lora_freezes_the_base_on_meta_and_after_materializing(tmp_path: Path) -
 def test_weights_dtype_holds_the_model_its_gradients_and_optimizer_state(tmp_path: Path) -> None:
     directory = write_config(tmp_path, "llama")
     task = load_task(with_options(f"hf:{directory}", weights_dtype="bf16")).at_length(SEQ_LEN)
-    assert task.weights_dtype == "bf16" and task.tags["weights_dtype"] == "bf16" and task.name == "llama-35K-bf16"
+    assert task.weights_dtype == "bf16" and task.tags["weights_dtype"] == "bf16" and task.name == "llama-26K-bf16"
     ordinary = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(directory), dtype=torch.bfloat16
     )
@@ -164,7 +164,7 @@ def _ordinary(kind: str, directory: Path) -> Callable[[], nn.Module]:
 
 
 # The Python numbers autograd keeps outside the meter's view (below): 8 bytes per LoRA-adapted module.
-KEPT_NUMBERS_BYTES = {"lora": 2 * 2 * 8, "bf16": 0, "classifier": 0}
+KEPT_NUMBERS_BYTES = {"lora": CONFIGS["llama"]["num_hidden_layers"] * 2 * 8, "bf16": 0, "classifier": 0}
 # kind -> (spec options, config writer, budget): budgets where 2 <= m_max < 64 at L = 16.
 CASES: dict[str, tuple[dict[str, Any], Callable[[Path], Path], int]] = {
     "lora": ({"lora_rank": 4}, lambda d: write_config(d, "llama"), MiB),
@@ -196,7 +196,7 @@ def test_fine_tuning_tasks_are_exact_against_the_allocator_at_m_max_and_past_it(
     # Byte for byte, but for what the meter cannot see (as in tests/autotune/test_tied.py): peft's LoRA
     # layer computes `lora_B(lora_A(x)) * scaling` with scaling a Python float, which C++ wraps into an
     # 8-byte CPU tensor below the dispatch mode and MulBackward0 keeps for backward: one per adapted
-    # module (2 layers x q_proj, v_proj = 32 bytes), at every m. On CUDA it is host memory.
+    # module (per layer q_proj, v_proj: 16 bytes), at every m. On CUDA it is host memory.
     assert at_max - peaks[m_max] == past_max - peaks[m_max + 1] == KEPT_NUMBERS_BYTES[kind]
     estimated = estimate(
         task,
@@ -256,7 +256,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
         ("llama", ["--weights-dtype", "fp16", "--precision", "fp16"], "GradScaler cannot unscale fp16 gradients"),
         ("unknown", [], "architectures NoSuchModelForCausalLM: transformers knows no model class"),
         ("llama", ["--hf-class", "LlamaModel"], "--hf-class LlamaModel: autotune cannot batch LlamaModel: it batches"),
-        ("nopad", [], 'finds each sequence\'s last token by the config\'s pad_token_id, which is unset'),
+        ("nopad", [], "finds each sequence's last token by the config's pad_token_id, which is unset"),
     ],
 )
 def test_bad_fine_tuning_input_is_one_line_exit_2_nothing_stored(
@@ -308,7 +308,7 @@ def test_the_cli_writes_the_options_into_the_profile_and_the_datasheet(
     assert main(["estimate", spec, "--device-kind", "cpu", *flags]) == 0
     captured = capsys.readouterr()
     (profile,) = json.loads(captured.out)
-    assert profile["task"] == "llama-35K-lora4-bf16"
+    assert profile["task"] == "llama-26K-lora4-bf16"
     assert profile["tags"]["weights_dtype"] == "bf16" and profile["tags"]["lora_rank"] == 4
     assert "  weights          bf16 (gradients and optimizer state in it too)" in captured.err
     assert "  lora             rank 4, alpha 8, dropout 0.0, targets q_proj,v_proj (base frozen)" in captured.err

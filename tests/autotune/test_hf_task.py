@@ -56,7 +56,7 @@ def test_the_model_is_transformers_own_causal_lm_and_the_batch_is_tokens_at_a_le
 def test_a_config_file_and_its_directory_are_the_same_task(tmp_path: Path) -> None:
     directory = write_config(tmp_path, "llama")
     by_dir, by_file = load_task(f"hf:{directory}"), load_task(f"hf:{directory / 'config.json'}")
-    assert by_dir.name == by_file.name == "llama-35K"
+    assert by_dir.name == by_file.name == "llama-26K"
 
 
 def test_the_optimizer_options_travel_in_the_spec(tmp_path: Path) -> None:

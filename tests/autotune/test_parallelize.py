@@ -15,7 +15,7 @@ from autotune.core.mesh import Mesh
 from autotune.measure.layout import Layout
 from autotune.measure.parallelize import Parallelism, apply_ddp, compose
 from autotune.tasks.hf import hf_task
-from tests.autotune._hf_configs import write_config
+from tests.autotune._hf_configs import TWO_LAYERS, write_config
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 
 
 def _task(tmp_path: Path):  # type: ignore[no-untyped-def]
-    return hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False)).at_length(16)
+    return hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False, **TWO_LAYERS)).at_length(16)
 
 
 def test_tp_then_fsdp_leaves_every_parameter_sharded_over_both_dimensions(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from autotune.tasks.fingerprint import task_fingerprint
 from autotune.tasks.hf import with_options
 from autotune.tasks.load import load_task
 from tests.autotune._allocator_truth import allocator_peak_bytes
-from tests.autotune._hf_configs import SEQ_LEN, write_config
+from tests.autotune._hf_configs import CONFIGS, SEQ_LEN, write_config
 
 peft = pytest.importorskip("peft", reason="the hf extra (peft) is not installed")
 bnb = pytest.importorskip("bitsandbytes", reason="the hf extra (bitsandbytes) is not installed")
@@ -34,8 +34,8 @@ MiB = 1 << 20
 # The tiny Llama's budget where 2 <= m_max < 64 at L = SEQ_LEN.
 BUDGET = MiB
 # peft's LoRA layer multiplies by a Python float, which autograd keeps as an 8-byte CPU tensor made below the
-# probe's meter (tests/autotune/test_finetune.py says it whole): 2 layers x q_proj, v_proj, at every m.
-KEPT_NUMBERS_BYTES = 2 * 2 * 8
+# probe's meter (tests/autotune/test_finetune.py says it whole): per layer q_proj, v_proj, at every m.
+KEPT_NUMBERS_BYTES = CONFIGS["llama"]["num_hidden_layers"] * 2 * 8
 
 
 def _checkpoint(directory: Path) -> Path:
@@ -83,7 +83,7 @@ def _spec(directory: Path, quantize: str = "nf4", **options: Any) -> str:
 def test_the_base_is_held_as_from_pretrained_holds_it(tmp_path: Path, quantize: str) -> None:
     directory = write_config(tmp_path, "llama")
     task = load_task(_spec(directory, quantize)).at_length(SEQ_LEN)
-    assert task.name == f"llama-35K-lora4-{quantize}-bf16" and task.tags["quantize"] == quantize
+    assert task.name == f"llama-26K-lora4-{quantize}-bf16" and task.tags["quantize"] == quantize
     ordinary = _ordinary(_checkpoint(directory), double_quant=quantize == "nf4-dq")()
     built = task.model()
     # Every parameter: name, shape, dtype (packed uint8 for the 4-bit linears, fp32 for the embedding and norms

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from autotune.measure.meters.cpu import CpuMeter
 from autotune.measure.meters.fake import FakeMeter
 from autotune.tasks.hf import hf_task
-from tests.autotune._hf_configs import write_config
+from tests.autotune._hf_configs import TWO_LAYERS, write_config
 from tests.autotune._tp_trials import LIMIT_BYTES, tp_peaks
 
 pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ pytestmark = [
 def test_a_fake_tp_trial_counts_what_the_real_one_does(
     tmp_path: Path, inner: str, world_size: int, sizes: tuple[int, ...]
 ) -> None:
-    task = hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False)).at_length(16)
+    task = hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False, **TWO_LAYERS)).at_length(16)
     real = tp_peaks(CpuMeter(LIMIT_BYTES), task, inner, world_size, sizes)
     fake = tp_peaks(FakeMeter(LIMIT_BYTES, "cpu"), task, inner, world_size, sizes)
     print(f"tp 2 x {inner} {world_size}: real {real}, fake {fake}")
@@ -48,7 +48,7 @@ def test_a_fake_tp_trial_counts_what_the_real_one_does(
 
 
 def test_under_full_checkpointing_a_fake_tp_trial_makes_no_mask_the_real_one_does_not(tmp_path: Path) -> None:
-    task = hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False)).at_length(16)
+    task = hf_task(write_config(tmp_path, "llama", tie_word_embeddings=False, **TWO_LAYERS)).at_length(16)
     task = dataclasses.replace(task, activation_checkpointing="full")
     real = tp_peaks(CpuMeter(LIMIT_BYTES), task, "ddp", 2, (1, 2))
     fake = tp_peaks(FakeMeter(LIMIT_BYTES, "cpu"), task, "ddp", 2, (1, 2))
