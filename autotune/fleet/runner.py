@@ -55,6 +55,11 @@ LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Set to 0, Ray runs as it does on a laptop by default: one node, on the loopback address (Linux
 otherwise binds a local instance to this machine's network address). Read when ray is imported."""
 
+NO_PRESTART_ENV = "RAY_prestart_worker_first_driver"
+"""Set to 0 for a local instance: Ray otherwise starts an idle worker per CPU as the first driver connects,
+workers without the fleet's runtime environment (its working directory) that no pair and no board can use,
+each a Python importing Ray that competes with the pairs' own workers as they start. Read by the raylet."""
+
 
 def _import_ray(local: bool) -> Any:
     if local and "ray" not in sys.modules:
@@ -94,6 +99,7 @@ def _connect(ray: Any, address: str | None, working_dir: Path, log: TextIO) -> N
         # A laptop's or a single node's own instance, on the loopback address (LOCAL_ONLY_ENV):
         # nothing else needs to reach it, and it goes away with this process.
         print("fleet: no --ray-address: starting a local Ray instance", file=log, flush=True)
+        os.environ.setdefault(NO_PRESTART_ENV, "0")
         ray.init(
             address="local",  # a new instance even when `ray start` runs here (--ray-address auto uses that)
             runtime_env=runtime_env,

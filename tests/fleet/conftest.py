@@ -39,6 +39,10 @@ RAY_GCS_PORT_WAIT_SECONDS = 180
 RAY_STOP_TIMEOUT_SECONDS = 30.0
 FLEET_TIMEOUT_SECONDS = 300.0
 RAY_CPUS = 2
+# Ray starts an idle worker per CPU as the first driver connects, without a runtime environment; every fleet task
+# and board has one (the shipped working directory), so they are never used: two Pythons importing Ray, on the
+# CPUs the first test's workers start on. (The fleet's own local instance sets the same: autotune/fleet/runner.py.)
+RAY_HEAD_ENV = {"RAY_prestart_worker_first_driver": "0"}
 FAKE_ACCELERATOR = "T4"
 
 
@@ -52,6 +56,7 @@ class RayCluster:
     marker_dir: Path
     log_path: Path
     process: subprocess.Popen[bytes]
+    deadline: float  # for ``ray start`` to come up
 
 
 def ray_env() -> dict[str, str]:
@@ -98,8 +103,9 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
-    """``ray start --head`` on 127.0.0.1 with 2 CPUs, for the whole session."""
+def _ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    """``ray start --head`` on 127.0.0.1 with 2 CPUs, for the whole session, started but not waited for:
+    :func:`fleet_server` starts while it comes up, and :func:`ray_cluster` waits for it."""
     _require_ray()
     marker_dir = tmp_path_factory.mktemp("fleet-markers")
     log_path = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
@@ -124,25 +130,33 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster
                 f"--object-store-memory={100 * 1024**2}",
             ],
             cwd=REPO,
-            env=child_env({**env, "AUTOTUNE_FLEET_TEST_DIR": str(marker_dir)}),
+            env=child_env({**env, "AUTOTUNE_FLEET_TEST_DIR": str(marker_dir), **RAY_HEAD_ENV}),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    cluster = RayCluster(f"127.0.0.1:{port}", env, marker_dir, log_path, process)
     deadline = time.monotonic() + RAY_START_TIMEOUT_SECONDS
-    while "Ray runtime started" not in log_path.read_text(errors="replace"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            _stop(process)
-            pytest.fail(f"ray start did not come up; its log:\n{log_path.read_text(errors='replace')[-4000:]}")
-        time.sleep(0.2)
-    yield cluster
+    yield RayCluster(f"127.0.0.1:{port}", env, marker_dir, log_path, process, deadline)
     _stop(process)
 
 
-@pytest.fixture(scope="module")
-def fleet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A real ``autotune serve`` on a fresh SQLite file, for one test module."""
+@pytest.fixture(scope="session")
+def ray_cluster(_ray_head: RayCluster, fleet_server: LiveServer) -> RayCluster:
+    """The session's Ray cluster, up (every test that drives it also asks for :func:`fleet_server`, which
+    starts while Ray comes up)."""
+    cluster = _ray_head
+    while "Ray runtime started" not in cluster.log_path.read_text(errors="replace"):
+        if cluster.process.poll() is not None or time.monotonic() > cluster.deadline:
+            _stop(cluster.process)
+            pytest.fail(f"ray start did not come up; its log:\n{cluster.log_path.read_text(errors='replace')[-4000:]}")
+        time.sleep(0.2)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def fleet_server(_ray_head: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A real ``autotune serve`` on a fresh SQLite file, for the session's fleet tests (each looks at the store
+    filtered by its own tasks, or by the ids it got). It starts while the Ray cluster comes up."""
     server = start_server(tmp_path_factory.mktemp("fleet-server"))
     yield server
     server.stop()
