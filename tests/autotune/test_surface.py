@@ -22,7 +22,7 @@ from examples.gpt import GPTConfig, make_seq_task
 
 MiB = 1 << 20
 UNBOUNDED = 1 << 40
-SMALL = GPTConfig(seq_len=4096, d_model=32, n_heads=2, n_layers=2)
+SMALL = GPTConfig(seq_len=4096, d_model=32, n_heads=2, n_layers=1)
 
 
 def _poly(c: list[int], m: int, length: int) -> int:
