@@ -107,7 +107,7 @@ def _recorded_items(
     whole = True
     total_before: int | None = None
     for order, (at, nbytes, address, total) in enumerate(allocations):
-        if total_before is not None and total - total_before - nbytes:
+        if _unseen_bytes(total_before, total, nbytes):
             whole = False
         total_before = total
         items.append((at, 0, order, ("alloc" if nbytes > 0 else "free", address, abs(nbytes))))
@@ -130,6 +130,12 @@ class DeferredEvents:
     filled: bool = False
 
 
+def _unseen_bytes(total_before: int | None, total: int, nbytes: int) -> int:
+    """What the allocator's total moved before an event beyond the event's own bytes (0 at a span's first event):
+    blocks allocated or freed on a thread the profiler does not follow."""
+    return 0 if total_before is None else total - total_before - nbytes
+
+
 def _counted(
     events: list[tuple[int, int, int, int]], held: dict[int, int], fresh: dict[int, int]
 ) -> list[tuple[int, int]]:
@@ -147,7 +153,7 @@ def _counted(
     counted: list[tuple[int, int]] = []
     total_before: int | None = None
     for at, nbytes, address, total in events:
-        unseen = 0 if total_before is None else total - total_before - nbytes
+        unseen = _unseen_bytes(total_before, total, nbytes)
         total_before = total
         if unseen:  # it happened before this event: counted first, so that a peak between the two is read
             counted.append((at, unseen))
