@@ -96,8 +96,8 @@ _BNB_NO_DTENSOR = (
 )
 _TORCHAO_STEP = (
     "torchao's low-bit optimizers step through torch.compile(fullgraph=True), one parameter a call; measured on one "
-    "device, over ddp replicas, under --strategy fsdp and under --tp (against real ranks), not yet over a pipeline's "
-    "stages or under --cp"
+    "device, over ddp replicas, under --strategy fsdp, under --tp and over a pipeline's stages (against real ranks), "
+    "not yet under --cp"
 )
 
 
@@ -218,9 +218,9 @@ COMPOSITIONS: tuple[Rule, ...] = (
     ),
     Rule(
         "--optimizer (torchao)",
-        "--pp or --cp",
+        "--cp",
         "not measured yet",
-        lambda d: d.optimizer_library == "torchao" and d.world_size > 1 and (d.pp > 1 or d.cp > 1),
+        lambda d: d.optimizer_library == "torchao" and d.world_size > 1 and d.cp > 1,
         lambda d: f"--optimizer {d.optimizer} under {_mesh_flags(d)}",
         _TORCHAO_STEP,
     ),

@@ -88,7 +88,7 @@ from autotune.measure.oom import is_oom
 from autotune.measure.parallelize import Parallelism, apply_ddp, compose, fsdp_api
 from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Strategy
-from autotune.measure.trial import _initialise, build_on_meta, make_batch, recorder_of
+from autotune.measure.trial import _fake_step, _initialise, build_on_meta, make_batch, recorder_of
 from autotune.tasks.batches import map_tensors
 from autotune.tasks.task import ProbeTask
 
@@ -919,7 +919,8 @@ class _Replay:
             self._backwards_ended()
             meter.checkpoint(FORWARD_BACKWARD)
             recorder.phase("step")
-            with step_on_host(self.task.offload, optimizer):  # --offload params: the step runs on the host
+            # --offload params: the step runs on the host; a compiled step (torchao's) runs eagerly on fake tensors.
+            with step_on_host(self.task.offload, optimizer), _fake_step(self.task, meter):
                 optimizer.step()
                 recorder.classify_optimizer(optimizer)
                 optimizer.zero_grad(set_to_none=self.task.zero_grad_to_none)
@@ -1129,7 +1130,8 @@ class _InterleavedReplay:
             meter.checkpoint(FORWARD_BACKWARD)
             recorder.phase("step")
             for optimizer in optimizers:
-                with step_on_host(task.offload, optimizer):  # --offload params: the step runs on the host
+                # --offload params: the step runs on the host; a compiled step runs eagerly on fake tensors.
+                with step_on_host(task.offload, optimizer), _fake_step(task, meter):
                     optimizer.step()
                     recorder.classify_optimizer(optimizer)
                     optimizer.zero_grad(set_to_none=task.zero_grad_to_none)

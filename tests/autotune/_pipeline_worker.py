@@ -33,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.profiler import ProfilerActivity, profile
 
 from tests.autotune._host_copies import HostCopies, offload_blocks
+from tests.autotune._ordinary_optimizers import ORDINARY
 
 VOCAB = 96
 DIM = 32
@@ -142,8 +143,10 @@ def _steps(
     job: str, rank: int, ranks: int, microbatches: int, micro_batch: int, copies: HostCopies | None = None
 ) -> None:
     # "1f1b+full": the 1F1B schedule with every block checkpointed; "1f1b+offload": every block's saved activations
-    # in host memory, in ``copies``.
+    # in host memory, in ``copies``; "1f1b+adamw4bit": each stage stepped by that optimizer as the library builds it
+    # (tests/autotune/_ordinary_optimizers.py), not torch's AdamW.
     schedule_name, _, policy = job.partition("+")
+    make_optimizer = ORDINARY.get(policy, lambda params: torch.optim.AdamW(params, lr=1e-3))
     # Interleaved: each rank holds INTERLEAVED_VIRTUAL stages (rank, rank + ranks, ...) of a deeper model, and one
     # optimizer per stage (torchtitan's one per model part).
     virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1
@@ -159,7 +162,7 @@ def _steps(
     else:
         kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
         schedule = kind(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
+    optimizers = [make_optimizer(model.parameters()) for model in models]
     train_two_steps(schedule, rank == 0, microbatches, micro_batch, optimizers)
     del schedule, stages, optimizers, models
 

@@ -58,6 +58,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
         ("interleaved-1f1b", K, SIZES),
         ("1f1b+full", K, [3]),
         ("1f1b+offload", K, SIZES),
+        ("1f1b+adamw4bit", K, SIZES),
     ]
     try:
         spawn(worker.run, args=(2, str(out / "rendezvous"), str(out), jobs), nprocs=2, join=True)
@@ -354,3 +355,49 @@ def test_params_offload_over_a_pipelines_ddp_stages_is_refused_in_one_line() -> 
     said = "^--offload params with --strategy ddp: it is FSDP2's CPUOffloadPolicy"
     with pytest.raises(AutotuneError, match=said):
         PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)
+
+
+# Between the most loaded stage's peaks at m = 2 and m = 3 under torchao's AdamW4bit (stage 0: 760,656 and 999,760).
+BUDGET_4BIT = 900_000
+
+
+def test_torchaos_adamw4bit_over_the_stages_equals_the_real_pipeline(real_peaks: dict[str, list[int]]) -> None:
+    """--optimizer adamw4bit under --pp: torchao steps each stage's parameters through torch.compile, so the probe's
+    stages run on the allocator's own count (CompiledCpuMeter); the real ranks step with torchao's own AdamW4bit.
+    The estimate's fake stages run torchao's step eagerly (its states built by its own constructors)."""
+    from autotune.measure.meters.compiled import CompiledCpuMeter
+    from autotune.measure.meters.fake import FakeMeter
+    from autotune.orchestrate.config import EstimateConfig
+    from autotune.orchestrate.estimate import estimate
+
+    task = dataclasses.replace(llama_task(), optimizer="adamw4bit")
+    meter = CompiledCpuMeter(UNBOUNDED)
+    try:
+        trials = PipelineTrials(task, meter, limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
+        for m in SIZES:
+            trials(m)
+            assert trials.stage_peaks[m] == real_peaks[f"1f1b+adamw4bit/{K}/{m}"], m
+    finally:
+        meter.close()
+    fake = PipelineTrials(task, FakeMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
+    for m in SIZES:
+        fake(m)
+        assert fake.stage_peaks[m] == real_peaks[f"1f1b+adamw4bit/{K}/{m}"], m
+    # 4-bit states: every stage holds less than under torch's AdamW.
+    assert all(a < b for a, b in zip(real_peaks[f"1f1b+adamw4bit/{K}/3"], real_peaks[f"1f1b/{K}/3"], strict=True))
+    assert max(real_peaks[f"1f1b+adamw4bit/{K}/2"]) <= BUDGET_4BIT < max(real_peaks[f"1f1b+adamw4bit/{K}/3"])
+    config = ProbeConfig(
+        device="cpu",
+        budget_bytes=BUDGET_4BIT,
+        headroom=0.0,
+        world_size=2,
+        target_batch=4,
+        mesh=Mesh(pp=2, pp_microbatches=K),
+    )
+    probed = probe(task, config)
+    assert probed.max_micro_batch == 2
+    assert probed.pipeline is not None and probed.pipeline.stage_peak_bytes == real_peaks[f"1f1b+adamw4bit/{K}/2"]
+    estimated = estimate(task, EstimateConfig(probe=config, device_kind="cpu"))
+    assert estimated.max_micro_batch == 2
+    assert estimated.pipeline is not None
+    assert estimated.pipeline.stage_peak_bytes == real_peaks[f"1f1b+adamw4bit/{K}/2"]
