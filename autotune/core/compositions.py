@@ -94,11 +94,6 @@ _BNB_NO_DTENSOR = (
     "DTensor sharding rule, so its step fails on sharded parameters, in the job as here; use --strategy ddp "
     "(measured exact) or a torch.optim class"
 )
-_TORCHAO_STEP = (
-    "torchao's low-bit optimizers step through torch.compile(fullgraph=True), one parameter a call; measured on one "
-    "device, over ddp replicas, under --strategy fsdp, under --tp and over a pipeline's stages (against real ranks), "
-    "not yet under --cp"
-)
 
 
 def _mesh_flags(d: Dimensions) -> str:
@@ -215,14 +210,6 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: d.optimizer_library == "bitsandbytes" and (d.strategy == "fsdp" or d.tp > 1),
         lambda d: f"--optimizer {d.optimizer} under {_sharded(d)}",
         _BNB_NO_DTENSOR,
-    ),
-    Rule(
-        "--optimizer (torchao)",
-        "--cp",
-        "not measured yet",
-        lambda d: d.optimizer_library == "torchao" and d.world_size > 1 and d.cp > 1,
-        lambda d: f"--optimizer {d.optimizer} under {_mesh_flags(d)}",
-        _TORCHAO_STEP,
     ),
     Rule(
         "--ac budget:R",

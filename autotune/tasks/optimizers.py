@@ -276,7 +276,7 @@ def optimizer_factory(
 def optimizer_library(optimizer: object) -> str | None:
     """The library a spec's optimizer class comes from ("torch", "bitsandbytes", "torchao", ...); None for a
     factory of the user's (not known before its first step). The composition table reads it
-    (autotune/core/compositions.py: bitsandbytes under DTensor, torchao under pp or cp)."""
+    (autotune/core/compositions.py: bitsandbytes under DTensor)."""
     if not isinstance(optimizer, SpecOptimizer):
         return None
     return optimizer.cls.__module__.partition(".")[0]

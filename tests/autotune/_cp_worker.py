@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import _disable_current_modes
 
 from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups, warmed_up
 
@@ -54,13 +55,16 @@ def run(
     ring: bool = False,
     inner: str = "ddp",
     tp: int = 1,
+    optimizer: str | None = None,
 ) -> None:
     """The job at each size (rank 0 writes every rank's peak per size to peaks.json) under DDP or (inner "fsdp") FSDP2
     over the cp ranks, with tp > 1 each cp rank's model parallelized over tp ranks (a (cp, tp) mesh, world_size = cp x
-    tp); with ring, then check_ring's comparison in the same processes (rank 0 writes ring.json): one spawn for both."""
+    tp); with ring, then check_ring's comparison in the same processes (rank 0 writes ring.json): one spawn for both.
+    ``optimizer``: a key of tests/autotune/_ordinary_optimizers.py's ORDINARY (the library's own class), else torch's
+    AdamW."""
     gc.freeze()  # the imports are never this rank's garbage: each collection walks only what the job made
     try:
-        _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation, ring, inner, tp)
+        _run(rank, world_size, seq_len, rendezvous, out_dir, config, sizes, rotation, ring, inner, tp, optimizer)
     except BaseException:
         Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
         raise
@@ -99,11 +103,15 @@ def _model(mesh: Any, config: dict[str, Any], inner: str) -> torch.nn.Module:
     return model
 
 
-def _steps(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, inner: str) -> None:
+def _steps(
+    mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, inner: str, optimizer_key: str | None = None
+) -> None:
     from torch.distributed.tensor.experimental import context_parallel
 
+    from tests.autotune._ordinary_optimizers import DEFAULT, ORDINARY
+
     model: Any = _model(mesh, config, inner)
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = (ORDINARY[optimizer_key] if optimizer_key else DEFAULT)(model.parameters())
     generator = torch.Generator().manual_seed(micro_batch)
     for _ in range(2):
         for index in range(2):
@@ -125,7 +133,10 @@ def _steps(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, in
                     )
                     loss.backward()
                 del input_ids, labels, shift_labels, position_ids, buffers, loss
-        optimizer.step()
+        # torchao compiles its step, which dynamo refuses under a dispatch mode (collectives_in_order's); the step
+        # issues no collective.
+        with _disable_current_modes():
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     del model, optimizer
 
@@ -136,10 +147,12 @@ def _count_every_thread() -> None:
     ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
-def _peak_bytes(mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, inner: str) -> int:
+def _peak_bytes(
+    mesh: Any, config: dict[str, Any], seq_len: int, micro_batch: int, inner: str, optimizer: str | None
+) -> int:
     gc.collect()  # an earlier run's cyclic garbage freed inside the profile would count low
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, collectives_in_order():
-        _steps(mesh, config, seq_len, micro_batch, inner)
+        _steps(mesh, config, seq_len, micro_batch, inner, optimizer)
     found, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while pending:
         event = pending.pop()
@@ -171,6 +184,7 @@ def _run(
     ring: bool,
     inner: str,
     tp: int,
+    optimizer: str | None,
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -188,8 +202,8 @@ def _run(
             mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
         else:
             mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-        warmed_up(functools.partial(_steps, mesh, config, seq_len, 1, inner))
-        peaks = {str(m): _every_rank(_peak_bytes(mesh, config, seq_len, m, inner)) for m in sizes}
+        warmed_up(functools.partial(_steps, mesh, config, seq_len, 1, inner, optimizer))
+        peaks = {str(m): _every_rank(_peak_bytes(mesh, config, seq_len, m, inner, optimizer)) for m in sizes}
         if rank == 0:
             Path(out_dir, "peaks.json").write_text(json.dumps(peaks))
         if ring:

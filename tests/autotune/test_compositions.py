@@ -37,7 +37,6 @@ REFUSED = [
     Dimensions(strategy="fsdp", world_size=2, quantize="nf4", lora=True),
     Dimensions(world_size=2, tp=2, quantize="nf4", lora=True),
     Dimensions(world_size=2, tp=2, optimizer="adamw8bit", optimizer_library="bitsandbytes"),
-    Dimensions(world_size=2, cp=2, optimizer="adamw4bit", optimizer_library="torchao"),
     Dimensions(activation_checkpointing="budget:0.5"),
     Dimensions(weights_dtype="fp16", precision="fp16"),
 ]
@@ -128,11 +127,15 @@ def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
         "--optimizer adamw8bit under --strategy fsdp: bitsandbytes'"
     )
     adam4 = dataclasses.replace(linear_task(), optimizer="adamw4bit")
-    ranks = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, mesh=Mesh(cp=2))
-    assert _raised(lambda: ranks.applied_to(adam4)).startswith("--optimizer adamw4bit under --cp 2: torchao's")
     # Measured over ddp and under fsdp (test_optimizer_ranks), under tp (test_tensor_parallel), over a pipeline's
-    # stages (test_pipeline): not refused.
-    for strategy, mesh in (("ddp", Mesh()), ("fsdp", Mesh()), ("ddp", Mesh(tp=2)), ("ddp", Mesh(pp=2))):
+    # stages (test_pipeline), under cp (test_context_parallel): not refused.
+    for strategy, mesh in (
+        ("ddp", Mesh()),
+        ("fsdp", Mesh()),
+        ("ddp", Mesh(tp=2)),
+        ("ddp", Mesh(pp=2)),
+        ("ddp", Mesh(cp=2)),
+    ):
         replicas = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, strategy=strategy, mesh=mesh)
         assert replicas.applied_to(adam4).name == "linear"
 

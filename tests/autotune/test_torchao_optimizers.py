@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from autotune.core.errors import TaskError
-from autotune.core.mesh import Mesh
 from autotune.measure.meters.cpu import CpuMeter
 from autotune.orchestrate.config import EstimateConfig
 from autotune.orchestrate.estimate import estimate
@@ -139,11 +138,6 @@ def test_where_a_compiled_step_is_not_measured_it_is_refused_in_one_line() -> No
     with pytest.raises(TaskError, match=r"^--optimizer adamw4bit: torchao's .* not under the CPU's dispatch") as caught:
         probe_with_meter(task, CpuMeter(6 * MiB), config)  # the dispatch meter
     assert "\n" not in str(caught.value)
-    with pytest.raises(
-        TaskError,
-        match=r"^--optimizer adamw4bit under --pp 2: .* under --tp \(against real ranks\), not yet over a pipeline",
-    ):
-        probe(task, dataclasses.replace(config, world_size=2, mesh=Mesh(pp=2)))
 
 
 def test_a_probe_over_lengths_gets_the_compiled_meter(monkeypatch: pytest.MonkeyPatch) -> None:
