@@ -96,8 +96,8 @@ _BNB_NO_DTENSOR = (
 )
 
 
-def _mesh_flags(d: Dimensions) -> str:
-    return " ".join(f"--{name} {size}" for name, size in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp)) if size > 1)
+def _compiled_stage_unmeasured(d: Dimensions) -> bool:
+    return d.strategy == "fsdp" or d.tp > 1 or d.activation_checkpointing.startswith("budget")
 
 
 def _sharded(d: Dimensions) -> str:
@@ -138,9 +138,10 @@ COMPOSITIONS: tuple[Rule, ...] = (
         "--pp",
         "--compile",
         "not measured yet",
-        lambda d: d.pp > 1 and d.compile is not None,
+        lambda d: d.pp > 1 and d.compile is not None and _compiled_stage_unmeasured(d),
         lambda d: f"--pp {d.pp} with --compile {d.compile}",
-        "a pipeline stage's compiled step is not measured yet; probe the pipeline without --compile",
+        "a pipeline's compiled stages (each block compiled, as torchtitan compiles them) are measured over ddp "
+        "replicas, not yet under --strategy fsdp or --tp, or with the compiler's --ac budget:R",
     ),
     Rule(
         "--strategy fsdp",

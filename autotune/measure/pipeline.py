@@ -81,6 +81,7 @@ from autotune.core.mesh import Mesh
 from autotune.core.schemas import MemoryBreakdown, Trial
 from autotune.measure.layout import Layout
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
+from autotune.measure.meters.compiled import compiles_on
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.meters.host import HOST
 from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
@@ -810,6 +811,7 @@ def _build_stage(
     device: torch.device,
     model: nn.Module,
     not_held: set[int] | None = None,
+    compile_blocks: bool = False,
 ) -> _Stage:
     """The stage's module: ``model``, the task's model on ``meta`` (built outside any meter's span: under the
     fake meter's mode meta tensors would come out fake), its own parameters given storage and initialised, the
@@ -827,6 +829,8 @@ def _build_stage(
         # The task's memory policy and offload on the stage's blocks, as build_model applies them to a whole model.
         apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
         apply_offload(model, task.offload, task.shard_classes, task_name=task.name)
+    if task.compile is not None and compile_blocks:
+        _compile_blocks(kept, task.compile)
     flow = _Flow()
     built = _Stage(stage, stages, model, flow, layout.ranges[stage].start, len(kept))
 
@@ -859,6 +863,27 @@ def _build_stage(
 
     built.handles.append(model.register_forward_hook(capture))
     return built
+
+
+def _compile_blocks(blocks: list[nn.Module], mode: str) -> None:
+    """Each block's forward compiled (torchtitan's ``apply_compile`` under a pipeline: one graph per block, the stage's
+    cut and its hooks outside them), lazily: its first call compiles."""
+    from autotune.measure.meters.compiled import compile_model
+
+    for block in blocks:
+        block.forward = _quiet_grad_reads(compile_model(block.forward, mode))  # type: ignore[method-assign,arg-type]
+
+
+def _quiet_grad_reads(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` without the warning dynamo's tracer raises when it reads ``.grad`` of a block's input that is no
+    leaf (the previous block's output): it reads it to guard on it, the job never asks for it."""
+
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            return forward(*args, **kwargs)
+
+    return quiet
 
 
 def _stub(module: nn.Module, name: str, flow: _Flow) -> None:
@@ -1239,12 +1264,13 @@ class PipelineTrials:
         return reading, oom
 
     def _breakdown_recorder(self) -> Any:
-        """A breakdown's recorder for a stage's steps where breakdowns are asked for and the meter counts storages
-        (the CPU and fake meters, an eager job, each stage's own figure: not a card's, which replays the stage)."""
+        """A breakdown's recorder for a stage's steps where breakdowns are asked for and the meter is the CPU's (its
+        dispatch count, the compiled job's allocator count, or fake tensors), each stage's own figure: not a card's,
+        which replays the stage."""
         from autotune.measure.breakdown import BreakdownRecorder
         from autotune.measure.meters.cpu import CpuMeter
 
-        wanted = self.breakdowns is not None and self.stage_figure is None and self.task.compile is None
+        wanted = self.breakdowns is not None and self.stage_figure is None
         return BreakdownRecorder() if wanted and isinstance(self.meter, CpuMeter) else None
 
     def _measure_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:
@@ -1260,13 +1286,18 @@ class PipelineTrials:
             _shard_on_meta(self.task, self.layout, index, meta, self.strategy) if self.strategy.shards else None
             for index, meta in zip(indices, metas, strict=True)
         ]
+        # A compiled job's blocks run compiled where the meter runs real tensors (fake ones run eager: dynamo does not
+        # trace them, autotune/measure/meters/compiled.py).
+        compiled = compiles_on(meter)
         HOST.take_peak()  # the host's peak restarts with the stage's, as a trial's does
         try:
             with meter.measure():
                 replays = []
                 recorder = recorder_of(meter)
                 for index, held in zip(indices, not_held, strict=True):
-                    stage = _build_stage(self.task, self.layout, index, meter.device, metas.pop(0), held)
+                    stage = _build_stage(
+                        self.task, self.layout, index, meter.device, metas.pop(0), held, compile_blocks=compiled
+                    )
                     self.strategy.stage_built(stage.model)
                     # --offload params: the stage's shards and, from their reduce-scatter on, its gradients'
                     # are host memory (FSDP2's CPUOffloadPolicy, applied where fsdp shards the stage).

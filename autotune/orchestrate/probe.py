@@ -336,7 +336,7 @@ def probe_with_meter(
     limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
     warnings: list[str] = []
     if task.compile is not None:  # what runs compiled and what was estimated eager (docs/compile.md)
-        warnings += compiled_job(task, meter, presearch=config.presearch and presearched is None)
+        warnings += compiled_job(task, meter, presearch=config.presearch and presearched is None, stages=config.mesh.pp)
 
     no_fit: NoFitError | None = None
     single: SingleStep | None = None

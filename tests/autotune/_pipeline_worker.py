@@ -122,9 +122,16 @@ def cut_to_stage(model: TinyLlama, stage: int, stages: int) -> TinyLlama:
 
 
 def _stage_model(
-    stage: int, stages: int, layers: int, checkpointed: bool = False, copies: HostCopies | None = None
+    stage: int,
+    stages: int,
+    layers: int,
+    checkpointed: bool = False,
+    copies: HostCopies | None = None,
+    compiled: bool = False,
 ) -> nn.Module:
-    """The stage built and initialised; with ``copies``, every block's saved activations in host memory."""
+    """The stage built and initialised; with ``copies``, every block's saved activations in host memory; ``compiled``:
+    each block compiled as torchtitan's ``apply_compile`` compiles it (``torch.compile`` of the block, put back in its
+    place)."""
     with torch.device("meta"):
         model = cut_to_stage(TinyLlama(layers), stage, stages)
     model.to_empty(device="cpu")
@@ -136,6 +143,9 @@ def _stage_model(
             model.layers[index] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     if copies is not None:
         offload_blocks(model.layers, copies)
+    if compiled:
+        for index, layer in enumerate(model.layers):
+            model.layers.register_module(str(index), torch.compile(layer))
     return model.train()
 
 
@@ -144,7 +154,7 @@ def _steps(
 ) -> None:
     # "1f1b+full": the 1F1B schedule with every block checkpointed; "1f1b+offload": every block's saved activations
     # in host memory, in ``copies``; "1f1b+adamw4bit": each stage stepped by that optimizer as the library builds it
-    # (tests/autotune/_ordinary_optimizers.py), not torch's AdamW.
+    # (tests/autotune/_ordinary_optimizers.py), not torch's AdamW; "1f1b+compile": each block compiled.
     schedule_name, _, policy = job.partition("+")
     make_optimizer = ORDINARY.get(policy, lambda params: torch.optim.AdamW(params, lr=1e-3))
     # Interleaved: each rank holds INTERLEAVED_VIRTUAL stages (rank, rank + ranks, ...) of a deeper model, and one
@@ -152,7 +162,9 @@ def _steps(
     virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1
     layers = INTERLEAVED_LAYERS if virtual > 1 else LAYERS
     indices = [rank + chunk * ranks for chunk in range(virtual)]
-    models = [_stage_model(index, ranks * virtual, layers, policy == "full", copies) for index in indices]
+    models = [
+        _stage_model(index, ranks * virtual, layers, policy == "full", copies, policy == "compile") for index in indices
+    ]
     stages = [
         PipelineStage(model, index, ranks * virtual, torch.device("cpu"))
         for model, index in zip(models, indices, strict=True)

@@ -59,6 +59,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
         ("1f1b+full", K, [3]),
         ("1f1b+offload", K, SIZES),
         ("1f1b+adamw4bit", K, SIZES),
+        ("1f1b+compile", K, SIZES),
     ]
     try:
         spawn(worker.run, args=(2, str(out / "rendezvous"), str(out), jobs), nprocs=2, join=True)
@@ -401,3 +402,43 @@ def test_torchaos_adamw4bit_over_the_stages_equals_the_real_pipeline(real_peaks:
     assert estimated.max_micro_batch == 2
     assert estimated.pipeline is not None
     assert estimated.pipeline.stage_peak_bytes == real_peaks[f"1f1b+adamw4bit/{K}/2"]
+
+
+def test_compiled_stages_equal_the_real_pipeline(real_peaks: dict[str, list[int]]) -> None:
+    """--compile under --pp: each stage's blocks compiled (torchtitan's apply_compile, one graph per block), the
+    stages on the allocator's own count (CompiledCpuMeter), against the real 2-rank pipeline whose blocks are
+    torch.compile'd in their places."""
+    from autotune.measure.meters.compiled import CompiledCpuMeter
+
+    task = dataclasses.replace(llama_task(), compile="default")
+    meter = CompiledCpuMeter(UNBOUNDED)
+    try:
+        trials = PipelineTrials(task, meter, limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
+        for m in SIZES:
+            trials(m)
+            assert trials.stage_peaks[m] == real_peaks[f"1f1b+compile/{K}/{m}"], m
+    finally:
+        meter.close()
+    # Compiled blocks hold less than eager ones here, on every stage.
+    assert all(c < e for c, e in zip(real_peaks[f"1f1b+compile/{K}/3"], real_peaks[f"1f1b/{K}/3"], strict=True))
+    # The probe at a budget between the compiled pipeline's m = 2 and m = 3 (stage 0: 815,692 and 997,452 bytes),
+    # its most loaded stage broken down, the parts summing to the real rank's peak.
+    budget = 900_000
+    assert max(real_peaks[f"1f1b+compile/{K}/2"]) <= budget < max(real_peaks[f"1f1b+compile/{K}/3"])
+    config = ProbeConfig(
+        device="cpu",
+        budget_bytes=budget,
+        headroom=0.0,
+        world_size=2,
+        target_batch=4,
+        mesh=Mesh(pp=2, pp_microbatches=K),
+        breakdown=True,
+    )
+    probed = probe(task, config)
+    assert probed.max_micro_batch == 2
+    assert probed.pipeline is not None and probed.pipeline.stage_peak_bytes == real_peaks[f"1f1b+compile/{K}/2"]
+    assert any(w.startswith("compiled (default) under --pp 2: each stage's blocks") for w in probed.warnings)
+    assert probed.breakdown is not None
+    found = {b.micro_batch: b for b in probed.breakdown}
+    assert found[2].stage == 0 and sum(found[2].parts.values()) == max(real_peaks[f"1f1b+compile/{K}/2"])
+    assert found[2].peak_where.startswith("compiled code in the")

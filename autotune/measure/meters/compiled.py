@@ -595,9 +595,10 @@ def estimated_eager(task: Any) -> str:
     )
 
 
-def compiled_job(task: Any, meter: Any, *, presearch: bool) -> list[str]:
+def compiled_job(task: Any, meter: Any, *, presearch: bool, stages: int = 1) -> list[str]:
     """What a compiled job's datasheet says before its trials run, and the meter check: a CPU meter that
-    counts storages by dispatch would miss the compiled code's own buffers.
+    counts storages by dispatch would miss the compiled code's own buffers. ``stages`` > 1: a pipeline's, whose
+    stages compile block by block (autotune/measure/pipeline.py) and are searched without a fake pre-search.
 
     Raises:
         TaskError: the meter cannot see a compiled step.
@@ -608,6 +609,13 @@ def compiled_job(task: Any, meter: Any, *, presearch: bool) -> list[str]:
             "own count (CompiledCpuMeter, make_meter(..., compiled=True)); the dispatch meter misses inductor's buffers"
         )
     meter.compile_seconds = None
+    if stages > 1:
+        return [
+            f"compiled ({task.compile}) under --pp {stages}: each stage's blocks were compiled one by one, as "
+            "torchtitan's apply_compile compiles them (the stage's cut, its embedding and head eager), at the first "
+            "size the stage ran and again where the micro-batch changed (dynamo's automatic dynamic shapes), and "
+            "every trial ran them compiled; compile_seconds (every compilation) is apart from the trials' seconds"
+        ]
     notes = [
         f"compiled ({task.compile}): the model was compiled once, at the first trial's micro-batch (at least "
         f"{WARM_UP_MICRO_BATCH}) with the micro-batch dimension dynamic, and every trial ran the compiled step; "
