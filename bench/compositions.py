@@ -4,7 +4,7 @@ ac every-2, offload activations, adamw8bit, LoRA, nf4, bf16} on a tiny hf: Llama
 m_max by both and whether they agree, or the one line that refuses the composition (autotune/core/compositions.py),
 or the first line of a failure. Written to bench/results/compositions.json.
 
-    .venv/bin/python bench/compositions.py [--only fsdp,tp] [--workers 2] [--timeout 600]
+    .venv/bin/python bench/compositions.py [--only fsdp,tp] [--containing compile] [--workers 2] [--timeout 600]
 """
 
 from __future__ import annotations
@@ -98,11 +98,14 @@ def _run(command: str, spec: str, cell: tuple[str, ...], timeout: float) -> dict
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated dimensions (default: all)")
+    parser.add_argument("--containing", help="of those cells, only the ones with this dimension (e.g. compile)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(DIMENSIONS)
     cells = [(name,) for name in names] + list(itertools.combinations(names, 2))
+    if args.containing:
+        cells = [cell for cell in cells if args.containing in cell]
     with tempfile.TemporaryDirectory() as where:
         config = Path(where) / "llama"
         config.mkdir()
@@ -127,7 +130,7 @@ def main() -> int:
     results_dir = ROOT / "bench" / "results"
     results_dir.mkdir(exist_ok=True)
     stored = results_dir / "compositions.json"
-    if args.only and stored.exists():  # a subset run updates its cells in the whole table
+    if (args.only or args.containing) and stored.exists():  # a subset run updates its cells in the whole table
         table = {**json.loads(stored.read_text()), **table}
     stored.write_text(json.dumps(table, indent=1))
     return 0
