@@ -53,3 +53,28 @@ def test_the_allocators_flag_is_put_back_after_a_span() -> None:
     with meter.measure():
         assert flag.value
     assert flag.value == before
+
+
+def test_a_block_allocated_on_another_thread_has_its_place_in_the_breakdown() -> None:
+    """The breakdown replays the events the meter counts: the other thread's block (which the profiler did not
+    record; op-level checkpointing in a compiled graph makes such blocks) is a block of its own from just before the
+    next event, so the parts still sum to the meter's peak and the trial is broken down (it was not before)."""
+    from autotune.measure.breakdown import BreakdownRecorder
+
+    meter = CompiledCpuMeter(budget_bytes=1 << 30)
+    recorder = BreakdownRecorder()
+    made: list[torch.Tensor] = []
+    with recorder.recording(meter), meter.measure():
+        recorder.phase("forward")
+        mine = torch.empty(MIB, dtype=torch.uint8)
+        maker = threading.Thread(target=lambda: made.append(torch.empty(2 * MIB, dtype=torch.uint8)))
+        maker.start()
+        maker.join()
+        del mine
+    made.clear()
+    peak = meter.reading().peak_bytes
+    breakdown = recorder.breakdown(1, True, peak)
+    assert peak == 3 * MIB
+    assert breakdown is not None and sum(breakdown.parts.values()) == 3 * MIB
+    # The timeline's last point: the other thread's 2 MiB, still alive after this thread's block was freed.
+    assert sum(breakdown.timeline[-1][1:]) == 2 * MIB

@@ -100,17 +100,24 @@ def _recorded_items(
     allocations: list[tuple[int, int, int, int]], records: list[tuple[int, int]]
 ) -> tuple[list[tuple[str, int, int]], bool]:
     """A span's allocator events and a recorder's marks as one sequence in time order: ("alloc", address, bytes),
-    ("free", address, bytes), ("mark", serial, 0); and whether the events are the whole story (False where the
-    allocator's total moved by more than an event's own bytes: a block freed on a thread the profiler does not
-    follow, which no breakdown can place)."""
+    ("free", address, bytes), ("mark", serial, 0); and whether the events are the whole story. Where the
+    allocator's total grew by more than an event's own bytes (an allocation the profiler did not record: under
+    op-level checkpointing in a compiled graph, 128 bytes a few times a step), the growth is an allocation of its
+    own just before the event, at an address no block has, as :func:`_counted` counts it; where it fell (a block
+    freed on a thread the profiler does not follow, which no breakdown can place), the events are not whole."""
     items: list[tuple[int, int, int, tuple[str, int, int]]] = []
     whole = True
     total_before: int | None = None
+    unseen_address = 0  # negative: no real block's
     for order, (at, nbytes, address, total) in enumerate(allocations):
-        if _unseen_bytes(total_before, total, nbytes):
-            whole = False
+        unseen = _unseen_bytes(total_before, total, nbytes)
         total_before = total
-        items.append((at, 0, order, ("alloc" if nbytes > 0 else "free", address, abs(nbytes))))
+        if unseen < 0:
+            whole = False
+        elif unseen > 0:
+            unseen_address -= 1
+            items.append((at, 0, 2 * order, ("alloc", unseen_address, unseen)))
+        items.append((at, 0, 2 * order + 1, ("alloc" if nbytes > 0 else "free", address, abs(nbytes))))
     # A mark stamped at the same nanosecond as an allocation is put after it: what a mark says a storage is (its
     # gradients, its state) is said after the storage was made.
     items += [(at, 1, serial, ("mark", serial, 0)) for at, serial in records]
