@@ -97,7 +97,7 @@ _BNB_NO_DTENSOR = (
 
 
 def _compiled_stage_unmeasured(d: Dimensions) -> bool:
-    return d.strategy == "fsdp" or d.tp > 1 or d.activation_checkpointing.startswith("budget")
+    return d.tp > 1 or d.activation_checkpointing.startswith("budget")
 
 
 def _sharded(d: Dimensions) -> str:
@@ -141,7 +141,8 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: d.pp > 1 and d.compile is not None and _compiled_stage_unmeasured(d),
         lambda d: f"--pp {d.pp} with --compile {d.compile}",
         "a pipeline's compiled stages (each block compiled, as torchtitan compiles them) are measured over ddp "
-        "replicas, not yet under --strategy fsdp or --tp, or with the compiler's --ac budget:R",
+        "replicas and under --strategy fsdp, not yet under --tp (tp's collectives run inside the compiled blocks, "
+        "where the real-rank truth cannot order gloo's frees) or with the compiler's --ac budget:R",
     ),
     Rule(
         "--strategy fsdp",

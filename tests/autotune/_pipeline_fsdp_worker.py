@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._python_dispatch import _disable_current_modes
 
 from tests.autotune._ordered_gloo import collectives_in_order, one_thread_groups, warmed_up
 from tests.autotune._pipeline_worker import (
@@ -180,16 +181,34 @@ def _sp_stage_model(stage: int, stages: int, mesh: Any) -> nn.Module:
     return model.train()
 
 
-def _stage_model(stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYERS) -> nn.Module:
+def _outside_modes(forward: Any) -> Any:
+    """A compiled block's forward run with no dispatch mode on: dynamo compiles nothing under one
+    (collectives_in_order's), and the block's graph issues no collective (FSDP2's are in its hooks, outside)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return forward(*args, **kwargs)
+
+    return call
+
+
+def _stage_model(
+    stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYERS, compiled: bool = False
+) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     with torch.device("meta"):
         model = cut_to_stage(TpLlama(layers) if tp > 1 else TinyLlama(layers), stage, stages)
-    blocks = list(model.layers)
-    if tp > 1:  # torchtitan's apply_tp, then apply_fsdp over dp
-        for block in blocks:
+    if tp > 1:  # torchtitan's apply_tp, then apply_compile, then apply_fsdp over dp
+        for block in model.layers:
             parallelize_module(block, mesh["tp"], block_tp_plan())
+    if compiled:  # torchtitan's apply_compile (each block compiled, put back in its place)
+        for index, layer in enumerate(model.layers):
+            block = torch.compile(layer)
+            block.forward = _outside_modes(block.forward)  # type: ignore[method-assign]
+            model.layers.register_module(str(index), block)
+    blocks = list(model.layers)
     if mesh["dp"].size() > 1:
         for index, block in enumerate(blocks):
             fully_shard(block, mesh=mesh["dp"], reshard_after_forward=index < len(blocks) - 1)
@@ -201,7 +220,14 @@ def _stage_model(stage: int, stages: int, mesh: Any, tp: int, layers: int = LAYE
     return model.train()
 
 
-def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str, sequence_parallel: bool = False) -> None:
+def _steps(
+    mesh: Any,
+    microbatches: int,
+    micro_batch: int,
+    schedule_name: str,
+    sequence_parallel: bool = False,
+    compiled: bool = False,
+) -> None:
     rank, ranks = mesh["pp"].get_local_rank(), mesh["pp"].size()
     tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
     # Interleaved: rank r holds stages r, r + pp, ... of a deeper model, each sharded on its own as a separate model
@@ -212,7 +238,7 @@ def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str, s
     if sequence_parallel:
         models = [_sp_stage_model(index, ranks, mesh) for index in indices]
     else:
-        models = [_stage_model(index, ranks * virtual, mesh, tp, layers) for index in indices]
+        models = [_stage_model(index, ranks * virtual, mesh, tp, layers, compiled) for index in indices]
     stages: list[Any] = [
         PipelineStage(model, index, ranks * virtual, torch.device("cpu"), group=mesh["pp"].get_group())
         for model, index in zip(models, indices, strict=True)
@@ -230,11 +256,16 @@ def _steps(mesh: Any, microbatches: int, micro_batch: int, schedule_name: str, s
 
 
 def _peak_bytes(
-    mesh: Any, microbatches: int, micro_batch: int, schedule_name: str, sequence_parallel: bool = False
+    mesh: Any,
+    microbatches: int,
+    micro_batch: int,
+    schedule_name: str,
+    sequence_parallel: bool = False,
+    compiled: bool = False,
 ) -> int:
     def steps() -> None:
         with collectives_in_order():
-            _steps(mesh, microbatches, micro_batch, schedule_name, sequence_parallel)
+            _steps(mesh, microbatches, micro_batch, schedule_name, sequence_parallel, compiled)
 
     return profiled_peak_bytes(steps)
 
@@ -251,6 +282,7 @@ def run(
     tp: int = 1,
     runs_per_size: int = RUNS_PER_SIZE,
     sequence_parallel: bool = False,
+    compiled: bool = False,
 ) -> None:
     """This rank's peak under ``schedule_name`` (1f1b, gpipe, interleaved-1f1b: V 2 stages per rank of a 4-block
     model) at each size (its first run's) to rank{rank}.json, every one of ``runs_per_size`` runs' to
@@ -274,9 +306,11 @@ def run(
                 mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
             else:
                 mesh = init_device_mesh("cpu", (stages, world_size // stages), mesh_dim_names=("pp", "dp"))
-            warmed_up(functools.partial(_steps, mesh, k, 1, schedule_name, sequence_parallel))
+            # A compiled job's blocks compile at its first size, as the probe's stages do.
+            warm_size = sizes[0] if compiled else 1
+            warmed_up(functools.partial(_steps, mesh, k, warm_size, schedule_name, sequence_parallel, compiled))
             runs = {
-                m: [_peak_bytes(mesh, k, m, schedule_name, sequence_parallel) for _ in range(runs_per_size)]
+                m: [_peak_bytes(mesh, k, m, schedule_name, sequence_parallel, compiled) for _ in range(runs_per_size)]
                 for m in sizes
             }
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps({str(m): r[0] for m, r in runs.items()}))

@@ -28,7 +28,7 @@ REFUSED = [
     Dimensions(world_size=4, cp=2, pp=2),
     Dimensions(world_size=4, cp=2, tp=2),
     Dimensions(world_size=2, cp=2, compile="default"),
-    Dimensions(strategy="fsdp", world_size=4, pp=2, compile="default"),
+    Dimensions(world_size=4, pp=2, tp=2, compile="default"),
     Dimensions(strategy="fsdp", world_size=1),
     Dimensions(strategy="fsdp", world_size=2, tp=2),
     Dimensions(offload="params"),
@@ -118,12 +118,15 @@ def test_every_asker_says_the_same_line() -> None:
 def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
     """What only the task knows (its compile or offload, its optimizer's library) is asked before any trial."""
     task = dataclasses.replace(linear_task(), compile="default")
-    config = ProbeConfig(device="cpu", budget_bytes=1 << 30, strategy="fsdp", world_size=4, mesh=Mesh(pp=2))
-    said = composition_refusal(Dimensions(strategy="fsdp", world_size=4, pp=2, compile="default"))
+    config = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=4, mesh=Mesh(pp=2, tp=2))
+    said = composition_refusal(Dimensions(world_size=4, pp=2, tp=2, compile="default"))
     assert _raised(lambda: config.applied_to(task)) == said
-    # Over ddp stages a compiled pipeline is measured (test_pipeline): not refused.
-    ddp_stages = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, mesh=Mesh(pp=2))
-    assert ddp_stages.applied_to(task).name == "linear"
+    # Over ddp or fsdp stages a compiled pipeline is measured (test_pipeline, test_pipeline_fsdp): not refused.
+    for strategy, world_size in (("ddp", 2), ("fsdp", 4)):
+        stages = ProbeConfig(
+            device="cpu", budget_bytes=1 << 30, strategy=strategy, world_size=world_size, mesh=Mesh(pp=2)
+        )
+        assert stages.applied_to(task).name == "linear"
     adam8 = dataclasses.replace(linear_task(), optimizer="adamw8bit")
     fsdp = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, strategy="fsdp")
     assert _raised(lambda: fsdp.applied_to(adam8)).startswith(
@@ -147,7 +150,7 @@ def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
     ("flags", "said"),
     [
         (["--world-size", "4", "--cp", "2", "--pp", "2"], "--cp 2 with --pp 2: "),
-        (["--world-size", "4", "--strategy", "fsdp", "--pp", "2", "--compile"], "--pp 2 with --compile default: "),
+        (["--world-size", "4", "--tp", "2", "--pp", "2", "--compile"], "--pp 2 with --compile default: "),
         (["--offload", "params"], "--offload params with --strategy ddp: "),
         (["--weights-dtype", "fp16", "--precision", "fp16"], "--weights-dtype fp16 with --precision fp16: "),
     ],

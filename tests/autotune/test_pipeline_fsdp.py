@@ -129,6 +129,45 @@ def test_the_probe_and_the_estimate_answer_the_real_m_max(real_peaks: dict[int, 
     assert estimated.pipeline.stage_peak_bytes == [real_peaks[2][0], real_peaks[2][2]]
 
 
+def test_compiled_sharded_stages_equal_the_real_ranks(tmp_path: Path, real_peaks: dict[int, list[int]]) -> None:
+    """--compile under --pp 2 --strategy fsdp (pp 2 x dp 2): each stage's blocks compiled, then sharded (torchtitan's
+    apply_compile before apply_fsdp), against 4 real processes built so; the stages on the allocator's own count."""
+    from autotune.measure.meters.compiled import CompiledCpuMeter
+
+    args = (WORLD, STAGES, str(tmp_path / "rendezvous"), str(tmp_path), K, SIZES, "1f1b", 1, 1, False, True)
+    try:
+        spawn(fsdp_worker.run, args=args, nprocs=WORLD, join=True)
+    except ProcessException as exc:
+        errors = "\n".join(path.read_text() for path in sorted(tmp_path.glob("rank*.error")))
+        pytest.fail(f"the 4-process compiled pipeline over fsdp failed: {exc}\n{errors}")
+    real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    task = dataclasses.replace(llama_task(), compile="default")
+    strategy = ShardedStage(WORLD, STAGES)
+    meter = CompiledCpuMeter(UNBOUNDED)
+    try:
+        with strategy.process_group(torch.device("cpu")):
+            trials = PipelineTrials(
+                task, meter, limit_bytes=UNBOUNDED, stages=STAGES, schedule="1f1b", microbatches=K, strategy=strategy
+            )
+            for m in SIZES:
+                trials(m)
+                assert trials.stage_peaks[m] == [real[0][str(m)], real[2][str(m)]], m
+    finally:
+        meter.close()
+    # Compiled blocks hold less than eager ones here, on both stages.
+    assert all(real[rank][str(3)] < real_peaks[3][rank] for rank in range(WORLD))
+    # The probe at a budget between the real m = 2 and m = 3 (stage 0: 764,236 and 925,516 bytes).
+    budget = 850_000
+    assert max(real[rank][str(2)] for rank in range(WORLD)) <= budget < max(real[rank][str(3)] for rank in range(WORLD))
+    mesh = Mesh(pp=STAGES, pp_microbatches=K)
+    config = ProbeConfig(
+        device="cpu", budget_bytes=budget, headroom=0.0, strategy="fsdp", world_size=WORLD, target_batch=8, mesh=mesh
+    )
+    profile = probe(task, config)
+    assert profile.max_micro_batch == 2
+    assert profile.pipeline is not None and profile.pipeline.stage_peak_bytes == [real[0]["2"], real[2]["2"]]
+
+
 def tp_task(layers: int = worker.LAYERS) -> ProbeTask:
     return ProbeTask(
         name="tiny-llama-tp",
