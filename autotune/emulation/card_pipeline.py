@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autotune.core.allocator import AllocatorConfig, replay
-from autotune.core.schemas import Trial
+from autotune.core.schemas import MemoryBreakdown, Trial
 from autotune.measure.meters import MemoryReading
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.pipeline import StageFigure
@@ -76,6 +76,9 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
     )
     trials: dict[int, Trial] = {}
     warnings: list[str] = []
+    # With breakdown: each size's most loaded stage broken down on the card (its live parts, the allocator's reserve
+    # and the memory outside it).
+    breakdowns: dict[int, MemoryBreakdown] | None = {} if request.get("breakdown") else None
     found: dict[str, Any] = {"seq_len": task.seq_len, "max_micro_batch": 0, "fit": None, "no_fit": False}
     try:
         result = search_pipeline(
@@ -91,8 +94,16 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
             stage_figure=figure,
             far_extrapolation=1e9,  # fake trials: an overshoot costs no device
             extra_sizes=[int(m) for m in request.get("extra_sizes") or ()],
+            breakdowns=breakdowns,
         )
         found["max_micro_batch"] = result.max_micro_batch
+        # The profile keeps m_max's and the next size's (autotune/orchestrate/breakdowns.py).
+        multiple_of = int(request["multiple_of"])
+        found["breakdowns"] = [
+            breakdowns[m].model_dump(mode="json")
+            for m in (result.max_micro_batch, result.max_micro_batch + multiple_of)
+            if breakdowns is not None and m in breakdowns
+        ]
         found["fit"] = result.fit.model_dump(mode="json") if result.fit is not None else None
         found["pipeline"] = result.pipeline.model_dump(mode="json") if result.pipeline is not None else None
     except NoFitError:

@@ -1265,13 +1265,13 @@ class PipelineTrials:
 
     def _breakdown_recorder(self) -> Any:
         """A breakdown's recorder for a stage's steps where breakdowns are asked for and the meter is the CPU's (its
-        dispatch count, the compiled job's allocator count, or fake tensors), each stage's own figure: not a card's,
-        which replays the stage."""
+        dispatch count, the compiled job's allocator count) or fake tensors (an estimate's; an emulated card's, whose
+        figure the stage's live parts are then completed to: :meth:`__call__`)."""
         from autotune.measure.breakdown import BreakdownRecorder
         from autotune.measure.meters.cpu import CpuMeter
 
-        wanted = self.breakdowns is not None and self.stage_figure is None
-        return BreakdownRecorder() if wanted and isinstance(self.meter, CpuMeter) else None
+        wanted = self.breakdowns is not None
+        return BreakdownRecorder() if wanted and isinstance(self.meter, CpuMeter | FakeMeter) else None
 
     def _measure_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:
         shapes = _record_shapes(self.task, self._recorder, self.layout, micro_batch)
@@ -1345,6 +1345,7 @@ class PipelineTrials:
                 reading, oom = self.measure_stage(stage_index, micro_batch)
             else:
                 reading, oom = self.stage_figure(functools.partial(self.measure_stage, stage_index, micro_batch))
+                self._on_card(stage_index, reading, oom)
             readings.append(reading)
             if oom:
                 break
@@ -1372,6 +1373,25 @@ class PipelineTrials:
             host_peak_bytes=host_peak,
             fake=isinstance(self.meter, FakeMeter),
         )
+
+    def _on_card(self, stage_index: int, reading: MemoryReading, oom: bool) -> None:
+        """A stage's live breakdown completed to its card figure (reserved + outside the allocator: the allocator's
+        reserve beyond the live peak and the memory outside it as parts of their own), or dropped where the figure
+        cannot be broken down (an OOM, a reserve below the live peak)."""
+        from autotune.measure.breakdown import with_card_parts
+
+        live = self.stage_breakdowns.pop(stage_index, None)
+        if live is None or oom:
+            return
+        outside = reading.outside_allocator_bytes or 0
+        on_card = with_card_parts(
+            live,
+            reserved_bytes=reading.peak_bytes - outside,
+            outside_bytes=outside,
+            fits=reading.peak_bytes <= self.limit_bytes,
+        )
+        if on_card is not None:
+            self.stage_breakdowns[stage_index] = on_card
 
     def build(self) -> float:
         return 0.0

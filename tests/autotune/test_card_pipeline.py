@@ -48,6 +48,15 @@ def test_a_pipeline_estimates_on_an_emulated_card_stage_by_stage(cuda_python: st
     assert at_cap.fake and at_cap.peak_bytes == max(stages.stage_peak_bytes)
     outside = at_cap.outside_allocator_bytes
     assert outside and at_cap.allocated_bytes and at_cap.allocated_bytes <= at_cap.peak_bytes - outside
+    # The most loaded stage's figure broken down on the card: its live parts, the allocator's reserve beyond them
+    # and the memory outside it, summing to the figure the search decided on.
+    assert profile.breakdown is not None
+    (broken,) = [b for b in profile.breakdown if b.micro_batch == M_CAP]
+    assert broken.stage == stages.most_loaded_stage and broken.peak_bytes == at_cap.peak_bytes
+    assert sum(broken.parts.values()) == at_cap.peak_bytes and broken.parts["outside_allocator"] == outside
+    live_peak_bytes = max(sum(point[1:]) for point in broken.timeline)  # the timeline is the live tensors'
+    assert broken.parts["allocator_reserve"] == at_cap.peak_bytes - outside - live_peak_bytes > 0
+    assert at_cap.allocated_bytes is not None and live_peak_bytes <= at_cap.allocated_bytes
     # The plan: m x K x D = T with D = W / pp = 1 replica, K at most the one measured.
     plan = profile.plan
     assert plan is not None and plan.exact and (plan.micro_batch, plan.accumulation_steps) == (M_CAP, K)
