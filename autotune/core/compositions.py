@@ -96,10 +96,6 @@ _BNB_NO_DTENSOR = (
 )
 
 
-def _compiled_stage_unmeasured(d: Dimensions) -> bool:
-    return d.tp > 1 or d.activation_checkpointing.startswith("budget")
-
-
 def _sharded(d: Dimensions) -> str:
     return "--strategy fsdp" if d.strategy == "fsdp" else f"--tp {d.tp}"
 
@@ -136,13 +132,13 @@ COMPOSITIONS: tuple[Rule, ...] = (
     ),
     Rule(
         "--pp",
-        "--compile",
+        "--compile under --tp",
         "not measured yet",
-        lambda d: d.pp > 1 and d.compile is not None and _compiled_stage_unmeasured(d),
+        lambda d: d.pp > 1 and d.tp > 1 and d.compile is not None,
         lambda d: f"--pp {d.pp} with --compile {d.compile}",
         "a pipeline's compiled stages (each block compiled, as torchtitan compiles them) are measured over ddp "
         "replicas and under --strategy fsdp, not yet under --tp (tp's collectives run inside the compiled blocks, "
-        "where the real-rank truth cannot order gloo's frees) or with the compiler's --ac budget:R",
+        "where the real-rank truth cannot order gloo's frees)",
     ),
     Rule(
         "--strategy fsdp",

@@ -830,7 +830,7 @@ def _build_stage(
         apply_policy(model, task.activation_checkpointing, task.shard_classes, task_name=task.name)
         apply_offload(model, task.offload, task.shard_classes, task_name=task.name)
     if task.compile is not None and compile_blocks:
-        _compile_blocks(kept, task.compile)
+        _compile_blocks(kept, task.compile, task.activation_checkpointing)
     flow = _Flow()
     built = _Stage(stage, stages, model, flow, layout.ranges[stage].start, len(kept))
 
@@ -865,25 +865,30 @@ def _build_stage(
     return built
 
 
-def _compile_blocks(blocks: list[nn.Module], mode: str) -> None:
+def _compile_blocks(blocks: list[nn.Module], mode: str, policy: str) -> None:
     """Each block's forward compiled (torchtitan's ``apply_compile`` under a pipeline: one graph per block, the stage's
-    cut and its hooks outside them), lazily: its first call compiles."""
-    from autotune.measure.meters.compiled import compile_model
+    cut and its hooks outside them), lazily: its first call compiles, under ``budget:R`` with the compiler's
+    activation memory budget at R (each block's graph partitioned under it)."""
+    from autotune.measure.meters.compiled import compile_model, fresh_compiler_for
 
+    fresh_compiler_for(policy)
     for block in blocks:
-        block.forward = _quiet_grad_reads(compile_model(block.forward, mode))  # type: ignore[method-assign,arg-type]
+        compiled = compile_model(block.forward, mode)  # type: ignore[arg-type]
+        block.forward = _compiled_call(compiled, policy)  # type: ignore[method-assign]
 
 
-def _quiet_grad_reads(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` without the warning dynamo's tracer raises when it reads ``.grad`` of a block's input that is no
-    leaf (the previous block's output): it reads it to guard on it, the job never asks for it."""
+def _compiled_call(forward: Callable[..., Any], policy: str) -> Callable[..., Any]:
+    """``forward`` under the policy's memory budget (none but ``budget:R``'s), without the warning dynamo's tracer
+    raises when it reads ``.grad`` of a block's input that is no leaf (the previous block's output): it reads it to
+    guard on it, the job never asks for it."""
+    from autotune.measure.meters.compiled import memory_budget
 
-    def quiet(*args: Any, **kwargs: Any) -> Any:
-        with warnings.catch_warnings():
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings(), memory_budget(policy):
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             return forward(*args, **kwargs)
 
-    return quiet
+    return call
 
 
 def _stub(module: nn.Module, name: str, flow: _Flow) -> None:

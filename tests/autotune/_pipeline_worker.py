@@ -149,14 +149,43 @@ def _stage_model(
     return model.train()
 
 
+# The memory budget the rank's compiled blocks were last compiled under (dynamo's cache does not guard on it).
+_COMPILED_UNDER: dict[str, str] = {}
+
+
 def _steps(
     job: str, rank: int, ranks: int, microbatches: int, micro_batch: int, copies: HostCopies | None = None
 ) -> None:
     # "1f1b+full": the 1F1B schedule with every block checkpointed; "1f1b+offload": every block's saved activations
     # in host memory, in ``copies``; "1f1b+adamw4bit": each stage stepped by that optimizer as the library builds it
     # (tests/autotune/_ordinary_optimizers.py), not torch's AdamW; "1f1b+compile": each block compiled.
+    # "1f1b+compile+budget:0.5": compiled blocks partitioned under the compiler's activation memory budget 0.5, set
+    # as a training script sets it (torch._functorch.config), in a fresh compiler.
     schedule_name, _, policy = job.partition("+")
+    policy, _, budget = policy.partition("+budget:")
     make_optimizer = ORDINARY.get(policy, lambda params: torch.optim.AdamW(params, lr=1e-3))
+    if budget:
+        import torch._functorch.config as functorch_config
+
+        if _COMPILED_UNDER.get("budget") != budget:  # the first size of this job: a fresh compiler
+            torch._dynamo.reset()
+            _COMPILED_UNDER["budget"] = budget
+        with functorch_config.patch(activation_memory_budget=float(budget)):
+            _run_steps(schedule_name, policy, rank, ranks, microbatches, micro_batch, copies, make_optimizer)
+    else:
+        _run_steps(schedule_name, policy, rank, ranks, microbatches, micro_batch, copies, make_optimizer)
+
+
+def _run_steps(
+    schedule_name: str,
+    policy: str,
+    rank: int,
+    ranks: int,
+    microbatches: int,
+    micro_batch: int,
+    copies: HostCopies | None,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+) -> None:
     # Interleaved: each rank holds INTERLEAVED_VIRTUAL stages (rank, rank + ranks, ...) of a deeper model, and one
     # optimizer per stage (torchtitan's one per model part).
     virtual = INTERLEAVED_VIRTUAL if schedule_name == "interleaved-1f1b" else 1

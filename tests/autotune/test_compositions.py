@@ -68,6 +68,8 @@ def test_each_rule_is_reached_by_a_job_and_names_both_of_its_flags() -> None:
         Dimensions(world_size=2, optimizer="adamw8bit", optimizer_library="bitsandbytes"),
         Dimensions(quantize="nf4", lora=True, world_size=2),
         Dimensions(activation_checkpointing="budget:0.5", compile="default"),
+        Dimensions(world_size=2, pp=2, compile="default", activation_checkpointing="budget:0.5"),
+        Dimensions(strategy="fsdp", world_size=4, pp=2, compile="default"),
         Dimensions(world_size=2, tp=2, lora=True),
         Dimensions(strategy="fsdp", world_size=4, cp=2),
         # What the asker does not know yet waits: the CLI cannot tell whether a spec carries LoRA.

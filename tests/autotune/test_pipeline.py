@@ -60,6 +60,7 @@ def real_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]
         ("1f1b+offload", K, SIZES),
         ("1f1b+adamw4bit", K, SIZES),
         ("1f1b+compile", K, SIZES),
+        ("1f1b+compile+budget:0.5", K, SIZES),
     ]
     try:
         spawn(worker.run, args=(2, str(out / "rendezvous"), str(out), jobs), nprocs=2, join=True)
@@ -442,3 +443,21 @@ def test_compiled_stages_equal_the_real_pipeline(real_peaks: dict[str, list[int]
     found = {b.micro_batch: b for b in probed.breakdown}
     assert found[2].stage == 0 and sum(found[2].parts.values()) == max(real_peaks[f"1f1b+compile/{K}/2"])
     assert found[2].peak_where.startswith("compiled code in the")
+
+
+def test_compiled_stages_under_a_memory_budget_equal_the_real_pipeline(real_peaks: dict[str, list[int]]) -> None:
+    """--compile --ac budget:0.5 under --pp: each block's graph partitioned under the compiler's activation memory
+    budget, against the real pipeline whose ranks set torch._functorch.config.activation_memory_budget = 0.5."""
+    from autotune.measure.meters.compiled import CompiledCpuMeter
+
+    task = dataclasses.replace(llama_task(), compile="default", activation_checkpointing="budget:0.5")
+    meter = CompiledCpuMeter(UNBOUNDED)
+    try:
+        trials = PipelineTrials(task, meter, limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
+        for m in SIZES:
+            trials(m)
+            assert trials.stage_peaks[m] == real_peaks[f"1f1b+compile+budget:0.5/{K}/{m}"], m
+    finally:
+        meter.close()
+    # The budget recomputes part of each block's forward: the first stage holds less than compiled alone.
+    assert real_peaks[f"1f1b+compile+budget:0.5/{K}/3"][0] < real_peaks[f"1f1b+compile/{K}/3"][0]

@@ -502,17 +502,23 @@ def compiles_on(meter: Any) -> bool:
     return not isinstance(meter, FakeMeter)
 
 
+def fresh_compiler_for(policy: str) -> float | None:
+    """The compiler's activation memory budget under ``policy`` (R of ``budget:R``, else None), with dynamo's caches
+    reset where the last compilation ran under another: its cache does not guard on the partitioner's budget, so a
+    graph compiled under another ratio would answer this probe's calls (a fresh compiler, as a fresh process has)."""
+    parsed = parse_policy(policy)
+    ratio = parsed.budget if parsed.kind == "budget" else None
+    if _compiled_under.get("budget", None) != ratio:
+        torch._dynamo.reset()
+    _compiled_under["budget"] = ratio
+    return ratio
+
+
 def compiled_for(task: Any, model: nn.Module) -> nn.Module:
     """``model`` compiled in the task's mode, lazily (its first call compiles); under ``budget:R`` its forward runs
     with the compiler's activation memory budget at R, so every compilation of it (the first, a recompilation
     for another size) partitions under R."""
-    parsed = parse_policy(task.activation_checkpointing)
-    ratio = parsed.budget if parsed.kind == "budget" else None
-    if _compiled_under.get("budget", None) != ratio:
-        # Dynamo's cache does not guard on the partitioner's budget: a graph compiled under another ratio would
-        # answer this probe's calls. A fresh compiler, as a fresh process has.
-        torch._dynamo.reset()
-    _compiled_under["budget"] = ratio
+    ratio = fresh_compiler_for(task.activation_checkpointing)
     compiled = compile_model(model, task.compile)
     if ratio is not None:
         forward = compiled.forward
