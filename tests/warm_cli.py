@@ -34,7 +34,7 @@ from typing import Any
 
 from tests.ranks import FORKSERVER
 
-__all__ = ["autotune_arguments", "run", "script_of"]
+__all__ = ["autotune_arguments", "run"]
 
 _CLI_MODULES = ("autotune.cli", "autotune")
 
@@ -51,7 +51,7 @@ def autotune_arguments(command: Sequence[str]) -> list[str] | None:
     return None
 
 
-def script_of(command: Sequence[str]) -> list[str] | None:
+def _script_of(command: Sequence[str]) -> list[str] | None:
     """``[SCRIPT, *ARGS]`` where ``command`` is ``python SCRIPT ARGS...``; None for any other command."""
     words = [str(word) for word in command]
     if len(words) < 2 or not Path(words[0]).name.startswith("python") or words[1].startswith("-"):
@@ -136,7 +136,7 @@ def run(
     too: :func:`_shim_folder`) or a Python script forked warm."""
     arguments, entry = autotune_arguments(command), _main
     if arguments is None:
-        arguments, entry = script_of(command), _script
+        arguments, entry = _script_of(command), _script
     piped = capture_output or (stdout == subprocess.PIPE and stderr in (subprocess.PIPE, subprocess.STDOUT))
     if arguments is None or not piped:
         if command and Path(str(command[0])).name == "bash":
