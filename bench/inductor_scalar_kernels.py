@@ -6,9 +6,9 @@ cold compiles, as on a fresh CI machine.
 
     .venv/bin/python bench/inductor_scalar_kernels.py
 
-Cases: a two-block GPT with transformers' gelu_new compiled by torch.compile and stepped twice with AdamW at m = 4
-and m = 8 (test_compile's truth), and torchao's AdamW4bit stepping a model whose matrices hold 4-bit states
-(torchao compiles its step per parameter shape). Nothing here is a test: it prints figures.
+Cases: test_compile's truth (a two-block GPT with transformers' gelu_new compiled by torch.compile, two accumulated
+AdamW steps) at m = 4 and m = 8, and test_optimizer_specs' adamw4bit truth (torchao compiles its step per parameter
+shape) at m = 4: the child calls the suite's own functions. Nothing here is a test: it prints figures.
 """
 
 from __future__ import annotations
@@ -19,67 +19,37 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
+# The child measures the very truths the suite asserts (no model or loop of its own): test_compile's
+# allocator_peak_once (a two-block GPT with gelu_new, torch.compile'd, two accumulated AdamW steps) and
+# test_optimizer_specs' adamw4bit truth (tests/autotune/_allocator_truth.py over examples/gpt.py's one-block GPT
+# stepped by torchao's own AdamW4bit).
 CHILD = r"""
-import json, math, sys, time
-import torch
-from torch import nn
-from torch.nn import functional as F
-from torch.profiler import ProfilerActivity, profile
+import json, sys, time
+from types import SimpleNamespace
 
+sys.path.insert(0, sys.argv[3])
 case, m = sys.argv[1], int(sys.argv[2])
-torch.manual_seed(0)
-
-
-def gelu_new(x):
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.ln, self.fc, self.proj = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.proj(gelu_new(self.fc(self.ln(x))))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, vocab, width):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, ids):
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 started = time.perf_counter()
-with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-    if case == "compiled-gpt":
-        model = TinyGPT(128, 32)
-        run = torch.compile(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    else:  # torchao's 4-bit AdamW: states quantized where a parameter has 4096 elements or more
-        from torchao.optim import AdamW4bit
+if case == "compiled-gpt":
+    from tests.autotune.test_compile import allocator_peak_once
 
-        model = TinyGPT(256, 64)
-        run = model
-        optimizer = AdamW4bit(model.parameters(), lr=1e-3)
-    for _ in range(2):
-        ids = torch.randint(0, model.tok.num_embeddings, (m, 32), generator=torch.Generator().manual_seed(m))
-        F.cross_entropy(run(ids).flatten(0, 1), ids.flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-live = peak = 0
-for event in sorted(events, key=lambda e: e.start_ns()):
-    live += event.nbytes()
-    peak = max(peak, live)
+    peak = allocator_peak_once(m, compiled=True)
+else:  # torchao's 4-bit AdamW
+    from examples.gpt import GPT, make_task
+    from tests.autotune._allocator_truth import allocator_peak_bytes
+    from tests.autotune._ordinary_optimizers import ORDINARY
+    from tests.autotune.test_optimizer_specs import TINY
+
+    task = make_task(TINY)
+    ordinary = SimpleNamespace(
+        model=lambda: GPT(TINY), batch=task.batch, compute_loss=task.compute_loss, shard_classes=None,
+        make_optimizer=ORDINARY["adamw4bit"],
+    )
+    peak = allocator_peak_bytes(ordinary, m)
 print(json.dumps({"peak_bytes": peak, "seconds": time.perf_counter() - started}))
 """
 
@@ -92,7 +62,11 @@ def run(case: str, micro_batch: int, *, scalar: bool) -> dict[str, float]:
         if scalar:
             env["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, case, str(micro_batch)], env=env, capture_output=True, text=True, check=False
+            [sys.executable, "-c", CHILD, case, str(micro_batch), str(ROOT)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
         )
     if done.returncode != 0:
         raise SystemExit(f"{case} m={micro_batch}: {done.stderr.strip().splitlines()[-1]}")
