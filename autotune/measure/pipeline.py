@@ -1271,11 +1271,13 @@ class PipelineTrials:
     def _breakdown_recorder(self) -> Any:
         """A breakdown's recorder for a stage's steps where breakdowns are asked for and the meter is the CPU's (its
         dispatch count, the compiled job's allocator count) or fake tensors (an estimate's; an emulated card's, whose
-        figure the stage's live parts are then completed to: :meth:`__call__`)."""
+        figure the stage's live parts are then completed to: :meth:`__call__`). Not a compiled job's fake stages, which
+        run it eager (a plain estimate's fake trials of one are not broken down either)."""
         from autotune.measure.breakdown import BreakdownRecorder
         from autotune.measure.meters.cpu import CpuMeter
 
-        wanted = self.breakdowns is not None
+        eager_stand_in = self.task.compile is not None and isinstance(self.meter, FakeMeter)
+        wanted = self.breakdowns is not None and not eager_stand_in
         return BreakdownRecorder() if wanted and isinstance(self.meter, CpuMeter | FakeMeter) else None
 
     def _measure_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:

@@ -63,6 +63,8 @@ def estimate_pipeline(
     device = Device(
         kind=config.device_kind, name=device_name, total_bytes=setup.budget_bytes, torch_version=torch.__version__
     )
+    # Chosen before the profile is made: a job not broken down says so in the warnings the profile copies.
+    breakdown = chosen_breakdowns(breakdowns, task, setup, result.max_micro_batch, device_type, warnings)
     profile = estimated_profile(
         task,
         config,
@@ -73,7 +75,7 @@ def estimate_pipeline(
         warnings=warnings,
         started=started,
         torch_version=torch.__version__,
+        breakdown=breakdown,
     )
     profile.pipeline = result.pipeline
-    profile.breakdown = chosen_breakdowns(breakdowns, task, setup, result.max_micro_batch, device_type, warnings)
     return profile
