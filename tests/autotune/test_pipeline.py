@@ -443,6 +443,13 @@ def test_compiled_stages_equal_the_real_pipeline(real_peaks: dict[str, list[int]
     found = {b.micro_batch: b for b in probed.breakdown}
     assert found[2].stage == 0 and sum(found[2].parts.values()) == max(real_peaks[f"1f1b+compile/{K}/2"])
     assert found[2].peak_where.startswith("compiled code in the")
+    # The estimate's fake stages run the blocks eager: not broken down, and the datasheet says so.
+    from autotune.orchestrate.config import EstimateConfig
+    from autotune.orchestrate.estimate import estimate
+
+    estimated = estimate(task, EstimateConfig(probe=config, device_kind="cpu"))
+    assert estimated.breakdown is None
+    assert any(w.startswith("the peak is not broken down for this compiled job") for w in estimated.warnings)
 
 
 def test_compiled_stages_under_a_memory_budget_equal_the_real_pipeline(real_peaks: dict[str, list[int]]) -> None:
