@@ -426,6 +426,11 @@ def _fake_and_sharded(meter: Meter, strategy: Strategy) -> bool:
     return isinstance(meter, FakeMeter) and not strategy.describes_replicas
 
 
+# How long a settling trial waits for gloo's worker thread to let go of DDP's bucket-rebuild broadcast
+# (TrialRunner._settle): microseconds once the thread is scheduled; past this the trials go on regardless.
+_SETTLE_TIMEOUT_S = 10.0
+
+
 class TrialRunner:
     """Trials of one task on one meter, with the model built once and reused.
 
@@ -481,6 +486,7 @@ class TrialRunner:
                     self._model = self.strategy.wrap(model, self.task, self.meter.device)
                     offload_params_to_host(self._model, self.task.offload, self.meter)
                 del model
+            self._settle(self._model)
             if self.task.compile is not None:
                 from autotune.measure.meters.compiled import compile_and_warm, compiles_on
 
@@ -494,6 +500,37 @@ class TrialRunner:
                         getattr(self, "_first_micro_batch", None),
                     )
         return self._model
+
+    def _settle(self, model: nn.Module) -> None:
+        """DDP over the probe's one-process gloo group, settled before its first measured trial: its reducer rebuilds
+        its buckets at the second forward after construction, broadcasting their indices (int32s, 72 B for 17
+        parameters) over gloo, whose worker thread holds the broadcast until after it has signalled completion. Under
+        load it could free them after the trial's peak: one probe in about 2,700 read 72 B high, only in the first
+        trial after a build. So one unmeasured trial at m = 1 makes the rebuild here, and the next trial starts once
+        the live bytes are back where they were (gloo has let go): every measured trial is a rebuilt DDP's, as all
+        but the first already were (a job's steady state). The CPU's gloo only (a card's NCCL has no such thread);
+        a compiled model's warm-up already ran its first steps."""
+        from autotune.measure.meters.cpu import CpuMeter
+
+        meter = self.meter
+        if not (getattr(self.strategy, "measures_buckets", False) and isinstance(meter, CpuMeter)):
+            return
+        if self.task.compile is not None:
+            return
+        before = meter.live_bytes
+        with meter.unbounded():
+            run_trial(
+                self.task,
+                meter,
+                1,
+                limit_bytes=self.limit_bytes,
+                strategy=self.strategy,
+                model=model,
+                accumulation=self.accumulation,
+            )
+        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        while meter.live_bytes != before and time.monotonic() < deadline:
+            time.sleep(0)  # gloo's worker thread lets go of its last work once scheduled
 
     def build(self) -> float:
         """Build the reused model now (the first trial would); the seconds it took."""

@@ -72,3 +72,27 @@ def test_ddp_gradient_buckets_are_counted() -> None:
     weights = (64 * 256 + 256 + 256 * 8 + 8) * 4
     # DDP's flat gradient buckets hold a copy of every gradient
     assert wrapped.peak_bytes >= alone.peak_bytes + weights
+
+
+def test_the_first_trial_after_a_ddp_build_allocates_what_every_later_one_does() -> None:
+    """DDP's reducer rebuilds its buckets at the second forward after its construction, broadcasting their indices over
+    the probe's one-process gloo group; gloo's worker thread could free them after the trial's peak (one probe in
+    about 2,700 read 72 B high). The runner settles DDP before its first measured trial (TrialRunner._settle): the
+    first trial's allocations are then the same sizes, in the same numbers, as the next one's."""
+    from collections import Counter
+
+    from autotune.measure.trial import TrialRunner
+
+    task = linear_task(model=lambda: nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 8)))
+    strategy = Replicated(2)
+    with strategy.process_group(torch.device("cpu")):
+        meter = CpuMeter(64 * MiB)
+        runner = TrialRunner(task, meter, limit_bytes=64 * MiB, strategy=strategy)
+        runner.build()
+        sizes, peaks = [], []
+        for _ in range(2):
+            with meter.record_events() as recorded:
+                peaks.append(runner(4).peak_bytes)
+            sizes.append(Counter(nbytes for _, nbytes in recorded.events if nbytes > 0))
+        runner.close()
+    assert sizes[0] == sizes[1] and peaks[0] == peaks[1]
