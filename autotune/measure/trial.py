@@ -506,10 +506,11 @@ class TrialRunner:
         its buckets at the second forward after construction, broadcasting their indices (int32s, 72 B for 17
         parameters) over gloo, whose worker thread holds the broadcast until after it has signalled completion. Under
         load it could free them after the trial's peak: one probe in about 2,700 read 72 B high, only in the first
-        trial after a build. So one unmeasured trial at m = 1 makes the rebuild here, and the next trial starts once
-        the live bytes are back where they were (gloo has let go): every measured trial is a rebuilt DDP's, as all
-        but the first already were (a job's steady state). The CPU's gloo only (a card's NCCL has no such thread);
-        a compiled model's warm-up already ran its first steps."""
+        trial after a build. So one unmeasured trial at the first size asked for (one the task can train on: m = 1
+        is not, for a BatchNorm1d model) makes the rebuild here, and the next trial starts once the live bytes are
+        back where they were (gloo has let go): every measured trial is a rebuilt DDP's, as all but the first already
+        were (a job's steady state). The CPU's gloo only (a card's NCCL has no such thread); a compiled model's
+        warm-up already ran its first steps. An error here is the one the first trial would raise."""
         from autotune.measure.meters.cpu import CpuMeter
 
         meter = self.meter
@@ -522,7 +523,7 @@ class TrialRunner:
             run_trial(
                 self.task,
                 meter,
-                1,
+                getattr(self, "_first_micro_batch", 1),
                 limit_bytes=self.limit_bytes,
                 strategy=self.strategy,
                 model=model,
