@@ -14,6 +14,11 @@ cores busy): that block was the DDP constructor's broadcast of the weights, free
 span, which apply_ddp now avoids (``init_sync=False`` in the probe's one-process group). The hook keeps the buckets'
 frees where DDP drops them; no run was caught reading a bucket high without it.
 
+A third: DDP's reducer rebuilds its buckets at the second forward after its construction and broadcasts their indices
+(int32s: 72 B for 17 parameters) from C++, where no comm hook sees it; one probe in about 2,700 read those 72 B high.
+The trial runner settles a new DDP with one unmeasured trial before its first measured one (TrialRunner._settle in
+autotune/measure/trial.py).
+
 The hook all-reduces the bucket's flat buffer in place, waits, and waits again until the buffer and its storage are
 back to the references they had before the call; it allocates nothing (the one-process group's sum is the buffer
 itself, so it divides by nothing, as the reducer's own division by 1 changes no byte).
