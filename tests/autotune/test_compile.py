@@ -411,3 +411,15 @@ def test_lengths_of_a_compiled_task_run_compiled_and_equal_an_ordinary_compile()
         real = {t.micro_batch: t for t in at.trials if not t.fake}
         m_max = at.max_micro_batch
         assert real[m_max].peak_bytes == allocator_peak(m_max, compiled=True, seq_len=at.seq_len or SEQ)
+
+
+def test_offload_under_compile_says_it_is_unchecked() -> None:
+    from autotune.measure.meters.compiled import COMPILED_OFFLOAD_UNCHECKED, CompiledCpuMeter, compiled_job
+
+    meter = CompiledCpuMeter(1 << 30)
+    try:
+        offloaded = compiled_job(make_task(compile="default", offload="activations"), meter, presearch=False)
+        plain = compiled_job(make_task(compile="default"), meter, presearch=False)
+    finally:
+        meter.close()
+    assert offloaded[0] == COMPILED_OFFLOAD_UNCHECKED and COMPILED_OFFLOAD_UNCHECKED not in plain
