@@ -608,11 +608,14 @@ def estimated_eager(task: Any) -> str:
     )
 
 
-# --offload activations under --compile: the probe reads what the compiled job held, but no truth has checked it yet
-# (the tiny Llama of bench/compositions.py read the m_max of --compile alone, 40, where the eager estimate read 114).
+# --offload activations under --compile on the CPU: this meter reads the CPU allocator, which also holds the host
+# copies offload makes (a card holds them in host memory), so a device figure counts them: an upper bound. The tiny
+# Llama of bench/compositions.py at m = 16: 3,503,732 B on the device with 1,806,848 B of host copies, where the
+# eager offloaded trial reads 1,421,948 (compiled without offload 3,226,372). Not yet separated: no truth checks it.
 COMPILED_OFFLOAD_UNCHECKED = (
-    "--offload activations under --compile: not yet checked against a truth (the offload's saved-tensor hooks run "
-    "inside the compiled graph; a tiny Llama read the m_max of --compile alone): treat this m_max as unconfirmed"
+    "--offload activations under --compile on the CPU: the compiled meter reads the CPU allocator, which holds the "
+    "offload's host copies too, so each device figure counts them (an upper bound: m_max may be low); not yet "
+    "checked against a truth"
 )
 
 
