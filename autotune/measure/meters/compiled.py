@@ -518,17 +518,23 @@ def compiled_for(task: Any, model: nn.Module) -> nn.Module:
     """``model`` compiled in the task's mode, lazily (its first call compiles); under ``budget:R`` its forward runs
     with the compiler's activation memory budget at R, so every compilation of it (the first, a recompilation
     for another size) partitions under R."""
-    ratio = fresh_compiler_for(task.activation_checkpointing)
+    fresh_compiler_for(task.activation_checkpointing)
     compiled = compile_model(model, task.compile)
-    if ratio is not None:
-        forward = compiled.forward
-
-        def forward_under_budget(*args: Any, **kwargs: Any) -> Any:
-            with memory_budget(task.activation_checkpointing):
-                return forward(*args, **kwargs)
-
-        compiled.forward = forward_under_budget  # type: ignore[method-assign]
+    compiled.forward = under_memory_budget(compiled.forward, task.activation_checkpointing)  # type: ignore[method-assign]
     return compiled
+
+
+def under_memory_budget(forward: Callable[..., Any], policy: str) -> Callable[..., Any]:
+    """``forward`` run with the compiler's activation memory budget of a ``budget:R`` policy (each compilation it
+    makes partitions under R); ``forward`` itself for any other policy."""
+    if parse_policy(policy).kind != "budget":
+        return forward
+
+    def forward_under_budget(*args: Any, **kwargs: Any) -> Any:
+        with memory_budget(policy):
+            return forward(*args, **kwargs)
+
+    return forward_under_budget
 
 
 def compile_and_warm(
