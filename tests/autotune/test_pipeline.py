@@ -359,6 +359,21 @@ def test_params_offload_over_a_pipelines_ddp_stages_is_refused_in_one_line() -> 
         PipelineTrials(task, CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=2)
 
 
+def assert_compiled_stages_equal(task: ProbeTask, real_peaks: dict[str, list[int]], job: str) -> None:
+    """The 1F1B stages of a job whose step compiles (torchao's optimizer, --compile), measured on the allocator's own
+    count (CompiledCpuMeter), equal the real ranks' ``job`` at each of SIZES."""
+    from autotune.measure.meters.compiled import CompiledCpuMeter
+
+    meter = CompiledCpuMeter(UNBOUNDED)
+    try:
+        trials = PipelineTrials(task, meter, limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
+        for m in SIZES:
+            trials(m)
+            assert trials.stage_peaks[m] == real_peaks[f"{job}/{K}/{m}"], m
+    finally:
+        meter.close()
+
+
 # Between the most loaded stage's peaks at m = 2 and m = 3 under torchao's AdamW4bit (stage 0: 760,656 and 999,760).
 BUDGET_4BIT = 900_000
 
@@ -367,20 +382,12 @@ def test_torchaos_adamw4bit_over_the_stages_equals_the_real_pipeline(real_peaks:
     """--optimizer adamw4bit under --pp: torchao steps each stage's parameters through torch.compile, so the probe's
     stages run on the allocator's own count (CompiledCpuMeter); the real ranks step with torchao's own AdamW4bit.
     The estimate's fake stages run torchao's step eagerly (its states built by its own constructors)."""
-    from autotune.measure.meters.compiled import CompiledCpuMeter
     from autotune.measure.meters.fake import FakeMeter
     from autotune.orchestrate.config import EstimateConfig
     from autotune.orchestrate.estimate import estimate
 
     task = dataclasses.replace(llama_task(), optimizer="adamw4bit")
-    meter = CompiledCpuMeter(UNBOUNDED)
-    try:
-        trials = PipelineTrials(task, meter, limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
-        for m in SIZES:
-            trials(m)
-            assert trials.stage_peaks[m] == real_peaks[f"1f1b+adamw4bit/{K}/{m}"], m
-    finally:
-        meter.close()
+    assert_compiled_stages_equal(task, real_peaks, "1f1b+adamw4bit")
     fake = PipelineTrials(task, FakeMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
     for m in SIZES:
         fake(m)
@@ -409,17 +416,9 @@ def test_compiled_stages_equal_the_real_pipeline(real_peaks: dict[str, list[int]
     """--compile under --pp: each stage's blocks compiled (torchtitan's apply_compile, one graph per block), the
     stages on the allocator's own count (CompiledCpuMeter), against the real 2-rank pipeline whose blocks are
     torch.compile'd in their places."""
-    from autotune.measure.meters.compiled import CompiledCpuMeter
 
     task = dataclasses.replace(llama_task(), compile="default")
-    meter = CompiledCpuMeter(UNBOUNDED)
-    try:
-        trials = PipelineTrials(task, meter, limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
-        for m in SIZES:
-            trials(m)
-            assert trials.stage_peaks[m] == real_peaks[f"1f1b+compile/{K}/{m}"], m
-    finally:
-        meter.close()
+    assert_compiled_stages_equal(task, real_peaks, "1f1b+compile")
     # Compiled blocks hold less than eager ones here, on every stage.
     assert all(c < e for c, e in zip(real_peaks[f"1f1b+compile/{K}/3"], real_peaks[f"1f1b/{K}/3"], strict=True))
     # The probe at a budget between the compiled pipeline's m = 2 and m = 3 (stage 0: 815,692 and 997,452 bytes),
@@ -455,16 +454,8 @@ def test_compiled_stages_equal_the_real_pipeline(real_peaks: dict[str, list[int]
 def test_compiled_stages_under_a_memory_budget_equal_the_real_pipeline(real_peaks: dict[str, list[int]]) -> None:
     """--compile --ac budget:0.5 under --pp: each block's graph partitioned under the compiler's activation memory
     budget, against the real pipeline whose ranks set torch._functorch.config.activation_memory_budget = 0.5."""
-    from autotune.measure.meters.compiled import CompiledCpuMeter
 
     task = dataclasses.replace(llama_task(), compile="default", activation_checkpointing="budget:0.5")
-    meter = CompiledCpuMeter(UNBOUNDED)
-    try:
-        trials = PipelineTrials(task, meter, limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=K)
-        for m in SIZES:
-            trials(m)
-            assert trials.stage_peaks[m] == real_peaks[f"1f1b+compile+budget:0.5/{K}/{m}"], m
-    finally:
-        meter.close()
+    assert_compiled_stages_equal(task, real_peaks, "1f1b+compile+budget:0.5")
     # The budget recomputes part of each block's forward: the first stage holds less than compiled alone.
     assert real_peaks[f"1f1b+compile+budget:0.5/{K}/3"][0] < real_peaks[f"1f1b+compile/{K}/3"][0]

@@ -134,13 +134,7 @@ def test_compiled_sharded_stages_equal_the_real_ranks(tmp_path: Path, real_peaks
     apply_compile before apply_fsdp), against 4 real processes built so; the stages on the allocator's own count."""
     from autotune.measure.meters.compiled import CompiledCpuMeter
 
-    args = (WORLD, STAGES, str(tmp_path / "rendezvous"), str(tmp_path), K, SIZES, "1f1b", 1, 1, False, True)
-    try:
-        spawn(fsdp_worker.run, args=args, nprocs=WORLD, join=True)
-    except ProcessException as exc:
-        errors = "\n".join(path.read_text() for path in sorted(tmp_path.glob("rank*.error")))
-        pytest.fail(f"the 4-process compiled pipeline over fsdp failed: {exc}\n{errors}")
-    real = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    real = _real_rank_peaks(tmp_path, "fsdp, compiled", 1, schedule="1f1b", compiled=True)
     task = dataclasses.replace(llama_task(), compile="default")
     strategy = ShardedStage(WORLD, STAGES)
     meter = CompiledCpuMeter(UNBOUNDED)
@@ -184,9 +178,11 @@ def _real_rank_peaks(
     tp: int,
     schedule: str = "interleaved-1f1b",
     sequence_parallel: bool = False,
+    compiled: bool = False,
 ) -> list[dict[str, int]]:
     """Each of 4 real ranks' peak per size under ``schedule`` (interleaved: V 2 stages per rank, K 2; with
-    ``sequence_parallel``, fsdp_worker.sp_plan over tp); one run per size (tests/autotune/_ordered_gloo.py)."""
+    ``sequence_parallel``, fsdp_worker.sp_plan over tp; ``compiled``: each block compiled before it is sharded); one
+    run per size (tests/autotune/_ordered_gloo.py)."""
     try:
         spawn(
             fsdp_worker.run,
@@ -201,6 +197,7 @@ def _real_rank_peaks(
                 tp,
                 1,
                 sequence_parallel,
+                compiled,
             ),
             nprocs=4,
             join=True,
