@@ -37,7 +37,7 @@ started = time.perf_counter()
 if case == "compiled-gpt":
     from tests.autotune.test_compile import allocator_peak_once
 
-    peak = allocator_peak_once(m, compiled=True)
+    peak = allocator_peak_once(m, compiled=True)[0]
 else:  # torchao's 4-bit AdamW
     from examples.gpt import GPT, make_task
     from tests.autotune._allocator_truth import allocator_peak_bytes

@@ -869,24 +869,17 @@ def _compile_blocks(blocks: list[nn.Module], mode: str, policy: str) -> None:
     """Each block's forward compiled (torchtitan's ``apply_compile`` under a pipeline: one graph per block, the stage's
     cut and its hooks outside them), lazily: its first call compiles, under ``budget:R`` with the compiler's
     activation memory budget at R (each block's graph partitioned under it)."""
-    from autotune.measure.meters.compiled import compile_model, fresh_compiler_for, under_memory_budget
+    from autotune.measure.meters.compiled import (
+        compile_model,
+        fresh_compiler_for,
+        quiet_grad_reads,
+        under_memory_budget,
+    )
 
     fresh_compiler_for(policy)
     for block in blocks:
         compiled = compile_model(block.forward, mode)  # type: ignore[arg-type]
-        block.forward = _quiet_grad_reads(under_memory_budget(compiled, policy))  # type: ignore[method-assign]
-
-
-def _quiet_grad_reads(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` without the warning dynamo's tracer raises when it reads ``.grad`` of a block's input that is no
-    leaf (the previous block's output): it reads it to guard on it, the job never asks for it."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-            return forward(*args, **kwargs)
-
-    return call
+        block.forward = quiet_grad_reads(under_memory_budget(compiled, policy))  # type: ignore[method-assign]
 
 
 def _stub(module: nn.Module, name: str, flow: _Flow) -> None:

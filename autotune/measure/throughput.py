@@ -174,6 +174,7 @@ def time_sizes(
     # The compiled meter counts what its hold spans leave (the timed model's build) into every later trial's base:
     # the timed model is gone after the run, so its bytes leave the base.
     base_bytes = meter.live_bytes if isinstance(meter, CompiledCpuMeter) else None
+    base_blocks = meter.held_blocks if isinstance(meter, CompiledCpuMeter) else {}
     shapes = static_shapes() if task.compile is not None else contextlib.nullcontext()
     with strategy.process_group(meter.device), shapes:
         try:
@@ -182,7 +183,8 @@ def time_sizes(
             gc.collect()
             meter.release()
             if isinstance(meter, CompiledCpuMeter) and base_bytes is not None:
-                meter.forget(meter.live_bytes - base_bytes)
+                timed_blocks = {a: n for a, n in meter.held_blocks.items() if base_blocks.get(a) != n}
+                meter.forget(meter.live_bytes - base_bytes, timed_blocks)
     return Timings(per_size=per_size, steps=steps)
 
 

@@ -349,7 +349,7 @@ def probe_with_meter(
                 task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched, breakdowns
             )
             # A compiled search's answer, confirmed by static compiles at m_max and above (docs/compile.md).
-            result = confirm_static(task, meter, config, strategy, limit_bytes, result, warnings, on_trial)
+            result = confirm_static(task, meter, config, strategy, limit_bytes, result, warnings, on_trial, breakdowns)
             cap = single_step_cap(task, config, result.max_micro_batch, result.trials, limit_bytes)
             if cap is not None:  # A = 1 can apply: measured as a case of its own
                 guide = fake.fit if fake is not None else None

@@ -19,10 +19,19 @@ from autotune.search.boundary import NoFitError, SearchResult
 __all__ = ["confirm_static"]
 
 
-def _static_trial(task: Any, meter: Any, strategy: Any, micro_batch: int, limit_bytes: int, host: int | None) -> Trial:
+def _static_trial(
+    task: Any,
+    meter: Any,
+    strategy: Any,
+    micro_batch: int,
+    limit_bytes: int,
+    host: int | None,
+    breakdowns: dict[int, Any] | None = None,
+) -> Trial:
     """One trial of a model built afresh and compiled static at ``micro_batch`` (its warm-up runs there), by a
     fresh compiler: what a job that trains at that m compiles and runs. Its compilation is within the meter's
-    ``compile_seconds``, apart from the trial's seconds."""
+    ``compile_seconds``, apart from the trial's seconds. Broken down into ``breakdowns`` where given (in the place
+    of the dynamic trial's at that size: this trial is the one the profile keeps)."""
     torch._dynamo.reset()  # nothing cached from the dynamic search or another size
     gc.collect()
     if isinstance(meter, CompiledCpuMeter):
@@ -30,6 +39,7 @@ def _static_trial(task: Any, meter: Any, strategy: Any, micro_batch: int, limit_
         # its own out of this one's (a GPT-2 config read 917,508 B low at m_max so).
         meter.clear_base()
     runner = TrialRunner(task, meter, limit_bytes=limit_bytes, strategy=strategy, host_limit_bytes=host)
+    runner.breakdowns = breakdowns
     with static_shapes():
         try:
             return runner(micro_batch)
@@ -47,6 +57,7 @@ def confirm_static(
     result: Any,
     warnings: list[str],
     on_trial: Callable[[Trial], None] | None = None,
+    breakdowns: dict[int, Any] | None = None,
 ) -> Any:
     """The compiled search's answer confirmed by static compilations (docs/compile.md, "The static confirmation").
 
@@ -56,6 +67,8 @@ def confirm_static(
     (:func:`_static_trial`); these trials decide: where m_max does not fit, the sizes below are tried, one step
     at a time, until one does; where m_max + multiple_of fits, the sizes above, until one does not (or the cap).
     The dynamic trials at a size confirmed here leave the result (the warning keeps what they read).
+
+    ``breakdowns``: where given, each static trial's breakdown replaces the dynamic trial's at its size.
 
     Returns ``result`` as it is where nothing compiles (an eager task, fake trials, a pipeline's stages), else a
     SearchResult with the static answer and trials.
@@ -70,7 +83,9 @@ def confirm_static(
     seconds_before = meter.compile_seconds or 0.0
 
     def fits(micro_batch: int) -> bool:
-        trial = _static_trial(task, meter, strategy, micro_batch, limit_bytes, config.host_budget_bytes)
+        if breakdowns is not None:
+            breakdowns.pop(micro_batch, None)  # the dynamic trial's: this one decides
+        trial = _static_trial(task, meter, strategy, micro_batch, limit_bytes, config.host_budget_bytes, breakdowns)
         confirmed[micro_batch] = trial
         if on_trial is not None:
             on_trial(trial)

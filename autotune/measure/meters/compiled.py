@@ -44,6 +44,7 @@ from autotune.core.library_logs import quiet_native_stderr
 from autotune.core.policy_names import parse_policy
 from autotune.measure.meters.base import FORWARD_BACKWARD, STEP, MemoryReading
 from autotune.measure.meters.cpu import CpuMeter, CpuOutOfMemoryError
+from autotune.measure.meters.host import HOST_SPAN_MARK
 
 __all__ = [
     "EAGER_PRESEARCH",
@@ -60,6 +61,7 @@ __all__ = [
     "estimated_eager",
     "mark_dynamic_batch",
     "memory_budget",
+    "quiet_grad_reads",
     "static_shapes",
 ]
 
@@ -79,13 +81,17 @@ def _memory_events(
     allocations: list[tuple[int, int, int, int]] = []
     marks: list[tuple[int, str]] = []
     records: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    made_on_host: set[tuple[int, int]] = set()
+    stack = [(node, False) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node = stack.pop()
-        stack.extend(node.children)
+        node, on_host = stack.pop()
+        on_host = on_host or node.name == HOST_SPAN_MARK
+        stack.extend((child, on_host) for child in node.children)
         fields = node.extra_fields
         if isinstance(fields, _ExtraFields_Allocation):
             allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr, fields.total_allocated))
+            if on_host and fields.alloc_size > 0:
+                made_on_host.add((node.start_time_ns, fields.ptr))
         elif node.name.startswith(_MARK):
             marks.append((node.start_time_ns, node.name.removeprefix(_MARK)))
         elif node.name.startswith(_RECORD):
@@ -93,7 +99,34 @@ def _memory_events(
     allocations.sort(key=lambda item: item[0])
     marks.sort(key=lambda item: item[0])
     records.sort(key=lambda item: item[0])
-    return allocations, marks, records
+    return _device_events(allocations, made_on_host), marks, records
+
+
+def _device_events(
+    allocations: list[tuple[int, int, int, int]], made_on_host: set[tuple[int, int]]
+) -> list[tuple[int, int, int, int]]:
+    """The events as the device sees them. What was allocated inside a host span (offload's packed copies: a card
+    makes them in host memory, autotune/measure/offload.py) is host memory: its allocation and its release are left
+    out, and the allocator's total after each event is read less the host blocks live then, so that no host block
+    reads as an allocation the profiler missed (:func:`_unseen_bytes`). The host's own figure is the host ledger's.
+
+    >>> _device_events([(1, 8, 100, 8), (2, 4, 200, 12), (3, -8, 100, 4), (4, -4, 200, 0)], {(2, 200)})
+    [(1, 8, 100, 8), (3, -8, 100, 0)]
+    """
+    if not made_on_host:
+        return allocations
+    device: list[tuple[int, int, int, int]] = []
+    on_host: dict[int, int] = {}  # address -> bytes of the host blocks live
+    host_bytes = 0
+    for at, nbytes, address, total in allocations:
+        if nbytes > 0 and (at, address) in made_on_host:
+            on_host[address] = nbytes
+            host_bytes += nbytes
+        elif nbytes < 0 and address in on_host:
+            host_bytes -= on_host.pop(address)
+        else:
+            device.append((at, nbytes, address, total - host_bytes))
+    return device
 
 
 def _recorded_items(
@@ -350,14 +383,24 @@ class CompiledCpuMeter(CpuMeter):
         """What the hold spans left allocated (the base of every trial's peak)."""
         return self._base_bytes
 
-    def forget(self, nbytes: int) -> None:
-        """A model held since the base was ``nbytes`` died (its weights, what its compilation kept)."""
+    def forget(self, nbytes: int, blocks: dict[int, int] | None = None) -> None:
+        """A model held since the base was ``nbytes`` died (its weights, what its compilation kept), and with it
+        ``blocks`` (address -> bytes, :attr:`held_blocks` when it was held): a trial's breakdown starts from the
+        blocks still held, which must sum to the base its peak starts from."""
         self._base_bytes = max(0, self._base_bytes - nbytes)
+        for address, size in (blocks or {}).items():
+            if self._held_blocks.get(address) == size:
+                del self._held_blocks[address]
+
+    @property
+    def held_blocks(self) -> dict[int, int]:
+        """address -> bytes of what the hold spans allocated and kept (a copy)."""
+        return dict(self._held_blocks)
 
     def held_by(self, model: Any) -> None:
-        """``model`` holds what the hold spans left: when it dies (outside the meter's spans, the runner's close),
-        those bytes leave the base."""
-        self._holders.append(weakref.finalize(model, self.forget, self._base_bytes))
+        """``model`` holds what the hold spans left: when it dies (outside the meter's spans, the runner's close, or
+        a rebuild after an OOM), those bytes and blocks leave the base."""
+        self._holders.append(weakref.finalize(model, self.forget, self._base_bytes, self.held_blocks))
 
     def clear_base(self) -> None:
         """A fresh build follows and nothing before it counts (the static confirmation's): the base is 0, and a
@@ -520,8 +563,23 @@ def compiled_for(task: Any, model: nn.Module) -> nn.Module:
     for another size) partitions under R."""
     fresh_compiler_for(task.activation_checkpointing)
     compiled = compile_model(model, task.compile)
-    compiled.forward = under_memory_budget(compiled.forward, task.activation_checkpointing)  # type: ignore[method-assign]
+    forward = under_memory_budget(compiled.forward, task.activation_checkpointing)
+    compiled.forward = quiet_grad_reads(forward)  # type: ignore[method-assign]
     return compiled
+
+
+def quiet_grad_reads(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` without the warning dynamo's tracer raises when it reads ``.grad`` of a tensor that is no leaf (a
+    block's input, the previous block's output, where a pipeline compiles block by block or a graph breaks at a
+    block, as at ``--offload activations``' save_on_cpu): it reads it to guard on it, the job never asks for it.
+    Under an "error" filter (pytest's, a user's ``-W error``) the warning would stop the compilation."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            return forward(*args, **kwargs)
+
+    return call
 
 
 def under_memory_budget(forward: Callable[..., Any], policy: str) -> Callable[..., Any]:
@@ -614,17 +672,6 @@ def estimated_eager(task: Any) -> str:
     )
 
 
-# --offload activations under --compile on the CPU: this meter reads the CPU allocator, which also holds the host
-# copies offload makes (a card holds them in host memory), so a device figure counts them: an upper bound. The tiny
-# Llama of bench/compositions.py at m = 16: 3,503,732 B on the device with 1,806,848 B of host copies, where the
-# eager offloaded trial reads 1,421,948 (compiled without offload 3,226,372). Not yet separated: no truth checks it.
-COMPILED_OFFLOAD_UNCHECKED = (
-    "--offload activations under --compile on the CPU: the compiled meter reads the CPU allocator, which holds the "
-    "offload's host copies too, so each device figure counts them (an upper bound: m_max may be low); not yet "
-    "checked against a truth"
-)
-
-
 def compiled_job(task: Any, meter: Any, *, presearch: bool, stages: int = 1) -> list[str]:
     """What a compiled job's datasheet says before its trials run, and the meter check: a CPU meter that
     counts storages by dispatch would miss the compiled code's own buffers. ``stages`` > 1: a pipeline's, whose
@@ -639,15 +686,14 @@ def compiled_job(task: Any, meter: Any, *, presearch: bool, stages: int = 1) -> 
             "own count (CompiledCpuMeter, make_meter(..., compiled=True)); the dispatch meter misses inductor's buffers"
         )
     meter.compile_seconds = None
-    unchecked = [COMPILED_OFFLOAD_UNCHECKED] if getattr(task, "offload", "none") == "activations" else []
     if stages > 1:
-        return unchecked + [
+        return [
             f"compiled ({task.compile}) under --pp {stages}: each stage's blocks were compiled one by one, as "
             "torchtitan's apply_compile compiles them (the stage's cut, its embedding and head eager), at the first "
             "size the stage ran and again where the micro-batch changed (dynamo's automatic dynamic shapes), and "
             "every trial ran them compiled; compile_seconds (every compilation) is apart from the trials' seconds"
         ]
-    notes = unchecked + [
+    notes = [
         f"compiled ({task.compile}): the model was compiled once, at the first trial's micro-batch (at least "
         f"{WARM_UP_MICRO_BATCH}) with the micro-batch dimension dynamic, and every trial ran the compiled step; "
         "m_max and the size above it were then each compiled static at their size and measured again, and those "

@@ -6,7 +6,9 @@ moves off the device, counted apart from the device's bytes.
 it, each counted once at its size and subtracted when torch frees it, and its peak is restarted at the start
 of every trial. Inside :func:`host_span` (a pack hook, the CPU step of ``--offload params``), the CPU meter
 counts what is made on this ledger instead of the device's: on a CPU device "host" and "device" are one
-memory, and this is where the probe says which of them a storage would be on a card.
+memory, and this is where the probe says which of them a storage would be on a card. Under a running profiler
+the span is also a range of its own (:data:`HOST_SPAN_MARK`): the compiled meter, which reads the allocator's
+events, takes what was allocated inside it off the device's count.
 
     >>> import torch
     >>> ledger = HostLedger()
@@ -28,7 +30,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["HOST", "HostLedger", "host_span", "in_host_span"]
+__all__ = ["HOST", "HOST_SPAN_MARK", "HostLedger", "host_span", "in_host_span"]
+
+# The profiler range a host span leaves, where a profiler runs (the compiled meter's spans).
+HOST_SPAN_MARK = "autotune.host_span"
 
 
 class HostLedger:
@@ -79,11 +84,16 @@ _SPAN = threading.local()
 
 @contextmanager
 def host_span() -> Iterator[None]:
-    """What is made inside is host memory: the CPU meter counts it on :data:`HOST`, not on the device."""
+    """What is made inside is host memory: the CPU meter counts it on :data:`HOST`, not on the device; under a
+    running profiler the allocations inside are the children of a :data:`HOST_SPAN_MARK` range."""
     depth = getattr(_SPAN, "depth", 0)
     _SPAN.depth = depth + 1
     try:
-        yield
+        if depth == 0 and torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(HOST_SPAN_MARK):
+                yield
+        else:
+            yield
     finally:
         _SPAN.depth = depth
 
