@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autotune.core.plan import micro_batches_text
-from autotune.core.schemas import ATTENTION_NOTE, MEMORY_PART_LABELS, Profile, Trial
+from autotune.core.schemas import ATTENTION_NOTE, MEMORY_PART_LABELS, MemoryBreakdown, Profile, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import gap_advice
 
@@ -158,6 +158,25 @@ def breakdown_lines(profile: Profile) -> list[str]:
     stages = {b.stage for b in breakdowns if b.stage is not None}
     if stages:
         lines.append(f"    the pipeline's most loaded stage: {', '.join(str(stage) for stage in sorted(stages))}")
+    return lines + _host_part_lines(breakdowns)
+
+
+def _host_part_lines(breakdowns: list[MemoryBreakdown]) -> list[str]:
+    """Under --offload: the host's peak in the same trials by part, as the device's rows are (none without)."""
+    if not any(b.host_parts for b in breakdowns):
+        return []
+    lines = ["  host at its peak (--offload)"]
+    for part, label in MEMORY_PART_LABELS.items():
+        if not any((b.host_parts or {}).get(part) for b in breakdowns):
+            continue
+        cells = "".join(
+            f"{format_bytes((b.host_parts or {}).get(part, 0)):>14s} "
+            f"{100 * (b.host_parts or {}).get(part, 0) / max(1, b.host_peak_bytes or 0):5.1f}%"
+            for b in breakdowns
+        )
+        lines.append(f"    {label:<28s}{cells}")
+    totals = "".join(f"{format_bytes(b.host_peak_bytes or 0):>14s}{'':7s}" for b in breakdowns)
+    lines.append(f"    {'host total':<28s}{totals}".rstrip())
     return lines
 
 

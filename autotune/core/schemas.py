@@ -360,6 +360,17 @@ def _parts_sum_to_peak(breakdown: MemoryBreakdown) -> MemoryBreakdown:
         raise ValueError(f"unknown memory parts {unknown}: the parts are {', '.join(MEMORY_PARTS)}")
     if sum(breakdown.parts.values()) != breakdown.peak_bytes:
         raise ValueError(f"the parts sum to {sum(breakdown.parts.values())} bytes, not the peak {breakdown.peak_bytes}")
+    if (breakdown.host_parts is None) != (breakdown.host_peak_bytes is None):
+        raise ValueError("host_parts and host_peak_bytes go together (the host's peak under --offload, by part)")
+    if breakdown.host_parts is not None:
+        unknown = sorted(set(breakdown.host_parts) - set(MEMORY_PARTS))
+        if unknown:
+            raise ValueError(f"unknown host memory parts {unknown}: the parts are {', '.join(MEMORY_PARTS)}")
+        if sum(breakdown.host_parts.values()) != breakdown.host_peak_bytes:
+            raise ValueError(
+                f"the host parts sum to {sum(breakdown.host_parts.values())} bytes, not the host's peak "
+                f"{breakdown.host_peak_bytes}"
+            )
     width = len(MEMORY_PARTS) + 1
     if any(len(point) != width for point in breakdown.timeline):
         raise ValueError(f"each timeline point is [event, {', '.join(MEMORY_PARTS)}]")
@@ -390,6 +401,11 @@ class MemoryBreakdown(_Model):
     ]
     # A pipeline's: the stage (the rank's pp coordinate) whose peak this is, its most loaded; None: no pipeline.
     stage: Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE)] | None = None
+    # Under --offload: the host's peak in the same trial (the stage's, for a pipeline) by part, summing to
+    # host_peak_bytes (packed activations; FSDP2's offloaded shards, gradients, optimizer state and the CPU step's
+    # temporaries). None: no offload, or a host the probe did not break down.
+    host_peak_bytes: NonNegBytes | None = None
+    host_parts: Annotated[dict[str, NonNegBytes], Field(max_length=len(MEMORY_PARTS))] | None = None
 
     @field_validator("timeline", mode="before")
     @classmethod

@@ -35,7 +35,7 @@ from torch import nn
 from autotune.core.allocator import FREE
 from autotune.core.schemas import MEMORY_PARTS, MemoryBreakdown
 
-__all__ = ["BreakdownRecorder", "TIMELINE_POINTS", "with_card_parts"]
+__all__ = ["BreakdownRecorder", "TIMELINE_POINTS", "with_card_parts", "with_host_parts"]
 
 TIMELINE_POINTS = 120
 # The category an allocation takes from the phase it was made in, unless the trial later says what it is.
@@ -92,6 +92,7 @@ class BreakdownRecorder:
         compiled = isinstance(meter, CompiledCpuMeter)
         with (
             meter.record_events() as recorded,
+            _grad_hooks_removed_after() if not compiled else contextlib.nullcontext(),
             contextlib.nullcontext() if compiled else ModTracker() as tracker,
             self._collectives_marked(),
             warnings.catch_warnings(),
@@ -397,3 +398,41 @@ def _phase_starts(phases: list[list[Any]]) -> list[list[Any]]:
             continue
         starts.append([index, name])
     return starts[:512]
+
+
+@contextmanager
+def _grad_hooks_removed_after() -> Iterator[None]:
+    """ModTracker's backward hooks, each removed when the recording ends. ModTracker registers a multi-grad hook on the
+    inputs and outputs of every module's forward and drops the handle; torch's hook closure holds the grad_fns it
+    hooks, so each hooked node holds itself, and with it the graph behind it down to the leaves' AccumulateGrad
+    nodes, past the trial: the model's parameters never died (under --offload params FSDP2's 112,000 B of host
+    shards of the test GPT stayed live into the next runner's trials). Removed, the cycles are gone."""
+    from torch.distributed._tools import mod_tracker
+
+    registered: list[Any] = []
+    register = mod_tracker.register_multi_grad_hook
+
+    def register_kept(*args: Any, **kwargs: Any) -> Any:
+        handle = register(*args, **kwargs)
+        registered.append(handle)
+        return handle
+
+    mod_tracker.register_multi_grad_hook = register_kept  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = register
+        for handle in registered:
+            handle.remove()
+
+
+def with_host_parts(
+    breakdown: MemoryBreakdown, host_peak_bytes: int | None, host_parts: dict[str, int]
+) -> MemoryBreakdown:
+    """``breakdown`` with the host's peak of the same trial by part (autotune/measure/meters/host.py replays the
+    host ledger's changes with each storage's part) where an offload gave the trial a host figure and the parts sum
+    to it; as it was otherwise (no offload, or a host change the ledger did not see)."""
+    if host_peak_bytes is None or sum(host_parts.values()) != host_peak_bytes:
+        return breakdown
+    parts = {part: nbytes for part, nbytes in host_parts.items() if nbytes}
+    return breakdown.model_copy(update={"host_peak_bytes": host_peak_bytes, "host_parts": parts})

@@ -89,14 +89,14 @@ class HostActivations(save_on_cpu):
         torch_pack, torch_unpack = self.pack_hook, self.unpack_hook
 
         def pack(tensor: torch.Tensor) -> Any:
-            with host_span():
+            with host_span("activations"):
                 if tensor.device.type == "cpu":
                     packed = (tensor.device, tensor.to("cpu", copy=True))
                 else:
                     packed = torch_pack(tensor)
             host = packed[1]
             if host.layout == torch.strided:
-                HOST.add(host.untyped_storage())
+                HOST.add(host.untyped_storage(), "activations")
             return packed
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -171,12 +171,12 @@ def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         yield inner.untyped_storage()
 
 
-def _to_host(meter: Any, storage: torch.UntypedStorage) -> None:
+def _to_host(meter: Any, storage: torch.UntypedStorage, part: str) -> None:
     to_host = getattr(meter, "to_host", None)  # the CPU meter's (and the fake one's): off the device's count
     if to_host is not None:
-        to_host(storage)
+        to_host(storage, part)
     else:
-        HOST.add(storage)
+        HOST.add(storage, part)
 
 
 def offload_params_to_host(model: nn.Module, offload: str, meter: Any) -> None:
@@ -187,41 +187,49 @@ def offload_params_to_host(model: nn.Module, offload: str, meter: Any) -> None:
         return
     for param in model.parameters():
         for storage in _storages(param):
-            _to_host(meter, storage)
+            _to_host(meter, storage, _parameters_part(param))
 
         def grad_to_host(param: torch.Tensor) -> None:
             if param.grad is not None:
                 for storage in _storages(param.grad):
-                    _to_host(meter, storage)
+                    _to_host(meter, storage, "gradients")
 
         param.register_post_accumulate_grad_hook(grad_to_host)
 
 
-def host_storages_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.UntypedStorage]:
-    """The storages of the optimizer's parameters, their gradients and its state."""
+def _parameters_part(param: torch.Tensor) -> str:
+    return "trainable_parameters" if param.requires_grad else "frozen_parameters"
+
+
+def host_storages_of(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.UntypedStorage, str]]:
+    """The storages of the optimizer's parameters, their gradients and its state, each with its part."""
     for group in optimizer.param_groups:
         for param in group["params"]:
-            yield from _storages(param)
+            for storage in _storages(param):
+                yield storage, _parameters_part(param)
             if param.grad is not None:
-                yield from _storages(param.grad)
+                for storage in _storages(param.grad):
+                    yield storage, "gradients"
             for value in optimizer.state.get(param, {}).values():
                 if isinstance(value, torch.Tensor):
-                    yield from _storages(value)
+                    for storage in _storages(value):
+                        yield storage, "optimizer_state"
 
 
 @contextmanager
 def step_on_host(offload: str, optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Around the optimizer's step and zero_grad: under ``params`` the step runs on the CPU, so all it makes
-    is host memory (the CPU meter counts it there), and what it holds after is added to the host ledger (a
-    card's meter sees no host memory of its own)."""
+    is host memory (the CPU meter counts it there, as temporaries), and what it holds after is added to the host
+    ledger with its part (a card's meter sees no host memory of its own; the CPU's learns which of the step's
+    allocations are the optimizer's state)."""
     if offload != "params":
         yield
         return
-    with host_span():
+    with host_span("temporaries"):
         yield
-    for storage in host_storages_of(optimizer):
+    for storage, part in host_storages_of(optimizer):
         if storage.device.type == "cpu":
-            HOST.add(storage)
+            HOST.add(storage, part)
 
 
 # What the datasheet says of the CPU device's host bytes (module docstring: what is measured, what assumed).

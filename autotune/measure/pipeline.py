@@ -79,6 +79,7 @@ from autotune.core.consistency import exceeds_host_budget
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.core.schemas import MemoryBreakdown, Trial
+from autotune.measure.breakdown import with_host_parts
 from autotune.measure.layout import Layout
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.compiled import compiles_on
@@ -1256,7 +1257,10 @@ class PipelineTrials:
             reading, oom = self._measure_stage(stage_index, micro_batch)
         if recorder is not None:
             fits = not oom and reading.peak_bytes <= self.limit_bytes
-            self.stage_breakdowns[stage_index] = recorder.breakdown(micro_batch, fits, reading.peak_bytes)
+            found = recorder.breakdown(micro_batch, fits, reading.peak_bytes)
+            if found is not None:  # the stage's host by part: the ledger's take at the stage's end
+                found = with_host_parts(found, self.stage_host_peaks.get(stage_index), HOST.peak_parts)
+            self.stage_breakdowns[stage_index] = found
         return reading, oom
 
     def _breakdown_recorder(self) -> Any:

@@ -29,6 +29,7 @@ from autotune.core.consistency import exceeds_host_budget
 from autotune.core.errors import TaskError, TrialError
 from autotune.core.heap import FrozenHeap
 from autotune.core.schemas import ATTENTION_NOTE, Trial
+from autotune.measure.breakdown import with_host_parts
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.measure.meters.host import HOST
 from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
@@ -567,7 +568,8 @@ class TrialRunner:
             if recorder is not None and self.breakdowns is not None:
                 found = recorder.breakdown(micro_batch, trial.fits, trial.peak_bytes)
                 if found is not None:
-                    self.breakdowns[micro_batch] = found
+                    # The host's peak by part: the ledger's parts at the take run_trial made at the trial's end.
+                    self.breakdowns[micro_batch] = with_host_parts(found, trial.host_peak_bytes, HOST.peak_parts)
             self._note_attention()
             del_model = trial.oom
             return trial

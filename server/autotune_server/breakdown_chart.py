@@ -49,6 +49,17 @@ def breakdown_rows(profile: Profile) -> list[tuple[str, str, str, list[int]]]:
     return rows
 
 
+def host_rows(profile: Profile) -> list[tuple[str, str, str, list[int]]]:
+    """Under --offload, the host's peak in the same trials by part (rows as :func:`breakdown_rows`'); none without."""
+    breakdowns = profile.breakdown or []
+    rows = []
+    for part in MEMORY_PARTS:
+        cells = [(b.host_parts or {}).get(part, 0) for b in breakdowns]
+        if any(cells):
+            rows.append((part, MEMORY_PART_LABELS[part], PART_COLOURS[part], cells))
+    return rows
+
+
 def breakdown_bars(profile: Profile) -> str:
     """One stacked bar per broken-down size (m_max, the size above it), on one scale (the larger peak), the
     budget's limit as a line; each segment titled with its part, bytes and share. "" without a breakdown."""

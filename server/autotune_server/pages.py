@@ -42,7 +42,7 @@ from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISI
 from autotune.core.setup import JobSetup
 from autotune.core.units import format_bytes as human_bytes
 from autotune_server.api import API_PREFIX, MAX_ID
-from autotune_server.breakdown_chart import breakdown_bars, breakdown_rows, size_label, timeline_svg
+from autotune_server.breakdown_chart import breakdown_bars, breakdown_rows, host_rows, size_label, timeline_svg
 from autotune_server.consistency import stored_problems
 from autotune_server.convert import to_profile
 from autotune_server.dashboard_queries import (
@@ -630,6 +630,7 @@ def _profile_page(profile_id: str, request: Request, session: Session) -> HTMLRe
         "breakdown_bars": Markup(breakdown_bars(profile)),
         "timelines": [Markup(timeline_svg(b)) for b in profile.breakdown or []],
         "breakdown_rows": breakdown_rows(profile),
+        "host_rows": host_rows(profile),
         "breakdown_labels": [size_label(b) for b in profile.breakdown or []],
         "now": datetime.now(timezone.utc),
         "uploaded_at": to_utc(row.uploaded_at),

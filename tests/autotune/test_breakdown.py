@@ -412,3 +412,28 @@ def test_a_cards_parts_add_the_reserve_and_the_outside_bytes() -> None:
     assert list(card.parts) == [p for p in MEMORY_PARTS if p in card.parts] and card.fits is False
     # Reserved bytes below the live peak cannot come from a replay of the same storages: no breakdown.
     assert with_card_parts(live, reserved_bytes=99, outside_bytes=0, fits=True) is None
+
+
+def test_a_recorded_trials_model_dies_with_its_runner() -> None:
+    """ModTracker's backward hooks hold the graph they hook (torch's closure keeps the grad_fns), down to the leaves:
+    unremoved, a recorded trial's parameters outlived its runner (FSDP2's host shards stayed live into the next
+    runner's trials). The recording removes them when it ends."""
+    import gc
+    import weakref
+
+    from autotune.measure.meters import CpuMeter
+    from autotune.measure.trial import TrialRunner
+    from examples.gpt import GPTConfig, make_task
+
+    task = make_task(GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=2, n_layers=2), name="gpt-tiny")
+    meter = CpuMeter(1 << 30)
+    strategy = Replicated(1)
+    with strategy.process_group(meter.device):
+        runner = TrialRunner(task, meter, limit_bytes=1 << 30, strategy=strategy)
+        runner.breakdowns = {}
+        runner(2)
+        assert 2 in runner.breakdowns
+        weights = [weakref.ref(p) for p in runner._model.parameters()]  # type: ignore[union-attr]
+        runner.close()
+    gc.collect()
+    assert weights and not [w for w in weights if w() is not None]

@@ -51,7 +51,7 @@ def offloaded_gpt(copies: HostCopies) -> nn.Module:
 def test_activations_offload_is_exact_against_the_allocator_at_m_max_and_past_it() -> None:
     task = dataclasses.replace(make_task(TINY, name="gpt-tiny"), shard_classes=(Block,))
     budget = 2 * MiB
-    config = ProbeConfig(device="cpu", budget_bytes=budget, offload="activations")
+    config = ProbeConfig(device="cpu", budget_bytes=budget, offload="activations", breakdown=True)
     measured = probe(task, config)
     m_max = measured.max_micro_batch
     assert measured.offload == "activations" and measured.tags["offload"] == "activations"
@@ -69,6 +69,15 @@ def test_activations_offload_is_exact_against_the_allocator_at_m_max_and_past_it
     assert real[m_max + 1] == truth[m_max + 1]
     assert measured.host_peak_bytes == truth[m_max][1]
     assert any("host and device are one memory" in w for w in measured.warnings)
+    # The host's peak broken down: all of it the packed copies, the truth's host peak.
+    assert [(b.micro_batch, b.host_parts) for b in measured.breakdown or []] == [
+        (m, {"activations": truth[m][1]}) for m in (m_max, m_max + 1)
+    ]
+    from autotune.cli.report import breakdown_lines
+
+    printed = breakdown_lines(measured)
+    host = printed.index("  host at its peak (--offload)")
+    assert printed[host + 1].split()[0] == "activations" and printed[host + 2].split()[:2] == ["host", "total"]
 
 
 def test_offload_and_a_policy_compose_block_by_block() -> None:
@@ -137,7 +146,9 @@ def _plain_trials(task: Any, sizes: tuple[int, ...], world_size: int) -> dict[in
 
 def test_params_offload_under_fsdp_keeps_the_shards_on_the_host() -> None:
     task = dataclasses.replace(make_task(TINY, name="gpt-tiny"), shard_classes=(Block,))
-    config = ProbeConfig(device="cpu", budget_bytes=2 * MiB, strategy="fsdp", world_size=2, offload="params")
+    config = ProbeConfig(
+        device="cpu", budget_bytes=2 * MiB, strategy="fsdp", world_size=2, offload="params", breakdown=True
+    )
     measured = probe(task, config)
     m_max = measured.max_micro_batch
     assert measured.offload == "params" and measured.tags["offload"] == "params"
@@ -160,6 +171,22 @@ def test_params_offload_under_fsdp_keeps_the_shards_on_the_host() -> None:
     assert plain[m_max + 1].peak_bytes - moved[m_max] > limit
     assert measured.host_peak_bytes == real[m_max].host_peak_bytes
     assert any("--offload params on the CPU" in w for w in measured.warnings)
+    # The host's peak at m_max by part, against counts of the model built the ordinary way: rank 0's shard of each
+    # parameter (FSDP2 cuts dim 0 in 2, the first rank taking the larger half) and of its gradient, and the state
+    # torch's own AdamW holds after a step over tensors of those shapes; the CPU step's own temporaries the rest.
+    at_max = next(b for b in measured.breakdown or [] if b.micro_batch == m_max)
+    shards = [torch.zeros(-(-p.shape[0] // 2), *p.shape[1:], requires_grad=True) for p in GPT(TINY).parameters()]
+    for shard in shards:
+        shard.grad = torch.zeros_like(shard)
+    ordinary = torch.optim.AdamW(shards, lr=1e-3)
+    ordinary.step()
+    state = sum(t.untyped_storage().nbytes() for held in ordinary.state.values() for t in held.values())
+    rank_shards = sum(shard.numel() * shard.element_size() for shard in shards)
+    assert at_max.host_peak_bytes == real[m_max].host_peak_bytes
+    parts = dict(at_max.host_parts or {})
+    assert parts.pop("trainable_parameters") == parts.pop("gradients") == rank_shards
+    assert parts.pop("optimizer_state") == state
+    assert list(parts) == ["temporaries"] and 0 < parts["temporaries"] < rank_shards, parts
 
 
 @pytest.mark.parametrize(

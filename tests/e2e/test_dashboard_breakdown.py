@@ -149,3 +149,36 @@ def test_a_pipelines_breakdown_names_its_most_loaded_stage(
     shot = os.environ.get("AUTOTUNE_DASHBOARD_PIPELINE_SCREENSHOT")  # a path: the section, for a note or a doc
     if shot:
         page.locator("#breakdown").screenshot(path=shot)
+
+
+def test_an_offloaded_profile_shows_the_hosts_peak_by_part(
+    page: Any,  # noqa: F811
+    live_server: LiveServer,
+    tmp_path: Path,
+) -> None:
+    """--offload params under fsdp: the host's peak by part (shards, gradients, AdamW's state, the CPU step's own),
+    a table of its own under the device's, each cell the profile's bytes."""
+    import dataclasses
+
+    from autotune.orchestrate.config import ProbeConfig
+    from autotune.orchestrate.probe import probe
+    from examples.gpt import Block, GPTConfig, make_task
+
+    tiny = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=4)
+    task = dataclasses.replace(make_task(tiny, name="gpt-tiny-offloaded"), shard_classes=(Block,))
+    config = ProbeConfig(
+        device="cpu", budget_bytes=2 << 20, strategy="fsdp", world_size=2, offload="params", breakdown=True
+    )
+    profile = probe(task, config)
+    assert profile.breakdown and profile.breakdown[0].host_parts
+    with TunerClient(base_url=live_server.url, token=live_server.token) as client:
+        number = client.upload(profile)
+    page.goto(f"{live_server.url}/profiles/{number}")
+    table = page.locator("#host-breakdown")
+    table.wait_for()
+    rows = table.locator("tbody tr[data-part]")
+    shown = {rows.nth(i).get_attribute("data-part") for i in range(rows.count())}
+    assert shown == {part for b in profile.breakdown for part, nbytes in (b.host_parts or {}).items() if nbytes}
+    assert {"trainable_parameters", "gradients", "optimizer_state"} <= shown
+    assert "host peak" in (table.locator("tr.total").text_content() or "")
+    assert page.console_errors == [] and page.dialogs == []

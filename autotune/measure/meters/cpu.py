@@ -408,11 +408,11 @@ class CpuMeter(Meter):
         finally:
             self._enforce = True
 
-    def to_host(self, storage: torch.UntypedStorage) -> None:
+    def to_host(self, storage: torch.UntypedStorage, part: str | None = None) -> None:
         """A storage the device counted is host memory from now on (a shard FSDP2 offloads, which on a CPU
-        device stays where it was): it leaves the device's live bytes and is counted on :data:`HOST`."""
+        device stays where it was): it leaves the device's live bytes and is counted on :data:`HOST` (as ``part``)."""
         self._ledger.forget(storage)
-        HOST.add(storage)
+        HOST.add(storage, part)
 
     def adopt(self, module: torch.nn.Module) -> None:
         self._account([*module.parameters(), *module.buffers()], "the model's weights")
