@@ -114,14 +114,6 @@ COMPOSITIONS: tuple[Rule, ...] = (
     ),
     Rule(
         "--cp",
-        "--tp over ddp",
-        "not measured yet",
-        lambda d: d.cp > 1 and d.tp > 1 and d.strategy != "fsdp",
-        lambda d: f"--cp {d.cp} with --tp {d.tp}",
-        "measured under --strategy fsdp (FSDP2 over the dp x cp ranks, torchtitan's way), not over ddp",
-    ),
-    Rule(
-        "--cp",
         "--compile",
         "a library's limit",
         lambda d: d.cp > 1 and d.compile is not None,

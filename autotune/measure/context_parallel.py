@@ -67,8 +67,11 @@ query, key and value leave their column-wise projections as local tensors of H /
 ``context_parallel``'s SDPA then shards along the sequence over the cp ranks; FSDP2 then shards over dp x cp.
 
 What is refused, one line each: a model that is not a causal LM over ``input_ids`` and ``labels``, an attention
-other than ``sdpa``, a sequence length cp does not divide, ``--pp`` with ``--cp``, and ``--tp`` with ``--cp``
-over ddp (not measured today).
+other than ``sdpa``, a sequence length cp does not divide, and ``--pp`` with ``--cp`` (not measured today).
+
+With ``--tp`` over ddp the job is torch's TP + DDP over the dp x cp ranks (``DistributedDataParallel(device_mesh=...)``,
+which makes each DTensor parameter its local shard): the buckets of the local shards are held, as ``--tp`` over ddp
+holds them, and each gradient is kept as the parameter's shard (``parallelize.grads_as_local_shards``).
 """
 
 from __future__ import annotations
@@ -424,13 +427,15 @@ class ContextParallel(Strategy):
         # Under ddp, DDP over every rank; a fake model holds its buckets instead (DDP's constructor broadcasts the
         # weights, which fake tensors cannot carry), as plain ddp's fake trials do (strategies.FakeReplicas). The
         # fake group's all-reduce completes with no value, which DDP's reducer refuses; a real one reduces each
-        # bucket in place and hands the same buffer back, which is what noop_hook returns.
+        # bucket in place and hands the same buffer back, which is what noop_hook returns. With tp, DDP cannot take
+        # the DTensor parameters itself (torch's TP + DDP swaps them for their local shards first): the buckets of
+        # the local shards are held, real and fake trials alike, as strategies.TensorParallel holds them.
         parallelism = Parallelism(
             self.inner,
             replicas=self.world_size,
             tp_mesh=self._device_mesh["tp"] if self.mesh.tp > 1 else None,
             shard_mesh=self._shard_mesh,
-            group=self._group,
+            group=self._group if self.mesh.tp == 1 else None,
             comm_hook=noop_hook,
             context=self._install,
         )

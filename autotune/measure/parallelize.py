@@ -42,6 +42,7 @@ __all__ = [
     "apply_tp",
     "compose",
     "fsdp_api",
+    "grads_as_local_shards",
     "hold_ddp_buckets",
     "is_fake",
     "shard_units",
@@ -93,10 +94,36 @@ def compose(model: nn.Module, task: ProbeTask, device: torch.device, parallelism
         with _mesh_coordinates_outside_fake_modes() if cut and is_fake(model) else nullcontext():
             apply_fsdp(model, task, device, parallelism.shard_mesh, parallelism.not_held)
         return Composed(model, styles)
+    if parallelism.tp_mesh is not None and parallelism.replicas > 1:
+        grads_as_local_shards(model)
     wrapped = apply_ddp(
         model, device, replicas=parallelism.replicas, group=parallelism.group, comm_hook=parallelism.comm_hook
     )
     return Composed(wrapped, styles)
+
+
+def grads_as_local_shards(model: nn.Module) -> None:
+    """Each DTensor parameter's gradient kept as the parameter's own shard, as torch's TP + DDP keeps it
+    (``DistributedDataParallel(device_mesh=dp)``: ``_pre_dp_module_transform`` makes each parameter its local tensor
+    and rebuilds the DTensor with ``from_local`` in every forward, whose backward hands the gradient back in the
+    parameter's placements, its local shard). Without DDP a gradient keeps the placement its op's backward gives:
+    a row-wise embedding's weight gradient comes back Replicate, the whole table on every tp rank (a tiny hf Llama's
+    under --cp 2 --tp 2 over ddp: 32,768 B where the job holds its 16,384 B shard). Fed to the gradient before it
+    is accumulated: the redistributed shard is copied out, so the gradient holds no more than its shard."""
+    from torch.distributed.tensor import DTensor
+
+    def as_shard(param: Any) -> Callable[[Any], Any]:
+        def hook(grad: Any) -> Any:
+            if not isinstance(grad, DTensor) or tuple(grad.placements) == tuple(param.placements):
+                return grad
+            local = grad.redistribute(param.device_mesh, param.placements).to_local().clone()
+            return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+
+        return hook
+
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_hook(as_shard(param))
 
 
 def apply_tp(model: nn.Module, task: ProbeTask, tp_mesh: Any, not_held: frozenset[int] = frozenset()) -> dict[str, Any]:

@@ -92,6 +92,10 @@ def _model(mesh: Any, config: dict[str, Any], inner: str) -> torch.nn.Module:
     model.train()
     if "tp" in mesh.mesh_dim_names:  # transformers' Llama plan over the tp ranks, as the tp truth parallelizes
         parallelize_module(model, mesh["tp"], llama_plan(model), src_data_rank=None)
+    if inner == "ddp" and "tp" in mesh.mesh_dim_names:
+        # torch's TP + DDP: DDP over the data-parallel ranks (here the cp ranks, which hold the same parameters) of a
+        # 1-D mesh swaps each DTensor parameter for its local shard (_pre_dp_module_transform).
+        return DistributedDataParallel(model, device_mesh=mesh["cp"])
     if inner == "ddp":
         return DistributedDataParallel(model)
     # FSDP2 over the cp ranks (they hold the same parameters; with no dp ranks here they are torchtitan's

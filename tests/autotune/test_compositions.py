@@ -26,7 +26,6 @@ REPO = Path(__file__).resolve().parents[2]
 # One job per rule that the rule, and only it, refuses: the table's rows are each reachable.
 REFUSED = [
     Dimensions(world_size=4, cp=2, pp=2),
-    Dimensions(world_size=4, cp=2, tp=2),
     Dimensions(world_size=2, cp=2, compile="default"),
     Dimensions(world_size=4, pp=2, tp=2, compile="default"),
     Dimensions(strategy="fsdp", world_size=1),
@@ -60,6 +59,7 @@ def test_each_rule_is_reached_by_a_job_and_names_both_of_its_flags() -> None:
     [
         Dimensions(strategy="fsdp", world_size=4, tp=2),
         Dimensions(strategy="fsdp", world_size=4, cp=2, tp=2),
+        Dimensions(world_size=4, cp=2, tp=2),  # test_context_parallel.py: against real ranks (torch's TP + DDP)
         Dimensions(world_size=4, pp=2, tp=2),
         Dimensions(strategy="fsdp", world_size=4, pp=2, offload="none", compile=None),
         Dimensions(world_size=2, pp=2, offload="activations"),  # test_pipeline.py: against real ranks

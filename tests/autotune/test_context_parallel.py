@@ -143,13 +143,22 @@ def cp_tp_fsdp_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def cp_tp_ddp_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """cp 2 x tp 2 over ddp (4 processes): each cp rank's model parallelized over 2 tp ranks by transformers' Llama
+    plan, then torch's TP + DDP over the cp ranks (DistributedDataParallel(device_mesh=cp): each DTensor parameter
+    made its local shard, so each gradient is the shard; the row-wise embedding's gradient, Replicate without DDP,
+    read 16,384 B high before the probe kept it as its shard)."""
+    return _cp_job(tmp_path_factory, "ddp", ring=False, tp=2)
+
+
+@pytest.fixture(scope="module")
 def cp_adamw4bit_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """cp 2 over ddp stepped by torchao's AdamW4bit (its step compiled per parameter: the probe's real trials on the
     allocator's own count, the estimate's fake ones eager)."""
     return _cp_job(tmp_path_factory, "ddp", ring=False, optimizer="adamw4bit")
 
 
-JOBS = ["cp_job", "cp_fsdp_job", "cp_tp_fsdp_job", "cp_adamw4bit_job"]
+JOBS = ["cp_job", "cp_fsdp_job", "cp_tp_fsdp_job", "cp_tp_ddp_job", "cp_adamw4bit_job"]
 
 
 @pytest.mark.parametrize("job", JOBS)
