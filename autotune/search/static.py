@@ -64,8 +64,9 @@ def confirm_static(
     The search's trials share one graph compiled with the micro-batch dimension dynamic; a job that trains at one m
     compiles a static graph at that m, whose peak can differ (a GPT-2 config: 1.9 % above the dynamic one at
     m_max). Here m_max and m_max + multiple_of are each built afresh, compiled static at their size and measured
-    (:func:`_static_trial`); these trials decide: where m_max does not fit, the sizes below are tried, one step
-    at a time, until one does; where m_max + multiple_of fits, the sizes above, until one does not (or the cap).
+    (:func:`_static_trial`); these trials decide: where m_max does not fit, the sizes below are tried until one
+    does; where m_max + multiple_of fits, the sizes above until one does not (or the cap), in steps that double
+    then bisect (:func:`_largest_fitting`).
     The dynamic trials at a size confirmed here leave the result (the warning keeps what they read).
 
     ``breakdowns``: where given, each static trial's breakdown replaces the dynamic trial's at its size.
@@ -93,15 +94,11 @@ def confirm_static(
 
     m_max = result.max_micro_batch
     if fits(m_max):
-        while m_max + unit <= cap and fits(m_max + unit):
-            m_max += unit
+        m_max = _largest_fitting(fits, fitting=m_max, unit=unit, cap=cap)
     else:
-        while True:
-            m_max -= unit
-            if m_max < unit:
-                raise NoFitError(confirmed[unit], f"micro-batch {unit} does not fit (compiled static)")
-            if fits(m_max):
-                break
+        m_max = _largest_fitting(fits, failing=m_max, unit=unit, cap=cap)
+        if m_max == 0:
+            raise NoFitError(confirmed[unit], f"micro-batch {unit} does not fit (compiled static)")
     dynamic = {t.micro_batch: t for t in result.trials if t.micro_batch in confirmed}
     read = ", ".join(
         f"m={m} {t.peak_bytes:,} B {'fits' if t.fits else 'does not fit'}"
@@ -116,3 +113,46 @@ def confirm_static(
     )
     trials = [t for t in result.trials if t.micro_batch not in confirmed] + list(confirmed.values())
     return SearchResult(max_micro_batch=m_max, trials=trials, fit=result.fit)
+
+
+def _largest_fitting(
+    fits: Callable[[int], bool], *, unit: int, cap: int, fitting: int | None = None, failing: int | None = None
+) -> int:
+    """The largest multiple of ``unit`` (up to ``cap``) that fits, from a size known to fit (``fitting``: the sizes
+    above are tried) or known not to (``failing``: the sizes below; 0 where even ``unit`` does not fit). The first
+    step is one ``unit`` (where the dynamic search was right, m_max and m_max + unit are the only compilations), and
+    each further step doubles until the answer is passed; the two sizes around it are then bisected, so that the
+    answer fits and the size a unit above it was measured not to (unless it is the cap). A static trial is a
+    compilation: the tiny Llama of bench/compositions.py with offloaded activations, whose dynamic trials read far
+    from its static ones, walked 31 sizes one step at a time (8 this way)."""
+    step = unit
+    if fitting is not None:
+        low, high = fitting, None
+        while high is None and low + unit <= cap:
+            candidate = min(low + step, cap - (cap - low) % unit)
+            if fits(candidate):
+                low, step = candidate, 2 * step
+            else:
+                high = candidate
+        if high is None:
+            return low
+    else:
+        assert failing is not None
+        low, high = 0, failing
+        while low == 0:
+            candidate = max(unit, high - step)
+            if candidate >= high:
+                return 0
+            if fits(candidate):
+                low = candidate
+            elif candidate == unit:
+                return 0
+            else:
+                high, step = candidate, 2 * step
+    while high - low > unit:
+        middle = low + (high - low) // unit // 2 * unit
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
