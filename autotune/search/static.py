@@ -124,7 +124,7 @@ def _largest_fitting(
     each further step doubles until the answer is passed; the two sizes around it are then bisected, so that the
     answer fits and the size a unit above it was measured not to (unless it is the cap). A static trial is a
     compilation: the tiny Llama of bench/compositions.py with offloaded activations, whose dynamic trials read far
-    from its static ones, walked 31 sizes one step at a time (8 this way)."""
+    from its static ones, walked 31 sizes one step at a time (10 this way)."""
     step = unit
     if fitting is not None:
         low, high = fitting, None
