@@ -4,8 +4,8 @@ CLI (before any task loads), the configs (before any trial) and the strategies (
 
 Every pair of dimensions composes unless a rule below says why not, in one line naming both flags:
 
-    >>> composition_refusal(Dimensions(world_size=4, cp=2, pp=2)).partition(":")[0]
-    '--cp 2 with --pp 2'
+    >>> composition_refusal(Dimensions(world_size=2, cp=2, compile="default")).partition(":")[0]
+    '--cp 2 with --compile default'
     >>> composition_refusal(Dimensions(strategy="fsdp", world_size=4, tp=2)) is None
     True
 
@@ -103,15 +103,6 @@ def _sharded(d: Dimensions) -> str:
 # The table, in the order a refusal is looked for (the first that applies is said). docs/meshes.md prints it
 # (composition_table) and a test keeps the page equal to it.
 COMPOSITIONS: tuple[Rule, ...] = (
-    Rule(
-        "--cp",
-        "--pp",
-        "not measured yet",
-        lambda d: d.cp > 1 and d.pp > 1,
-        lambda d: f"--cp {d.cp} with --pp {d.pp}",
-        "context parallelism is not measured under a pipeline yet (each stage would run its ring attention over a "
-        "cp group of its own)",
-    ),
     Rule(
         "--cp",
         "--compile",

@@ -67,7 +67,9 @@ query, key and value leave their column-wise projections as local tensors of H /
 ``context_parallel``'s SDPA then shards along the sequence over the cp ranks; FSDP2 then shards over dp x cp.
 
 What is refused, one line each: a model that is not a causal LM over ``input_ids`` and ``labels``, an attention
-other than ``sdpa``, a sequence length cp does not divide, and ``--pp`` with ``--cp`` (not measured today).
+other than ``sdpa``, and a sequence length cp does not divide. Under ``--pp`` the stages run cp through
+``pipeline.ShardedStage`` (this module's :func:`ring_ready`, :func:`sequence_buffers`, :func:`sequence_sharded` and
+:func:`drop_masks`, once per step rather than per micro-batch).
 
 With ``--tp`` over ddp the job is torch's TP + DDP over the dp x cp ranks (``DistributedDataParallel(device_mesh=...)``,
 which makes each DTensor parameter its local shard): the buckets of the local shards are held, as ``--tp`` over ddp
@@ -91,7 +93,17 @@ from autotune.measure.parallelize import Parallelism, compose
 from autotune.measure.strategies import Strategy
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["MEASURED_RANK", "ROTATION", "ContextParallel", "install_cpu_flash_attention"]
+__all__ = [
+    "MEASURED_RANK",
+    "ROTATION",
+    "ContextParallel",
+    "check_cp_model",
+    "drop_masks",
+    "install_cpu_flash_attention",
+    "ring_ready",
+    "sequence_buffers",
+    "sequence_sharded",
+]
 
 # torch's default rotation (and accelerate's cp_comm_strategy default).
 ROTATION = "allgather"
@@ -272,6 +284,71 @@ def install_cpu_flash_attention() -> None:
     ring.custom_ops[_aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _ring_flash_cpu_backward
 
 
+@contextmanager
+def ring_ready(device: torch.device, rotation: str = ROTATION) -> Iterator[None]:
+    """Within: torch's ring attention runs here with its allocations counted, at ``rotation``. On the CPU the ring's
+    per-block kernel is the adapter (:func:`install_cpu_flash_attention`); on CUDA (fake CUDA tensors on an emulated
+    card) SDPA reaches torch's own CUDA flash (or efficient, cuDNN) op and its context-parallel rule, whose ring
+    re-enters the dispatch modes (:func:`_ring_under_outer_modes`)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    with ExitStack() as counting:
+        if device.type == "cpu":
+            install_cpu_flash_attention()
+        else:
+            counting.enter_context(_ring_under_outer_modes())
+        before = ring._cp_options.rotate_method
+        ring.set_rotate_method(rotation)
+        try:
+            yield
+        finally:
+            ring._cp_options.rotate_method = before
+
+
+def sequence_buffers(batch: dict[str, Any], cp: int) -> list[torch.Tensor]:
+    """A causal LM's micro-batch as transformers' Trainer readies it for context parallelism: ``input_ids``,
+    ``labels``, ``shift_labels`` (the labels padded with -100 and shifted by one) and ``position_ids`` (an expanded
+    ``arange(L)``), the buffers ``context_parallel`` shards along the sequence.
+
+    Raises:
+        TaskError: no (m, L) input_ids and labels, or a length cp does not divide.
+    """
+    input_ids, labels = batch.get("input_ids"), batch.get("labels")
+    if not (isinstance(input_ids, torch.Tensor) and isinstance(labels, torch.Tensor) and input_ids.dim() == 2):
+        raise TaskError(f"--cp {cp}: the batch must hold input_ids and labels of shape (m, L)")
+    length = input_ids.shape[1]
+    if length % cp:
+        raise TaskError(f"--cp {cp} does not divide the sequence length {length} (--seq-len)")
+    shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+    return [input_ids, labels, shift_labels, position_ids]
+
+
+@contextmanager
+def sequence_sharded(cp_mesh: Any, buffers: list[torch.Tensor]) -> Iterator[None]:
+    """torch's ``context_parallel`` over ``cp_mesh``: ``buffers`` sharded in place along the sequence (dimension 1,
+    none restored) and SDPA the ring's within, the dispatch modes around it taken for the ring
+    (:func:`_under_outer_modes`)."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    _outer_modes[:] = _get_current_dispatch_mode_stack()
+    try:
+        with context_parallel(
+            cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
+        ):
+            yield
+    finally:
+        _outer_modes.clear()
+
+
+def drop_masks(model: nn.Module) -> None:
+    """Each attention's mask dropped for causal SDPA (torch's ring attention takes no mask)."""
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
+
+
 def _drop_mask(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     # accelerate's _attach_context_parallel_hooks: the ring takes no mask; causal attention is is_causal=True.
     if "attention_mask" in kwargs:
@@ -280,8 +357,10 @@ def _drop_mask(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     return args, kwargs
 
 
-def _check_model(model: nn.Module, task: ProbeTask, cp: int) -> None:
-    where = f"{type(model).__name__} of task {task.name!r}"
+def check_cp_model(model: nn.Module, cp: int, task_name: str = "") -> None:
+    """The model is one torch's context parallelism runs (an hf: causal LM with SDPA attention); a one-line
+    TaskError otherwise."""
+    where = f"{type(model).__name__}" + (f" of task {task_name!r}" if task_name else "")
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
     if config is None or not type(model).__name__.endswith("ForCausalLM"):
@@ -293,6 +372,10 @@ def _check_model(model: nn.Module, task: ProbeTask, cp: int) -> None:
             f"--cp {cp}: torch's context parallelism runs SDPA attention only; {where} uses {attention!r} "
             "(attn_implementation='sdpa')"
         )
+
+
+def _check_model(model: nn.Module, task: ProbeTask, cp: int) -> None:
+    check_cp_model(model, cp, task.name)
     if task.seq_len is not None and task.seq_len % cp:
         raise TaskError(f"--cp {cp} does not divide the sequence length {task.seq_len}")
 
@@ -337,25 +420,18 @@ class ContextParallel(Strategy):
     @contextmanager
     def process_group(self, device: torch.device) -> Iterator[Any]:
         import torch.distributed as dist
-        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
         if dist.is_initialized():
             raise AutotuneError(
                 "--cp probes one rank of N through a fake process group, and a process group is already "
                 "initialized in this process: probe before init_process_group, or from `autotune probe`"
             )
-        # On the CPU the ring's per-block kernel is the adapter; on CUDA (fake CUDA tensors on an emulated card)
-        # SDPA reaches torch's own CUDA flash (or efficient, cuDNN) op and its context-parallel rule.
-        counting = ExitStack()
-        if device.type == "cpu":
-            install_cpu_flash_attention()
-        else:
-            counting.enter_context(_ring_under_outer_modes())
-        rotation = ring._cp_options.rotate_method
-        ring.set_rotate_method(self.rotation)
         # The measured rank is (dp 0, cp rank[, tp 0]) of the (dp, cp[, tp]) mesh (autotune/measure/layout.py).
         layout = Layout(self.world_size, self.mesh)
-        with layout.fake_device_mesh(device.type, rank=layout.rank(cp=self.rank)) as mesh:
+        with (
+            ring_ready(device, self.rotation),
+            layout.fake_device_mesh(device.type, rank=layout.rank(cp=self.rank)) as mesh,
+        ):
             try:
                 self._device_mesh = mesh
                 if self.inner == "fsdp":  # made here, outside the fake trials' modes (its rank map is a real tensor)
@@ -365,36 +441,14 @@ class ContextParallel(Strategy):
             finally:
                 self._inside.close()
                 self._device_mesh = self._shard_mesh = self._group = None
-                ring._cp_options.rotate_method = rotation
-                counting.close()
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """Before each forward: the batch made ready as transformers' Trainer makes it for context parallelism,
         and torch's context_parallel entered over it (left by sync's exit, after the backward)."""
-        from torch.distributed.tensor.experimental import context_parallel
-
-        input_ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
-        if not (isinstance(input_ids, torch.Tensor) and isinstance(labels, torch.Tensor) and input_ids.dim() == 2):
-            raise TaskError(f"--cp {self.mesh.cp}: the batch must hold input_ids and labels of shape (m, L)")
-        length = input_ids.shape[1]
-        if length % self.mesh.cp:
-            raise TaskError(f"--cp {self.mesh.cp} does not divide the sequence length {length} (--seq-len)")
-        shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
-        position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
-        buffers = [input_ids, labels, shift_labels, position_ids]
+        buffers = sequence_buffers(kwargs, self.mesh.cp)
         self._inside.close()
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-        _outer_modes[:] = _get_current_dispatch_mode_stack()
-        self._inside.callback(_outer_modes.clear)
-        self._inside.enter_context(
-            context_parallel(
-                self._device_mesh["cp"],
-                buffers=buffers,
-                buffer_seq_dims=[1] * len(buffers),
-                no_restore_buffers=set(buffers),
-            )
-        )
+        self._inside.enter_context(sequence_sharded(self._device_mesh["cp"], buffers))
+        shift_labels, position_ids = buffers[2:]
         return args, {**kwargs, "shift_labels": shift_labels, "position_ids": position_ids}
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
@@ -444,9 +498,7 @@ class ContextParallel(Strategy):
     def _install(self, model: nn.Module) -> None:
         """cp's applier: each attention's mask dropped (torch's ring attention runs causal SDPA without one), and
         every forward entered under context_parallel (:meth:`_enter`)."""
-        for name, module in model.named_modules():
-            if name.endswith("self_attn"):
-                module.register_forward_pre_hook(_drop_mask, with_kwargs=True)
+        drop_masks(model)
         model.register_forward_pre_hook(self._enter, with_kwargs=True)
 
     @contextmanager

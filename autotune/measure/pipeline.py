@@ -286,6 +286,12 @@ class StageStrategy(Strategy):
         """The stage's output as it is sent (and held until its backward)."""
         return output
 
+    @contextmanager
+    def step_batches(self, task: ProbeTask, micro_batch: int, microbatches: int, device: torch.device) -> Iterator[Any]:
+        """A step's K micro-batches, for its forwards and backwards within (``--cp``: the step's whole batch sharded
+        along the sequence and the ring attention's, as torchtitan's train context wraps the schedule's step)."""
+        yield [make_batch(task, micro_batch, device) for _ in range(microbatches)]
+
 
 class ShardedStage(StageStrategy):
     """A stage wrapped over its data-parallel and tensor-parallel groups, torchtitan's pp x fsdp (x tp): rank 0 of a
@@ -302,18 +308,28 @@ class ShardedStage(StageStrategy):
     and its gradient accumulates unsharded over the K micro-batches; after the step's last backward
     (``perform_reduce_grad``) it turns them on, runs every unit's ``post_backward`` (reduce-scatter, reshard) and
     the root's final callback, then divides the sharded gradients by K. The replay calls the same methods at the
-    same points."""
+    same points.
+
+    With cp > 1 (torchtitan's pp x cp) the mesh is ``(pp, dp, cp[, tp])`` and each stage's attention runs torch's ring
+    over the stage's cp group (autotune/measure/context_parallel.py, rank cp 0 measured): each step's whole batch is
+    sharded along the sequence inside ``context_parallel`` for the step and cut into the micro-batches' views
+    (:meth:`step_batches`); the crossing activations are the rank's L / cp positions; DDP's buckets are over dp x cp,
+    FSDP2 shards over dp x cp. Truth: ``tests/autotune/test_cp_pipeline.py`` (4 real processes, pp 2 x cp 2)."""
 
     shards = True
 
-    def __init__(self, world_size: int, stages: int, *, tp: int = 1, inner: str = "fsdp") -> None:
-        refuse_composition(Dimensions(strategy=inner, world_size=world_size, pp=stages, tp=tp))
-        replicas = world_size // (stages * tp)
-        super().__init__(world_size, replicas=max(1, replicas))
+    def __init__(self, world_size: int, stages: int, *, tp: int = 1, cp: int = 1, inner: str = "fsdp") -> None:
+        refuse_composition(Dimensions(strategy=inner, world_size=world_size, pp=stages, tp=tp, cp=cp))
+        replicas = world_size // (stages * tp * cp)
+        # Under cp the cp ranks hold the same parameters: DDP (its buckets) runs over dp x cp, FSDP2 shards over it.
+        super().__init__(world_size, replicas=max(1, replicas * cp))
         self.name = inner
-        self.stages, self.tp, self.inner = stages, tp, inner
+        self.stages, self.tp, self.cp, self.inner = stages, tp, cp, inner
         self._device_mesh: Any = None
+        self._shard_mesh: Any = None
         self._entered = 0
+        # --cp: each micro-batch's shift_labels and position_ids, by its input_ids (step_context), for its forward.
+        self._sequence_kwargs: dict[int, dict[str, torch.Tensor]] = {}
         # The plan shards the sequence between the blocks (sequence parallel: the activations that cross the
         # stages are each rank's L / tp positions, as torchtitan's stages send them): set by shard_stage, with
         # loss_parallel.
@@ -346,15 +362,21 @@ class ShardedStage(StageStrategy):
                 f"--strategy {self.inner} --pp probes rank 0 of N through a fake process group, and a process group "
                 "is already initialized in this process: probe before init_process_group, or from `autotune probe`"
             )
-        mesh_of_job = Mesh(pp=self.stages, tp=self.tp)
-        with Layout(self.world_size, mesh_of_job).fake_device_mesh(device.type) as mesh:  # (pp, dp[, tp])
+        from autotune.measure.context_parallel import ring_ready
+
+        mesh_of_job = Mesh(pp=self.stages, tp=self.tp, cp=self.cp)
+        # The measured rank: (pp 0, dp 0[, cp 0][, tp 0]), cp rank 0 the most loaded of its ring (context_parallel.py).
+        ring = ring_ready(device) if self.cp > 1 else nullcontext()
+        with ring, Layout(self.world_size, mesh_of_job).fake_device_mesh(device.type) as mesh:  # (pp, dp[, cp][, tp])
             self._entered = 1
             try:
                 self._device_mesh = mesh
+                if self.inner == "fsdp":  # made here, outside the fake trials' modes (its rank map is a real tensor)
+                    self._shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp > 1 else mesh["dp"]
                 yield dist.group.WORLD
             finally:
                 self._entered = 0
-                self._device_mesh = None
+                self._device_mesh = self._shard_mesh = None
 
     def shard_stage(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
         from autotune.measure.tensor_parallel import shards_sequence, uses_loss_parallel
@@ -367,18 +389,60 @@ class ShardedStage(StageStrategy):
         parallelism = Parallelism(
             self.inner,
             tp_mesh=self._device_mesh["tp"] if self.tp > 1 else None,
-            shard_mesh=self._device_mesh["dp"] if self.inner == "fsdp" else None,
+            shard_mesh=self._shard_mesh,
             not_held=frozenset(not_held),
+            context=self._install_cp if self.cp > 1 else None,
         )
         styles = compose(model, task, torch.device("meta"), parallelism).styles
         self._sequence_sharded = shards_sequence(styles)
         self.loss_parallel = uses_loss_parallel(styles)
 
+    def _install_cp(self, model: nn.Module) -> None:
+        """cp's applier on the stage (as ContextParallel's on a whole model): each attention's mask dropped, and each
+        forward given its micro-batch's shift_labels and position_ids, sharded with it by :meth:`step_context`."""
+        from autotune.measure.context_parallel import check_cp_model, drop_masks
+
+        check_cp_model(model, self.cp)
+        drop_masks(model)
+        model.register_forward_pre_hook(self._sequence_inputs, with_kwargs=True)
+
+    def _sequence_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        more = self._sequence_kwargs.get(id(kwargs.get("input_ids")))
+        if more is None:
+            raise AutotuneError(f"--cp {self.cp} --pp {self.stages}: a stage's forward ran outside its step's context")
+        return args, {**kwargs, **more}
+
+    @contextmanager
+    def step_batches(self, task: ProbeTask, micro_batch: int, microbatches: int, device: torch.device) -> Iterator[Any]:
+        if self.cp == 1:
+            with super().step_batches(task, micro_batch, microbatches, device) as batches:
+                yield batches
+            return
+        from autotune.measure.context_parallel import sequence_buffers, sequence_sharded
+
+        # torchtitan's way: the step's whole batch made on every rank and sharded along the sequence once, inside
+        # context_parallel for the step (whose frame keeps the shards it made, the last buffer's clone among them);
+        # then the schedule cuts each buffer into the K micro-batches' views.
+        whole = sequence_buffers(make_batch(task, micro_batch * microbatches, device), self.cp)
+        try:
+            with sequence_sharded(self._device_mesh["cp"], whole):
+                input_ids, labels, shift_labels, position_ids = (b.tensor_split(microbatches) for b in whole)
+                batches = []
+                for index in range(microbatches):
+                    batches.append({"input_ids": input_ids[index], "labels": labels[index]})
+                    self._sequence_kwargs[id(input_ids[index])] = {
+                        "shift_labels": shift_labels[index],
+                        "position_ids": position_ids[index],
+                    }
+                del input_ids, labels, shift_labels, position_ids, whole
+                yield batches
+        finally:
+            self._sequence_kwargs = {}
+
     def crossing_meta(self, meta: tuple[torch.Size, torch.dtype]) -> tuple[torch.Size, torch.dtype]:
-        if not self._sequence_sharded:
-            return meta
         shape, dtype = meta
-        return torch.Size((shape[0], shape[1] // self.tp, *shape[2:])), dtype
+        length = shape[1] // (self.tp if self._sequence_sharded else 1) // self.cp
+        return torch.Size((shape[0], length, *shape[2:])), dtype
 
     def arriving(self, arrival: torch.Tensor) -> torch.Tensor:
         if not self._sequence_sharded:
@@ -932,12 +996,12 @@ class _Replay:
         arrivals, grads_in = self.receive_buffers()
         for _ in range(OPTIMIZER_STEPS):
             recorder.phase("inputs")
-            batches = [make_batch(self.task, self.micro_batch, self.device) for _ in range(k)]
-            if self.schedule == "gpipe":
-                self._gpipe(batches, arrivals, grads_in)
-            else:
-                self._one_f_one_b(batches, arrivals, grads_in)
-            del batches
+            with self.strategy.step_batches(self.task, self.micro_batch, k, self.device) as batches:
+                if self.schedule == "gpipe":
+                    self._gpipe(batches, arrivals, grads_in)
+                else:
+                    self._one_f_one_b(batches, arrivals, grads_in)
+                del batches
             self._backwards_ended()
             meter.checkpoint(FORWARD_BACKWARD)
             recorder.phase("step")
@@ -1124,31 +1188,32 @@ class _InterleavedReplay:
         last_backward = {local: position for position, (kind, local, _) in enumerate(actions) if kind == "B"}
         for _ in range(OPTIMIZER_STEPS):
             recorder.phase("inputs")
-            batches = [make_batch(task, chunks[0].micro_batch, chunks[0].device) for _ in range(k)]
-            pending = {local: strategy.unshard_begins(chunks[local].stage.model) for local in first_computes}
-            caches: list[dict[int, Any]] = [{} for _ in chunks]
-            losses: list[Any] = []
-            sent: list[torch.Tensor] = []
-            for position, (kind, local, index) in enumerate(actions):
-                chunk = chunks[local]
-                strategy.unshard_waited(pending.pop(local, []))
-                if kind == "F":
-                    kept, output = chunk._forward(index, batches, arrivals[local])
-                    caches[local][index] = kept
-                    if chunk.stage.last:
-                        losses.append(kept[1])
-                    else:
-                        sent.append(output.detach())
-                    del kept, output
-                    continue
-                grad = chunk._backward(index, caches[local], arrivals[local], grads_in[local])
-                if grad is not None:
-                    sent.append(grad)
-                del grad
-                if position == last_backward[local]:
-                    chunk._backwards_ended()
-                    strategy.stage_resharded(chunk.stage.model)
-            del sent, losses, caches, batches, pending
+            with strategy.step_batches(task, chunks[0].micro_batch, k, chunks[0].device) as batches:
+                pending = {local: strategy.unshard_begins(chunks[local].stage.model) for local in first_computes}
+                caches: list[dict[int, Any]] = [{} for _ in chunks]
+                losses: list[Any] = []
+                sent: list[torch.Tensor] = []
+                for position, (kind, local, index) in enumerate(actions):
+                    chunk = chunks[local]
+                    strategy.unshard_waited(pending.pop(local, []))
+                    if kind == "F":
+                        kept, output = chunk._forward(index, batches, arrivals[local])
+                        caches[local][index] = kept
+                        if chunk.stage.last:
+                            losses.append(kept[1])
+                        else:
+                            sent.append(output.detach())
+                        del kept, output
+                        continue
+                    grad = chunk._backward(index, caches[local], arrivals[local], grads_in[local])
+                    if grad is not None:
+                        sent.append(grad)
+                    del grad
+                    if position == last_backward[local]:
+                        chunk._backwards_ended()
+                        strategy.stage_resharded(chunk.stage.model)
+                del batches
+            del sent, losses, caches, pending
             meter.checkpoint(FORWARD_BACKWARD)
             recorder.phase("step")
             for optimizer in optimizers:
@@ -1216,6 +1281,7 @@ class PipelineTrials:
                 world_size=max(stages, getattr(strategy, "world_size", stages)),
                 pp=stages,
                 tp=getattr(strategy, "tp", 1),
+                cp=getattr(strategy, "cp", 1),
                 compile=task.compile,
                 offload=task.offload,
             )

@@ -47,6 +47,6 @@ def _stage_strategy(name: str, mesh: Mesh, world_size: int) -> Strategy:
     buckets are of the local shards)."""
     from autotune.measure.pipeline import ShardedStage, StageStrategy
 
-    if name == "fsdp" or mesh.tp > 1:
-        return ShardedStage(world_size, mesh.pp, tp=mesh.tp, inner=name)
+    if name == "fsdp" or mesh.tp > 1 or mesh.cp > 1:
+        return ShardedStage(world_size, mesh.pp, tp=mesh.tp, cp=mesh.cp, inner=name)
     return StageStrategy(1, replicas=mesh.data_parallel(world_size))

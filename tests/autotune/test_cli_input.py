@@ -115,8 +115,8 @@ def _refusals(tmp: Path, url: str) -> list[tuple[list[str], str]]:
         ([*on_cpu, "--headroom", "nan"], "the headroom is a fraction in [0, 1)"),
         ([*on_cpu, "--max-micro-batch", "99999999999999999999"], "above 16777216"),
         ([*on_cpu, "--world-size", "99999999"], "above 1048576"),
-        ([*on_cpu, "--world-size", "8", "--cp", "2", "--pp", "2"], "--cp 2 with --pp 2: context parallelism is not"),
-        ([*on_cpu, "--world-size", "8", "--cp", "2", "--tp", "2"], "--cp 2 with --tp 2: measured under --strategy"),
+        ([*on_cpu, "--world-size", "2", "--cp", "2", "--compile"], "--cp 2 with --compile default: torch.compile"),
+        ([*on_cpu, "--world-size", "4", "--tp", "2", "--pp", "2", "--compile"], "--pp 2 with --compile default: "),
         (["probe", f"{exits}:task", "--device", "cpu", "--budget", "8MiB"], f"task '{exits}:task'"),
         (
             [

@@ -14,7 +14,6 @@ from autotune.cli import main
 from autotune.core.compositions import COMPOSITIONS, Dimensions, composition_refusal, composition_table
 from autotune.core.errors import AutotuneError
 from autotune.core.mesh import Mesh
-from autotune.measure.context_parallel import ContextParallel
 from autotune.measure.pipeline import ShardedStage
 from autotune.measure.strategies import Sharded, TensorParallel
 from autotune.measure.strategy_choice import make_strategy
@@ -25,7 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 # One job per rule that the rule, and only it, refuses: the table's rows are each reachable.
 REFUSED = [
-    Dimensions(world_size=4, cp=2, pp=2),
     Dimensions(world_size=2, cp=2, compile="default"),
     Dimensions(world_size=4, pp=2, tp=2, compile="default"),
     Dimensions(strategy="fsdp", world_size=1),
@@ -93,12 +91,12 @@ def _raised(call: object) -> str:
 
 
 def test_every_asker_says_the_same_line() -> None:
-    cp_pp = composition_refusal(Dimensions(world_size=4, cp=2, pp=2))
-    assert cp_pp is not None
-    config = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=4, mesh=Mesh(pp=2, cp=2))
-    assert _raised(config.validate) == cp_pp
-    assert _raised(lambda: make_strategy("ddp", 4, Mesh(pp=2, cp=2))) == cp_pp
-    assert _raised(lambda: ContextParallel(4, Mesh(pp=2, cp=2))) == cp_pp
+    pp_one_shard = composition_refusal(Dimensions(strategy="fsdp", world_size=2, pp=2))
+    assert pp_one_shard is not None and pp_one_shard.startswith("--strategy fsdp with --world-size 2 over pp 2")
+    config = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, strategy="fsdp", mesh=Mesh(pp=2))
+    assert _raised(config.validate) == pp_one_shard
+    assert _raised(lambda: make_strategy("fsdp", 2, Mesh(pp=2))) == pp_one_shard
+    assert _raised(lambda: ShardedStage(2, 2, inner="fsdp")) == pp_one_shard
 
     one_shard = composition_refusal(Dimensions(strategy="fsdp", world_size=2, tp=2))
     assert one_shard is not None and one_shard.startswith("--strategy fsdp with --world-size 2 over tp 2")
@@ -151,7 +149,7 @@ def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--world-size", "4", "--cp", "2", "--pp", "2"], "--cp 2 with --pp 2: "),
+        (["--world-size", "2", "--cp", "2", "--compile"], "--cp 2 with --compile default: "),
         (["--world-size", "4", "--tp", "2", "--pp", "2", "--compile"], "--pp 2 with --compile default: "),
         (["--offload", "params"], "--offload params with --strategy ddp: "),
         (["--weights-dtype", "fp16", "--precision", "fp16"], "--weights-dtype fp16 with --precision fp16: "),

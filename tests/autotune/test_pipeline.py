@@ -191,8 +191,9 @@ def test_unmeasured_schedules_and_compositions_are_refused_in_one_line() -> None
         PipelineTrials(
             llama_task(), CpuMeter(UNBOUNDED), limit_bytes=UNBOUNDED, stages=2, schedule="1f1b", microbatches=1
         )
+    # --cp under a pipeline runs an hf: causal LM's stages (tests/autotune/test_cp_pipeline.py); this task's is not one.
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, world_size=4, mesh=Mesh(pp=2, cp=2))
-    with pytest.raises(AutotuneError, match="^--cp 2 with --pp 2: context parallelism is not measured"):
+    with pytest.raises(TaskError, match="^--cp 2: context parallelism is measured for hf: causal LMs"):
         probe(llama_task(), config)
 
 

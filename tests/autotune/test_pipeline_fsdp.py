@@ -394,8 +394,6 @@ def test_params_offload_over_a_pipelines_fsdp_moves_each_stages_shards_and_state
 def test_what_is_not_measured_over_fsdp_is_refused_in_one_line() -> None:
     with pytest.raises(AutotuneError, match=r"^--strategy fsdp with --world-size 2 over pp 2: FSDP2 shards"):
         make_strategy("fsdp", 2, Mesh(pp=2))
-    with pytest.raises(AutotuneError, match="^--cp 2 with --pp 2: context parallelism is not measured"):
-        make_strategy("ddp", 8, Mesh(pp=2, cp=2))
 
 
 @pytest.mark.parametrize(
