@@ -120,8 +120,9 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: d.pp > 1 and d.tp > 1 and d.compile is not None,
         lambda d: f"--pp {d.pp} with --compile {d.compile}",
         "a pipeline's compiled stages (each block compiled, as torchtitan compiles them) are measured over ddp "
-        "replicas and under --strategy fsdp, not yet under --tp (tp's collectives run inside the compiled blocks, "
-        "where the real-rank truth cannot order gloo's frees)",
+        "replicas and under --strategy fsdp, not yet under --tp (its stages read up to 112 bytes off the real ranks: "
+        "dynamo's guard tensors of a recompilation land in whichever step recompiles, which the stage replay and the "
+        "job do not yet agree on)",
     ),
     Rule(
         "--strategy fsdp",
