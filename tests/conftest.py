@@ -65,6 +65,7 @@ LONGEST_FIRST = (
     "tests/autotune/test_card_pipeline.py",
     "tests/autotune/test_card_estimate.py",
     "tests/autotune/test_context_parallel.py",
+    "tests/autotune/test_cp_pipeline.py",
     "tests/autotune/test_optimizer_ranks.py",
     "tests/e2e/test_setup_path.py",
     "tests/autotune/test_breakdown.py",
@@ -76,6 +77,7 @@ LONGEST_FIRST = (
 # ``make test-fast`` (-m "not processes and not card and not slow") leaves them to ``make test``.
 REAL_PROCESS_FILES = (
     "tests/autotune/test_context_parallel.py",
+    "tests/autotune/test_cp_pipeline.py",
     "tests/autotune/test_ddp.py",
     "tests/autotune/test_ddp_buckets_meshes.py",
     "tests/autotune/test_fsdp.py",
