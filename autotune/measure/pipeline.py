@@ -86,7 +86,7 @@ from autotune.measure.meters.compiled import compiles_on
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.meters.host import HOST
 from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
-from autotune.measure.oom import is_oom
+from autotune.measure.oom import is_oom, release_failed_backward
 from autotune.measure.parallelize import Parallelism, apply_ddp, compose, fsdp_api
 from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Strategy
@@ -1393,6 +1393,7 @@ class PipelineTrials:
                         replays[0].run(meter)
                 del replays
         except Exception as exc:
+            release_failed_backward()  # a graph whose backward raised is autograd's until the next backward
             if not is_oom(exc):
                 raise
             oom = True

@@ -33,7 +33,7 @@ from autotune.measure.breakdown import with_host_parts
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
 from autotune.measure.meters.host import HOST
 from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
-from autotune.measure.oom import is_oom
+from autotune.measure.oom import is_oom, release_failed_backward
 from autotune.measure.policies import apply_policy
 from autotune.measure.strategies import Replicated, Strategy
 from autotune.tasks.batches import has_tensor, map_tensors
@@ -349,6 +349,7 @@ def run_trial(
         meter.release()
         raise
     except Exception as exc:  # classified below; only its text survives the except block
+        release_failed_backward()  # a graph whose backward raised is autograd's until the next backward
         if is_oom(exc):
             oom = True
         else:

@@ -282,3 +282,51 @@ def test_the_host_budget_decides_the_longest_length_too() -> None:
     assert longest < free_longest
     assert host_bytes(longest) <= host_budget < host_bytes(longest + 1)
     assert "over --host-budget" in bound.surface.longest.note
+
+
+def test_a_backward_that_ran_out_lets_go_of_its_graph() -> None:
+    """autograd's engine keeps a failed backward's remaining work, and every tensor its graph saved, until the next
+    backward: release_failed_backward drains it."""
+    import weakref
+
+    from autotune.measure.oom import release_failed_backward
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("out of memory (in the backward)")
+
+    saved = torch.ones(64)
+    kept = weakref.ref(saved)
+    leaf = torch.ones(64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        (Fails.apply(saved * leaf) * leaf).sum().backward()
+    del saved
+    release_failed_backward()
+    assert kept() is None
+
+
+def test_a_trial_after_one_that_ran_out_in_its_backward_reads_its_own_host_bytes() -> None:
+    """--offload activations: the packed host copies of a trial that ran out in its backward stayed live into the
+    next trial, whose host peak read them (m = 6 after m = 12 read 2,385,920 B where a fresh trial reads 1,150,464)."""
+    from tests.autotune.test_compile import make_task as tiny_gpt_task
+
+    task = tiny_gpt_task(offload="activations")
+    budget = 1_400_000  # m = 6 fits (1,116,740 B), m = 12 (1,830,980 B) runs out in its backward
+
+    def trials(*sizes: int) -> list[Any]:
+        runner = TrialRunner(task, CpuMeter(budget), limit_bytes=budget, strategy=make_strategy("ddp", 1))
+        try:
+            return [runner(m) for m in sizes]
+        finally:
+            runner.close()
+
+    fresh = trials(6)[0]
+    over, after = trials(12, 6)
+    assert over.oom and fresh.fits
+    assert (after.peak_bytes, after.host_peak_bytes) == (fresh.peak_bytes, fresh.host_peak_bytes)
