@@ -397,6 +397,14 @@ class ShardedStage(StageStrategy):
         self._sequence_sharded = shards_sequence(styles)
         self.loss_parallel = uses_loss_parallel(styles)
 
+    def stage_built(self, model: nn.Module) -> None:
+        super().stage_built(model)
+        if self.inner == "ddp" and self.tp > 1 and self.replicas > 1:
+            # torch's TP + DDP over the stage's replicas keeps each gradient as its parameter's shard (parallelize.py).
+            from autotune.measure.parallelize import grads_as_local_shards
+
+            grads_as_local_shards(model)
+
     def _install_cp(self, model: nn.Module) -> None:
         """cp's applier on the stage (as ContextParallel's on a whole model): each attention's mask dropped, and each
         forward given its micro-batch's shift_labels and position_ids, sharded with it by :meth:`step_context`."""
@@ -440,6 +448,8 @@ class ShardedStage(StageStrategy):
             self._sequence_kwargs = {}
 
     def crossing_meta(self, meta: tuple[torch.Size, torch.dtype]) -> tuple[torch.Size, torch.dtype]:
+        if not self._sequence_sharded and self.cp == 1:
+            return meta
         shape, dtype = meta
         length = shape[1] // (self.tp if self._sequence_sharded else 1) // self.cp
         return torch.Size((shape[0], length, *shape[2:])), dtype
@@ -1002,7 +1012,8 @@ class _Replay:
                 else:
                     self._one_f_one_b(batches, arrivals, grads_in)
                 del batches
-            self._backwards_ended()
+                # Within the step (torchtitan's train context wraps schedule.step, which reduces and scales them).
+                self._backwards_ended()
             meter.checkpoint(FORWARD_BACKWARD)
             recorder.phase("step")
             # --offload params: the step runs on the host; a compiled step (torchao's) runs eagerly on fake tensors.

@@ -390,7 +390,7 @@ class CompiledCpuMeter(CpuMeter):
         self._base_bytes = max(0, self._base_bytes - nbytes)
         for address, size in (blocks or {}).items():
             if self._held_blocks.get(address) == size:
-                del self._held_blocks[address]
+                self._held_blocks.pop(address, None)
 
     @property
     def held_blocks(self) -> dict[int, int]:

@@ -30,6 +30,7 @@ host's peak by part in ``peak_parts``: the ledger's events since the last take, 
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from collections.abc import Iterator
@@ -46,60 +47,90 @@ HOST_SPAN_MARK = "autotune.host_span"
 
 class HostLedger:
     """Live bytes of the host storages added so far, with the peak since the last :meth:`take_peak` and, at each
-    take, that peak by part (``peak_parts``)."""
+    take, that peak by part (``peak_parts``).
+
+    A storage's death only queues its key (a finalizer, which can run on any thread, or on this one while it holds
+    the lock: a collection set off inside :meth:`add`); the queue is applied under the lock before anything reads or
+    changes the ledger, so a death lands before the next add, where a peak can be set."""
+
+    # The changes kept between two takes for the peak's parts: beyond it (timed runs, which never take) they are
+    # dropped and the next take says no parts.
+    MAX_CHANGES = 1 << 20
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._dead: collections.deque[int] = collections.deque()  # keys whose storages died, to be applied
         self._live: dict[int, list[Any]] = {}  # storage key -> [finalizer, bytes, serial of this life]
         # serial -> part of each life that is live or was since the last take (a key is reused after a free, a
         # serial never).
         self._parts: dict[int, str] = {}
         self._serial = 0
-        self._since: list[tuple[int, int]] = []  # (serial, bytes) of every change since the last take
+        self._since: list[tuple[int, int]] | None = []  # (serial, bytes) of every change since the last take
         self._held: list[tuple[int, int]] = []  # (serial, bytes) live at the last take
-        self.live_bytes = 0
+        self._live_bytes = 0
         self.peak_bytes = 0
         self.peak_parts: dict[str, int] = {}
 
     def _release(self, key: int) -> None:
-        with self._lock:
-            entry = self._live.pop(key, None)
+        self._dead.append(key)  # no lock: see the class's docstring
+
+    def _apply_deaths(self) -> None:
+        """Under the lock: the queued deaths off the ledger."""
+        while self._dead:
+            entry = self._live.pop(self._dead.popleft(), None)
             if entry is not None:
-                self.live_bytes -= entry[1]
-                self._since.append((entry[2], -entry[1]))
+                self._live_bytes -= entry[1]
+                self._note(entry[2], -entry[1])
+
+    def _note(self, serial: int, nbytes: int) -> None:
+        if self._since is not None:
+            self._since.append((serial, nbytes))
+            if len(self._since) > self.MAX_CHANGES:
+                self._since = None
+
+    @property
+    def live_bytes(self) -> int:
+        with self._lock:
+            self._apply_deaths()
+            return self._live_bytes
 
     def add(self, storage: torch.UntypedStorage, part: str | None = None) -> int:
         """Count storage at its current size (a counted one that changed size is recounted), as ``part`` where
         given (else the span's, else what it was, else ``temporaries``); the live bytes."""
         key, nbytes = storage._cdata, storage.nbytes()
         with self._lock:
+            self._apply_deaths()
             entry = self._live.get(key)
             if entry is None:
-                # Fires when the C++ storage is freed, as the CPU meter's ledger does.
                 self._serial += 1
+                # Fires when the C++ storage is freed, as the CPU meter's ledger does.
                 self._live[key] = [weakref.finalize(storage, self._release, key), nbytes, self._serial]
-                self.live_bytes += nbytes
-                self._since.append((self._serial, nbytes))
+                self._live_bytes += nbytes
+                self._note(self._serial, nbytes)
                 self._parts[self._serial] = part or getattr(_SPAN, "part", None) or "temporaries"
             else:
                 if entry[1] != nbytes:
-                    self.live_bytes += nbytes - entry[1]
-                    self._since.append((entry[2], nbytes - entry[1]))
+                    self._live_bytes += nbytes - entry[1]
+                    self._note(entry[2], nbytes - entry[1])
                     entry[1] = nbytes
                 if part is not None:
                     self._parts[entry[2]] = part
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            return self.live_bytes
+            self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+            return self._live_bytes
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
-        # Without the lock: the CPU meter asks at every count, and a dict lookup is atomic under the GIL.
+        # The CPU meter asks at every count: the lock only where a death is queued (its key may be reused now).
+        if self._dead:
+            with self._lock:
+                self._apply_deaths()
         return bool(self._live) and storage._cdata in self._live
 
     def take_peak(self) -> int:
         """The peak since the last call (its parts in ``peak_parts``); the next one starts from the live bytes
         now."""
         with self._lock:
-            peak, self.peak_bytes = self.peak_bytes, self.live_bytes
+            self._apply_deaths()
+            peak, self.peak_bytes = self.peak_bytes, self._live_bytes
             self.peak_parts = self._parts_at_peak(peak)
             self._held = [(entry[2], entry[1]) for entry in self._live.values()]
             self._since = []
@@ -108,7 +139,7 @@ class HostLedger:
 
     def _parts_at_peak(self, peak: int) -> dict[str, int]:
         """The live bytes by part where the replay of the changes since the last take first reaches ``peak``
-        (empty where it never does: a change the ledger did not see)."""
+        (empty where it never does: a change the ledger did not keep)."""
         parts: dict[str, int] = {}
         live = 0
 
@@ -123,7 +154,7 @@ class HostLedger:
             live += nbytes
         if live == peak:
             return dict(parts)
-        for serial, nbytes in self._since:
+        for serial, nbytes in self._since or []:
             change(serial, nbytes)
             live += nbytes
             if live == peak and nbytes > 0:
