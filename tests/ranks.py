@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["FORKSERVER", "spawn"]
+__all__ = ["FORKSERVER", "spawn", "spawn_or_fail"]
 
 # What every rank imports; a module that fails to import here is left to the rank (forkserver skips it).
 _PRELOAD = [
@@ -54,3 +55,16 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1, j
     """``torch.multiprocessing.spawn(fn, args, nprocs, join)``, each process forked from the warm server: the
     same ProcessException for a rank that failed, the same ``fn(rank, *args)``."""
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
+def spawn_or_fail(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, out: Path) -> None:
+    """:func:`spawn`, joined; a rank that failed fails the test in one message with every rank's traceback (the
+    ``rank*.error`` files a truth's worker writes under ``out``)."""
+    import pytest
+    from torch.multiprocessing.spawn import ProcessException
+
+    try:
+        spawn(fn, args=args, nprocs=nprocs, join=True)
+    except ProcessException as exc:
+        errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
+        pytest.fail(f"the {nprocs}-process job failed: {exc}\n{errors}")

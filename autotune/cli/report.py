@@ -140,16 +140,7 @@ def breakdown_lines(profile: Profile) -> list[str]:
         return []
     heads = "".join(f"{f'm={b.micro_batch} ' + ('fits' if b.fits else 'over'):>22s}" for b in breakdowns)
     lines = [f"  memory at peak   {'':16s}{heads}"]
-    for part, label in MEMORY_PART_LABELS.items():
-        if not any(b.parts.get(part) for b in breakdowns):
-            continue
-        cells = "".join(
-            f"{format_bytes(b.parts.get(part, 0)):>14s} {100 * b.parts.get(part, 0) / max(1, b.peak_bytes):5.1f}%"
-            for b in breakdowns
-        )
-        lines.append(f"    {label:<28s}{cells}")
-    totals = "".join(f"{format_bytes(b.peak_bytes):>14s}{'':7s}" for b in breakdowns)
-    lines.append(f"    {'total':<28s}{totals}".rstrip())
+    lines += _part_rows([(b.parts, b.peak_bytes) for b in breakdowns], "total")
     lines += [
         f"    peak of m={b.micro_batch} at {b.peak_where}" + ("" if b.stage is None else f" (stage {b.stage})")
         for b in breakdowns
@@ -165,18 +156,24 @@ def _host_part_lines(breakdowns: list[MemoryBreakdown]) -> list[str]:
     """Under --offload: the host's peak in the same trials by part, as the device's rows are (none without)."""
     if not any(b.host_parts for b in breakdowns):
         return []
-    lines = ["  host at its peak (--offload)"]
+    peaks = [(b.host_parts or {}, b.host_peak_bytes or 0) for b in breakdowns]
+    return ["  host at its peak (--offload)", *_part_rows(peaks, "host total")]
+
+
+def _part_rows(peaks: list[tuple[dict[str, int], int]], total_label: str) -> list[str]:
+    """One line per part that holds bytes at one of the peaks ((parts, peak bytes) per size, side by side), its
+    bytes and share of each peak, then the peaks themselves."""
+    lines = []
     for part, label in MEMORY_PART_LABELS.items():
-        if not any((b.host_parts or {}).get(part) for b in breakdowns):
+        if not any(parts.get(part) for parts, _ in peaks):
             continue
         cells = "".join(
-            f"{format_bytes((b.host_parts or {}).get(part, 0)):>14s} "
-            f"{100 * (b.host_parts or {}).get(part, 0) / max(1, b.host_peak_bytes or 0):5.1f}%"
-            for b in breakdowns
+            f"{format_bytes(parts.get(part, 0)):>14s} {100 * parts.get(part, 0) / max(1, peak):5.1f}%"
+            for parts, peak in peaks
         )
         lines.append(f"    {label:<28s}{cells}")
-    totals = "".join(f"{format_bytes(b.host_peak_bytes or 0):>14s}{'':7s}" for b in breakdowns)
-    lines.append(f"    {'host total':<28s}{totals}".rstrip())
+    totals = "".join(f"{format_bytes(peak):>14s}{'':7s}" for _, peak in peaks)
+    lines.append(f"    {total_label:<28s}{totals}".rstrip())
     return lines
 
 

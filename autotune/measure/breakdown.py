@@ -434,5 +434,4 @@ def with_host_parts(
     to it; as it was otherwise (no offload, or a host change the ledger did not see)."""
     if host_peak_bytes is None or sum(host_parts.values()) != host_peak_bytes:
         return breakdown
-    parts = {part: nbytes for part, nbytes in host_parts.items() if nbytes}
-    return breakdown.model_copy(update={"host_peak_bytes": host_peak_bytes, "host_parts": parts})
+    return breakdown.model_copy(update={"host_peak_bytes": host_peak_bytes, "host_parts": dict(host_parts)})

@@ -328,7 +328,7 @@ class ShardedStage(StageStrategy):
         self._device_mesh: Any = None
         self._shard_mesh: Any = None
         self._entered = 0
-        # --cp: each micro-batch's shift_labels and position_ids, by its input_ids (step_context), for its forward.
+        # --cp: each micro-batch's shift_labels and position_ids, by its input_ids (step_batches), for its forward.
         self._sequence_kwargs: dict[int, dict[str, torch.Tensor]] = {}
         # The plan shards the sequence between the blocks (sequence parallel: the activations that cross the
         # stages are each rank's L / tp positions, as torchtitan's stages send them): set by shard_stage, with
@@ -407,7 +407,7 @@ class ShardedStage(StageStrategy):
 
     def _install_cp(self, model: nn.Module) -> None:
         """cp's applier on the stage (as ContextParallel's on a whole model): each attention's mask dropped, and each
-        forward given its micro-batch's shift_labels and position_ids, sharded with it by :meth:`step_context`."""
+        forward given its micro-batch's shift_labels and position_ids, sharded with it by :meth:`step_batches`."""
         from autotune.measure.context_parallel import check_cp_model, drop_masks
 
         check_cp_model(model, self.cp)

@@ -40,21 +40,18 @@ def size_label(breakdown: MemoryBreakdown) -> str:
 def breakdown_rows(profile: Profile) -> list[tuple[str, str, str, list[int]]]:
     """The table beside the bars: (part, label, colour, bytes at each broken-down size) for every part that holds
     bytes at one of them, in MEMORY_PARTS' order."""
-    breakdowns = profile.breakdown or []
-    rows = []
-    for part in MEMORY_PARTS:
-        cells = [b.parts.get(part, 0) for b in breakdowns]
-        if any(cells):
-            rows.append((part, MEMORY_PART_LABELS[part], PART_COLOURS[part], cells))
-    return rows
+    return _rows([b.parts for b in profile.breakdown or []])
 
 
 def host_rows(profile: Profile) -> list[tuple[str, str, str, list[int]]]:
     """Under --offload, the host's peak in the same trials by part (rows as :func:`breakdown_rows`'); none without."""
-    breakdowns = profile.breakdown or []
+    return _rows([b.host_parts or {} for b in profile.breakdown or []])
+
+
+def _rows(parts_by_size: list[dict[str, int]]) -> list[tuple[str, str, str, list[int]]]:
     rows = []
     for part in MEMORY_PARTS:
-        cells = [(b.host_parts or {}).get(part, 0) for b in breakdowns]
+        cells = [parts.get(part, 0) for parts in parts_by_size]
         if any(cells):
             rows.append((part, MEMORY_PART_LABELS[part], PART_COLOURS[part], cells))
     return rows

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from torch.multiprocessing.spawn import ProcessException
 
 from autotune.cli import main
 from autotune.core.mesh import Mesh
@@ -26,7 +25,7 @@ from autotune.measure.context_parallel import MEASURED_RANK
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.hf import hf_task
 from tests.autotune._hf_configs import CONFIGS, write_config
-from tests.ranks import spawn
+from tests.ranks import spawn_or_fail
 
 pytest.importorskip("transformers")
 pytestmark = [
@@ -44,14 +43,6 @@ SEQ_LEN = 64
 # --tp: a scalar the probe holds and the ordinary loop does not; 16 below under fsdp); the limit is put between
 # m_max and m_max + 1 far from that.
 SLACK_BYTES = 64
-
-
-def _spawn(target: Any, args: tuple[Any, ...], out: Path, processes: int = 2) -> None:
-    try:
-        spawn(target, args=args, nprocs=processes, join=True)
-    except ProcessException as exc:
-        errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
-        pytest.fail(f"the {processes}-process job failed: {exc}\n{errors}")
 
 
 def _cp_job(
@@ -100,7 +91,7 @@ def _cp_job(
         tp,
         optimizer,
     )
-    _spawn(_cp_worker.run, args, out, processes=world_size)
+    spawn_or_fail(_cp_worker.run, args, world_size, out)
     real = {int(m): ranks for m, ranks in json.loads((out / "peaks.json").read_text()).items()}
     found = json.loads((out / "ring.json").read_text()) if ring else None
     return {"inner": inner, "tp": tp, "measured": measured, "peaks": peaks, "fake": fake, "real": real, "ring": found}

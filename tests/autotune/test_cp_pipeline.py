@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from torch.multiprocessing.spawn import ProcessException
 
 from autotune.cli import main
 from autotune.core.mesh import Mesh
 from autotune.orchestrate.probe import ProbeConfig, probe
 from autotune.tasks.hf import hf_task
 from tests.autotune._hf_configs import CONFIGS, write_config
-from tests.ranks import spawn
+from tests.ranks import spawn_or_fail
 
 pytest.importorskip("transformers")
 pytestmark = [
@@ -91,11 +90,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out.mkdir()
     jobs = [(inner, found[inner]["sizes"]) for inner in INNERS]
     args = (WORLD, str(out / "rendezvous"), str(out), worker_config, SEQ_LEN, K, jobs)
-    try:
-        spawn(_cp_pipeline_worker.run, args=args, nprocs=WORLD, join=True)
-    except ProcessException as exc:
-        errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.error")))
-        pytest.fail(f"the {WORLD}-process job failed: {exc}\n{errors}")
+    spawn_or_fail(_cp_pipeline_worker.run, args, WORLD, out)
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
     for inner in INNERS:
         found[inner]["ranks"] = {m: [r[inner][str(m)] for r in ranks] for m in found[inner]["sizes"]}
