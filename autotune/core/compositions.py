@@ -114,17 +114,6 @@ COMPOSITIONS: tuple[Rule, ...] = (
         "without --cp",
     ),
     Rule(
-        "--pp",
-        "--compile under --tp",
-        "not measured yet",
-        lambda d: d.pp > 1 and d.tp > 1 and d.compile is not None,
-        lambda d: f"--pp {d.pp} with --compile {d.compile}",
-        "a pipeline's compiled stages (each block compiled, as torchtitan compiles them) are measured over ddp "
-        "replicas and under --strategy fsdp, not yet under --tp (its stages read up to 112 bytes off the real ranks: "
-        "dynamo's guard tensors of a recompilation land in whichever step recompiles, which the stage replay and the "
-        "job do not yet agree on)",
-    ),
-    Rule(
         "--strategy fsdp",
         "--world-size 1",
         "meaningless",

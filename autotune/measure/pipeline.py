@@ -64,6 +64,7 @@ stages are taken to keep the dtype a ``meta`` forward gives them (autocast is no
 from __future__ import annotations
 
 import functools
+import gc
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -82,7 +83,7 @@ from autotune.core.schemas import MemoryBreakdown, Trial
 from autotune.measure.breakdown import with_host_parts
 from autotune.measure.layout import Layout
 from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
-from autotune.measure.meters.compiled import compiles_on
+from autotune.measure.meters.compiled import compiles_on, graphs_compiled, static_shapes
 from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.meters.host import HOST
 from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
@@ -108,6 +109,9 @@ __all__ = [
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 OPTIMIZER_STEPS = 2
+# A compiled stage's replays at most, until one compiles nothing: the first graphs, a recompilation for the size, one
+# for a stage whose inputs guard otherwise (PipelineTrials.measure_stage).
+SETTLING_REPLAYS = 4
 
 # ("F", micro-batch) or ("B", micro-batch).
 Action = tuple[Literal["F", "B"], int]
@@ -327,6 +331,7 @@ class ShardedStage(StageStrategy):
         self.stages, self.tp, self.cp, self.inner = stages, tp, cp, inner
         self._device_mesh: Any = None
         self._shard_mesh: Any = None
+        self._tp_mesh: Any = None
         self._entered = 0
         # --cp: each micro-batch's shift_labels and position_ids, by its input_ids (step_batches), for its forward.
         self._sequence_kwargs: dict[int, dict[str, torch.Tensor]] = {}
@@ -373,10 +378,15 @@ class ShardedStage(StageStrategy):
                 self._device_mesh = mesh
                 if self.inner == "fsdp":  # made here, outside the fake trials' modes (its rank map is a real tensor)
                     self._shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp > 1 else mesh["dp"]
+                # One tp sub-mesh for every stage built (torchtitan slices it once): a slice is a new object each
+                # time, while a parameter's DTensor spec keeps the first one it was made with, and a compiled block
+                # guards on whether its hooks' mesh is its parameters' (a stage rebuilt with a fresh slice would
+                # recompile where the job does not).
+                self._tp_mesh = mesh["tp"] if self.tp > 1 else None
                 yield dist.group.WORLD
             finally:
                 self._entered = 0
-                self._device_mesh = self._shard_mesh = None
+                self._device_mesh = self._shard_mesh = self._tp_mesh = None
 
     def shard_stage(self, model: nn.Module, task: ProbeTask, not_held: set[int]) -> None:
         from autotune.measure.tensor_parallel import shards_sequence, uses_loss_parallel
@@ -388,7 +398,7 @@ class ShardedStage(StageStrategy):
         # buckets come once the stage has its storage (stage_built), so nothing here.
         parallelism = Parallelism(
             self.inner,
-            tp_mesh=self._device_mesh["tp"] if self.tp > 1 else None,
+            tp_mesh=self._tp_mesh,
             shard_mesh=self._shard_mesh,
             not_held=frozenset(not_held),
             context=self._install_cp if self.cp > 1 else None,
@@ -460,7 +470,7 @@ class ShardedStage(StageStrategy):
         from torch.distributed.tensor import DTensor, Shard
 
         # The rank's positions of the residual stream, as the previous stage's last block left them.
-        return DTensor.from_local(arrival, self._device_mesh["tp"], [Shard(1)], run_check=False)
+        return DTensor.from_local(arrival, self._tp_mesh, [Shard(1)], run_check=False)
 
     def leaving(self, output: torch.Tensor) -> torch.Tensor:
         local = getattr(output, "to_local", None)
@@ -954,7 +964,34 @@ def _compile_blocks(blocks: list[nn.Module], mode: str, policy: str) -> None:
     fresh_compiler_for(policy)
     for block in blocks:
         compiled = compile_model(block.forward, mode)  # type: ignore[arg-type]
-        block.forward = quiet_grad_reads(under_memory_budget(compiled, policy))  # type: ignore[method-assign]
+        forward = quiet_grad_reads(under_memory_budget(compiled, policy))
+        block.forward = _no_pending_collective_inputs(forward)  # type: ignore[method-assign]
+
+
+# torch's limit the composition meets where a tp plan parallelizes a module before the blocks (transformers' plans
+# shard the embedding row-wise): the one line a compiled stage's first block says (_no_pending_collective_inputs).
+PENDING_COLLECTIVE_INPUT = (
+    "--compile under --pp with --tp: the stage's first compiled block gets the tp-parallel embedding's output as "
+    "funcol's AsyncCollectiveTensor (the all-reduce not waited yet), and in this torch a compiled function given one "
+    "that requires grad hands its gradient back as a plain tensor, which DTensor's backward cannot take "
+    "(AttributeError: '_local_tensor'; the same job built by hand fails so): probe it eager, or compile it without "
+    "--pp"
+)
+
+
+def _no_pending_collective_inputs(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward``, refusing in one line (:data:`PENDING_COLLECTIVE_INPUT`) an input that is funcol's
+    AsyncCollectiveTensor requiring grad, before the compiled graph runs: its backward would fail in DTensor's."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, AsyncCollectiveTensor) and value.requires_grad:
+                value.trigger_wait()  # its collective done, not left for c10d's warning at the process's exit
+                raise TaskError(PENDING_COLLECTIVE_INPUT)
+        return forward(*args, **kwargs)
+
+    return call
 
 
 def _stub(module: nn.Module, name: str, flow: _Flow) -> None:
@@ -1328,7 +1365,31 @@ class PipelineTrials:
         return peaks.index(max(peaks))
 
     def measure_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:
-        """(the meter's reading, oom) of one stage's two steps at micro_batch."""
+        """(the meter's reading, oom) of one stage's two steps at micro_batch; a compiled job's as a job that trains
+        at micro_batch runs them: compiled static there by a fresh compiler, where its compilation has settled.
+
+        A graph compiled for another size first (dynamo's automatic dynamic shapes make the second size's graph
+        dynamic) holds other bytes than the static one a job at one m compiles (3,968 B less at m = 2 on the tiny tp
+        Llama's stage 0 after m = 1), so each size starts from a fresh compiler at its first stage (as the static
+        confirmation of a compiled trial does, autotune/search/static.py), whose later stages' graphs are static
+        too. And a replay's first steps compile (the blocks' graphs, a recompilation for a stage whose inputs guard
+        otherwise), where dynamo's guard tensors are made, the compiler's bytes and not the job's: a replay that
+        compiled is replayed again, and the one that compiled nothing is the stage's (as a compiled trial is measured
+        after its warm-up)."""
+        if self.task.compile is None or not compiles_on(self.meter):
+            return self._recorded_stage(stage_index, micro_batch)
+        if stage_index == 0:
+            torch._dynamo.reset()
+            gc.collect()
+        with static_shapes():
+            for _ in range(SETTLING_REPLAYS):
+                compiled_before = graphs_compiled()
+                reading, oom = self._recorded_stage(stage_index, micro_batch)
+                if graphs_compiled() == compiled_before:  # an OOM's too: its figure is the settled one's
+                    break
+        return reading, oom
+
+    def _recorded_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:
         recorder = self._breakdown_recorder()
         with recorder.recording(self.meter) if recorder is not None else nullcontext():
             reading, oom = self._measure_stage(stage_index, micro_batch)

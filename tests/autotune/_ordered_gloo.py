@@ -30,7 +30,8 @@ with FSDP2: 502,972 every run (the old way: 503,220 once in 16).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -105,6 +106,28 @@ class collectives_in_order(TorchDispatchMode):  # noqa: N801 (used as a context 
                 torch.ops._c10d_functional.wait_tensor(tensor)
             _fence(c10d._resolve_process_group(_argument(func, args, kwargs, "group_name")))
         return out
+
+
+@contextmanager
+def compiled_waits_fenced(group: Any) -> Iterator[None]:
+    """Within: each wait on a collective in a compiled graph followed by a fence of ``group`` (:func:`_fence`), for the
+    collectives a compiled block issues itself (tp's, traced into its graph), which run outside any dispatch mode.
+    Inductor's code calls ``torch.ops._c10d_functional.wait_tensor.default`` by name at each run, so the packet's
+    ``default`` is swapped for a waiting-then-fencing call; only around runs that compile nothing (the lowering of a
+    graph compiled within would find a function where it looks for the op)."""
+    packet = torch.ops._c10d_functional.wait_tensor
+    wait = packet.default
+
+    def fenced(tensor: torch.Tensor) -> torch.Tensor:
+        out = wait(tensor)
+        _fence(group)
+        return out
+
+    packet.default = fenced
+    try:
+        yield
+    finally:
+        packet.default = wait
 
 
 def warmed_up(steps: Callable[[], None]) -> None:

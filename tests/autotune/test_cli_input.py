@@ -116,7 +116,7 @@ def _refusals(tmp: Path, url: str) -> list[tuple[list[str], str]]:
         ([*on_cpu, "--max-micro-batch", "99999999999999999999"], "above 16777216"),
         ([*on_cpu, "--world-size", "99999999"], "above 1048576"),
         ([*on_cpu, "--world-size", "2", "--cp", "2", "--compile"], "--cp 2 with --compile default: torch.compile"),
-        ([*on_cpu, "--world-size", "4", "--tp", "2", "--pp", "2", "--compile"], "--pp 2 with --compile default: "),
+        ([*on_cpu, "--strategy", "fsdp", "--world-size", "2", "--tp", "2"], "--strategy fsdp with --world-size 2 over"),
         (["probe", f"{exits}:task", "--device", "cpu", "--budget", "8MiB"], f"task '{exits}:task'"),
         (
             [

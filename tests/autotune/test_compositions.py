@@ -25,7 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 # One job per rule that the rule, and only it, refuses: the table's rows are each reachable.
 REFUSED = [
     Dimensions(world_size=2, cp=2, compile="default"),
-    Dimensions(world_size=4, pp=2, tp=2, compile="default"),
     Dimensions(strategy="fsdp", world_size=1),
     Dimensions(strategy="fsdp", world_size=2, tp=2),
     Dimensions(offload="params"),
@@ -68,6 +67,7 @@ def test_each_rule_is_reached_by_a_job_and_names_both_of_its_flags() -> None:
         Dimensions(activation_checkpointing="budget:0.5", compile="default"),
         Dimensions(world_size=2, pp=2, compile="default", activation_checkpointing="budget:0.5"),
         Dimensions(strategy="fsdp", world_size=4, pp=2, compile="default"),
+        Dimensions(world_size=4, pp=2, tp=2, compile="default"),  # test_pipeline_fsdp.py: against real ranks
         Dimensions(world_size=2, tp=2, lora=True),
         Dimensions(strategy="fsdp", world_size=4, cp=2),
         # What the asker does not know yet waits: the CLI cannot tell whether a spec carries LoRA.
@@ -117,15 +117,14 @@ def test_every_asker_says_the_same_line() -> None:
 
 def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
     """What only the task knows (its compile or offload, its optimizer's library) is asked before any trial."""
+    offloaded = dataclasses.replace(linear_task(), offload="params")
+    config = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2)
+    said = composition_refusal(Dimensions(world_size=2, offload="params"))
+    assert _raised(lambda: config.applied_to(offloaded)) == said
+    # Over ddp, fsdp or tp stages a compiled pipeline is measured (test_pipeline, test_pipeline_fsdp): not refused.
     task = dataclasses.replace(linear_task(), compile="default")
-    config = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=4, mesh=Mesh(pp=2, tp=2))
-    said = composition_refusal(Dimensions(world_size=4, pp=2, tp=2, compile="default"))
-    assert _raised(lambda: config.applied_to(task)) == said
-    # Over ddp or fsdp stages a compiled pipeline is measured (test_pipeline, test_pipeline_fsdp): not refused.
-    for strategy, world_size in (("ddp", 2), ("fsdp", 4)):
-        stages = ProbeConfig(
-            device="cpu", budget_bytes=1 << 30, strategy=strategy, world_size=world_size, mesh=Mesh(pp=2)
-        )
+    for strategy, world_size, mesh in (("ddp", 2, Mesh(pp=2)), ("fsdp", 4, Mesh(pp=2)), ("ddp", 4, Mesh(pp=2, tp=2))):
+        stages = ProbeConfig(device="cpu", budget_bytes=1 << 30, strategy=strategy, world_size=world_size, mesh=mesh)
         assert stages.applied_to(task).name == "linear"
     adam8 = dataclasses.replace(linear_task(), optimizer="adamw8bit")
     fsdp = ProbeConfig(device="cpu", budget_bytes=1 << 30, world_size=2, strategy="fsdp")
@@ -150,7 +149,7 @@ def test_the_config_asks_with_the_tasks_own_dimensions() -> None:
     ("flags", "said"),
     [
         (["--world-size", "2", "--cp", "2", "--compile"], "--cp 2 with --compile default: "),
-        (["--world-size", "4", "--tp", "2", "--pp", "2", "--compile"], "--pp 2 with --compile default: "),
+        (["--strategy", "fsdp", "--world-size", "2", "--tp", "2"], "--strategy fsdp with --world-size 2 over tp 2: "),
         (["--offload", "params"], "--offload params with --strategy ddp: "),
         (["--weights-dtype", "fp16", "--precision", "fp16"], "--weights-dtype fp16 with --precision fp16: "),
     ],

@@ -15,6 +15,7 @@ import functools
 import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -132,22 +133,11 @@ def test_the_probe_and_the_estimate_answer_the_real_m_max(real_peaks: dict[int, 
 def test_compiled_sharded_stages_equal_the_real_ranks(tmp_path: Path, real_peaks: dict[int, list[int]]) -> None:
     """--compile under --pp 2 --strategy fsdp (pp 2 x dp 2): each stage's blocks compiled, then sharded (torchtitan's
     apply_compile before apply_fsdp), against 4 real processes built so; the stages on the allocator's own count."""
-    from autotune.measure.meters.compiled import CompiledCpuMeter
-
     real = _real_rank_peaks(tmp_path, "fsdp, compiled", 1, schedule="1f1b", compiled=True)
     task = dataclasses.replace(llama_task(), compile="default")
-    strategy = ShardedStage(WORLD, STAGES)
-    meter = CompiledCpuMeter(UNBOUNDED)
-    try:
-        with strategy.process_group(torch.device("cpu")):
-            trials = PipelineTrials(
-                task, meter, limit_bytes=UNBOUNDED, stages=STAGES, schedule="1f1b", microbatches=K, strategy=strategy
-            )
-            for m in SIZES:
-                trials(m)
-                assert trials.stage_peaks[m] == [real[0][str(m)], real[2][str(m)]], m
-    finally:
-        meter.close()
+    stage_peaks = _compiled_stage_peaks(task, ShardedStage(WORLD, STAGES))
+    for m in SIZES:
+        assert stage_peaks[m] == [real[0][str(m)], real[2][str(m)]], m
     # Compiled blocks hold less than eager ones here, on both stages.
     assert all(real[rank][str(3)] < real_peaks[3][rank] for rank in range(WORLD))
     # The probe at a budget between the real m = 2 and m = 3 (stage 0: 764,236 and 925,516 bytes).
@@ -160,6 +150,24 @@ def test_compiled_sharded_stages_equal_the_real_ranks(tmp_path: Path, real_peaks
     profile = probe(task, config)
     assert profile.max_micro_batch == 2
     assert profile.pipeline is not None and profile.pipeline.stage_peak_bytes == [real[0]["2"], real[2]["2"]]
+
+
+def _compiled_stage_peaks(task: ProbeTask, strategy: Any) -> dict[int, list[int]]:
+    """Each stage's peak at each of SIZES by the pipeline trials of the compiled ``task`` (1F1B, K 2) over
+    ``strategy``'s stages, on the allocator's own count."""
+    from autotune.measure.meters.compiled import CompiledCpuMeter
+
+    meter = CompiledCpuMeter(UNBOUNDED)
+    try:
+        with strategy.process_group(torch.device("cpu")):
+            trials = PipelineTrials(
+                task, meter, limit_bytes=UNBOUNDED, stages=STAGES, schedule="1f1b", microbatches=K, strategy=strategy
+            )
+            for m in SIZES:
+                trials(m)
+            return {m: list(trials.stage_peaks[m]) for m in SIZES}
+    finally:
+        meter.close()
 
 
 def tp_task(layers: int = worker.LAYERS) -> ProbeTask:
@@ -238,6 +246,70 @@ def _tp_stage_peaks(schedule: str) -> dict[int, list[int]]:
         for m in SIZES:
             trials(m)
         return {m: list(trials.stage_peaks[m]) for m in SIZES}
+
+
+# Between the compiled tp stages' most loaded peaks at m = 2 and m = 3 (stage 0: 479,436 and 582,988 bytes).
+COMPILED_TP_BUDGET = 530_000
+
+
+def test_compiled_stages_over_tensor_parallelism_equal_the_real_ranks(tmp_path: Path) -> None:
+    """--compile under --pp 2 --tp 2 (W 4, D 1): each stage's blocks tensor-parallel, then compiled (torchtitan's
+    apply_tp before apply_compile), against 4 real processes built so; the stages on the allocator's own count, each
+    where its compilation has settled, as the real ranks are measured after a first run at each size."""
+    with ProcessPoolExecutor(1, mp_context=FORKSERVER) as pool:
+        stage_peaks, probed = pool.submit(_compiled_tp_stages).result()
+    real = _real_rank_peaks(tmp_path, "tp, compiled", 2, schedule="1f1b", compiled=True)
+    for m in SIZES:
+        assert real[0][str(m)] == real[1][str(m)] and real[2][str(m)] == real[3][str(m)], real
+        assert stage_peaks[m] == [real[0][str(m)], real[2][str(m)]], m
+    most_loaded = {m: max(ranks[str(m)] for ranks in real) for m in SIZES}
+    assert most_loaded[2] <= COMPILED_TP_BUDGET < most_loaded[3]
+    # The probe from m = 1 up (each size compiled static by a fresh compiler, as a job at that m compiles): its
+    # trials' peaks are the real most loaded ranks', the one past m_max included.
+    m_max, stage_peak_bytes, trial_peaks = probed
+    assert (m_max, stage_peak_bytes) == (2, [real[0]["2"], real[2]["2"]])
+    assert {m: trial_peaks[m] for m in SIZES} == most_loaded
+
+
+def _compiled_tp_stages() -> tuple[dict[int, list[int]], tuple[int | None, list[int] | None, dict[int, int]]]:
+    """The compiled tp stages' peaks at each of SIZES by the pipeline trials, and (m_max, its stage peaks, each real
+    trial's peak) by the probe at COMPILED_TP_BUDGET."""
+    task = dataclasses.replace(tp_task(), compile="default")
+    mesh = Mesh(pp=STAGES, tp=2, pp_schedule="1f1b", pp_microbatches=K)
+    peaks = _compiled_stage_peaks(task, make_strategy("ddp", 4, mesh))
+    config = ProbeConfig(
+        device="cpu", budget_bytes=COMPILED_TP_BUDGET, headroom=0.0, world_size=4, target_batch=4, mesh=mesh
+    )
+    profile = probe(task, config)
+    stage_peak_bytes = profile.pipeline.stage_peak_bytes if profile.pipeline is not None else None
+    trial_peaks = {trial.micro_batch: trial.peak_bytes for trial in profile.trials if not trial.fake}
+    return peaks, (profile.max_micro_batch, stage_peak_bytes, trial_peaks)
+
+
+def test_compiled_tp_stages_fed_a_pending_collective_are_refused_in_one_line(tmp_path: Path) -> None:
+    """An hf: Llama under transformers' tp plan shards its embedding row-wise, so the first compiled block of stage 0
+    gets funcol's AsyncCollectiveTensor, whose gradient torch's compiled backward hands back plain (DTensor's
+    backward then fails; bench/compiled_collective_input.py shows it on a job built by hand): the probe stops at its
+    first trial with one line naming the limit, exit 2, nothing written. In a process of its own (DTensor's caches)."""
+    import subprocess
+    import sys
+
+    from autotune.measure.pipeline import PENDING_COLLECTIVE_INPUT
+
+    config = {
+        "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    output = tmp_path / "profile.json"
+    flags = ["--seq-len", "32", "--world-size", "4", "--pp", "2", "--tp", "2", "--compile", "--output", str(output)]
+    argv = [sys.executable, "-m", "autotune.cli", "probe", f"hf:{tmp_path}", "--device", "cpu", "--budget", "8MiB"]
+    done = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=600, check=False)
+    said = [line for line in done.stderr.splitlines() if line.startswith("autotune: error: ")]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert said == [f"autotune: error: {PENDING_COLLECTIVE_INPUT}"]
+    assert "Traceback" not in done.stderr and "unwaited collective" not in done.stderr
+    assert not output.exists()
 
 
 SP_SLACK_BYTES = 64

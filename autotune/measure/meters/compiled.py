@@ -57,6 +57,7 @@ __all__ = [
     "compiled_job",
     "compiled_mode_of",
     "compiles_on",
+    "graphs_compiled",
     "compiled_for",
     "estimated_eager",
     "mark_dynamic_batch",
@@ -545,6 +546,13 @@ def compiles_on(meter: Any) -> bool:
     return not isinstance(meter, FakeMeter)
 
 
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process (since its last reset): a span that changed it compiled."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def fresh_compiler_for(policy: str) -> float | None:
     """The compiler's activation memory budget under ``policy`` (R of ``budget:R``, else None), with dynamo's caches
     reset where the last compilation ran under another: its cache does not guard on the partitioner's budget, so a
@@ -689,9 +697,9 @@ def compiled_job(task: Any, meter: Any, *, presearch: bool, stages: int = 1) -> 
     if stages > 1:
         return [
             f"compiled ({task.compile}) under --pp {stages}: each stage's blocks were compiled one by one, as "
-            "torchtitan's apply_compile compiles them (the stage's cut, its embedding and head eager), at the first "
-            "size the stage ran and again where the micro-batch changed (dynamo's automatic dynamic shapes), and "
-            "every trial ran them compiled; compile_seconds (every compilation) is apart from the trials' seconds"
+            "torchtitan's apply_compile compiles them (the stage's cut, its embedding and head eager), static at each "
+            "trial's micro-batch by a fresh compiler, as a job at that size compiles them, and each stage was measured "
+            "in steps that compiled nothing (after the steps that did); a trial's seconds include its compilations"
         ]
     notes = [
         f"compiled ({task.compile}): the model was compiled once, at the first trial's micro-batch (at least "
