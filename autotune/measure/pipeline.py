@@ -941,7 +941,7 @@ def _build_stage(
         built.handles.append(kept[0].register_forward_pre_hook(arrive, with_kwargs=True, prepend=True))
         for name in layout.prefix_modules:
             if name:
-                _stub(model.get_submodule(name), name, flow)
+                _stub(model.get_submodule(name), name, flow, layout.ranges[stage].start)
 
     def capture(module: nn.Module, args: Any, output: Any) -> None:
         flow.output = output
@@ -994,15 +994,18 @@ def _no_pending_collective_inputs(forward: Callable[..., Any]) -> Callable[..., 
     return call
 
 
-def _stub(module: nn.Module, name: str, flow: _Flow) -> None:
+def _stub(module: nn.Module, name: str, flow: _Flow, first_block: int) -> None:
     """Run in place of a module the stage does not hold that the model calls before its blocks: the arriving
-    activation where the module's output has its shape (the embedding), else zeros broadcast to the shape
-    (a stride-0 view of one element: no activation's worth of memory)."""
+    activation where the module's output is what crosses into the stage's first block (the embedding: the same shape
+    and dtype in the whole model's forward), else zeros broadcast to the shape (a stride-0 view of one element: no
+    activation's worth of memory). Compared in the whole model's shapes, not the arrival's: under --cp (and a tp plan
+    that shards the sequence) the arrival is the rank's part of the sequence, as the real stage's ``inputs_embeds``
+    is, and what the model computes from it (the causal mask of transformers' models) must see that length too."""
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         assert flow.arrival is not None and flow.shapes is not None
         recorded = flow.shapes.prefix_outputs.get(name)
-        if recorded is None or (recorded[0] == flow.arrival.shape and recorded[1] == flow.arrival.dtype):
+        if recorded is None or recorded == flow.shapes.block_inputs[first_block]:
             return flow.arrival
         shape, dtype = recorded
         return torch.zeros((), dtype=dtype, device=flow.arrival.device).expand(shape)

@@ -27,7 +27,7 @@ import torch
 
 from autotune.core import units
 from autotune.core.errors import AutotuneError
-from autotune.core.schemas import Device, MemoryBreakdown, Profile, Trial
+from autotune.core.schemas import Device, Lever, MemoryBreakdown, Profile, Trial
 from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import frozen_heap
@@ -96,6 +96,8 @@ def estimate(
             try:  # the card's estimate applies the setup to the task itself
                 on_card = estimate_on_card(task, config, on_trial=on_trial)
                 on_card.warnings[:0] = warnings
+                if setup.levers:  # each change estimated on the same card (autotune/orchestrate/levers.py)
+                    on_card.levers = card_levers(task, config, on_card)
                 return on_card
             except EmulationUnavailable as exc:
                 reason = str(exc)
@@ -233,6 +235,24 @@ def _estimate_pipeline(
     return profile
 
 
+def card_levers(task: ProbeTask, config: EstimateConfig, profile: Profile) -> list[Lever]:
+    """``--levers`` on an emulated card: each change of the setup estimated on the same card, its m_max and its figure
+    at the job's m_max the card's (reserved + outside the allocator), against the job's own figure there."""
+    from autotune.orchestrate.levers import pull_levers
+
+    m_max = profile.max_micro_batch
+    job = next((t for t in reversed(profile.trials) if t.micro_batch == m_max and not t.oom), None)
+    return pull_levers(
+        task,
+        config.probe,
+        at_micro_batch=m_max,
+        device_type="cuda",
+        estimator=estimate,
+        on_card=config,
+        job_peak_bytes=job.peak_bytes if job is not None else None,
+    )
+
+
 def estimate_for_card_at_lengths(
     task: ProbeTask,
     config: EstimateConfig,
@@ -249,7 +269,10 @@ def estimate_for_card_at_lengths(
         config = dataclasses.replace(config, emulation_failed=str(exc))
         return [estimate(task.at_length(seq_len), config, on_trial=on_trial) for seq_len in lengths]
     note = eager_step_note(task.optimizer)
-    if note is not None:
-        for profile in profiles:
+    for profile in profiles:
+        if note is not None:
             profile.warnings.insert(0, note)
+        if config.probe.levers:  # each length's changes on the same card
+            at_length = task if profile.seq_len is None else task.at_length(profile.seq_len)
+            profile.levers = card_levers(at_length, config, profile)
     return profiles

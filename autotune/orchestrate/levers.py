@@ -127,9 +127,15 @@ def _fake_peak(task: ProbeTask, config: ProbeConfig, micro_batch: int, device_ty
     return fake_trial(task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=MAX_BYTES).peak_bytes
 
 
-def _peak_among(found: Profile, micro_batch: int, config: ProbeConfig, device_type: str) -> int | None:
+def _peak_among(
+    found: Profile, micro_batch: int, config: ProbeConfig, device_type: str, on_card: EstimateConfig | None = None
+) -> int | None:
     """The whole peak at micro_batch where the changed setup's estimate already ran it (a fake trial on the CPU that
-    fit: an OOM stops at the budget, short of the peak); None where it did not (a pipeline's trials are its stages')."""
+    fit: an OOM stops at the budget, short of the peak; on a card, its figure there, which the estimate was asked
+    for); None where it did not (a pipeline's trials on the CPU are its stages')."""
+    if on_card is not None:
+        at = [t for t in found.trials if t.micro_batch == micro_batch and not t.oom]
+        return at[-1].peak_bytes if at else None
     if device_type != "cpu" or config.mesh.pp > 1:
         return None
     for trial in found.trials:
@@ -156,19 +162,33 @@ def pull_levers(
     device_type: str = "cpu",
     only: tuple[str, ...] | None = None,
     estimator: Callable[[ProbeTask, EstimateConfig], Profile],
+    on_card: EstimateConfig | None = None,
+    job_peak_bytes: int | None = None,
 ) -> list[Lever]:
     """Each applicable change's peak at at_micro_batch, the bytes it frees there and its m_max, best first (the
     largest m_max, then the most freed); the changes left out, with why, after them. ``only``: the changes whose
     flags are among these (None: every one that applies). ``estimator``: the estimate that gives a changed setup's
     m_max (autotune.orchestrate.estimate.estimate, handed in by its callers: it calls here too).
 
+    ``on_card``: the estimate's config of an emulated card (``--gpu``): each changed setup is estimated on that card,
+    with at_micro_batch among its sizes, so its m_max and its peak there are the card's figures (reserved + outside
+    the allocator), as the job's own, ``job_peak_bytes``, is (the job's trial at at_micro_batch on the card).
+
     Raises:
         AutotuneError: the job itself cannot run a fake trial (the line says why)."""
     token = _TRYING.set(True)
     try:
-        return _pull(task, config, at_micro_batch, device_type, only, estimator)
+        return _pull(task, config, at_micro_batch, device_type, only, estimator, on_card, job_peak_bytes)
     finally:
         _TRYING.reset(token)
+
+
+def _lever_config(setup: ProbeConfig, at_micro_batch: int, on_card: EstimateConfig | None) -> EstimateConfig:
+    """The estimate of a changed setup: with CPU semantics, or on the job's card with at_micro_batch among its sizes
+    (the card's figure there is the lever's peak)."""
+    if on_card is None:
+        return EstimateConfig(probe=setup, device_kind="cpu")
+    return dataclasses.replace(on_card, probe=setup, micro_batches=(at_micro_batch,))
 
 
 def _pull(
@@ -178,9 +198,11 @@ def _pull(
     device_type: str,
     only: tuple[str, ...] | None,
     estimate: Callable[[ProbeTask, EstimateConfig], Profile],
+    on_card: EstimateConfig | None = None,
+    job_peak_bytes: int | None = None,
 ) -> list[Lever]:
     task = config.applied_to(task)
-    job_peak = _fake_peak(task, config, at_micro_batch, device_type)
+    job_peak = job_peak_bytes if job_peak_bytes is not None else _fake_peak(task, config, at_micro_batch, device_type)
     pulled: list[Lever] = []
     left_out: list[Lever] = []
     for change in _changes(task, config):
@@ -196,10 +218,15 @@ def _pull(
         setup = change.config.with_setup(breakdown=False, levers=False, target_batch=None)
         try:
             try:
-                found = estimate(change.task, EstimateConfig(probe=setup, device_kind="cpu"))
-                m_max, peak = found.max_micro_batch, _peak_among(found, at_micro_batch, setup, device_type)
+                found = estimate(change.task, _lever_config(setup, at_micro_batch, on_card))
+                m_max, peak = found.max_micro_batch, _peak_among(found, at_micro_batch, setup, device_type, on_card)
             except CannotFitError:
                 m_max, peak = 0, None
+            if peak is None and on_card is not None:  # not even its smallest size fits the card: nothing to read
+                left_out.append(Lever(flags=change.flags, at_micro_batch=at_micro_batch, max_micro_batch=0,
+                                      note=f"does not fit the {on_card.card.short_name if on_card.card else 'card'} "
+                                      f"at micro-batch {at_micro_batch} either"))  # fmt: skip
+                continue
             if peak is None:
                 peak = _fake_peak(setup.applied_to(change.task), setup, at_micro_batch, device_type)
         except (AutotuneError, ValueError, RuntimeError) as exc:  # a change the model refuses: said, not raised

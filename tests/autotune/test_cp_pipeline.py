@@ -40,8 +40,14 @@ SLACK_BYTES = 64
 INNERS = ("ddp", "fsdp")
 
 
+# Longer than SEQ_LEN: each cp rank's part of the sequence (L / cp) is shorter than the model's maximum, and what a
+# stage past the first computes from its arriving part (the causal mask) must see the part's length (issue 61).
+MAX_POSITIONS = 128
+SHAPE = {"tie_word_embeddings": False, "num_hidden_layers": 2, "max_position_embeddings": MAX_POSITIONS}
+
+
 def _config(tmp_path: Path) -> Path:
-    return write_config(tmp_path, "llama", tie_word_embeddings=False, num_hidden_layers=2)
+    return write_config(tmp_path, "llama", **SHAPE)
 
 
 def _stage_peaks(task: Any, inner: str, sizes: list[int], fake: bool) -> dict[int, list[int]]:
@@ -85,7 +91,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "fake": _stage_peaks(task, inner, sizes, fake=True),
         }
     worker_config = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
-    worker_config.update(tie_word_embeddings=False, num_hidden_layers=2)
+    worker_config.update(SHAPE)
     out = tmp_path / "truth"
     out.mkdir()
     jobs = [(inner, found[inner]["sizes"]) for inner in INNERS]
@@ -127,3 +133,16 @@ def test_pp_with_cp_is_no_longer_refused(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "refused" not in out.err and "not measured" not in out.err
+
+
+def test_a_stage_past_the_first_sees_its_part_of_the_sequence(tmp_path: Path) -> None:
+    """Under a memory policy a stage past the first computed its causal mask over the whole length (the embedding's
+    stand-in had the whole model's shape, the position ids the rank's part) and raised IndexError, fake and real: the
+    levers' fake trials of a job that did not fit crashed the probe (issue 61). Its stages now run, the estimate's fake
+    ones equal to the probe's real ones."""
+    import dataclasses
+
+    task = dataclasses.replace(hf_task(_config(tmp_path)).at_length(SEQ_LEN), activation_checkpointing="full")
+    real = _stage_peaks(task, "ddp", [1], fake=False)
+    assert real == _stage_peaks(task, "ddp", [1], fake=True)
+    assert all(peak > 0 for peak in real[1]), real
