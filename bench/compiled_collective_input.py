@@ -1,4 +1,4 @@
-"""torch's limit behind the refusal of a compiled tp block fed a pending collective (autotune/measure/pipeline.py,
+"""torch's limit behind the refusal of a compiled tp block fed a pending collective (autotune/measure/pipeline/,
 PENDING_COLLECTIVE_INPUT), on a job built by hand with no code of autotune: 2 gloo ranks, an embedding sharded
 row-wise over tp (its output funcol's AsyncCollectiveTensor until waited) feeding a tp block compiled as a function
 and as a module, then backward. Prints each way's outcome; the same block given the waited (plain) tensor runs.

@@ -10,7 +10,7 @@ L = 8192 on emulated H100s (80 GB), one `autotune estimate` per mesh, as a user 
 pp 2 alone; cp 2. 70B runs at 64 ranks, as the field runs it (at 8 ranks its bf16 weights, gradients and AdamW
 states alone exceed 80 GB a rank on every mesh): fsdp 64; fsdp 8 x tp 8; fsdp 4 x tp 8 x pp 2 (1F1B, K = 8);
 fsdp 32 x cp 2; ddp 32 x cp 2; fsdp 4 x tp 8 x cp 2.
-Pipelines compose with fsdp and tp (1F1B and GPipe; autotune/measure/pipeline.py). Context parallelism composes
+Pipelines compose with fsdp and tp (1F1B and GPipe; autotune/measure/pipeline/). Context parallelism composes
 with ddp and fsdp (FSDP2 over the dp x cp ranks, torchtitan's dp_shard_cp; autotune/cli/inputs.py refuses it beside
 pp, or beside tp over ddp, in one line): its rows are fsdp x cp 2, ddp x cp 2 and fsdp x tp x cp 2. What the
 project cannot estimate yet is printed as its one-line refusal or error ("micro-batch 1 does not fit" included),

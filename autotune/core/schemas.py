@@ -278,7 +278,7 @@ class Surface(_Model):
 
 
 class PipelineStages(_Model):
-    """What a pipeline-parallel profile (``--pp``) says of its stages (autotune/measure/pipeline.py): each stage's
+    """What a pipeline-parallel profile (``--pp``) says of its stages (autotune/measure/pipeline/): each stage's
     peak at ``max_micro_batch`` (a rank's, with its V stages under interleaved 1F1B), the most loaded one, whose
     m_max the profile answers, the K micro-batches per step the stages ran, and the bubble
     (pp - 1) / (V K + pp - 1)."""

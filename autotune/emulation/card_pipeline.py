@@ -1,5 +1,5 @@
 """A pipeline's search on an emulated card (``--gpu NAME --pp N``), in the emulated child: each stage's fake trial
-(autotune/measure/pipeline.py: the stage built alone, its schedule's forwards and backwards replayed) recorded
+(autotune/measure/pipeline/: the stage built alone, its schedule's forwards and backwards replayed) recorded
 allocation by allocation and replayed through the caching allocator's model, as a card's trial of a whole model is
 (autotune/search/reserved.py). A stage is one rank: its figure is its own reserved bytes, with the cuBLAS
 workspaces and the memory outside the allocator of its own card. The answer is the most loaded stage's m_max; the

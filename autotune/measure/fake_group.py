@@ -1,7 +1,7 @@
 """The fake process group one process answers for one rank through, and what it leaves behind in DTensor once
 it is destroyed, forgotten.
 
-A probe answers for one rank through a fake process group of the world size (strategies.py, pipeline.py,
+A probe answers for one rank through a fake process group of the world size (strategies.py, pipeline/stages.py,
 context_parallel.py), and a process may probe several meshes in turn (a test worker, a fleet, ``estimate`` over
 lengths). DTensor caches its sharding propagation (a Python LRU cache and the C++ dispatcher's fast-path cache),
 keyed by specs whose ``DeviceMesh`` compares equal by its ranks, layout and dimension names only, not by its process

@@ -1,7 +1,7 @@
 """A job's device mesh, laid out once: torchtitan's fixed order of dimensions (pp, dp, cp, tp; tp innermost, so a
 tp group's ranks are neighbours, on one host), the dimensions of more than one rank and dp always (the strategies
 shard or reduce over it by name). Every strategy that answers for one rank through a fake process group builds
-its mesh here (strategies.py's Sharded and TensorParallel, pipeline.py's ShardedStage, context_parallel.py's
+its mesh here (strategies.py's Sharded and TensorParallel, pipeline/stages.py's ShardedStage, context_parallel.py's
 ContextParallel), so a new dimension is laid out in one place.
 
     >>> Layout(8, Mesh(tp=2, cp=2)).dims

@@ -12,8 +12,8 @@ in torchtitan's fixed order (its ``parallelize_llama``: tp, then cp, then fsdp o
 
 The memory policy and activation offload are the model's own transforms, applied where it is built
 (autotune/measure/trial.py's ``build_model``) before ``compose``, so FSDP2 wraps checkpointed blocks as torchtitan's
-``apply_ac`` before ``apply_fsdp`` leaves them; a pipeline stage is cut before (autotune/measure/pipeline.py). Each
-strategy (autotune/measure/strategies.py, context_parallel.py, pipeline.py) builds its meshes once in its process
+``apply_ac`` before ``apply_fsdp`` leaves them; a pipeline stage is cut before (autotune/measure/pipeline/). Each
+strategy (autotune/measure/strategies.py, context_parallel.py, pipeline/stages.py) builds its meshes once in its process
 group (autotune/measure/layout.py) and says which dimensions it has in a :class:`Parallelism`; a new dimension is an
 applier here, a field there, and a rule in the composition table (autotune/core/compositions.py).
 """

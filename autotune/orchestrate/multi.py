@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from autotune.core.errors import AutotuneError, DeviceError
-from autotune.core.plan import plan
 from autotune.core.schemas import Profile
 
-__all__ = ["probe_all_devices"]
+__all__ = ["probe_all_devices", "tightest_of"]
 
 POLL_SECONDS = 5.0
 
@@ -71,18 +70,14 @@ def probe_all_devices(spec: str, config: Any) -> Profile:
     failures = [f"cuda:{i}: {err}" for i, _, err in results if err]
     if failures:
         raise AutotuneError("probe failed on " + "; ".join(failures))
-    profiles = [Profile.model_validate_json(text) for _, text, _ in sorted(results) if text]
+    return tightest_of([Profile.model_validate_json(text) for _, text, _ in sorted(results) if text], config)
+
+
+def tightest_of(profiles: list[Profile], config: Any) -> Profile:
+    """The tightest device's profile with every device listed and the plan made from the smallest m_max: the one plan
+    of the setup (``ProbeConfig.plan_for``: over D, the data-parallel replicas, as each device's probe planned, not
+    over every rank of the mesh)."""
     tightest = min(profiles, key=lambda p: p.max_micro_batch)
-    devices = [p.device for p in profiles]
-    the_plan = (
-        plan(
-            tightest.max_micro_batch,
-            config.target_batch,
-            config.world_size,
-            multiple_of=config.multiple_of,
-            policy=config.plan_policy,
-        )
-        if config.target_batch
-        else None
-    )
-    return tightest.model_copy(update={"devices": devices, "plan": the_plan})
+    single = tightest.single_step.max_micro_batch if tightest.single_step is not None else None
+    the_plan = config.plan_for(tightest.max_micro_batch, [], single)
+    return tightest.model_copy(update={"devices": [p.device for p in profiles], "plan": the_plan})

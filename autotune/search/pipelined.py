@@ -1,5 +1,5 @@
 """The search of a pipeline-parallel job (``--pp N``): the boundary search over every stage's trial
-(autotune/measure/pipeline.py), the answer the most loaded stage's, and what the datasheet says of each stage.
+(autotune/measure/pipeline/), the answer the most loaded stage's, and what the datasheet says of each stage.
 
 Used by the probe and the CPU-semantics estimate (autotune/orchestrate/pipelined.py) and, with each stage's trial
 replayed through the caching allocator, by an emulated card's child (autotune/emulation/card_pipeline.py): it takes

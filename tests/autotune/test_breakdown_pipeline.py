@@ -1,5 +1,5 @@
 """Where a pipeline's memory goes: each stage's steps recorded (autotune/measure/breakdown.py through the replay of
-autotune/measure/pipeline.py), the most loaded stage's peak stored with its stage named.
+autotune/measure/pipeline/), the most loaded stage's peak stored with its stage named.
 
 The truths share no code with the recorder: each stage's parameters summed from the model built the ordinary way,
 by the modules the stage holds (the first stage the embeddings and the first half of the blocks, the last the rest,

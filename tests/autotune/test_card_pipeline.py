@@ -1,5 +1,5 @@
 """`autotune estimate --gpu NAME --pp N`: a pipeline on an emulated card. Each stage's fake trial (the stage built
-alone, its schedule replayed, autotune/measure/pipeline.py) runs in the emulated child with CUDA semantics and is
+alone, its schedule replayed, autotune/measure/pipeline/) runs in the emulated child with CUDA semantics and is
 replayed through the caching allocator's model on its own rank (autotune/emulation/card_pipeline.py).
 
 What is checked against the CPU stage trials (whose figures tests/autotune/test_pipeline.py holds equal to real gloo

@@ -683,7 +683,7 @@ def estimated_eager(task: Any) -> str:
 def compiled_job(task: Any, meter: Any, *, presearch: bool, stages: int = 1) -> list[str]:
     """What a compiled job's datasheet says before its trials run, and the meter check: a CPU meter that
     counts storages by dispatch would miss the compiled code's own buffers. ``stages`` > 1: a pipeline's, whose
-    stages compile block by block (autotune/measure/pipeline.py) and are searched without a fake pre-search.
+    stages compile block by block (autotune/measure/pipeline/) and are searched without a fake pre-search.
 
     Raises:
         TaskError: the meter cannot see a compiled step.
