@@ -256,7 +256,12 @@ def datasheet(profile: Profile) -> str:
         sizes = " + ".join(f"{count}x{size}" for size, count in timing.micro_batches)
         lines.append(
             f"  throughput       {timing.samples_per_second:.4g} samples/s, update {sizes} in "
-            f"{timing.seconds_per_update:.4g}s (timed, median of {timing.repeats})"
+            f"{timing.seconds_per_update:.4g}s "
+            + (
+                f"(timed, median of {timing.repeats})"
+                if profile.pipeline is None
+                else f"(each stage timed, median of {timing.repeats}; the bubble by the schedule)"
+            )
         )
     advice = gap_advice(profile)
     if advice is not None:

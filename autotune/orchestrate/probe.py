@@ -18,7 +18,7 @@ from autotune.core import units
 from autotune.core.consistency import check_profile
 from autotune.core.errors import CannotFitError, DeviceError, TaskError
 from autotune.core.plan import nonnegative_fit, plan
-from autotune.core.schemas import Fit, MemoryBreakdown, Profile, SingleStep, Trial
+from autotune.core.schemas import Fit, MemoryBreakdown, Plan, Profile, SingleStep, Throughput, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import reserved_gap_at
 from autotune.measure.meters import Meter, make_meter, resolve_device
@@ -27,7 +27,7 @@ from autotune.measure.meters.cuda import CudaMeter
 from autotune.measure.offload import host_capped_hint, offload_fields
 from autotune.measure.strategies import Replicated, Strategy
 from autotune.measure.strategy_choice import make_strategy
-from autotune.measure.throughput import timed_updates
+from autotune.measure.throughput import DEFAULT_MIN_SECONDS, DEFAULT_REPEATS, timed_updates
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.breakdowns import chosen_breakdowns
 from autotune.orchestrate.config import ProbeConfig
@@ -460,21 +460,44 @@ def probe_with_meter(
         profile.levers = pull_levers(
             task, config, at_micro_batch=m_max, device_type=meter.device.type, estimator=estimate
         )
-    if config.throughput and config.mesh.pp == 1:  # timed runs, never the search's trials (none of a pipeline yet)
-        profile.throughput = timed_updates(
-            task,
-            meter,
-            strategy,
-            max_micro_batch=m_max,
-            plan=the_plan,
-            # Samples per update are counted over the replicas (D), which the plan's world size is: tp, pp and cp
-            # ranks share one micro-batch.
-            world_size=config.data_parallel,
-            warnings=profile.warnings,
-        )
+    if config.throughput:  # timed runs, never the search's trials
+        profile.throughput = _timed(task, meter, strategy, config, m_max, the_plan, profile.warnings)
     # A profile the store would refuse is a bug here, not something to write or upload.
     check_profile(profile)
     return profile
+
+
+def _timed(
+    task: ProbeTask,
+    meter: Meter,
+    strategy: Strategy,
+    config: ProbeConfig,
+    m_max: int,
+    the_plan: Plan | None,
+    warnings: list[str],
+) -> list[Throughput] | None:
+    """The profile's timed runs at m_max and the plan's sizes: a pipeline's stage by stage, composed by its schedule
+    (autotune/measure/pipeline/timing.py). Samples per update are counted over the replicas (D), which the plan's
+    world size is: tp, pp and cp ranks share one micro-batch."""
+    setup = config.job_setup
+    if setup.planner == "pipeline":
+        from autotune.measure.pipeline.timing import timed_pipeline_updates
+
+        return timed_pipeline_updates(
+            task,
+            meter,
+            strategy,
+            setup.mesh,
+            max_micro_batch=m_max,
+            plan=the_plan,
+            replicas=setup.data_parallel,
+            repeats=DEFAULT_REPEATS,
+            min_seconds=DEFAULT_MIN_SECONDS,
+            warnings=warnings,
+        )
+    return timed_updates(
+        task, meter, strategy, max_micro_batch=m_max, plan=the_plan, world_size=setup.data_parallel, warnings=warnings
+    )
 
 
 def _over_host_budget(trial: Trial, host_budget_bytes: int | None, limit_bytes: int) -> str | None:
