@@ -811,13 +811,22 @@ class SuggestQuery(BaseModel):
 
     @model_validator(mode="after")
     def _mesh_divides_the_world(self) -> SuggestQuery:
+        from autotune.core.compositions import Dimensions, composition_refusal
         from autotune.core.errors import AutotuneError
         from autotune.core.mesh import Mesh
 
         try:
-            Mesh.parse(self.mesh).validate(self.world_size)
+            mesh = Mesh.parse(self.mesh)
+            mesh.validate(self.world_size)
         except AutotuneError as exc:
             raise ValueError(str(exc)) from None
+        # The composition table refuses a query as the CLI refuses the job (autotune/core/compositions.py), over what
+        # the query states: a field it leaves to the profile (offload, compile: None) takes the value no rule reads.
+        refusal = composition_refusal(
+            Dimensions.of(self.strategy, self.world_size, mesh, offload=self.offload or "none", compile=self.compile)
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
         return self
 
     @property

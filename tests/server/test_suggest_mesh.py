@@ -69,3 +69,17 @@ def test_the_suggest_command_takes_the_mesh_flags() -> None:
         ["suggest", "--fingerprint", FINGERPRINT, "--device-name", "x", "--world-size", "8", "--tp", "2"]
     )
     assert mesh_of(args).label() == "tp=2"
+
+
+def test_a_composition_the_table_refuses_is_a_422_naming_both_flags(client: TestClient) -> None:
+    """/suggest refuses what the composition table refuses, as the CLI refuses the job (issue 61), in its words."""
+    query = {"fingerprint": FINGERPRINT, "device_name": DEFAULT_DEVICE, "target_batch": 64}
+    refused = {
+        "--strategy fsdp with --world-size 1": {"strategy": "fsdp", "world_size": 1},
+        "--offload params with --strategy ddp": {"offload": "params", "world_size": 2},
+        "--cp 2 with --compile default": {"mesh": "cp=2", "world_size": 2, "compile": "default"},
+    }
+    for words, more in refused.items():
+        response = client.get(SUGGEST, params={**query, **more})
+        assert response.status_code == 422, (more, response.text)
+        assert words in response.json()["error"]["message"], response.text
