@@ -551,8 +551,12 @@ def test_an_fsdp_profile_at_a_smaller_world_size_is_a_prediction_saying_so(clien
     (warning,) = [w for w in got.warnings if "per-rank memory" in w]
     assert "world size 4, not 8" in warning and "--strategy fsdp --world-size 8" in warning
     assert _suggest(client, target_batch=256, world_size=3, strategy="fsdp").profile_id == at_two
-    error = _suggest_404(client, target_batch=256, world_size=1, strategy="fsdp")
-    assert "--strategy fsdp --world-size 1" in str(error["details"]["how_to_probe"])  # type: ignore[index]
+    # fsdp over one rank is no job (the composition table): a 422 in the CLI's words, where the 404 once advised
+    # probing --strategy fsdp --world-size 1, which the CLI refuses (issue 61).
+    query = {"fingerprint": FINGERPRINT, "device_name": DEFAULT_DEVICE, "target_batch": 256}
+    response = client.get(SUGGEST, params={**query, "world_size": 1, "strategy": "fsdp"})
+    assert response.status_code == 422, response.text
+    assert "--strategy fsdp with --world-size 1" in response.json()["error"]["message"]
 
 
 def test_an_fsdp_job_with_only_a_ddp_profile_is_a_prediction_saying_so(client: TestClient) -> None:
