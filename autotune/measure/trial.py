@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ from autotune.core.errors import TaskError, TrialError
 from autotune.core.heap import FrozenHeap
 from autotune.core.schemas import ATTENTION_NOTE, Trial
 from autotune.measure.breakdown import with_host_parts
-from autotune.measure.meters import FORWARD_BACKWARD, STEP, Meter
+from autotune.measure.meters import FORWARD_BACKWARD, STEP, MemoryReading, Meter
 from autotune.measure.meters.host import HOST
 from autotune.measure.offload import apply_offload, offload_params_to_host, step_on_host
 from autotune.measure.oom import is_oom, release_failed_backward
@@ -43,15 +45,20 @@ from autotune.tasks.task import ProbeTask, weights_dtype_refusal
 __all__ = [
     "MICRO_BATCHES_PER_STEP",
     "OPTIMIZER_STEPS",
+    "Span",
     "TrialRunner",
+    "breakdown_recorder",
+    "broken_down",
     "build_model",
     "build_on_meta",
     "frozen_heap",
     "materialize",
     "measure_weights",
+    "measured_span",
     "move_to_device",
     "recorder_of",
     "run_trial",
+    "trial_of",
 ]
 
 MICRO_BATCHES_PER_STEP = 2
@@ -334,17 +341,52 @@ def run_trial(
         TrialError: any other non-OOM failure, with the original error in one line.
     """
     strategy = strategy or Replicated(1)
+    # A fresh model's meta copy, handed to the work, whose frame it dies with.
+    meta_models = [build_on_meta(task)] if model is None else []
+    started = time.perf_counter()
+
+    def steps() -> None:
+        if model is None:
+            _fresh_cycle(task, meter, micro_batch, strategy, meta_models.pop(), accumulation)
+        else:
+            _cycle(task, meter, micro_batch, strategy, model, accumulation)
+
+    span = measured_span(task, meter, micro_batch, steps)
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    meter.release()
+    return trial_of(
+        micro_batch,
+        span,
+        limit_bytes=limit_bytes,
+        host_limit_bytes=host_limit_bytes,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@dataclass(frozen=True)
+class Span:
+    """What one measured span of a trial read (a whole model's steps, a pipeline stage's): the meter's reading,
+    whether it ran out of memory, and the host's peak under an offload (None without one)."""
+
+    reading: MemoryReading
+    oom: bool
+    host_peak_bytes: int | None
+
+
+def measured_span(task: ProbeTask, meter: Meter, micro_batch: int, work: Callable[[], None], where: str = "") -> Span:
+    """The one envelope of a trial's measured work, whatever the work: the host's peak restarted with the device's,
+    ``work`` run inside ``meter.measure()``, an error classified (an OOM is a result; a task's own error is raised as
+    it is; any other one is a TrialError in one line), a failed backward's graph let go, the reading and the host's
+    peak taken. The caller releases the meter once it has dropped what it holds of the work.
+
+    ``where``: what the line names beside the size (a pipeline's stage)."""
     oom = False
     failure: str | None = None
-    meta_model = build_on_meta(task) if model is None else None
-    started = time.perf_counter()
     try:
         with meter.measure():
             HOST.take_peak()  # the host's peak restarts with the device's
-            if model is None:
-                _fresh_cycle(task, meter, micro_batch, strategy, meta_model, accumulation)
-            else:
-                _cycle(task, meter, micro_batch, strategy, model, accumulation)
+            work()
     except TaskError:
         meter.release()
         raise
@@ -353,34 +395,53 @@ def run_trial(
         if is_oom(exc):
             oom = True
         else:
-            first_line = (str(exc).strip().splitlines() or [""])[0]
-            failure = f"trial at micro-batch {micro_batch} failed: {type(exc).__name__}: {first_line}"
-            if _MIXED_DTENSOR in first_line:
-                failure = f"trial at micro-batch {micro_batch} failed: {MIXED_DTENSOR_STEP}"
-            elif micro_batch == 1:
-                failure += " (a model that cannot train on one sample, BatchNorm1d say, needs --multiple-of 2)"
-    # Out of the except block the traceback, and with it every frame of _cycle, is gone.
-    del meta_model
-    seconds = time.perf_counter() - started
-    if model is not None:
-        model.zero_grad(set_to_none=True)
+            failure = _failure_line(exc, micro_batch, where)
+    # Out of the except block the traceback, and with it every frame of the work, is gone.
     reading = meter.reading()
     host_peak = HOST.take_peak() if task.offload != "none" else None
-    meter.release()
     if failure is not None:
+        meter.release()
         raise TrialError(failure)
-    over_host = exceeds_host_budget(host_peak, host_limit_bytes)
+    return Span(reading, oom, host_peak)
+
+
+def _failure_line(exc: BaseException, micro_batch: int, where: str) -> str:
+    """A trial's failure that is not an OOM, in one line: the size (and where), the error's type and first line."""
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    at = f"trial at micro-batch {micro_batch}{where} failed"
+    if _MIXED_DTENSOR in first_line:
+        return f"{at}: {MIXED_DTENSOR_STEP}"
+    failure = f"{at}: {type(exc).__name__}: {first_line}"
+    if micro_batch == 1:
+        failure += " (a model that cannot train on one sample, BatchNorm1d say, needs --multiple-of 2)"
+    return failure
+
+
+def trial_of(
+    micro_batch: int,
+    span: Span,
+    *,
+    limit_bytes: int,
+    host_limit_bytes: int | None,
+    seconds: float,
+    fake: bool = False,
+) -> Trial:
+    """The Trial of a size from the span that decides it (a pipeline's most loaded stage's): it fits where it did not
+    run out of memory, its peak is within limit_bytes and its host bytes within host_limit_bytes (--host-budget)."""
+    reading, oom = span.reading, span.oom
+    over_host = exceeds_host_budget(span.host_peak_bytes, host_limit_bytes)
     return Trial(
         micro_batch=micro_batch,
         peak_bytes=reading.peak_bytes,
         fits=(not oom) and reading.peak_bytes <= limit_bytes and not over_host,
-        host_peak_bytes=host_peak,
+        host_peak_bytes=span.host_peak_bytes,
         oom=oom,
         seconds=round(seconds, 6),
         forward_backward_bytes=None if oom else reading.forward_backward_bytes,
         step_bytes=None if oom else reading.step_bytes,
         allocated_bytes=reading.allocated_bytes,
         outside_allocator_bytes=reading.outside_allocator_bytes,
+        fake=fake,
     )
 
 
@@ -567,10 +628,9 @@ class TrialRunner:
                     host_limit_bytes=self.host_limit_bytes,
                 )
             if recorder is not None and self.breakdowns is not None:
-                found = recorder.breakdown(micro_batch, trial.fits, trial.peak_bytes)
+                found = broken_down(recorder, micro_batch, trial.fits, trial.peak_bytes, trial.host_peak_bytes)
                 if found is not None:
-                    # The host's peak by part: the ledger's parts at the take run_trial made at the trial's end.
-                    self.breakdowns[micro_batch] = with_host_parts(found, trial.host_peak_bytes, HOST.peak_parts)
+                    self.breakdowns[micro_batch] = found
             self._note_attention()
             del_model = trial.oom
             return trial
@@ -590,24 +650,32 @@ class TrialRunner:
         self.warnings[:] = [w for w in self.warnings if not w.startswith(ATTENTION_NOTE)] + [line]
 
     def _recorder(self) -> Any:
-        """A breakdown's recorder for the next trial, where one is asked for and the meter sees every allocation:
-        the CPU and fake meters' storages (an eager job: a compiled job's fake trials run it eager), the compiled
-        meter's allocator events (a compiled job)."""
-        from autotune.measure.breakdown import BreakdownRecorder
-        from autotune.measure.meters.compiled import CompiledCpuMeter
-        from autotune.measure.meters.cpu import CpuMeter
-
-        if self.breakdowns is None or not isinstance(self.meter, CpuMeter):
-            return None
-        if (self.task.compile is not None) != isinstance(self.meter, CompiledCpuMeter):
-            return None
-
-        return BreakdownRecorder()
+        return breakdown_recorder(self.task, self.meter) if self.breakdowns is not None else None
 
     def close(self) -> None:
         """Drop the reused model (the next trial builds a new one)."""
         self._model = None
         self.meter.release()
+
+
+def breakdown_recorder(task: ProbeTask, meter: Meter) -> Any:
+    """A breakdown's recorder (autotune/measure/breakdown.py) for a trial's (or a pipeline stage's) steps, where the
+    meter sees every allocation: the CPU and fake meters' storages (an eager job: a compiled job's fake trials run it
+    eager, and are not broken down), the compiled meter's allocator events (a compiled job); None elsewhere."""
+    from autotune.measure.breakdown import BreakdownRecorder
+    from autotune.measure.meters.compiled import CompiledCpuMeter
+    from autotune.measure.meters.cpu import CpuMeter
+
+    if not isinstance(meter, CpuMeter) or (task.compile is not None) != isinstance(meter, CompiledCpuMeter):
+        return None
+    return BreakdownRecorder()
+
+
+def broken_down(recorder: Any, micro_batch: int, fits: bool, peak_bytes: int, host_peak_bytes: int | None) -> Any:
+    """The recorded steps' peak broken down (None where the recorder could not), the host's peak by part beside it:
+    the ledger's parts at the take the span made at its end."""
+    found = recorder.breakdown(micro_batch, fits, peak_bytes)
+    return None if found is None else with_host_parts(found, host_peak_bytes, HOST.peak_parts)
 
 
 def attention_line(kernels: set[str], backend: str | None) -> str | None:

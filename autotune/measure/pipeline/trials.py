@@ -14,22 +14,26 @@ import torch
 from torch import nn
 
 from autotune.core.compositions import Dimensions, refuse_composition
-from autotune.core.consistency import exceeds_host_budget
 from autotune.core.errors import AutotuneError, TaskError
 from autotune.core.schemas import MemoryBreakdown, Trial
-from autotune.measure.breakdown import with_host_parts
 from autotune.measure.meters import MemoryReading, Meter
 from autotune.measure.meters.compiled import compiles_on, graphs_compiled, static_shapes
 from autotune.measure.meters.fake import FakeMeter
-from autotune.measure.meters.host import HOST
 from autotune.measure.offload import offload_params_to_host
-from autotune.measure.oom import is_oom, release_failed_backward
 from autotune.measure.pipeline.cutting import StageLayout, build_stage, meta_model, record_shapes, shard_on_meta
 from autotune.measure.pipeline.replay import InterleavedReplay, Replay, hooks_removed
 from autotune.measure.pipeline.schedules import pipeline_refusal
 from autotune.measure.pipeline.stages import StageStrategy
 from autotune.measure.strategies import Strategy
-from autotune.measure.trial import build_on_meta, recorder_of
+from autotune.measure.trial import (
+    Span,
+    breakdown_recorder,
+    broken_down,
+    build_on_meta,
+    measured_span,
+    recorder_of,
+    trial_of,
+)
 from autotune.tasks.task import ProbeTask
 
 # A compiled stage's replays at most, until one compiles nothing: the first graphs, a recompilation for the size, one
@@ -148,28 +152,19 @@ class PipelineTrials:
             reading, oom = self._measure_stage(stage_index, micro_batch)
         if recorder is not None:
             fits = not oom and reading.peak_bytes <= self.limit_bytes
-            found = recorder.breakdown(micro_batch, fits, reading.peak_bytes)
-            if found is not None:  # the stage's host by part: the ledger's take at the stage's end
-                found = with_host_parts(found, self.stage_host_peaks.get(stage_index), HOST.peak_parts)
-            self.stage_breakdowns[stage_index] = found
+            host_peak = self.stage_host_peaks.get(stage_index)
+            self.stage_breakdowns[stage_index] = broken_down(recorder, micro_batch, fits, reading.peak_bytes, host_peak)
         return reading, oom
 
     def _breakdown_recorder(self) -> Any:
-        """A breakdown's recorder for a stage's steps where breakdowns are asked for and the meter is the CPU's (its
-        dispatch count, the compiled job's allocator count) or fake tensors (an estimate's; an emulated card's, whose
-        figure the stage's live parts are then completed to: :meth:`__call__`). Not a compiled job's fake stages, which
-        run it eager (a plain estimate's fake trials of one are not broken down either)."""
-        from autotune.measure.breakdown import BreakdownRecorder
-        from autotune.measure.meters.cpu import CpuMeter
-
-        eager_stand_in = self.task.compile is not None and isinstance(self.meter, FakeMeter)
-        wanted = self.breakdowns is not None and not eager_stand_in
-        return BreakdownRecorder() if wanted and isinstance(self.meter, CpuMeter | FakeMeter) else None
+        """A breakdown's recorder for a stage's steps where breakdowns are asked for (the trial's rule:
+        autotune/measure/trial.py, breakdown_recorder); an emulated card's stage's live parts are then completed to its
+        figure (:meth:`__call__`)."""
+        return breakdown_recorder(self.task, self.meter) if self.breakdowns is not None else None
 
     def _measure_stage(self, stage_index: int, micro_batch: int) -> tuple[MemoryReading, bool]:
         shapes = record_shapes(self.task, self._recorder, self.layout, micro_batch)
         meter = self.meter
-        oom = False
         # Rank r holds stages r, r + pp, ... (one but under interleaved 1F1B).
         indices = [stage_index + chunk * self.stages for chunk in range(self.virtual_stages)]
         metas = [meta_model(self.task) for _ in indices]
@@ -182,51 +177,48 @@ class PipelineTrials:
         # A compiled job's blocks run compiled where the meter runs real tensors (fake ones run eager: dynamo does not
         # trace them, autotune/measure/meters/compiled.py).
         compiled = compiles_on(meter)
-        HOST.take_peak()  # the host's peak restarts with the stage's, as a trial's does
-        try:
-            with meter.measure():
-                replays = []
-                recorder = recorder_of(meter)
-                for index, held in zip(indices, not_held, strict=True):
-                    stage = build_stage(
-                        self.task, self.layout, index, meter.device, metas.pop(0), held, compile_blocks=compiled
+
+        def steps() -> None:
+            replays = []
+            recorder = recorder_of(meter)
+            for index, held in zip(indices, not_held, strict=True):
+                stage = build_stage(
+                    self.task, self.layout, index, meter.device, metas.pop(0), held, compile_blocks=compiled
+                )
+                self.strategy.stage_built(stage.model)
+                # --offload params: the stage's shards and, from their reduce-scatter on, its gradients'
+                # are host memory (FSDP2's CPUOffloadPolicy, applied where fsdp shards the stage).
+                offload_params_to_host(stage.model, self.task.offload, meter)
+                # DDP's buckets over the stage's replicas: what the mesh adds (ddp with D > 1).
+                recorder.classify(getattr(stage.model, "_autotune_ddp_buckets", ()), "collectives")
+                stage.flow.shapes = shapes
+                replays.append(
+                    Replay(
+                        self.task,
+                        stage,
+                        self.strategy,
+                        meter.device,
+                        self.schedule,
+                        self.microbatches,
+                        micro_batch,
+                        recorder,
                     )
-                    self.strategy.stage_built(stage.model)
-                    # --offload params: the stage's shards and, from their reduce-scatter on, its gradients'
-                    # are host memory (FSDP2's CPUOffloadPolicy, applied where fsdp shards the stage).
-                    offload_params_to_host(stage.model, self.task.offload, meter)
-                    # DDP's buckets over the stage's replicas: what the mesh adds (ddp with D > 1).
-                    recorder.classify(getattr(stage.model, "_autotune_ddp_buckets", ()), "collectives")
-                    stage.flow.shapes = shapes
-                    replays.append(
-                        Replay(
-                            self.task,
-                            stage,
-                            self.strategy,
-                            meter.device,
-                            self.schedule,
-                            self.microbatches,
-                            micro_batch,
-                            recorder,
-                        )
-                    )
-                del stage
-                with hooks_removed([replay.stage for replay in replays]):
-                    if self.schedule == "interleaved-1f1b":
-                        InterleavedReplay(replays, self.stages).run(meter)
-                    else:
-                        replays[0].run(meter)
-                del replays
-        except Exception as exc:
-            release_failed_backward()  # a graph whose backward raised is autograd's until the next backward
-            if not is_oom(exc):
-                raise
-            oom = True
-        reading = meter.reading()
-        if self.task.offload != "none":
-            self.stage_host_peaks[stage_index] = HOST.take_peak()
+                )
+            del stage
+            with hooks_removed([replay.stage for replay in replays]):
+                if self.schedule == "interleaved-1f1b":
+                    InterleavedReplay(replays, self.stages).run(meter)
+                else:
+                    replays[0].run(meter)
+            del replays
+
+        # The one envelope of a trial's measured work (autotune/measure/trial.py): the host's peak restarted with the
+        # stage's, an error classified as a trial's is, a failed backward let go.
+        span = measured_span(self.task, meter, micro_batch, steps, where=f" (stage {stage_index})")
+        if span.host_peak_bytes is not None:
+            self.stage_host_peaks[stage_index] = span.host_peak_bytes
         meter.release()
-        return reading, oom
+        return span.reading, span.oom
 
     def __call__(self, micro_batch: int) -> Trial:
         started = time.perf_counter()
@@ -253,18 +245,12 @@ class PipelineTrials:
             self.breakdowns[micro_batch] = found.model_copy(update={"stage": heaviest_index})
         # Each rank's host bytes are its own (a stage's offloaded activations): the trial's is the most any holds.
         host_peak = max(self.stage_host_peaks.values()) if self.stage_host_peaks else None
-        over_host = exceeds_host_budget(host_peak, self.host_limit_bytes)
-        return Trial(
-            micro_batch=micro_batch,
-            peak_bytes=heaviest.peak_bytes,
-            fits=(not oom) and heaviest.peak_bytes <= self.limit_bytes and not over_host,
-            oom=oom,
-            seconds=round(time.perf_counter() - started, 6),
-            forward_backward_bytes=None if oom else heaviest.forward_backward_bytes,
-            step_bytes=None if oom else heaviest.step_bytes,
-            allocated_bytes=heaviest.allocated_bytes,
-            outside_allocator_bytes=heaviest.outside_allocator_bytes,
-            host_peak_bytes=host_peak,
+        return trial_of(
+            micro_batch,
+            Span(heaviest, oom, host_peak),
+            limit_bytes=self.limit_bytes,
+            host_limit_bytes=self.host_limit_bytes,
+            seconds=time.perf_counter() - started,
             fake=isinstance(self.meter, FakeMeter),
         )
 
