@@ -271,6 +271,10 @@ def test_the_lower_floor_imports_nothing_above_it() -> None:
     # ... and the mesh (Profile.mesh, SuggestQuery.mesh), which imports only the errors, which import nothing.
     lower = {"autotune.core.split", "autotune.core.units", "autotune.core.policy_names"}
     lower |= {"autotune.core.mesh", "autotune.core.errors"}
+    # ... and the composition table (SuggestQuery refuses what the CLI refuses), which imports only the mesh and errors.
+    lower |= {"autotune.core.compositions"}
+    table = _autotune_imports(root / "core" / "compositions.py", lazy=True)
+    assert table <= {"autotune.core.mesh", "autotune.core.errors"}
     assert _autotune_imports(root / "core" / "schemas.py", lazy=True) <= lower
     assert _autotune_imports(root / "core" / "mesh.py", lazy=True) == {"autotune.core.errors"}
     assert _autotune_imports(root / "core" / "errors.py", lazy=True) == set()
