@@ -1,0 +1,86 @@
+"""A recipe file read as a job: its kind by its suffix (an Axolotl YAML, a Trainer JSON, a torchtitan TOML), parsed,
+and handed to the reader of its kind. Torch-free."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from autotune.cli.recipes.axolotl import read_axolotl
+from autotune.cli.recipes.job import RecipeError, RecipeJob, RecipeKind
+from autotune.cli.recipes.reading import ReadContext
+from autotune.cli.recipes.torchtitan import read_torchtitan
+from autotune.cli.recipes.trainer import read_trainer
+
+__all__ = ["KINDS", "kind_of", "parse_recipe", "read_recipe"]
+
+# suffix -> the kind of file it holds.
+KINDS: dict[str, RecipeKind] = {".yml": "axolotl", ".yaml": "axolotl", ".json": "trainer", ".toml": "torchtitan"}
+_READERS: dict[RecipeKind, Callable[[Path, dict[str, Any], ReadContext], RecipeJob]] = {
+    "axolotl": read_axolotl,
+    "trainer": read_trainer,
+    "torchtitan": read_torchtitan,
+}
+_NAMES = {"axolotl": "an Axolotl config", "trainer": "a TrainingArguments JSON", "torchtitan": "a torchtitan TOML"}
+
+
+def kind_of(path: Path) -> RecipeKind:
+    """The kind of recipe path holds, by its suffix.
+
+    Raises:
+        RecipeError: a suffix that names no kind autotune reads.
+    """
+    kind = KINDS.get(path.suffix.lower())
+    if kind is None:
+        raise RecipeError(
+            f"{path}: not a recipe autotune reads: an Axolotl config (.yml, .yaml), a Hugging Face TrainingArguments "
+            "or TRL SFTConfig JSON (.json) or a torchtitan job config (.toml)"
+        )
+    return kind
+
+
+def parse_recipe(path: Path) -> tuple[RecipeKind, str, dict[str, Any]]:
+    """The file's kind, its text and its parsed table.
+
+    Raises:
+        RecipeError: a file that is missing, unreadable, or not a table of its format.
+    """
+    kind = kind_of(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"--recipe {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        data = _parse(kind, text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RecipeError(f"{path}: not {_NAMES[kind]} ({first})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: not {_NAMES[kind]}: its top level is not a table of keys")
+    return kind, text, data
+
+
+def _parse(kind: RecipeKind, text: str) -> Any:
+    if kind == "trainer":
+        return json.loads(text)
+    if kind == "torchtitan":
+        return tomllib.loads(text)
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(str(exc).replace("\n", " ")) from None
+
+
+def read_recipe(path: Path, context: ReadContext) -> RecipeJob:
+    """The job the recipe at path describes, as its tool runs it.
+
+    Raises:
+        RecipeError: the file cannot be read as its kind, or a key of it cannot be read (one line, the key and the file).
+    """
+    kind, _, data = parse_recipe(path)
+    return _READERS[kind](path, data, context)
