@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.cli.common import check_seq_len_options, non_negative_int, positive_int_list, size, task_spec
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
-from autotune.cli.recipes.options import add_recipe_options
 from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of, moe_routing_of, setup_of
+from autotune.cli.recipes.options import add_recipe_options
 from autotune.core.units import limit_bytes
 
 if TYPE_CHECKING:

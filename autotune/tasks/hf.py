@@ -587,7 +587,8 @@ def _all_linear_names(model: nn.Module) -> tuple[str, ...]:
     shorthand targets them."""
     from torch import nn
 
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
     names = {
         name.rpartition(".")[2]
         for name, module in model.named_modules()

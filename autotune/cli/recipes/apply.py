@@ -145,5 +145,6 @@ def _check_write(args: argparse.Namespace, path: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".autotune-check-"):
             pass
     except OSError as exc:
-        raise CliError(f"--write-recipe {str(out)!r}: cannot write in {str(folder)!r} ({exc.strerror or exc})") from None
-
+        raise CliError(
+            f"--write-recipe {str(out)!r}: cannot write in {str(folder)!r} ({exc.strerror or exc})"
+        ) from None

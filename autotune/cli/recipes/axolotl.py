@@ -169,8 +169,16 @@ _IGNORED = (
     "otel_metrics_port", "dataset_prepared_path_hub",
     *_REFUSED_WHEN_SET,
 )  # fmt: skip
-_FSDP_CONFIG_READ = ("version", "fsdp_version", "offload_params", "activation_checkpointing", "reshard_after_forward",
-                     "auto_wrap_policy", "sharding_strategy", "mixed_precision_policy")  # fmt: skip
+_FSDP_CONFIG_READ = (
+    "version",
+    "fsdp_version",
+    "offload_params",
+    "activation_checkpointing",
+    "reshard_after_forward",
+    "auto_wrap_policy",
+    "sharding_strategy",
+    "mixed_precision_policy",
+)
 _FSDP_CONFIG_IGNORED = (
     "sync_module_states", "cpu_ram_efficient_loading", "cpu_offload_pin_memory", "use_orig_params", "state_dict_type",
     "final_state_dict_type", "transformer_layer_cls_to_wrap", "min_num_params", "limit_all_gathers",
@@ -301,11 +309,12 @@ def _adapter(path: Path, data: dict[str, Any], settings: Settings, notes: list[s
     if adapter == "qlora":
         if not data.get("load_in_4bit"):
             raise RecipeError(f"{path}: adapter qlora without load_in_4bit: true")
-        settings.set("--quantize", _quantization(path, data.get("bnb_config_kwargs") or {}), "adapter", "load_in_4bit")
+        quantize = _quantization(path, data.get("bnb_config_kwargs") or {})
+        settings.set("--quantize", quantize, "adapter", "load_in_4bit")
         notes.append(
-            "adapter: qlora read as peft's k-bit recipe (norms, embeddings and LM head in fp32, 4-bit weights in uint8); "
-            "Axolotl casts the norms and embeddings back to the weights' dtype and packs into bf16 storage of the "
-            "same bytes: its job holds up to (embeddings + LM head) x 2 bytes per parameter less"
+            "adapter: qlora read as peft's k-bit recipe (norms, embeddings and LM head in fp32, 4-bit weights in "
+            "uint8); Axolotl casts the norms and embeddings back to the weights' dtype and packs into bf16 storage of "
+            "the same bytes: its job holds up to (embeddings + LM head) x 2 bytes per parameter less"
         )
     elif data.get("load_in_4bit"):
         raise RecipeError(f"{path}: load_in_4bit with adapter lora: Axolotl quantizes a 4-bit base for qlora only")
@@ -319,7 +328,7 @@ def _adapter(path: Path, data: dict[str, Any], settings: Settings, notes: list[s
         # find_all_linear_names: every linear module but the LM head; the modules listed beside it are among them.
         settings.set("--lora-targets", "all-linear", "lora_target_linear")
     elif is_set(modules):
-        names = [modules] if isinstance(modules, str) else list(modules)
+        names = [modules] if isinstance(modules, str) else list(modules or ())
         settings.set("--lora-targets", ",".join(str(name) for name in names), "lora_target_modules")
     else:
         raise RecipeError(f"{path}: adapter {adapter} names no targets: lora_target_modules or lora_target_linear")
@@ -398,9 +407,7 @@ def _attention(path: Path, data: dict[str, Any], settings: Settings, notes: list
         notes.append(f"attn_implementation {implementation} read as SDPA's {backend} kernel (the same saved tensors)")
 
 
-def _batch(
-    path: Path, data: dict[str, Any], settings: Settings, notes: list[str], context: ReadContext
-) -> BatchKeys:
+def _batch(path: Path, data: dict[str, Any], settings: Settings, notes: list[str], context: ReadContext) -> BatchKeys:
     """m, A and D (``normalize_config``), and the target they make."""
     micro = positive_int_value(path, "micro_batch_size", data.get("micro_batch_size", 1))
     if is_set(data.get("gradient_accumulation_steps")):
@@ -418,9 +425,16 @@ def _batch(
     named = None
     if is_set(data.get("dp_shard_size")):
         named = positive_int_value(path, "dp_shard_size", data["dp_shard_size"]) * replicate * tp * cp
-    world = note_mesh(path, settings, notes, named=named, given=context.world_size, least=replicate * tp * cp,
-                      named_by="dp_shard_size x dp_replicate_size x tensor_parallel_size x context_parallel_size",
-                      launcher="WORLD_SIZE")  # fmt: skip
+    world = note_mesh(
+        path,
+        settings,
+        notes,
+        named=named,
+        given=context.world_size,
+        least=replicate * tp * cp,
+        named_by="dp_shard_size x dp_replicate_size x tensor_parallel_size x context_parallel_size",
+        launcher="WORLD_SIZE",
+    )
     data_parallel = world // (tp * cp)
     batch = BatchKeys(micro, accumulation, data_parallel, keys)
     settings.set("--target-batch", batch.global_batch, *keys)

@@ -3,8 +3,8 @@ and handed to the reader of its kind. Torch-free."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from autotune.cli.recipes.reading import ReadContext
 from autotune.cli.recipes.torchtitan import read_torchtitan
 from autotune.cli.recipes.trainer import read_trainer
 
-__all__ = ["KINDS", "kind_of", "parse_recipe", "read_recipe"]
+__all__ = ["KINDS", "kind_of", "parse_recipe", "parse_text", "read_recipe"]
 
 # suffix -> the kind of file it holds.
 KINDS: dict[str, RecipeKind] = {".yml": "axolotl", ".yaml": "axolotl", ".json": "trainer", ".toml": "torchtitan"}
@@ -54,8 +54,8 @@ def parse_recipe(path: Path) -> tuple[RecipeKind, str, dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"--recipe {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     try:
-        data = _parse(kind, text)
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        data = parse_text(kind, text)
+    except ValueError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"{path}: not {_NAMES[kind]} ({first})") from None
     if not isinstance(data, dict):
@@ -63,24 +63,42 @@ def parse_recipe(path: Path) -> tuple[RecipeKind, str, dict[str, Any]]:
     return kind, text, data
 
 
-def _parse(kind: RecipeKind, text: str) -> Any:
+def parse_text(kind: RecipeKind, text: str) -> Any:
+    """text parsed as its kind's format: JSON, TOML (tomllib; tomli before Python 3.11) or YAML (PyYAML, which
+    transformers brings).
+
+    Raises:
+        ValueError: text that is not the format (each parser's error is a ValueError or is made one).
+        RecipeError: the format's parser is not installed.
+    """
     if kind == "trainer":
         return json.loads(text)
     if kind == "torchtitan":
-        return tomllib.loads(text)
-    import yaml
-
+        try:
+            toml = importlib.import_module("tomllib")
+        except ImportError:  # Python 3.10
+            try:
+                toml = importlib.import_module("tomli")
+            except ImportError:
+                raise RecipeError(
+                    "reading a TOML recipe needs Python 3.11 (tomllib) or tomli: pip install tomli"
+                ) from None
+        return toml.loads(text)  # TOMLDecodeError is a ValueError
+    try:
+        import yaml
+    except ImportError:
+        raise RecipeError("reading a YAML recipe needs PyYAML: pip install pyyaml") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(str(exc).replace("\n", " ")) from None
+        raise ValueError(" ".join(str(exc).split())) from None
 
 
 def read_recipe(path: Path, context: ReadContext) -> RecipeJob:
     """The job the recipe at path describes, as its tool runs it.
 
     Raises:
-        RecipeError: the file cannot be read as its kind, or a key of it cannot be read (one line, the key and the file).
+        RecipeError: the file cannot be read as its kind, or a key cannot be read (one line: the key and the file).
     """
     kind, _, data = parse_recipe(path)
     return _READERS[kind](path, data, context)

@@ -42,25 +42,52 @@ from autotune.cli.recipes.job import (
     local_model,
     positive_int_value,
 )
-from autotune.cli.recipes.reading import ReadContext, is_set, note_mesh, refuse_when_set
+from autotune.cli.recipes.reading import ReadContext, note_mesh, refuse_when_set
 
 __all__ = ["read_torchtitan"]
 
 WHAT = "a torchtitan job config"
 
 # Sections read (each checked key by key below) and sections that do not change what a step holds.
-_SECTIONS_READ = ("model", "training", "parallelism", "activation_checkpoint", "optimizer", "compile", "quantize",
-                  "float8", "experimental", "fault_tolerance")  # fmt: skip
-_SECTIONS_IGNORED = ("job", "profiling", "metrics", "lr_scheduler", "checkpoint", "comm", "memory_estimation",
-                     "validation", "debug")  # fmt: skip
+_SECTIONS_READ = (
+    "model",
+    "training",
+    "parallelism",
+    "activation_checkpoint",
+    "optimizer",
+    "compile",
+    "quantize",
+    "float8",
+    "experimental",
+    "fault_tolerance",
+)
+_SECTIONS_IGNORED = (
+    "job",
+    "profiling",
+    "metrics",
+    "lr_scheduler",
+    "checkpoint",
+    "comm",
+    "memory_estimation",
+    "validation",
+    "debug",
+)
 _MODEL_READ = ("name", "flavor", "hf_assets_path", "tokenizer_path", "converters", "print_after_conversion")
 _TRAINING_READ = (
     "local_batch_size", "global_batch_size", "seq_len", "num_tokens_per_microbatch_per_dp_rank",
     "num_tokens_per_train_step", "max_context_length", "dtype", "mixed_precision_param", "mixed_precision_reduce",
     "enable_cpu_offload",
 )  # fmt: skip
-_TRAINING_IGNORED = ("dataset", "dataset_path", "max_norm", "steps", "gc_freq", "gc_debug", "dataloader",
-                     "disable_cuda_graphs")  # fmt: skip
+_TRAINING_IGNORED = (
+    "dataset",
+    "dataset_path",
+    "max_norm",
+    "steps",
+    "gc_freq",
+    "gc_debug",
+    "dataloader",
+    "disable_cuda_graphs",
+)
 _PARALLELISM_READ = (
     "data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
     "tensor_parallel_degree", "disable_loss_parallel", "pipeline_parallel_degree", "pipeline_parallel_schedule",
@@ -69,18 +96,33 @@ _PARALLELISM_READ = (
     "pipeline_parallel_schedule_csv", "pipeline_parallel_first_stage_less_layers",
     "pipeline_parallel_last_stage_less_layers",
 )  # fmt: skip
-_PARALLELISM_IGNORED = ("enable_async_tensor_parallel", "pipeline_parallel_expert_parallel_overlap",
-                        "context_parallel_load_balancer", "context_parallel_rotate_method",
-                        "expert_parallel_comm_backend")  # fmt: skip
+_PARALLELISM_IGNORED = (
+    "enable_async_tensor_parallel",
+    "pipeline_parallel_expert_parallel_overlap",
+    "context_parallel_load_balancer",
+    "context_parallel_rotate_method",
+    "expert_parallel_comm_backend",
+)
 _AC_READ = ("mode", "selective_ac_option", "memory_budget")
-_AC_IGNORED = ("per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "visualize_memory_budget_pareto",
-               "preserve_rng_state", "determinism_check", "debug")  # fmt: skip
+_AC_IGNORED = (
+    "per_op_sac_force_recompute_mm_shapes_by_fqns",
+    "early_stop",
+    "visualize_memory_budget_pareto",
+    "preserve_rng_state",
+    "determinism_check",
+    "debug",
+)
 _OPTIMIZER_READ = ("name", "implementation", "early_step_in_backward")
 _OPTIMIZER_IGNORED = ("lr", "beta1", "beta2", "eps", "weight_decay")
 _COMPILE_READ = ("enable", "components", "backend")
 # torchtitan's model names -> the model_type of the Hugging Face config its checkpoint ships.
-_FAMILIES = {"llama3": "llama", "llama4": "llama4", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3",
-             "gpt_oss": "gpt_oss"}  # fmt: skip
+_FAMILIES = {
+    "llama3": "llama",
+    "llama4": "llama4",
+    "qwen3": "qwen3",
+    "deepseek_v3": "deepseek_v3",
+    "gpt_oss": "gpt_oss",
+}
 # torch.distributed.pipelining's schedule names (torchtitan passes them to get_schedule_class) -> --pp-schedule.
 _SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved-1f1b"}
 
@@ -123,33 +165,47 @@ def read_torchtitan(path: Path, data: dict[str, Any], context: ReadContext) -> R
     return RecipeJob(path, "torchtitan", model, model_key, settings.as_tuple(), batch, tuple(notes))
 
 
+# Sections' keys that change memory in a way autotune cannot express yet, refused where set: key -> why.
+_REFUSED_WHEN_SET = {
+    "model": {"converters": "float8 and MX converters are not measured by autotune yet"},
+    "experimental": {
+        "custom_import": "a custom model is not a config autotune reads",
+        "custom_args_module": "a custom config is not one autotune reads",
+    },
+    "fault_tolerance": {"enable": "TorchFT's replica groups are not measured by autotune"},
+    "optimizer": {
+        "early_step_in_backward": "an optimizer stepped in the backward frees gradients early, not measured yet"
+    },
+    "parallelism": {
+        key: "a pipeline cut by hand: autotune cuts the layers evenly"
+        for key in (
+            "module_fqns_per_model_part",
+            "pipeline_parallel_layers_per_stage",
+            "pipeline_parallel_schedule_csv",
+        )
+    },
+}
+
+
 def _refuse(path: Path, sections: dict[str, Any]) -> None:
     """What torchtitan runs that autotune does not measure yet."""
-    refuse_when_set(path, sections["model"], {"converters": "float8 and MX converters are not measured by autotune "
-                                              "yet"}, where="[model] ")  # fmt: skip
-    refuse_when_set(path, sections["experimental"], {"custom_import": "a custom model is not a config autotune reads",
-                    "custom_args_module": "a custom config is not one autotune reads"}, where="[experimental] ")  # fmt: skip
-    refuse_when_set(path, sections["fault_tolerance"], {"enable": "TorchFT's replica groups are not measured"},
-                    where="[fault_tolerance] ")  # fmt: skip
-    refuse_when_set(path, sections["optimizer"], {"early_step_in_backward": "an optimizer stepped in the backward "
-                    "frees gradients early, which autotune does not measure yet"}, where="[optimizer] ")  # fmt: skip
+    for section, refused in _REFUSED_WHEN_SET.items():
+        refuse_when_set(path, sections[section], refused, where=f"[{section}] ")
     parallelism = sections["parallelism"]
-    for key in ("module_fqns_per_model_part", "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule_csv"):
-        refuse_when_set(path, parallelism, {key: "a pipeline cut by hand: autotune cuts the layers evenly"},
-                        where="[parallelism] ")  # fmt: skip
     for key in ("expert_parallel_degree", "expert_tensor_parallel_degree"):
         if parallelism.get(key, 1) != 1:
             raise RecipeError(f"{path}: [parallelism] {key} {parallelism[key]}: expert parallelism is not measured yet")
     if parallelism.get("fsdp_reshard_after_forward", "default") == "never":
-        raise RecipeError(f"{path}: [parallelism] fsdp_reshard_after_forward never: autotune measures FSDP2's resharding")
+        raise RecipeError(f"{path}: [parallelism] fsdp_reshard_after_forward never: autotune measures resharding")
     if parallelism.get("disable_loss_parallel") and parallelism.get("tensor_parallel_degree", 1) > 1:
         raise RecipeError(f"{path}: [parallelism] disable_loss_parallel: torchtitan's tp plan here keeps loss parallel")
 
 
 def _model(path: Path, model: dict[str, Any], context: ReadContext) -> tuple[str, str]:
     """The config at ``hf_assets_path``, checked against ``name``'s family."""
-    chosen, said = local_model(path, "[model] hf_assets_path", model.get("hf_assets_path", "./tests/assets/tokenizer"),
-                               model=context.model)  # fmt: skip
+    chosen, said = local_model(
+        path, "[model] hf_assets_path", model.get("hf_assets_path", "./tests/assets/tokenizer"), model=context.model
+    )
     name = model.get("name", "llama3")
     if name not in _FAMILIES:
         raise RecipeError(f"{path}: [model] name {name!r}: autotune reads {', '.join(_FAMILIES)} from their configs")
@@ -157,8 +213,8 @@ def _model(path: Path, model: dict[str, Any], context: ReadContext) -> tuple[str
     config = json.loads((where / "config.json" if where.is_dir() else where).read_text())
     if config.get("model_type") != _FAMILIES[name]:
         raise RecipeError(
-            f"{path}: [model] name {name!r} is a {_FAMILIES[name]} model, and {chosen} is a {config.get('model_type')!r} "
-            "config"
+            f"{path}: [model] name {name!r} is a {_FAMILIES[name]} model, and {chosen} is a "
+            f"{config.get('model_type')!r} config"
         )
     return chosen, said
 
@@ -166,8 +222,12 @@ def _model(path: Path, model: dict[str, Any], context: ReadContext) -> tuple[str
 def _mesh(path: Path, parallelism: dict[str, Any], settings: Settings) -> dict[str, int]:
     """The degrees, and --strategy, --tp (with torchtitan's plan), --pp, --pp-schedule, --cp."""
     degrees = {"replicate": 1, "tp": 1, "pp": 1, "cp": 1}
-    for key, name in (("data_parallel_replicate_degree", "replicate"), ("tensor_parallel_degree", "tp"),
-                      ("pipeline_parallel_degree", "pp"), ("context_parallel_degree", "cp")):  # fmt: skip
+    for key, name in (
+        ("data_parallel_replicate_degree", "replicate"),
+        ("tensor_parallel_degree", "tp"),
+        ("pipeline_parallel_degree", "pp"),
+        ("context_parallel_degree", "cp"),
+    ):
         if key in parallelism:
             degrees[name] = positive_int_value(path, f"[parallelism] {key}", parallelism[key])
     shard = parallelism.get("data_parallel_shard_degree", -1)
@@ -181,14 +241,16 @@ def _mesh(path: Path, parallelism: dict[str, Any], settings: Settings) -> dict[s
     if degrees["pp"] > 1:
         schedule = str(parallelism.get("pipeline_parallel_schedule", "1F1B"))
         if schedule.lower() not in _SCHEDULES:
-            raise RecipeError(f"{path}: [parallelism] pipeline_parallel_schedule {schedule!r}: autotune runs 1F1B, "
-                              "GPipe and Interleaved1F1B")  # fmt: skip
+            raise RecipeError(
+                f"{path}: [parallelism] pipeline_parallel_schedule {schedule!r}: autotune runs 1F1B, "
+                "GPipe and Interleaved1F1B"
+            )
         settings.set("--pp-schedule", _SCHEDULES[schedule.lower()], "parallelism.pipeline_parallel_schedule")
     return degrees
 
 
 def _fsdp(degrees: dict[str, int], world: int | None) -> bool:
-    """torchtitan's ``fsdp_enabled``: dp_shard > 1 (its -1 the ranks left) or cp > 1 (FSDP shards over dp_shard x cp)."""
+    """torchtitan's ``fsdp_enabled``: dp_shard > 1 (-1: the ranks left) or cp > 1 (FSDP shards over dp_shard x cp)."""
     shard = degrees.get("shard")
     if shard is None and world is not None:
         shard = world // (degrees["replicate"] * degrees["tp"] * degrees["pp"] * degrees["cp"])
@@ -270,15 +332,25 @@ def _batch(
     model_parallel = degrees["tp"] * degrees["pp"] * degrees["cp"]
     least = degrees["replicate"] * model_parallel
     named = None if "shard" not in degrees else degrees["shard"] * least
-    world = note_mesh(path, settings, notes, named=named, given=context.world_size, least=least,
-                      named_by="parallelism", launcher="NGPU: data_parallel_shard_degree -1")  # fmt: skip
+    world = note_mesh(
+        path,
+        settings,
+        notes,
+        named=named,
+        given=context.world_size,
+        least=least,
+        named_by="parallelism",
+        launcher="NGPU: data_parallel_shard_degree -1",
+    )
     fsdp = _fsdp(degrees, world)
     data_parallel = world // model_parallel
     if fsdp:
         settings.set("--strategy", "fsdp", "parallelism.data_parallel_shard_degree")
     if degrees["replicate"] > 1 and fsdp:
-        raise RecipeError(f"{path}: [parallelism] data_parallel_replicate_degree {degrees['replicate']} with sharding "
-                          "is HSDP, which autotune does not measure yet")  # fmt: skip
+        raise RecipeError(
+            f"{path}: [parallelism] data_parallel_replicate_degree {degrees['replicate']} with sharding "
+            "is HSDP, which autotune does not measure yet"
+        )
     mixed = training.get("mixed_precision_param", "bfloat16") == "bfloat16"
     if mixed and (fsdp or (degrees["tp"] == 1 and degrees["pp"] == 1)):
         settings.set("--precision", "bf16", "training.mixed_precision_param")
@@ -287,10 +359,16 @@ def _batch(
         global_batch = training.get("global_batch_size", -1)
         keys: tuple[str, ...] = ("local_batch_size", "global_batch_size")
     else:
-        local = _sequences(path, "num_tokens_per_microbatch_per_dp_rank",
-                           training.get("num_tokens_per_microbatch_per_dp_rank", 16384), tokens_per_sequence)  # fmt: skip
+        local = _sequences(
+            path,
+            "num_tokens_per_microbatch_per_dp_rank",
+            training.get("num_tokens_per_microbatch_per_dp_rank", 16384),
+            tokens_per_sequence,
+        )
         tokens = training.get("num_tokens_per_train_step", -1)
-        global_batch = -1 if tokens == -1 else _sequences(path, "num_tokens_per_train_step", tokens, tokens_per_sequence)
+        global_batch = (
+            -1 if tokens == -1 else _sequences(path, "num_tokens_per_train_step", tokens, tokens_per_sequence)
+        )
         keys = ("num_tokens_per_microbatch_per_dp_rank", "num_tokens_per_train_step")
     micro, per_step = _pipeline(path, parallelism, settings, degrees, local, tokens_per_sequence is not None)
     per_rank_step = micro * per_step
@@ -298,8 +376,10 @@ def _batch(
         global_batch = per_rank_step * data_parallel
     global_batch = positive_int_value(path, keys[1], global_batch)
     if global_batch % (per_rank_step * data_parallel):
-        raise RecipeError(f"{path}: {keys[1]} {global_batch} sequences is not a multiple of {per_rank_step} x "
-                          f"{data_parallel} data-parallel ranks (torchtitan refuses it too)")  # fmt: skip
+        raise RecipeError(
+            f"{path}: {keys[1]} {global_batch} sequences is not a multiple of {per_rank_step} x "
+            f"{data_parallel} data-parallel ranks (torchtitan refuses it too)"
+        )
     accumulation = per_step * (global_batch // (per_rank_step * data_parallel))
     batch = BatchKeys(micro, accumulation, data_parallel, keys, tokens_per_sequence)
     settings.set("--target-batch", global_batch, *keys)
@@ -325,11 +405,16 @@ def _pipeline(
         count = positive_int_value(path, "[parallelism] num_pp_microbatches", parallelism.get("num_pp_microbatches", 1))
         micro, per_step = local, count
     else:
-        micro = positive_int_value(path, "[parallelism] pipeline_parallel_microbatch_size",
-                                   parallelism.get("pipeline_parallel_microbatch_size", 1))  # fmt: skip
+        micro = positive_int_value(
+            path,
+            "[parallelism] pipeline_parallel_microbatch_size",
+            parallelism.get("pipeline_parallel_microbatch_size", 1),
+        )
         if local % micro:
-            raise RecipeError(f"{path}: [training] local_batch_size {local} is not a multiple of the pipeline's "
-                              f"micro-batch {micro} (torchtitan refuses it too)")  # fmt: skip
+            raise RecipeError(
+                f"{path}: [training] local_batch_size {local} is not a multiple of the pipeline's "
+                f"micro-batch {micro} (torchtitan refuses it too)"
+            )
         per_step = local // micro
     settings.set("--pp-microbatches", per_step, "parallelism.pipeline_parallel_microbatch_size")
     return micro, per_step

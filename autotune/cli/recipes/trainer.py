@@ -10,9 +10,10 @@ Each key is read as transformers 5.24 reads it (src/transformers/training_args.p
   ``model_init_kwargs.dtype`` or ModelConfig's ``dtype`` (``auto``: the config's own ``dtype``), else float32, what
   the SFTTrainer loads by default (sft_trainer.py) and what a model built without one holds;
 - the batch: ``per_device_train_batch_size`` (8) x ``gradient_accumulation_steps`` (1) x D, D = W / (tp x cp); W is
-  the product of ``parallelism_config``'s degrees where it names ``dp_shard_size``, else the launcher's, ``--world-size``;
+  the product of ``parallelism_config``'s degrees where it names ``dp_shard_size``, else the launcher's
+  (``--world-size``);
 - the length: TRL's ``max_length`` (1024; ``max_seq_length`` in older TRL); packed or padding-free, a micro-batch is
-  at most that many tokens a row, the figure either way. A plain TrainingArguments file names no length: ``--seq-len``;
+  at most that many tokens a row, the figure either way. A plain TrainingArguments file names none: ``--seq-len``;
 - ``bf16`` / ``fp16`` autocast (AMP) over the weights as loaded; under fsdp accelerate's autocast rides on FSDP2's
   policy (``--precision bf16-autocast``);
 - ``activation_checkpointing`` (``gradient_checkpointing``, its older name) is ``--ac full``; its kwargs'
@@ -116,12 +117,30 @@ _IGNORED = (
     "model_revision", "use_rslora",
     *_REFUSED_WHEN_SET,
 )  # fmt: skip
-_FSDP_CONFIG_READ = ("version", "fsdp_version", "cpu_offload", "offload_params", "activation_checkpointing",
-                     "reshard_after_forward", "auto_wrap_policy", "min_num_params", "xla", "xla_fsdp_v2",
-                     "xla_fsdp_grad_ckpt")  # fmt: skip
-_FSDP_CONFIG_IGNORED = ("transformer_layer_cls_to_wrap", "cpu_ram_efficient_loading", "state_dict_type",
-                        "sync_module_states", "use_orig_params", "limit_all_gathers", "backward_prefetch",
-                        "forward_prefetch", "xla_fsdp_settings")  # fmt: skip
+_FSDP_CONFIG_READ = (
+    "version",
+    "fsdp_version",
+    "cpu_offload",
+    "offload_params",
+    "activation_checkpointing",
+    "reshard_after_forward",
+    "auto_wrap_policy",
+    "min_num_params",
+    "xla",
+    "xla_fsdp_v2",
+    "xla_fsdp_grad_ckpt",
+)
+_FSDP_CONFIG_IGNORED = (
+    "transformer_layer_cls_to_wrap",
+    "cpu_ram_efficient_loading",
+    "state_dict_type",
+    "sync_module_states",
+    "use_orig_params",
+    "limit_all_gathers",
+    "backward_prefetch",
+    "forward_prefetch",
+    "xla_fsdp_settings",
+)
 _PARALLELISM_READ = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 # _sizes: accelerate's copy of the four sizes (ParallelismConfig.__post_init__), written by to_json.
 _PARALLELISM_IGNORED = ("cp_backend", "sp_backend", "tp_handler", "cp_handler", "sp_handler", "_sizes")
@@ -185,8 +204,7 @@ def _strategy(path: Path, data: dict[str, Any], settings: Settings, notes: list[
     """--strategy, --tp, --cp and --offload params (training_args.py: ``_apply_legacy_fsdp_to_config``, the FSDP
     plugin's arguments; accelerate's ``ParallelismConfig``)."""
     mesh = data.get("parallelism_config") or {}
-    check_keys(path, mesh, read=_PARALLELISM_READ, ignored=_PARALLELISM_IGNORED, where="parallelism_config.",
-               what=WHAT)  # fmt: skip
+    check_keys(path, mesh, read=_PARALLELISM_READ, ignored=_PARALLELISM_IGNORED, where="parallelism_config.", what=WHAT)
     if is_set(mesh.get("sp_size")) and mesh["sp_size"] != 1:
         raise RecipeError(f"{path}: parallelism_config.sp_size: DeepSpeed's sequence parallelism is not measured")
     tp = mesh.get("tp_size") or data.get("tp_size")
@@ -202,16 +220,20 @@ def _strategy(path: Path, data: dict[str, Any], settings: Settings, notes: list[
     fsdp = bool(options) or (is_set(shard) and shard != 1)
     replicate = mesh.get("dp_replicate_size")
     if fsdp and is_set(replicate) and replicate != 1:
-        raise RecipeError(f"{path}: parallelism_config.dp_replicate_size {replicate} with dp_shard_size is HSDP, "
-                          "which autotune does not measure yet")  # fmt: skip
+        raise RecipeError(
+            f"{path}: parallelism_config.dp_replicate_size {replicate} with dp_shard_size is HSDP, "
+            "which autotune does not measure yet"
+        )
     if not fsdp:
         return False
     if "version" not in config and "fsdp_version" not in config:
         notes.append("fsdp_config has no version: read as FSDP2, transformers 5's default (transformers 4 ran FSDP1)")
     version = config.get("version", config.get("fsdp_version", 2))
     if str(version) != "2":
-        raise RecipeError(f"{path}: fsdp_config.version {version} is FSDP1's flat parameters, which autotune does not "
-                          "measure: set version 2 (FSDP2, fully_shard)")  # fmt: skip
+        raise RecipeError(
+            f"{path}: fsdp_config.version {version} is FSDP1's flat parameters, which autotune does not "
+            "measure: set version 2 (FSDP2, fully_shard)"
+        )
     for option in options if isinstance(options, list) else []:
         if option == "offload":
             settings.set("--offload", "params", "fsdp")
@@ -289,7 +311,7 @@ def _adapter(path: Path, data: dict[str, Any], settings: Settings) -> None:
         settings.set("--lora-dropout", dropout, "lora_dropout")
     targets = data.get("lora_target_modules")
     if is_set(targets):
-        names = [targets] if isinstance(targets, str) else list(targets)
+        names = [targets] if isinstance(targets, str) else list(targets or ())
         settings.set("--lora-targets", ",".join(str(name) for name in names), "lora_target_modules")
     if data.get("load_in_4bit"):
         if data.get("bnb_4bit_quant_type", "nf4") != "nf4":
@@ -342,9 +364,7 @@ def _loss(path: Path, data: dict[str, Any], *, sft: bool) -> None:
         raise RecipeError(f"{path}: label_smoothing_factor is set: the Trainer's label smoother holds its own logits")
 
 
-def _batch(
-    path: Path, data: dict[str, Any], settings: Settings, notes: list[str], context: ReadContext
-) -> BatchKeys:
+def _batch(path: Path, data: dict[str, Any], settings: Settings, notes: list[str], context: ReadContext) -> BatchKeys:
     micro = positive_int_value(path, "per_device_train_batch_size", data.get("per_device_train_batch_size", 8))
     accumulation = positive_int_value(path, "gradient_accumulation_steps", data.get("gradient_accumulation_steps", 1))
     keys = ("per_device_train_batch_size", "gradient_accumulation_steps")
@@ -354,8 +374,16 @@ def _batch(
     named = None
     if is_set(mesh.get("dp_shard_size")):
         named = positive_int_value(path, "dp_shard_size", mesh["dp_shard_size"]) * replicate * tp * cp
-    world = note_mesh(path, settings, notes, named=named, given=context.world_size, least=replicate * tp * cp,
-                      named_by="parallelism_config", launcher="the launcher's ranks")  # fmt: skip
+    world = note_mesh(
+        path,
+        settings,
+        notes,
+        named=named,
+        given=context.world_size,
+        least=replicate * tp * cp,
+        named_by="parallelism_config",
+        launcher="the launcher's ranks",
+    )
     batch = BatchKeys(micro, accumulation, world // (tp * cp), keys)
     settings.set("--target-batch", batch.global_batch, *keys)
     settings.set("--plan", "divisor", *keys)  # the Trainer runs equal micro-batches

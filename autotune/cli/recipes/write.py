@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autotune.cli.recipes.job import BatchKeys, RecipeError, RecipeKind
+from autotune.cli.recipes.read import parse_text
 
 __all__ = ["Change", "recipe_changes", "rewrite_recipe", "write_bytes_atomically"]
 
@@ -57,8 +57,9 @@ def recipe_changes(
         if batch.keys[1] == "batch_size":
             changes.append(Change("", "batch_size", data.get("batch_size"), micro_batch * accumulation_steps))
         else:
-            changes.append(Change("", "gradient_accumulation_steps", data.get("gradient_accumulation_steps"),
-                                  accumulation_steps))  # fmt: skip
+            changes.append(
+                Change("", "gradient_accumulation_steps", data.get("gradient_accumulation_steps"), accumulation_steps)
+            )
     elif kind == "trainer":
         changes = [
             Change("", "per_device_train_batch_size", data.get("per_device_train_batch_size"), micro_batch),
@@ -67,9 +68,15 @@ def recipe_changes(
     else:
         changes = _torchtitan_changes(data, batch, micro_batch=micro_batch, accumulation_steps=accumulation_steps)
     # The formats' own defaults (a key left out holds them): schemas/training.py, TrainingArguments, job_config.py.
-    defaults = {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "per_device_train_batch_size": 8,
-                "local_batch_size": 8, "pipeline_parallel_microbatch_size": 1, "num_pp_microbatches": 1,
-                "num_tokens_per_microbatch_per_dp_rank": 16384}  # fmt: skip
+    defaults = {
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "per_device_train_batch_size": 8,
+        "local_batch_size": 8,
+        "pipeline_parallel_microbatch_size": 1,
+        "num_pp_microbatches": 1,
+        "num_tokens_per_microbatch_per_dp_rank": 16384,
+    }
     return [c for c in changes if (c.before if c.before is not None else defaults.get(c.key)) != c.after]
 
 
@@ -87,11 +94,18 @@ def _torchtitan_changes(
     local = micro_batch * accumulation_steps if pipeline and tokens is None else micro_batch
     changes = [Change("training", local_key, training.get(local_key), local * scale)]
     if pipeline and tokens is None:
-        changes.append(Change("parallelism", "pipeline_parallel_microbatch_size",
-                              parallelism.get("pipeline_parallel_microbatch_size"), micro_batch))  # fmt: skip
+        changes.append(
+            Change(
+                "parallelism",
+                "pipeline_parallel_microbatch_size",
+                parallelism.get("pipeline_parallel_microbatch_size"),
+                micro_batch,
+            )
+        )
     elif pipeline:
-        changes.append(Change("parallelism", "num_pp_microbatches", parallelism.get("num_pp_microbatches"),
-                              accumulation_steps))  # fmt: skip
+        changes.append(
+            Change("parallelism", "num_pp_microbatches", parallelism.get("num_pp_microbatches"), accumulation_steps)
+        )
     before = training.get(global_key)
     # -1 (or absent) is one step's batch: it stays right only where the new local batch makes one step of it.
     one_step = (local if not pipeline or tokens is None else micro_batch * accumulation_steps) * batch.data_parallel
@@ -138,7 +152,7 @@ def _json_value(path: Path, text: str, change: Change) -> str:
     pattern = re.compile(rf'("{re.escape(change.key)}"\s*:\s*)(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|null)')
     found = pattern.findall(text)
     if len(found) > 1:
-        raise RecipeError(f"{path}: \"{change.key}\" stands {len(found)} times: nothing written")
+        raise RecipeError(f'{path}: "{change.key}" stands {len(found)} times: nothing written')
     if found:
         return pattern.sub(lambda m: f"{m.group(1)}{change.after}", text, count=1)
     opening = re.match(r"\s*\{(\s*)", text)
@@ -177,21 +191,11 @@ def _toml_line(path: Path, text: str, change: Change) -> str:
     return text + tail + f"\n[{change.table}]\n{change.key} = {change.after}\n"
 
 
-def _parsed(kind: RecipeKind, text: str) -> Any:
-    if kind == "trainer":
-        return json.loads(text)
-    if kind == "torchtitan":
-        return tomllib.loads(text)
-    import yaml
-
-    return yaml.safe_load(text)
-
-
 def _check(path: Path, kind: RecipeKind, data: dict[str, Any], text: str, changes: list[Change]) -> None:
     """The new text parses to the old table with exactly the changes made."""
     try:
-        written = _parsed(kind, text)
-    except Exception as exc:  # a parser's own error: the substitution broke the file
+        written = parse_text(kind, text)
+    except ValueError as exc:
         raise RecipeError(f"{path}: the rewritten file would not parse ({exc}): nothing written") from None
     expected = json.loads(json.dumps(data))
     for change in changes:
