@@ -122,6 +122,26 @@ _REFUSED_WHEN_SET = {
     "diffusion": "a diffusion trainer holds other batches than SFT's",
     "processor_type": "a multimodal processor feeds the model other inputs than token ids",
     "lisa_n_layers": "LISA trains a changing subset of layers, not a setup autotune builds",
+    "lisa_step_interval": "LISA trains a changing subset of layers, not a setup autotune builds",
+    "max_packed_sequence_len": "the older packing by max_packed_sequence_len: give sequence_len with sample_packing",
+    "experts_implementation": "another experts implementation holds other activations than the config's own",
+    "llama4_linearized_experts": "linearized experts hold other weights than the config's own",
+    "model_config": "values over the config make another model than the config's",
+    "model_quantization_config_kwargs": "a base quantized by another library is not a setup autotune builds",
+    "gptq_groupsize": "a GPTQ base is not a setup autotune builds",
+    "gptq_model_v1": "a GPTQ base is not a setup autotune builds",
+    "gptq_disable_exllama": "a GPTQ base is not a setup autotune builds",
+    "peft": "peft's extra options (LoftQ, ...) are not a setup autotune builds yet",
+    "trl": "preference and RL trainers hold a reference model and other batches than SFT's",
+    "orpo_alpha": "preference and RL trainers hold a reference model and other batches than SFT's",
+    "rl_beta": "preference and RL trainers hold a reference model and other batches than SFT's",
+    "ebft": "this trainer holds other batches than SFT's",
+    "liger_rms_norm_gated": "Liger's kernels hold other activations than the model's own",
+    "use_onebitllms": "one-bit layers are not a setup autotune builds",
+    "nvfp4_merge_aware": "FP4 training is not measured by autotune yet",
+    "freeze_mm_modules": "a multimodal model is not a setup autotune builds from here",
+    "flex_attn_compile_kwargs": "FlexAttention's kernels are not among the attention kernels autotune runs",
+    "gemma4_hybrid_attn_impl": "another attention implementation than the ones autotune runs",
 }
 # Keys that do not change what a training step holds: data, schedule, logging, saving, evaluation, the hub, the
 # tokenizer (but added tokens), seeds, timeouts. Evaluation runs without gradients between steps, below the step's
@@ -166,7 +186,7 @@ _IGNORED = (
     "trackio_space_id", "use_swanlab", "swanlab_project", "swanlab_experiment_name", "swanlab_description",
     "swanlab_mode", "swanlab_workspace", "swanlab_log_model", "swanlab_log_completions",
     "swanlab_completion_log_interval", "swanlab_completion_max_buffer", "use_otel_metrics", "otel_metrics_host",
-    "otel_metrics_port", "dataset_prepared_path_hub",
+    "otel_metrics_port", "dataset_prepared_path_hub", "project_name", "reinit_weights",
     *_REFUSED_WHEN_SET,
 )  # fmt: skip
 _FSDP_CONFIG_READ = (

@@ -28,6 +28,11 @@ TRAINER_OPTIMIZERS: dict[str, tuple[str, str | None]] = {
         "paged_adamw_8bit keeps AdamW8bit's state in CUDA unified memory, which the driver pages to the host only "
         "under pressure: counted on the card, the most the job holds there",
     ),
+    "paged_adamw_32bit": (
+        "bitsandbytes.optim.AdamW32bit",
+        "paged_adamw_32bit keeps AdamW's fp32 state in CUDA unified memory, which the driver pages to the host only "
+        "under pressure: counted on the card, the most the job holds there",
+    ),
     # _get_torchao_optimizer: torchao.optim.AdamW4bit / AdamW8bit.
     "adamw_torch_4bit": ("adamw4bit", None),
     "adamw_torch_8bit": ("torchao.optim.AdamW8bit", None),
