@@ -210,9 +210,7 @@ def test_task_or_recipe_is_needed(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_flags_beside_the_file_override_it_and_say_so(capsys: pytest.CaptureFixture[str]) -> None:
-    args = _args(
-        ["probe", "--recipe", "examples/recipes/torchtitan-fsdp-tp.toml", "--ac", "none", "--world-size", "8"]
-    )
+    args = _args(["probe", "--recipe", "examples/recipes/torchtitan-fsdp-tp.toml", "--ac", "none", "--world-size", "8"])
     err = capsys.readouterr().err
     assert args.ac == ["none"] and args.world_size == 8 and args.tp == 2
     assert "--ac given beside the file overrides its activation_checkpoint.mode and " in err
@@ -228,9 +226,7 @@ def test_flags_beside_the_file_override_it_and_say_so(capsys: pytest.CaptureFixt
 def _rewritten(path: Path, micro_batch: int, accumulation_steps: int) -> tuple[str, str]:
     kind, text, data = parse_recipe(path)
     job = read_recipe(path, ReadContext())
-    changes = recipe_changes(
-        kind, data, job.batch, micro_batch=micro_batch, accumulation_steps=accumulation_steps
-    )
+    changes = recipe_changes(kind, data, job.batch, micro_batch=micro_batch, accumulation_steps=accumulation_steps)
     return text, rewrite_recipe(path, kind, text, data, changes)
 
 
@@ -274,7 +270,10 @@ def test_a_written_recipe_read_back_is_the_same_job_with_the_new_batch(tmp_path:
 def test_a_key_at_its_default_is_written_beside_the_others(tmp_path: Path) -> None:
     axolotl = _write(tmp_path, "a.yml", f"base_model: {MODEL}  # the model\nmicro_batch_size: 8\nbf16: true\n")
     _, written = _rewritten(axolotl, 2, 4)
-    assert written == f"base_model: {MODEL}  # the model\nmicro_batch_size: 2\ngradient_accumulation_steps: 4\nbf16: true\n"
+    assert (
+        written
+        == f"base_model: {MODEL}  # the model\nmicro_batch_size: 2\ngradient_accumulation_steps: 4\nbf16: true\n"
+    )
     # torchtitan's global_batch_size -1 is one step's batch: with accumulation it is written out, the global kept.
     titan = _write(
         tmp_path,

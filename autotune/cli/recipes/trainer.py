@@ -165,7 +165,7 @@ def read_trainer(path: Path, data: dict[str, Any], context: ReadContext) -> Reci
     _length(path, data, settings, notes, sft=sft)
     fsdp = _strategy(path, data, settings, notes)
     _precision(path, data, settings, fsdp=fsdp, model=model)
-    _adapter(path, data, settings)
+    _adapter(path, data, settings, notes)
     _checkpointing(path, data, settings, sft=sft)
     if "--optimizer" not in context.given:
         name = "adafactor" if data.get("adafactor") else data.get("optim", "adamw_torch_fused")
@@ -292,7 +292,7 @@ def _precision(path: Path, data: dict[str, Any], settings: Settings, *, fsdp: bo
         settings.set("--precision", "fp16", "fp16")
 
 
-def _adapter(path: Path, data: dict[str, Any], settings: Settings) -> None:
+def _adapter(path: Path, data: dict[str, Any], settings: Settings, notes: list[str]) -> None:
     """ModelConfig's LoRA and 4-bit base (``get_peft_config``, ``get_quantization_config``)."""
     if data.get("load_in_8bit"):
         raise RecipeError(f"{path}: load_in_8bit: an 8-bit base is not a setup autotune builds (QLoRA's 4-bit is)")
@@ -318,6 +318,10 @@ def _adapter(path: Path, data: dict[str, Any], settings: Settings) -> None:
             raise RecipeError(f"{path}: bnb_4bit_quant_type {data['bnb_4bit_quant_type']!r}: autotune builds nf4")
         nested = bool(data.get("use_bnb_nested_quant"))
         settings.set("--quantize", "nf4-dq" if nested else "nf4", "load_in_4bit", "use_bnb_nested_quant")
+        notes.append(
+            "load_in_4bit read as peft's k-bit recipe (norms, embeddings, LM head and adapters in fp32); TRL's "
+            "SFTTrainer skips that preparation and casts the adapters to bf16: its job holds less than this answer"
+        )
 
 
 def _checkpointing(path: Path, data: dict[str, Any], settings: Settings, *, sft: bool) -> None:
