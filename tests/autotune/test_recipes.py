@@ -214,13 +214,20 @@ def test_flags_beside_the_file_override_it_and_say_so(capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert args.ac == ["none"] and args.world_size == 8 and args.tp == 2
     assert "--ac given beside the file overrides its activation_checkpoint.mode and " in err
-    assert "--world-size given beside the file overrides its parallelism (4)" in err
+    assert "--world-size given beside the file overrides its parallelism (--world-size 4)" in err
     # The file's global batch is explicit: 16 on any number of ranks.
     assert args.target_batch == 16
     # --model replaces the file's model; --optimizer replaces its optimizer (not read, so not refused).
     other = str(REPO / "examples" / "configs" / "tiny-llama-one-layer.json")
     args = _args(["probe", "--recipe", "examples/recipes/axolotl-qlora.yml", "--model", other, "--optimizer", "SGD"])
     assert args.task == f"hf:{other}" and args.optimizer == "SGD"
+    # One --seq-len is the file's length too; --target-tokens its target.
+    args = _args(["probe", "--recipe", "examples/recipes/axolotl-qlora.yml", "--seq-len", "128", "--target-tokens",
+                  "4096"])  # fmt: skip
+    assert (args.seq_len, args.max_seq_len, args.target_batch, args.target_tokens) == ([128], None, None, 4096)
+    err = capsys.readouterr().err
+    assert "--seq-len given beside the file overrides its sequence_len (--max-seq-len 64)" in err
+    assert "--target-tokens given beside the file overrides its micro_batch_size and gradient_accumulation_steps" in err
 
 
 def _rewritten(path: Path, micro_batch: int, accumulation_steps: int) -> tuple[str, str]:

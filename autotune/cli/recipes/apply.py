@@ -35,6 +35,11 @@ class LoadedRecipe:
     data: dict[str, Any]
 
 
+# A recipe's flag the user's flag stands in for: the length (one --seq-len is the file's length) and the target
+# (tokens instead of sequences).
+_LED_BY = {"max_seq_len": "seq_len", "target_batch": "target_tokens"}
+
+
 class _Unset:
     """The default every option of a command gets in :func:`given_dests`: a value still this was not typed."""
 
@@ -73,13 +78,15 @@ def apply_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     job = read_recipe(path, context)
     recipe_args = _parsed(parser, job)
     lines = [f"recipe {path} ({job.kind}) is the job of: {job.command(args.command)}"]
+    flags = {dest: flag for flag, dest in reversed(dests.items())}  # a dest's first spelling (--world-size)
     for setting in job.settings:
         dest = dests[setting.flag]
-        if dest in given:
-            said = " and ".join(setting.keys) or "ranks"
-            lines.append(f"  {setting.flag} given beside the file overrides its {said} ({setting.value})")
-        else:
+        typed = dest if dest in given else _LED_BY.get(dest) if _LED_BY.get(dest) in given else None
+        if typed is None:
             setattr(args, dest, getattr(recipe_args, dest))
+            continue
+        said = " and ".join(setting.keys) or "ranks"
+        lines.append(f"  {flags[typed]} given beside the file overrides its {said} ({' '.join(setting.words)})")
     args.task = recipe_args.task
     lines += [f"  note: {note}" for note in job.notes]
     print("\n".join(lines), file=sys.stderr)
