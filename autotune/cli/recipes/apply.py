@@ -17,7 +17,7 @@ from typing import Any
 
 from autotune.cli.common import CliError
 from autotune.cli.recipes.job import RecipeError, RecipeJob
-from autotune.cli.recipes.read import parse_recipe, read_recipe
+from autotune.cli.recipes.read import parse_recipe, read_table
 from autotune.cli.recipes.reading import ReadContext
 
 __all__ = ["RECIPE_COMMANDS", "LoadedRecipe", "apply_recipe", "given_dests"]
@@ -75,7 +75,8 @@ def apply_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         world_size=args.world_size if "world_size" in given else None,
         given=frozenset(flag for flag, dest in dests.items() if dest in given),
     )
-    job = read_recipe(path, context)
+    kind, text, data = parse_recipe(path)
+    job = read_table(path, kind, data, context)
     recipe_args = _parsed(parser, job)
     lines = [f"recipe {path} ({job.kind}) is the job of: {job.command(args.command)}"]
     flags = {dest: flag for flag, dest in reversed(dests.items())}  # a dest's first spelling (--world-size)
@@ -91,7 +92,6 @@ def apply_recipe(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     lines += [f"  note: {note}" for note in job.notes]
     print("\n".join(lines), file=sys.stderr)
     _check_write(args, path)
-    _, text, data = parse_recipe(path)
     args.recipe_loaded = LoadedRecipe(job, text, data)
 
 

@@ -15,7 +15,7 @@ from autotune.cli.recipes.reading import ReadContext
 from autotune.cli.recipes.torchtitan import read_torchtitan
 from autotune.cli.recipes.trainer import read_trainer
 
-__all__ = ["KINDS", "kind_of", "parse_recipe", "parse_text", "read_recipe"]
+__all__ = ["KINDS", "kind_of", "parse_recipe", "parse_text", "read_recipe", "read_table"]
 
 # suffix -> the kind of file it holds.
 KINDS: dict[str, RecipeKind] = {".yml": "axolotl", ".yaml": "axolotl", ".json": "trainer", ".toml": "torchtitan"}
@@ -101,4 +101,13 @@ def read_recipe(path: Path, context: ReadContext) -> RecipeJob:
         RecipeError: the file cannot be read as its kind, or a key cannot be read (one line: the key and the file).
     """
     kind, _, data = parse_recipe(path)
+    return read_table(path, kind, data, context)
+
+
+def read_table(path: Path, kind: RecipeKind, data: dict[str, Any], context: ReadContext) -> RecipeJob:
+    """The job of a recipe already parsed (:func:`parse_recipe`), by the reader of its kind.
+
+    Raises:
+        RecipeError: a key that cannot be read, naming it and the file.
+    """
     return _READERS[kind](path, data, context)
