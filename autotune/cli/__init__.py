@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from autotune.cli.common import CliError, ExitCode, exit_code_of
 from autotune.cli.inputs import check_inputs
 from autotune.cli.parser import build_parser
+from autotune.cli.recipes.apply import apply_recipe
 
 __all__ = ["build_parser", "main"]
 
@@ -45,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         quiet_library_logs()
     try:
+        apply_recipe(args, argv)  # --recipe FILE: its job's flags, before they are checked as typed ones are
         check_inputs(args)
         return int(args.run(args))
     except KeyboardInterrupt:

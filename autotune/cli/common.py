@@ -310,7 +310,8 @@ def add_finetune_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora-targets",
         metavar="NAMES",
-        help="the module names LoRA adapts, a comma list (default peft's own for the model type, e.g. q_proj,v_proj)",
+        help="the module names LoRA adapts, a comma list (default peft's own for the model type, e.g. q_proj,v_proj), "
+        "or all-linear: every linear module but the output layer",
     )
     p.add_argument("--lora-dropout", type=_lora_dropout, metavar="P", help="LoRA's dropout (default 0)")
     p.add_argument(

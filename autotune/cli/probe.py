@@ -29,6 +29,8 @@ from autotune.cli.common import (
     world_size,
 )
 from autotune.cli.policies import add_objective_option, add_policy_option, for_each_policy, policies_of, recommendation
+from autotune.cli.recipes.emit import write_recipe_for
+from autotune.cli.recipes.options import add_recipe_options
 from autotune.core.files import write_atomically
 from autotune.core.schemas import OFFLOADS, PRECISIONS
 from autotune.core.units import limit_bytes
@@ -225,7 +227,8 @@ def config_from_args(args: argparse.Namespace, device: str) -> Any:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("probe", help="measure the largest micro-batch that fits and plan the target batch")
-    p.add_argument("task", help="path/to/file.py:name or package.module:name (a ProbeTask)")
+    p.add_argument("task", nargs="?", help="path/to/file.py:name or package.module:name (a ProbeTask), or hf:PATH")
+    add_recipe_options(p)
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | all | auto (default)")
     add_probe_options(p)
     p.add_argument("--output", type=Path, help="also write the profile JSON to this file")
@@ -327,8 +330,12 @@ def emit_profiles(profiles: list[Any], args: argparse.Namespace, *, as_array: bo
     array on --json and --output (``as_array``: an array even of one, as --seq-len promises), a
     datasheet each (one table over the lengths), each uploaded to --server."""
     profiles = [_with_routing(profile, args) for profile in profiles]
-    if len(profiles) == 1 and not as_array:
-        return emit_profile(profiles[0], args)
+    code = emit_profile(profiles[0], args) if len(profiles) == 1 and not as_array else _emit_many(profiles, args)
+    write_recipe_for(profiles, args)  # --write-recipe: the recipe with the plan's batch keys
+    return code
+
+
+def _emit_many(profiles: list[Any], args: argparse.Namespace) -> int:
     from autotune.cli.report import datasheet, lengths_datasheet
 
     text = "[\n" + ",\n".join(profile.model_dump_json(indent=2) for profile in profiles) + "\n]"

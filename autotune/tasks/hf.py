@@ -27,7 +27,8 @@ PATH is a ``config.json`` or a directory holding one; nothing is downloaded and 
 - LoRA (``?lora_rank=R``, with ``lora_alpha`` (default 2R), ``lora_targets`` (comma list; default
   peft's own for the model type) and ``lora_dropout`` (default 0)): ``peft.get_peft_model`` over the
   model, with the peft task type of its family, so the base is frozen (no gradients, no optimizer
-  state) and a classifier's head is trained (peft's ``modules_to_save``);
+  state) and a classifier's head is trained (peft's ``modules_to_save``); ``lora_targets=all-linear`` adapts every
+  linear module but the output layer (peft's shorthand, Axolotl's ``lora_target_linear``), resolved into their names;
 - quantization (``?quantize=nf4``, with LoRA only): the base's linear layers in 4-bit NF4 as bitsandbytes holds
   them under transformers' ``BitsAndBytesConfig``, prepared by peft's ``prepare_model_for_kbit_training``
   (QLoRA; autotune/tasks/quantize.py); the tag ``quantize`` and the name's ``-nf4`` say it;
@@ -48,6 +49,7 @@ Importing this module imports neither torch nor transformers; :func:`hf_task` im
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import warnings
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from autotune.tasks.task import OptimizerFactory, ProbeTask
 
 __all__ = [
+    "ALL_LINEAR",
     "FAMILIES",
     "HF_PREFIX",
     "LoraOptions",
@@ -79,6 +82,8 @@ __all__ = [
 ]
 
 HF_PREFIX = "hf:"
+# --lora-targets all-linear: every linear module but the output layer (peft's shorthand, Axolotl's lora_target_linear).
+ALL_LINEAR = "all-linear"
 _OPTIONS = (
     "optimizer",
     "lr",
@@ -575,6 +580,25 @@ def _lora_wrapper(lora: LoraOptions, family: _Family) -> Callable[[nn.Module], n
     return wrap
 
 
+def _all_linear_names(model: nn.Module) -> tuple[str, ...]:
+    """``--lora-targets all-linear``: the last name of every linear module but the output embedding (the LM head),
+    as Axolotl's ``lora_target_linear`` finds them (axolotl src/axolotl/loaders/adapter.py ``find_all_linear_names``:
+    ``torch.nn.Linear`` and bitsandbytes' 4-bit and 8-bit linears, which subclass it) and as peft's ``all-linear``
+    shorthand targets them."""
+    from torch import nn
+
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    names = {
+        name.rpartition(".")[2]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not output and name
+    }
+    if not names:
+        raise TaskError("--lora-targets all-linear: the model has no linear module but its output layer")
+    return tuple(sorted(names))
+
+
 def _lora_refusal(lora: LoraOptions, model_type: str, exc: BaseException) -> TaskError:
     text = _reason(exc)
     if lora.targets is None and "target_modules" in text:
@@ -685,6 +709,10 @@ def hf_task(
         except Exception as exc:
             raise TaskError(f"--quantize {quantize}: bitsandbytes cannot quantize {what}: {_reason(exc)}") from None
         tags["quantize"] = quantize
+    if lora is not None and lora.targets == (ALL_LINEAR,):
+        # Resolved on the meta model into the names themselves, so the fingerprint is the explicit list's.
+        lora = dataclasses.replace(lora, targets=_all_linear_names(shape_only))
+        wrap = _lora_wrapper(lora, family)
     if lora is not None and wrap is not None:
         try:
             with torch.device("meta"):
