@@ -6,9 +6,9 @@
 The real job is tests/autotune/_pipeline_fsdp_worker.py (torchtitan's build: a (pp, dp, tp) mesh, each stage's blocks
 parallelize_module-d over tp, then fully_shard-ed over dp, PipelineStage + Schedule1F1B, K 2, two steps; two runs per
 size after a warm-up, gloo's collectives fenced: tests/autotune/_ordered_gloo.py); the probe's side is
-autotune/measure/pipeline/stages.py's ShardedStage on the CPU meter and on fake trials. Too slow for the test suite on 2 cores
-(tests/autotune/test_pipeline_fsdp.py runs pp x fsdp and pp x tp at 4 processes). Prints each rank's figures, every
-run's, and whether each stage equals its ranks."""
+autotune/measure/pipeline/stages.py's ShardedStage on the CPU meter and on fake trials. Too slow for the test suite on
+2 cores (tests/autotune/test_pipeline_fsdp.py runs pp x fsdp and pp x tp at 4 processes). Prints each rank's figures,
+every run's, and whether each stage equals its ranks."""
 
 from __future__ import annotations
 
