@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -86,46 +87,26 @@ def _search(
 ) -> tuple[SearchResult, FakeSearch | None, int | None]:
     """Pre-search on fake trials (unless turned off, impossible, or ``presearched`` already), then
     real trials from its answer; also the m_max they started from (None: no pre-search)."""
-    if config.mesh.pp > 1:  # every stage's trial replays its schedule (autotune/orchestrate/pipelined.py)
-        return (
-            search_pipeline(
-                task,
-                meter,
-                config.mesh,
-                strategy,
-                limit_bytes,
-                warnings,
-                on_trial,
-                max_micro_batch=config.max_micro_batch,
-                multiple_of=config.multiple_of,
-                breakdowns=breakdowns,
-                host_limit_bytes=config.host_budget_bytes,
-            ),
-            None,
-            None,
+    if config.job_setup.planner == "pipeline":  # every stage's trial replays its schedule (search/pipelined.py)
+        found = search_pipeline(
+            task,
+            meter,
+            config.mesh,
+            strategy,
+            limit_bytes,
+            warnings,
+            on_trial,
+            max_micro_batch=config.max_micro_batch,
+            multiple_of=config.multiple_of,
+            breakdowns=breakdowns,
+            host_limit_bytes=config.host_budget_bytes,
         )
-    fake: FakeSearch | None = presearched
-    if fake is None and config.presearch:
-        try:
-            # What the device holds that fake tensors never show (the CUDA context) is not theirs.
-            unseen = meter.unseen_bytes()
-            fake = fake_search(
-                task,
-                budget_bytes=max(1, meter.budget_bytes - unseen),
-                limit_bytes=max(1, limit_bytes - unseen),
-                device_type=str(meter.device),
-                strategy=strategy,
-                max_micro_batch=config.max_micro_batch,
-                multiple_of=config.multiple_of,
-                on_trial=on_trial,
-            )
-            warnings.extend(fake.warnings)
-        except NoFitError as exc:  # the real trials will say so, with the real figures
-            fake = FakeSearch(max_micro_batch=config.multiple_of, trials=[], fit=None)
-            del exc
-        except Exception as exc:  # an op that cannot run fake: real trials only
-            warnings.append(presearch_failed(exc))
-            fake = None
+        return found, None, None
+    fake = (
+        presearched
+        if presearched is not None or not config.presearch
+        else _presearch(task, meter, config, strategy, limit_bytes, warnings, on_trial)
+    )
     hint = fake.max_micro_batch if fake is not None else None
     if hint is not None and fake is not None and config.host_budget_bytes is not None:  # --host-budget
         hint = host_capped_hint(hint, fake.trials, config.host_budget_bytes, config.multiple_of)
@@ -160,6 +141,40 @@ def _search(
     return result, fake, hint if fake is not None and fake.trials else None
 
 
+def _presearch(
+    task: ProbeTask,
+    meter: Meter,
+    config: ProbeConfig,
+    strategy: Strategy,
+    limit_bytes: int,
+    warnings: list[str],
+    on_trial: Callable[[Trial], None] | None,
+) -> FakeSearch | None:
+    """The boundary by fake trials (autotune/search/presearch.py), where the real trials start: an empty one where not
+    even the smallest size fits fake (the real trials will say so, with the real figures), None where an op cannot
+    run fake (real trials only, with a warning)."""
+    try:
+        # What the device holds that fake tensors never show (the CUDA context) is not theirs.
+        unseen = meter.unseen_bytes()
+        fake = fake_search(
+            task,
+            budget_bytes=max(1, meter.budget_bytes - unseen),
+            limit_bytes=max(1, limit_bytes - unseen),
+            device_type=str(meter.device),
+            strategy=strategy,
+            max_micro_batch=config.max_micro_batch,
+            multiple_of=config.multiple_of,
+            on_trial=on_trial,
+        )
+    except NoFitError:
+        return FakeSearch(max_micro_batch=config.multiple_of, trials=[], fit=None)
+    except Exception as exc:  # an op that cannot run fake: real trials only
+        warnings.append(presearch_failed(exc))
+        return None
+    warnings.extend(fake.warnings)
+    return fake
+
+
 def single_step_cap(
     task: ProbeTask, config: ProbeConfig, m_max: int, trials: list[Trial] | None = None, limit_bytes: int | None = None
 ) -> int | None:
@@ -173,7 +188,7 @@ def single_step_cap(
       the part of the peak that does not grow with m, so the per-sample bytes the accumulating trials measured
       (the fitting m_max and the first size above it that did not fit) times the size bound it from below.
     """
-    if not task.zero_grad_to_none or config.mesh.pp > 1:  # a pipeline's step always runs its K micro-batches
+    if not task.zero_grad_to_none or config.job_setup.planner == "pipeline":  # its step runs its K micro-batches
         return None
     if not config.target_batch:
         return None
@@ -305,6 +320,32 @@ def _reserved_hint(
     return found.max_micro_batch
 
 
+@dataclass
+class _Job:
+    """A probe's job as its steps share it: the task with the setup applied, the config, the strategy, the limit, the
+    datasheet's warnings so far, the breakdowns asked for, and where the trials are reported."""
+
+    task: ProbeTask
+    config: ProbeConfig
+    strategy: Strategy
+    limit_bytes: int
+    warnings: list[str]
+    breakdowns: dict[int, MemoryBreakdown] | None
+    on_trial: Callable[[Trial], None] | None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Found:
+    """What the search found: its result, the pre-search it started from (None: none ran) and the m_max that one
+    predicted (None: none), and the case without accumulation where it was measured."""
+
+    result: SearchResult
+    fake: FakeSearch | None
+    predicted: int | None
+    single: SingleStep | None = None
+
+
 @frozen_heap()
 def probe_with_meter(
     task: ProbeTask,
@@ -319,6 +360,36 @@ def probe_with_meter(
     ``presearched``: what a pre-search already found (the surface of a probe over lengths, read at
     this task's length): the real trials start from it instead of from a fake search of their own.
     """
+    job = _prepared(task, meter, config, on_trial, presearched)
+    found = _searched(job, meter, presearched)
+    if isinstance(found, NoFitError):  # diagnosed by fake trials, outside the job's process group
+        raise _diagnosed(job, meter, found)
+    the_plan = _planned(job, meter, found)
+    profile = _profile_of(job, meter, found, the_plan)
+    task, config, m_max = job.task, job.config, found.result.max_micro_batch
+    profile.breakdown = chosen_breakdowns(job.breakdowns, task, config, m_max, meter.device.type, profile.warnings)
+    if config.levers:  # what each change of the setup would buy, by fake trials (autotune/orchestrate/levers.py)
+        from autotune.orchestrate.estimate import estimate
+        from autotune.orchestrate.levers import pull_levers
+
+        profile.levers = pull_levers(
+            task, config, at_micro_batch=m_max, device_type=meter.device.type, estimator=estimate
+        )
+    if config.throughput:  # timed runs, never the search's trials
+        profile.throughput = _timed(task, meter, job.strategy, config, m_max, the_plan, profile.warnings)
+    # A profile the store would refuse is a bug here, not something to write or upload.
+    check_profile(profile)
+    return profile
+
+
+def _prepared(
+    task: ProbeTask,
+    meter: Meter,
+    config: ProbeConfig,
+    on_trial: Callable[[Trial], None] | None,
+    presearched: FakeSearch | None,
+) -> _Job:
+    """The job checked and its setup applied to the task, before any trial."""
     config.validate()
     if task.sequence_aware and task.seq_len is None:
         raise TaskError(
@@ -330,30 +401,40 @@ def probe_with_meter(
         allocator_count = isinstance(meter, CompiledCpuMeter | CudaMeter)
         refuse_compiled_step(task.optimizer, allocator_count=allocator_count)
         config = config.with_setup(presearch=False)
-    started = time.perf_counter()
-    strategy = make_strategy(config.strategy, config.world_size, config.mesh)
-    fingerprint = task_fingerprint(task, strategy=config.strategy, world_size=config.world_size, mesh=config.mesh)
-    limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
     warnings: list[str] = []
     if task.compile is not None:  # what runs compiled and what was estimated eager (docs/compile.md)
         warnings += compiled_job(task, meter, presearch=config.presearch and presearched is None, stages=config.mesh.pp)
+    return _Job(
+        task,
+        config,
+        make_strategy(config.strategy, config.world_size, config.mesh),
+        units.limit_bytes(meter.budget_bytes, config.headroom),
+        warnings,
+        {} if config.breakdown else None,
+        on_trial,
+    )
 
-    no_fit: NoFitError | None = None
-    single: SingleStep | None = None
-    breakdowns: dict[int, MemoryBreakdown] | None = {} if config.breakdown else None
+
+def _searched(job: _Job, meter: Meter, presearched: FakeSearch | None) -> _Found | NoFitError:
+    """The search in the job's process group: m_max (a compiled one confirmed by static compiles), and the case
+    without accumulation where it can change the plan; the NoFitError where not even the smallest size fits."""
+    task, config, strategy, limit_bytes, warnings = job.task, job.config, job.strategy, job.limit_bytes, job.warnings
     with strategy.process_group(meter.device):
         if isinstance(strategy, Replicated) and config.world_size > 1 and not strategy.measures_buckets:
             warnings.append("a multi-process group is already running: DDP gradient buckets were not measured")
         try:
             result, fake, predicted = _search(
-                task, meter, config, strategy, limit_bytes, warnings, on_trial, presearched, breakdowns
+                task, meter, config, strategy, limit_bytes, warnings, job.on_trial, presearched, job.breakdowns
             )
             # A compiled search's answer, confirmed by static compiles at m_max and above (docs/compile.md).
-            result = confirm_static(task, meter, config, strategy, limit_bytes, result, warnings, on_trial, breakdowns)
+            result = confirm_static(
+                task, meter, config, strategy, limit_bytes, result, warnings, job.on_trial, job.breakdowns
+            )
+            found = _Found(result, fake, predicted)
             cap = single_step_cap(task, config, result.max_micro_batch, result.trials, limit_bytes)
             if cap is not None:  # A = 1 can apply: measured as a case of its own
                 guide = fake.fit if fake is not None else None
-                single = _search_single_step(
+                found.single = _search_single_step(
                     task,
                     meter,
                     config,
@@ -363,37 +444,43 @@ def probe_with_meter(
                     cap,
                     guide,
                     warnings,
-                    on_trial,
+                    job.on_trial,
                 )
-        except NoFitError as exc:  # diagnosed by fake trials, outside this process group
-            no_fit = exc
-    if no_fit is not None:
-        over_host = _over_host_budget(no_fit.trial, config.host_budget_bytes, limit_bytes)
-        if over_host is not None:
-            raise CannotFitError(over_host)
-        error = no_fit_error(
-            task,
-            config,
-            budget_bytes=meter.budget_bytes,
-            device_type=str(meter.device),
-            unseen_bytes=meter.unseen_bytes(),
-            # What the real trial held: a compiled step's buffers, which the eager fake trial does not.
-            # (An OOM's figure is where the budget stopped it, a floor, not a peak: left out.)
-            measured_bytes=None if no_fit.trial.fake or no_fit.trial.oom else no_fit.trial.peak_bytes,
-        )
-        # The cheapest change that fits (autotune/orchestrate/levers.py; a pipeline's on its most loaded stage).
-        from autotune.orchestrate.levers import with_cheapest_lever
+            return found
+        except NoFitError as exc:
+            return exc
 
-        error = with_cheapest_lever(
-            error,
-            task,
-            config,
-            budget_bytes=meter.budget_bytes,
-            device_type=meter.device.type,
-            unseen_bytes=meter.unseen_bytes(),
-        )
-        raise error
 
+def _diagnosed(job: _Job, meter: Meter, no_fit: NoFitError) -> CannotFitError:
+    """The one line of a job whose smallest size does not fit: over the host budget, or what it needs and the
+    cheapest change that fits it (by fake trials; a pipeline's on its most loaded stage)."""
+    task, config = job.task, job.config
+    over_host = _over_host_budget(no_fit.trial, config.host_budget_bytes, job.limit_bytes)
+    if over_host is not None:
+        return CannotFitError(over_host)
+    error = no_fit_error(
+        task,
+        config,
+        budget_bytes=meter.budget_bytes,
+        device_type=str(meter.device),
+        unseen_bytes=meter.unseen_bytes(),
+        # What the real trial held: a compiled step's buffers, which the eager fake trial does not.
+        # (An OOM's figure is where the budget stopped it, a floor, not a peak: left out.)
+        measured_bytes=None if no_fit.trial.fake or no_fit.trial.oom else no_fit.trial.peak_bytes,
+    )
+    from autotune.orchestrate.levers import with_cheapest_lever
+
+    return with_cheapest_lever(
+        error, task, config, budget_bytes=meter.budget_bytes, device_type=meter.device.type,
+        unseen_bytes=meter.unseen_bytes(),
+    )  # fmt: skip
+
+
+def _planned(job: _Job, meter: Meter, found: _Found) -> Plan | None:
+    """The one plan every reader of the stored profile makes (autotune.core.plan.plan_with_single_step), and what the
+    datasheet says of the search: a peak that went down as m went up, a prediction the real trials corrected, the
+    case without accumulation, BatchNorm at a small micro-batch."""
+    warnings, result, single = job.warnings, found.result, found.single
     m_max = result.max_micro_batch
     decrease = peaks_decrease(result.trials)
     if decrease is not None:
@@ -403,23 +490,28 @@ def probe_with_meter(
             f"m={high.micro_batch} at {high.peak_bytes}): max micro-batch {m_max} is the largest m below the "
             "smallest size measured not to fit, and only measured sizes are planned"
         )
-    if predicted is not None and predicted != m_max:
+    if found.predicted is not None and found.predicted != m_max:
         what = RESERVED_PREDICTION if meter.device.type == "cuda" else "the fake pre-search predicted max micro-batch"
-        warnings.append(f"{what} {predicted}; the real trials found {m_max}")
+        warnings.append(f"{what} {found.predicted}; the real trials found {m_max}")
     if single is not None:
-        warnings.append(_single_step_warning(single, m_max, config))
-    # The one plan every reader of the stored profile makes (autotune.core.plan.plan_with_single_step).
-    the_plan = config.plan_for(m_max, warnings, single.max_micro_batch if single is not None else None)
+        warnings.append(_single_step_warning(single, m_max, job.config))
+    the_plan = job.config.plan_for(m_max, warnings, single.max_micro_batch if single is not None else None)
     chosen = the_plan.micro_batch if the_plan else m_max
-    if chosen < BATCHNORM_SMALL_MICRO_BATCH and _has_batchnorm(task):
+    if chosen < BATCHNORM_SMALL_MICRO_BATCH and _has_batchnorm(job.task):
         warnings.append(
             f"the model has BatchNorm and the micro-batch is {chosen}: BatchNorm normalises each "
             "micro-batch on its own, and accumulation does not change that"
         )
+    return the_plan
+
+
+def _profile_of(job: _Job, meter: Meter, found: _Found, the_plan: Plan | None) -> Profile:
+    """The datasheet of the job's search (docs/design.md, "Contracts")."""
+    task, config, result, fake = job.task, job.config, found.result, found.fake
+    m_max = result.max_micro_batch
     device = meter.describe()
-    fake_trials = fake.trials if fake is not None else []
-    profile = Profile(
-        fingerprint=fingerprint,
+    return Profile(
+        fingerprint=task_fingerprint(task, strategy=config.strategy, world_size=config.world_size, mesh=config.mesh),
         task=task.name,
         device=device,
         devices=[device],
@@ -435,36 +527,23 @@ def probe_with_meter(
         mesh=config.mesh.as_dict() or None,
         activation_checkpointing=task.activation_checkpointing,
         seq_len=task.seq_len,
-        non_monotone=decrease is not None,
+        non_monotone=peaks_decrease(result.trials) is not None,
         expandable_segments=meter.expandable_segments(),
         reserved_gap_bytes=reserved_gap_at(result.trials, m_max),
         plan=the_plan,
-        single_step=single,
+        single_step=found.single,
         pipeline=result.pipeline if isinstance(result, PipelineSearch) else None,
-        trials=[*fake_trials, *result.trials],
+        trials=[*(fake.trials if fake is not None else []), *result.trials],
         fit=nonnegative_fit(_guide(fake, result) if fake is not None and task.compile is None else result.fit),
         trial_count=len(result.trials),
         oom_count=result.oom_count,
-        seconds=round(time.perf_counter() - started, 3),
+        seconds=round(time.perf_counter() - job.started, 3),
         compile_seconds=None if meter.compile_seconds is None else round(meter.compile_seconds, 3),
-        warnings=warnings,
+        warnings=job.warnings,
         torch_version=torch.__version__,
         autotune_version=autotune.__version__,
-        **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device.type, warnings),
+        **offload_fields(task.offload, config.host_budget_bytes, result.trials, m_max, meter.device.type, job.warnings),
     )
-    profile.breakdown = chosen_breakdowns(breakdowns, task, config, m_max, meter.device.type, profile.warnings)
-    if config.levers:  # what each change of the setup would buy, by fake trials (autotune/orchestrate/levers.py)
-        from autotune.orchestrate.estimate import estimate
-        from autotune.orchestrate.levers import pull_levers
-
-        profile.levers = pull_levers(
-            task, config, at_micro_batch=m_max, device_type=meter.device.type, estimator=estimate
-        )
-    if config.throughput:  # timed runs, never the search's trials
-        profile.throughput = _timed(task, meter, strategy, config, m_max, the_plan, profile.warnings)
-    # A profile the store would refuse is a bug here, not something to write or upload.
-    check_profile(profile)
-    return profile
 
 
 def _timed(
