@@ -333,6 +333,10 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
             lines.append(
                 f"  {p.seq_len or '-':>8}  {p.max_micro_batch:>6}  {tokens:>18}  {_plan_text(p):<28}  {trial_counts(p)}"
             )
+        for p in group:  # each length's predicted (or timed) updates
+            timings = [row for timing in p.throughput or [] for row in throughput_rows(timing)]
+            if timings:
+                lines += [f"  at L={p.seq_len}:", *timings]
         with_levers = [p for p in group if p.levers is not None]
         if with_levers:
             lines += [f"  at L={with_levers[-1].seq_len}:", *lever_lines(with_levers[-1])]

@@ -128,6 +128,7 @@ class Performance:
             None where none was published for the card or its die.
         source: where the figures come from, in a line.
         assumed: what of the entry has no source of its own, in a line (None: every figure has one).
+        unknown: why a figure is absent and what bounds it, where that is published (None: nothing is absent).
     """
 
     dense_tflops: dict[str, float]
@@ -139,6 +140,7 @@ class Performance:
     gemm_fraction: float | None
     source: str
     assumed: str | None = None
+    unknown: str | None = None
 
 
 def _hopper_sxm(memory_tbytes_per_s: float, source: str, **more: object) -> Performance:
@@ -176,10 +178,11 @@ PERFORMANCE: dict[str, Performance] = {
     "h100-96gb": _hopper_sxm(
         2.4,
         "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (96 GB HBM2e at 2.4 TB/s, 8 GPUs fully connected "
-        "with NVLink, 400 Gb/s per GPU, 500 W); the SXM5's peaks, which torchtitan's MFU divides by",
-        assumed="the peaks: torchtitan says the card's lie between the H100 SXM's (989 TFLOPS bf16) and the H100 "
-        "NVL's (835) and are not known; the SXM's are taken (--peak-tflops 835 for the other bound); the NVLink "
-        "figure is the SXM5's; the matmul share is the H100 SXM's (700 W)",
+        "with NVLink, 400 Gb/s per GPU, 500 W)",
+        dense_tflops={},
+        assumed="the NVLink figure is the SXM5's; the matmul share is the H100 SXM's (measured at 700 W)",
+        unknown="torchtitan: its peak lies between the H100 NVL's 835 and the H100 SXM's 989 TFLOPS bf16, not known; "
+        "--peak-tflops 835 and 989 bound it",
     ),
     "h100-pcie": Performance(
         {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp8": 1513.0, "fp32": 51.2}, 2.0, 300.0, 2, 64.0, None,

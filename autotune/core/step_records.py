@@ -31,6 +31,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "NO_KERNEL_OPS",
     "PHASES",
+    "REDUCTION_OPS",
     "CollectiveKind",
     "CollectiveRecord",
     "OpKind",
@@ -61,14 +62,18 @@ COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = (
 # (a gradient reduction nothing waits for until the optimizer step: FSDP2's reduce-scatter, DDP's buckets).
 Overlap = Literal["exposed", "prefetched", "deferred"]
 
-# Ops that launch no kernel: views, metadata, allocation without a fill, the profiler's and c10d's bookkeeping. Their
-# time is the host's dispatch, which the prediction leaves out.
+# Ops that launch no kernel: views (those whose schema does not say so too: _unsafe_view), metadata, allocation
+# without a fill, the profiler's and c10d's bookkeeping. Their time is the host's dispatch, which the prediction
+# leaves out.
 NO_KERNEL_OPS = frozenset(
     {
         "aten.empty.memory_format",
         "aten.empty_strided.default",
         "aten.empty_like.default",
         "aten.detach.default",
+        "aten._unsafe_view.default",
+        "aten._reshape_alias.default",
+        "aten.alias.default",
         "aten.lift_fresh.default",
         "aten._local_scalar_dense.default",
         "aten.set_.source_Storage",
@@ -82,6 +87,18 @@ NO_KERNEL_OPS = frozenset(
         "c10d.barrier.default",
     }
 )
+
+# Memory-bound kernels that reduce what they read (their time: a reduction's share of the bandwidth), by the ATen
+# op's name without its overload.
+REDUCTION_OPS = frozenset(
+    {
+        "sum", "mean", "norm", "linalg_vector_norm", "amax", "amin", "max", "min", "var", "var_mean", "std",
+        "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "logsumexp", "cumsum",
+        "prod", "argmax", "argmin", "all", "any", "nll_loss_forward", "_foreach_norm", "native_layer_norm",
+        "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward", "native_group_norm",
+        "native_group_norm_backward", "native_batch_norm", "native_batch_norm_backward",
+    }
+)  # fmt: skip
 
 NonNegative = Annotated[int, Field(ge=0)]
 
@@ -185,6 +202,10 @@ class StepRecord(_Record):
     flops_per_token: float | None = None
     tokens_per_sample: int | None = None
     notes: list[str] = Field(default_factory=list)
+    # A pipeline stage's record (``stage``: its index): ``last`` holds the rank's whole update, the schedule's
+    # ``microbatches`` forwards and backwards in its order, and ``other`` nothing.
+    stage: int | None = None
+    microbatches: Annotated[int, Field(ge=1)] = 1
 
     def _calls(self, segments: Sequence[Segment]) -> Iterator[tuple[OpRecord, int]]:
         for segment in segments:

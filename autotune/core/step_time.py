@@ -10,7 +10,8 @@ fraction, its bytes against the memory's bandwidth at an achievable fraction, an
   H100 SXM reaches 794.5 of 989 TFLOPS, 80.3 %), times the share of the SMs its output tiles keep busy over its
   waves (NVIDIA's Matrix Multiplication Background User's Guide, "wave quantization": 128 x 128 tiles);
 - an attention kernel at its family's published share: FlashAttention-2 reaches 50-73 % of the A100's peak (Dao,
-  2023) and 35 % of the H100's (Shah et al., FlashAttention-3, 2024); a causal kernel computes half its scores;
+  2023) and 35 % of the H100's (Shah et al., FlashAttention-3, 2024), cuDNN's 64 % of the H100's (631 TFLOPS in
+  pytorch/pytorch#142132); a causal kernel computes half its scores;
 - an elementwise kernel at 80 % of the memory's bandwidth, a reduction at 70 % (assumed: a copy reaches about 90 %);
 
 **A collective** takes NCCL's Simple-protocol time (src/graph/tuning.cc: a base latency and a latency per step, the
@@ -111,9 +112,10 @@ CONSTANTS: dict[str, Constant] = {
 _ATTENTION: dict[tuple[str, int], Constant] = {
     ("flash", 8): Constant(0.60, "FlashAttention-2 (Dao, 2023): 50-73 % of the A100's peak, forward and backward"),
     ("flash", 9): Constant(0.35, "FlashAttention-3 (Shah et al., 2024): FlashAttention-2 reaches 35 % of the "
-                                 "H100's peak"),
-    ("cudnn", 9): Constant(0.50, "assumed: cuDNN's fused attention on Hopper between FlashAttention-2 (35 %) and "
-                                 "FlashAttention-3 (75 %), as FlashAttention-3's paper compares them"),
+                                 "H100's peak; torch's SDPA flash kernel read 329 of 989 TFLOPS on an H100 "
+                                 "(pytorch/pytorch#142132)"),
+    ("cudnn", 9): Constant(0.64, "torch's SDPA cuDNN kernel read 631 of 989 TFLOPS on an H100 "
+                                 "(pytorch/pytorch#142132, tritonbench, head dim 128)"),
 }
 _EFFICIENT_SHARE = Constant(
     0.70, "assumed: the memory-efficient (xformers/cutlass) kernel at about 0.7 of FlashAttention-2's speed, as "
@@ -411,6 +413,8 @@ def predict_update(
     Raises:
         KeyError: a size without a record; a dtype the card has no peak for; a group over nodes without a network.
     """
+    if any(record.stage is not None for record in records.values()):
+        return _pipeline_update(records, micro_batches, speed, fabric, pipeline_stages, virtual_stages)
     order = [size for size, count in micro_batches for _ in range(count)]
     line = _Timeline(speed, fabric)
     for size in order[:-1]:
@@ -514,6 +518,8 @@ def resolve_figures(
         ratio = overrides.peak_tflops / peaks[dtype] if peaks.get(dtype) else None
         peaks = {name: value * ratio for name, value in peaks.items()} if ratio else peaks
         peaks[dtype] = overrides.peak_tflops
+        if dtype in ("bf16", "fp16"):  # the tensor cores run both at one rate (every data sheet of the catalog)
+            peaks.setdefault("fp16" if dtype == "bf16" else "bf16", overrides.peak_tflops)
     absent = []
     if dtype not in peaks:
         absent.append(f"dense {dtype} peak")
@@ -524,8 +530,9 @@ def resolve_figures(
                  if gone]  # fmt: skip
         verb = "is" if len(absent) == 1 else "are"
         where = "not in the catalog" if performance is None else f"not on the {card_name}'s data sheet"
-        return Figures(None, None, None, missing=f"the {card_name}'s {' and '.join(absent)} {verb} {where} "
-                                                 f"(give {' and '.join(flags)})")  # fmt: skip
+        unknown = getattr(performance, "unknown", None)
+        said = f"the {card_name}'s {' and '.join(absent)} {verb} {where}" + (f" ({unknown})" if unknown else "")
+        return Figures(None, None, None, missing=f"{said} (give {' and '.join(flags)})")
     assumed = []
     gemm = getattr(performance, "gemm_fraction", None)
     if gemm is None:
@@ -548,3 +555,44 @@ def resolve_figures(
         gpus_per_node=overrides.gpus_per_node or 8,
     )
     return Figures(speed, fabric, peaks[dtype] * 1e12, assumed=tuple(assumed))
+
+
+def _pipeline_update(
+    records: Mapping[int, StepRecord],
+    micro_batches: Sequence[tuple[int, int]],
+    speed: CardSpeed,
+    fabric: Fabric,
+    stages: int,
+    virtual_stages: int,
+) -> UpdateTime:
+    """One pipeline rank's update: its recorded replay of K micro-batches (forwards and backwards in the schedule's
+    order, with its collectives), scaled to the plan's count of equal micro-batches, the schedule's bubble, and the
+    optimizer step. The sends between stages are left out (a micro-batch's activation each way, overlapped by the
+    schedule's other micro-batches)."""
+    if len(micro_batches) != 1:
+        raise ValueError(f"a pipeline's update is of equal micro-batches, got {list(micro_batches)}")
+    ((size, count),) = micro_batches
+    record = records[size]
+    line = _Timeline(speed, fabric)
+    line.run(record, record.last)
+    scale = count / record.microbatches
+    forward_backward = line.end * scale
+    compute = line.compute_seconds * scale
+    per_micro_batch = forward_backward / count
+    bubble = (stages - 1) / virtual_stages * per_micro_batch
+    before = line.end
+    line.compute_at = line.comm_at = before
+    line.run(record, record.step)
+    optimizer = line.end - before
+    return UpdateTime(
+        micro_batches=((int(size), int(count)),),
+        seconds=forward_backward + bubble + optimizer,
+        compute_seconds=compute,
+        recompute_seconds=line.recompute_seconds * scale,
+        exposed_communication_seconds=forward_backward - compute,
+        bubble_seconds=bubble,
+        optimizer_seconds=optimizer,
+        micro_batch_seconds={int(size): per_micro_batch},
+        per_update_seconds=bubble,
+        host_bound_seconds=line.host_bound_seconds * scale,
+    )

@@ -12,7 +12,7 @@ from typing import Any
 from autotune.core.setup import JobSetup
 from autotune.core.step_records import StepRecord, mesh_dim
 
-__all__ = ["record_steps", "sizes_to_record"]
+__all__ = ["record_stage_steps", "record_steps", "sizes_to_record"]
 
 
 def sizes_to_record(job: JobSetup, max_micro_batch: int, predict: dict[str, Any], multiple_of: int) -> list[int]:
@@ -77,3 +77,54 @@ def _tagged_length(task: Any) -> int | None:
     """The length a task that is not sequence-aware says its samples have (its ``seq_len`` tag), if any."""
     value = task.tags.get("seq_len")
     return value if isinstance(value, int) and value > 0 else None
+
+
+def record_stage_steps(task: Any, job: JobSetup, meter: Any, sizes: Sequence[int], budget_bytes: int) -> list[dict[str, Any]]:
+    """Each pipeline stage's StepRecord (as JSON) at each size: the stage's replay of its schedule (K micro-batches,
+    two updates: autotune/measure/pipeline.py) counted on the fake meter, inside its strategy's process group; the
+    parent takes the slowest stage's. A size where a stage ran out of the card's memory is left out."""
+    from autotune.measure.op_counter import OpCounter
+    from autotune.measure.strategy_choice import make_strategy
+    from autotune.search.pipelined import measured_microbatches, pipeline_trials
+
+    mesh = job.mesh
+    strategy = make_strategy(job.strategy, job.world_size, mesh)
+    trials = pipeline_trials(task, meter, mesh, strategy, budget_bytes)
+    k = measured_microbatches(mesh)
+    tokens_per_sample = task.seq_len if task.seq_len is not None else _tagged_length(task)
+    recorded: list[dict[str, Any]] = []
+    try:
+        with strategy.process_group(meter.device):
+            for size in sizes:
+                records = []
+                for stage in range(mesh.pp):
+                    counter = OpCounter(meter, world_size=job.world_size, mesh=mesh)
+                    with counter.counting():
+                        _, oom = trials.measure_stage(stage, int(size))
+                    if oom:
+                        break
+                    record = counter.stage_record(int(size), stage=stage, microbatches=k, seq_len=task.seq_len)
+                    records.append(record.model_copy(update={"tokens_per_sample": tokens_per_sample}))
+                else:
+                    flops = _stage_flops_per_token(task, records, int(size), k, tokens_per_sample, mesh.tp, mesh.cp)
+                    recorded.extend(
+                        record.model_copy(update={"flops_per_token": flops}).model_dump(mode="json") for record in records
+                    )
+    finally:
+        trials.close()
+    return recorded
+
+
+def _stage_flops_per_token(
+    task: Any, records: list[StepRecord], size: int, k: int, length: int | None, tp: int, cp: int
+) -> float | None:
+    """torchtitan's model FLOPs per token of a pipeline's whole model: its parameters (the meta model's) and every
+    stage's forward attention over its K micro-batches."""
+    from autotune.measure.op_counter import attention_forward_flops, model_flops_per_token, non_embedding_parameters
+    from autotune.measure.trial import build_on_meta
+
+    model = build_on_meta(task)
+    if model is None or not length:
+        return None
+    attention = sum(attention_forward_flops(record) for record in records)
+    return model_flops_per_token(non_embedding_parameters(model), attention, tokens=k * size * length // cp, tp=tp)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from autotune.core.mesh import Mesh
 from autotune.core.step_records import (
     NO_KERNEL_OPS,
+    REDUCTION_OPS,
     CollectiveKind,
     CollectiveRecord,
     OpRecord,
@@ -43,7 +44,15 @@ from autotune.core.step_records import (
 from autotune.measure.meters import FORWARD_BACKWARD, STEP
 from autotune.measure.meters.fake import FakeMeter
 
-__all__ = ["DDP_BUCKET_BYTES", "OpCounter", "ddp_buckets", "flops_per_token"]
+__all__ = [
+    "DDP_BUCKET_BYTES",
+    "OpCounter",
+    "attention_forward_flops",
+    "ddp_buckets",
+    "flops_per_token",
+    "model_flops_per_token",
+    "non_embedding_parameters",
+]
 
 # DDP's bucket_cap_mb (25 MiB) and its first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES, 1 MiB).
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -148,6 +157,18 @@ def _flops_beyond_the_counter(name: str, inputs: list[torch.Tensor], outputs: li
     return None
 
 
+def _written(func: Any, args: Any, kwargs: Any) -> list[Any]:
+    """The arguments an op writes in place (its schema's ``Tensor(a!)`` ones)."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            if not argument.kwarg_only and index < len(args):
+                written.append(args[index])
+            elif argument.name in kwargs:
+                written.append(kwargs[argument.name])
+    return written
+
+
 def _attention(name: str) -> str | None:
     if "attention" not in name:
         return None
@@ -234,15 +255,13 @@ class OpCounter:
         for tensor in (*inputs, *outputs):
             seen.setdefault(id(tensor), tensor)
         moved = sum(_footprint(t) for t in seen.values())
-        # An in-place op writes what it read: its output is its input, read and written.
-        moved += sum(_footprint(t) for t in outputs if any(t is i for i in inputs))
+        # What an in-place op (add_, a foreach step) writes it read first: read and written.
+        moved += sum(_footprint(t) for t in _tensors(_written(func, args, kwargs)))
         counter = self._flops.get(func._overloadpacket)
         kernel = _attention(name)
         beyond = None if counter is not None else _flops_beyond_the_counter(name, inputs, outputs)
         if counter is None and beyond is None:
-            biggest_in = max((t.numel() for t in inputs), default=0)
-            biggest_out = max((t.numel() for t in outputs), default=0)
-            kind = "reduction" if biggest_out * 2 < biggest_in else "elementwise"
+            kind = "reduction" if name.split(".")[1] in REDUCTION_OPS else "elementwise"
             return OpRecord(op=name, kind=kind, dtype=self._dtype(inputs, False), phase=self._phase(), flops=0,
                             bytes=moved)  # fmt: skip
         flops = beyond if counter is None else int(counter(*_locals(args), **_locals(kwargs), out_val=_locals(out)))
@@ -300,6 +319,30 @@ class OpCounter:
             last=self._segments(last, table),
             other=self._segments(other, table),
             step=self._segments(step, table),
+        )
+
+    def stage_record(self, micro_batch: int, *, stage: int, microbatches: int, seq_len: int | None = None) -> StepRecord:
+        """The step of a counted pipeline stage's replay (autotune/measure/pipeline.py): its last update's forwards
+        and backwards, in the schedule's order, as one rank's update of ``microbatches``, and its optimizer step.
+
+        Raises:
+            ValueError: the replay did not run two updates.
+        """
+        updates = self._updates()
+        if len(updates) < 2:
+            raise ValueError(f"the counted stage at micro-batch {micro_batch} ran {len(updates)} update(s), not 2")
+        micro_batches, step = updates[-1]
+        table = sorted(self._table, key=self._table.__getitem__)
+        events = [event for one in micro_batches for event in one]
+        return StepRecord(
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            ops=table,
+            last=self._segments(events, table),
+            other=[],
+            step=self._segments(step, table),
+            stage=stage,
+            microbatches=microbatches,
         )
 
     def _updates(self) -> list[tuple[list[list[tuple[str, Any]]], list[tuple[str, Any]]]]:
@@ -385,16 +428,26 @@ def flops_per_token(record: StepRecord, model: torch.nn.Module, *, tokens: int, 
     non-embedding parameters + 12 x layers x heads x head dim x L, whose second term is 3 x the forward attention's
     FLOPs of a token as torch's flop counter counts them (4 x heads x head dim x L a layer: the full L x L scores),
     read off the record (``tokens``: the rank's tokens of the micro-batch; under tp its heads are 1/tp of them)."""
-    # A DTensor's numel is the whole parameter's, whatever the rank holds of it.
+    return model_flops_per_token(non_embedding_parameters(model), attention_forward_flops(record), tokens=tokens, tp=tp)
+
+
+def model_flops_per_token(parameters: int, attention_flops: int, *, tokens: int, tp: int = 1) -> float:
+    """6 x parameters + 3 x the attention's forward FLOPs per token (:func:`flops_per_token`)."""
+    return 6.0 * parameters + 3.0 * attention_flops * tp / max(1, tokens)
+
+
+def non_embedding_parameters(model: torch.nn.Module) -> int:
+    """The model's parameters but its embeddings' (a DTensor's numel is the whole parameter's)."""
     embedding = sum(int(module.weight.numel()) for module in model.modules() if isinstance(module, torch.nn.Embedding))
-    parameters = sum(int(p.numel()) for p in model.parameters()) - embedding
-    attention = sum(
-        op.flops * count
+    return sum(int(p.numel()) for p in model.parameters()) - embedding
+
+
+def attention_forward_flops(record: StepRecord) -> int:
+    """The forward attention kernels' FLOPs of the record's last micro-batch (a pipeline stage's: its K)."""
+    return sum(
+        record.ops[index].flops * count * segment.repeat
         for segment in record.last
         for index, count in segment.ops
-        for op in (record.ops[index],)
-        if op.kind == "attention" and op.phase == "forward" and "backward" not in op.op
-        for _ in range(segment.repeat)
+        if record.ops[index].kind == "attention" and record.ops[index].phase == "forward"
+        and "backward" not in record.ops[index].op
     )
-    return 6.0 * parameters + 3.0 * attention * tp / max(1, tokens)
-

@@ -240,10 +240,6 @@ def _predicted(profile: Profile, found: CardSearch, config: EstimateConfig) -> l
 
     assert config.card is not None
     if not found.steps:
-        if config.probe.mesh.pp > 1:
-            profile.warnings.append(
-                "no predicted step time: a pipeline's stages are not recorded for it yet; the memory figures stand"
-            )
         return None
     made = predicted_throughput(
         found.steps,

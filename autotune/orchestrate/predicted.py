@@ -44,7 +44,10 @@ def predicted_throughput(
     missing, or no step recorded)."""
     if not steps:
         return None
-    records = {record.micro_batch: record for record in (StepRecord.model_validate(raw) for raw in steps)}
+    # Each pipeline stage's records apart (None: the rank of a job without one); the slowest stage sets the pace.
+    stages: dict[int | None, dict[int, StepRecord]] = {}
+    for record in (StepRecord.model_validate(raw) for raw in steps):
+        stages.setdefault(record.stage, {})[record.micro_batch] = record
     figures = resolve_figures(
         card.short_name,
         card.performance,
@@ -59,18 +62,26 @@ def predicted_throughput(
     updates: list[list[tuple[int, int]]] = [[(max_micro_batch, 1)]]
     if plan is not None and [tuple(pair) for pair in plan.micro_batches] != updates[0]:
         updates.append([(int(size), int(count)) for size, count in plan.micro_batches])
-    updates = [update for update in updates if all(size in records for size, _ in update)]
+    if mesh.pp > 1:  # a pipeline's update is K equal micro-batches (m_max's at the K its stages were measured at)
+        k = mesh.pp_microbatches or mesh.pp
+        updates = [[(max_micro_batch, k)]] + ([[tuple(p) for p in plan.micro_batches]] if plan is not None else [])
+        updates = [list(u) for u in dict.fromkeys(tuple(u) for u in updates)]  # type: ignore[misc]
+    updates = [u for u in updates if all(size in records for records in stages.values() for size, _ in u)]
     replicas = world_size // mesh.model_parallel
-    priced: list[tuple[list[tuple[int, int]], UpdateTime]] = []
+    priced: list[tuple[list[tuple[int, int]], UpdateTime, dict[int, StepRecord]]] = []
     for update in updates:
         try:
-            priced.append((update, _priced(records, update, figures, mesh)))
+            slowest = max(
+                ((_priced(records, update, figures, mesh), records) for records in stages.values()),
+                key=lambda pair: pair[0].seconds,
+            )
         except KeyError as exc:
             warnings.append(_missing_line(_missing_figure(str(exc.args[0]), card, overrides)))
             return None
+        priced.append((update, *slowest))
     if not priced:
         return None
-    made = [_throughput(records, update, time, replicas, world_size, figures) for update, time in priced]
+    made = [_throughput(records, update, time, replicas, world_size, figures) for update, time, records in priced]
     warnings.append(_note(priced[-1][1], made[-1], card, figures, overrides))
     return made
 

@@ -136,8 +136,11 @@ def test_ddps_buckets_reduce_behind_backward_and_the_last_one_shows() -> None:
     # Forward 1 s, backward 1 s; two buckets of equal bytes, 0.3 s each: the first is full half-way through backward
     # (at 1.5 s, done 1.8), the second at its end (2 s, done 2.3): the last bucket's 0.3 s is exposed.
     ops = [elementwise(1.0), elementwise(1.0, "backward")]
-    buckets = [gather(0.3, "deferred", "backward", "all_reduce").model_copy(update={"kind": "all_reduce"})] * 2
+    # A 2-rank ring all-reduce: 8.4 us, two steps of 3.4 us, and the buffer (twice half of it) at 370 GB/s.
+    moved = round((0.3 - 8.4e-6 - 2 * 3.4e-6) * 370e9)
+    buckets = [CollectiveRecord(kind="all_reduce", bytes=moved, group_size=2, phase="backward", overlap="deferred")] * 2
     bucket_seconds = collective_seconds(buckets[0], FABRIC)
+    assert bucket_seconds == pytest.approx(0.3)
     ddp = record([Segment(ops=[(0, 1)]), Segment(ops=[(1, 1)])], ops, ddp_buckets=buckets)
     time = predict_update({1: ddp}, [(1, 1)], SPEED, FABRIC)
     assert bucket_seconds < 0.5  # the first bucket is done before the second is full
