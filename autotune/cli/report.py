@@ -269,7 +269,8 @@ def throughput_rows(timing: Throughput) -> list[str]:
             f"  throughput       {timing.samples_per_second:.4g} samples/s, update {sizes} in "
             f"{timing.seconds_per_update:.4g}s (timed, median of {timing.repeats})"
         ]
-    per_gpu = "" if timing.tokens_per_second_per_gpu is None else f", {timing.tokens_per_second_per_gpu:,.0f} tokens/s/GPU"
+    tokens = timing.tokens_per_second_per_gpu
+    per_gpu = "" if tokens is None else f", {tokens:,.0f} tokens/s/GPU"
     mfu = "" if timing.mfu is None else f", MFU {timing.mfu:.1%}"
     rows = [
         f"  throughput       {timing.samples_per_second:.4g} samples/s{per_gpu}{mfu}, update {sizes} in "

@@ -346,9 +346,8 @@ def _throughput_problems(profile: Profile) -> list[Problem]:
                 + parts.optimizer_seconds
             )  # fmt: skip
             if not math.isclose(total, timing.seconds_per_update, rel_tol=0.01, abs_tol=1e-6):
-                problems.append(
-                    Problem(f"{where}.parts", f"add up to {total:.4g} s, not the update's {timing.seconds_per_update} s")
-                )
+                said = f"add up to {total:.4g} s, not the update's {timing.seconds_per_update} s"
+                problems.append(Problem(f"{where}.parts", said))
         sizes = [size for size, _ in timing.micro_batches]
         m_max = _m_max_for(profile, sum(count for _, count in timing.micro_batches))
         if max(sizes) > m_max:

@@ -79,21 +79,27 @@ CONSTANTS: dict[str, Constant] = {
         "assumed for a card without a published MAMF: the MAMF table's NVIDIA cards read 80.3-86.9 % "
         "(stas00/ml-engineering, compute/accelerator/README.md)",
     ),
-    "gemm_tile": Constant(128, "a 128 x 128 output tile per SM (NVIDIA, Matrix Multiplication Background User's "
-                               "Guide, 'tile and wave quantization')"),
+    "gemm_tile": Constant(
+        128,
+        "a 128 x 128 output tile per SM (NVIDIA, Matrix Multiplication Background User's "
+        "Guide, 'tile and wave quantization')",
+    ),
     "elementwise_fraction": Constant(
-        0.80, "assumed: a device-to-device copy reaches about 90 % of the data sheet's bandwidth; torch's "
-        "elementwise kernels a little less (bench/card_calibration.py checks it on a card)"
+        0.80,
+        "assumed: a device-to-device copy reaches about 90 % of the data sheet's bandwidth; torch's "
+        "elementwise kernels a little less (bench/card_calibration.py checks it on a card)",
     ),
     "reduction_fraction": Constant(0.70, "assumed: a reduction reads its input once at a little less than a copy"),
     "kernel_floor_seconds": Constant(4e-6, "assumed: a kernel's launch and its smallest run (a few microseconds)"),
     "host_seconds_per_op": Constant(
-        8e-6, "assumed: eager PyTorch's dispatch of one operator on the host (of the order of 10 us); a step of "
-        "small kernels waits for the host"
+        8e-6,
+        "assumed: eager PyTorch's dispatch of one operator on the host (of the order of 10 us); a step of "
+        "small kernels waits for the host",
     ),
     "nvlink_bus_fraction": Constant(
-        370 / 450, "NCCL's effective NVLink bandwidth, 370 of the H100's 450 GB/s per direction "
-        "(NVIDIA/nccl-tests#212, NCCL's maintainer)"
+        370 / 450,
+        "NCCL's effective NVLink bandwidth, 370 of the H100's 450 GB/s per direction "
+        "(NVIDIA/nccl-tests#212, NCCL's maintainer)",
     ),
     "network_bus_fraction": Constant(
         47 / 50, "46-48 GB/s per 400 Gb/s NDR NIC in nccl-tests (NVIDIA/nccl-tests#290, NVIDIA)"
@@ -111,15 +117,22 @@ CONSTANTS: dict[str, Constant] = {
 # An attention kernel's share of the dense peak, by family and compute capability major (the module docstring).
 _ATTENTION: dict[tuple[str, int], Constant] = {
     ("flash", 8): Constant(0.60, "FlashAttention-2 (Dao, 2023): 50-73 % of the A100's peak, forward and backward"),
-    ("flash", 9): Constant(0.35, "FlashAttention-3 (Shah et al., 2024): FlashAttention-2 reaches 35 % of the "
-                                 "H100's peak; torch's SDPA flash kernel read 329 of 989 TFLOPS on an H100 "
-                                 "(pytorch/pytorch#142132)"),
-    ("cudnn", 9): Constant(0.64, "torch's SDPA cuDNN kernel read 631 of 989 TFLOPS on an H100 "
-                                 "(pytorch/pytorch#142132, tritonbench, head dim 128)"),
+    ("flash", 9): Constant(
+        0.35,
+        "FlashAttention-3 (Shah et al., 2024): FlashAttention-2 reaches 35 % of the "
+        "H100's peak; torch's SDPA flash kernel read 329 of 989 TFLOPS on an H100 "
+        "(pytorch/pytorch#142132)",
+    ),
+    ("cudnn", 9): Constant(
+        0.64,
+        "torch's SDPA cuDNN kernel read 631 of 989 TFLOPS on an H100 "
+        "(pytorch/pytorch#142132, tritonbench, head dim 128)",
+    ),
 }
 _EFFICIENT_SHARE = Constant(
-    0.70, "assumed: the memory-efficient (xformers/cutlass) kernel at about 0.7 of FlashAttention-2's speed, as "
-    "FlashAttention-2's paper compares them on the A100"
+    0.70,
+    "assumed: the memory-efficient (xformers/cutlass) kernel at about 0.7 of FlashAttention-2's speed, as "
+    "FlashAttention-2's paper compares them on the A100",
 )
 
 
@@ -279,7 +292,8 @@ def collective_seconds(collective: CollectiveRecord, fabric: Fabric) -> float:
         if nodes == 1:
             return by_ring
         tree_latency = 2 * (
-            (ranks // nodes - 1) * group.tree_intra_step + math.log2(nodes) * CONSTANTS["tree_network_step_seconds"].value
+            (ranks // nodes - 1) * group.tree_intra_step
+            + math.log2(nodes) * CONSTANTS["tree_network_step_seconds"].value
         )
         return min(by_ring, tree_latency + 2 * size / (group.bus * CONSTANTS["tree_bus_fraction"].value))
     if collective.kind == "all_to_all":
@@ -504,8 +518,10 @@ def resolve_figures(
     >>> found = resolve_figures("h100", h100.performance, sm_count=132, capability_major=9, precision="bf16")
     >>> found.peak_flops, found.speed.memory_bytes_per_s, found.fabric.network_bytes_per_s
     (989400000000000.0, 3350000000000.0, 50000000000.0)
-    >>> resolve_figures("a10g", None, sm_count=80, capability_major=8, precision="bf16").missing
-    "the a10g's dense bf16 peak and memory bandwidth are not in the catalog (give --peak-tflops and --memory-tbytes-per-s)"
+    >>> a10g = resolve_figures("a10g", None, sm_count=80, capability_major=8, precision="bf16")
+    >>> print(a10g.missing)  # doctest: +NORMALIZE_WHITESPACE
+    the a10g's dense bf16 peak and memory bandwidth are not in the catalog (give --peak-tflops and
+    --memory-tbytes-per-s)
     >>> slower = FigureOverrides(peak_tflops=835)
     >>> round(resolve_figures("h100", h100.performance, sm_count=132, capability_major=9, precision="bf16",
     ...                       overrides=slower).speed.dense_flops["fp8"] / 1e12, 1)
@@ -526,8 +542,8 @@ def resolve_figures(
     if memory is None:
         absent.append("memory bandwidth")
     if absent:
-        flags = [flag for flag, gone in (("--peak-tflops", dtype not in peaks), ("--memory-tbytes-per-s", memory is None))
-                 if gone]  # fmt: skip
+        wanted = (("--peak-tflops", dtype not in peaks), ("--memory-tbytes-per-s", memory is None))
+        flags = [flag for flag, gone in wanted if gone]
         verb = "is" if len(absent) == 1 else "are"
         where = "not in the catalog" if performance is None else f"not on the {card_name}'s data sheet"
         unknown = getattr(performance, "unknown", None)
@@ -538,6 +554,7 @@ def resolve_figures(
     if gemm is None:
         gemm = CONSTANTS["gemm_fraction_default"].value
         assumed.append(f"matmuls at {gemm:.0%} of the peak ({CONSTANTS['gemm_fraction_default'].source})")
+    assert memory is not None  # absent otherwise
     speed = CardSpeed(
         dense_flops={name: value * 1e12 for name, value in peaks.items()},
         memory_bytes_per_s=memory * 1e12,

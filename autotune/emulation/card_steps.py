@@ -79,7 +79,9 @@ def _tagged_length(task: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def record_stage_steps(task: Any, job: JobSetup, meter: Any, sizes: Sequence[int], budget_bytes: int) -> list[dict[str, Any]]:
+def record_stage_steps(
+    task: Any, job: JobSetup, meter: Any, sizes: Sequence[int], budget_bytes: int
+) -> list[dict[str, Any]]:
     """Each pipeline stage's StepRecord (as JSON) at each size: the stage's replay of its schedule (K micro-batches,
     two updates: autotune/measure/pipeline.py) counted on the fake meter, inside its strategy's process group; the
     parent takes the slowest stage's. A size where a stage ran out of the card's memory is left out."""
@@ -108,7 +110,8 @@ def record_stage_steps(task: Any, job: JobSetup, meter: Any, sizes: Sequence[int
                 else:
                     flops = _stage_flops_per_token(task, records, int(size), k, tokens_per_sample, mesh.tp, mesh.cp)
                     recorded.extend(
-                        record.model_copy(update={"flops_per_token": flops}).model_dump(mode="json") for record in records
+                        record.model_copy(update={"flops_per_token": flops}).model_dump(mode="json")
+                        for record in records
                     )
     finally:
         trials.close()

@@ -35,6 +35,7 @@ from autotune.core.step_records import (
     REDUCTION_OPS,
     CollectiveKind,
     CollectiveRecord,
+    OpKind,
     OpRecord,
     Phase,
     Segment,
@@ -204,7 +205,7 @@ class OpCounter:
             self._events.append(("mark", name))
 
         meter.op_observer = self._observe
-        meter.checkpoint = marked  # type: ignore[method-assign]
+        meter.checkpoint = marked  # type: ignore[method-assign,assignment]
         try:
             yield
         finally:
@@ -261,7 +262,7 @@ class OpCounter:
         kernel = _attention(name)
         beyond = None if counter is not None else _flops_beyond_the_counter(name, inputs, outputs)
         if counter is None and beyond is None:
-            kind = "reduction" if name.split(".")[1] in REDUCTION_OPS else "elementwise"
+            kind: OpKind = "reduction" if name.split(".")[1] in REDUCTION_OPS else "elementwise"
             return OpRecord(op=name, kind=kind, dtype=self._dtype(inputs, False), phase=self._phase(), flops=0,
                             bytes=moved)  # fmt: skip
         flops = beyond if counter is None else int(counter(*_locals(args), **_locals(kwargs), out_val=_locals(out)))
@@ -321,7 +322,9 @@ class OpCounter:
             step=self._segments(step, table),
         )
 
-    def stage_record(self, micro_batch: int, *, stage: int, microbatches: int, seq_len: int | None = None) -> StepRecord:
+    def stage_record(
+        self, micro_batch: int, *, stage: int, microbatches: int, seq_len: int | None = None
+    ) -> StepRecord:
         """The step of a counted pipeline stage's replay (autotune/measure/pipeline.py): its last update's forwards
         and backwards, in the schedule's order, as one rank's update of ``microbatches``, and its optimizer step.
 
@@ -448,6 +451,7 @@ def attention_forward_flops(record: StepRecord) -> int:
         record.ops[index].flops * count * segment.repeat
         for segment in record.last
         for index, count in segment.ops
-        if record.ops[index].kind == "attention" and record.ops[index].phase == "forward"
+        if record.ops[index].kind == "attention"
+        and record.ops[index].phase == "forward"
         and "backward" not in record.ops[index].op
     )

@@ -25,9 +25,9 @@ from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import AutotuneError, BudgetError, TaskError
 from autotune.core.mesh import Mesh
 from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy
-from autotune.core.step_time import FigureOverrides
 from autotune.core.schemas import OFFLOADS, PRECISIONS, STRATEGIES, Offload, Plan, Precision, Strategy
 from autotune.core.setup import JobSetup
+from autotune.core.step_time import FigureOverrides
 from autotune.tasks.tp_plan import tp_plan_refusal
 
 if TYPE_CHECKING:

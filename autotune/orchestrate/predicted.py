@@ -59,13 +59,10 @@ def predicted_throughput(
     if figures.missing is not None:
         warnings.append(_missing_line(figures.missing))
         return None
-    updates: list[list[tuple[int, int]]] = [[(max_micro_batch, 1)]]
-    if plan is not None and [tuple(pair) for pair in plan.micro_batches] != updates[0]:
-        updates.append([(int(size), int(count)) for size, count in plan.micro_batches])
-    if mesh.pp > 1:  # a pipeline's update is K equal micro-batches (m_max's at the K its stages were measured at)
-        k = mesh.pp_microbatches or mesh.pp
-        updates = [[(max_micro_batch, k)]] + ([[tuple(p) for p in plan.micro_batches]] if plan is not None else [])
-        updates = [list(u) for u in dict.fromkeys(tuple(u) for u in updates)]  # type: ignore[misc]
+    # One micro-batch of m_max (a pipeline's K of them, at the K its stages were measured at), and the plan's update.
+    first = [(max_micro_batch, (mesh.pp_microbatches or mesh.pp) if mesh.pp > 1 else 1)]
+    planned = [(int(size), int(count)) for size, count in plan.micro_batches] if plan is not None else first
+    updates = [first] if planned == first else [first, planned]
     updates = [u for u in updates if all(size in records for records in stages.values() for size, _ in u)]
     replicas = world_size // mesh.model_parallel
     priced: list[tuple[list[tuple[int, int]], UpdateTime, dict[int, StepRecord]]] = []
@@ -99,8 +96,10 @@ def _missing_figure(key: str, card: Card, overrides: FigureOverrides) -> str:
             f"a group of the mesh spans nodes of {overrides.gpus_per_node or 8} GPUs and the network between them is "
             f"not known for a {card.short_name} (give --network-gbits-per-s, or --gpus-per-node)"
         )
-    return f"the {card.short_name} has no dense {key} peak on its data sheet, which the step's {key} kernels need " \
+    return (
+        f"the {card.short_name} has no dense {key} peak on its data sheet, which the step's {key} kernels need "
         "(give --peak-tflops for the job's precision)"
+    )
 
 
 def _throughput(
@@ -152,7 +151,9 @@ def _note(time: UpdateTime, made: Throughput, card: Card, figures: Figures, over
                *figures.assumed]  # fmt: skip
     host = ""
     if time.host_bound_seconds > 0.05 * time.compute_seconds:
-        host = f"; {time.host_bound_seconds:.3g} s of compute is the host's dispatch of small kernels (assumed 8 us an op)"
+        host = (
+            f"; {time.host_bound_seconds:.3g} s of compute is the host's dispatch of small kernels (assumed 8 us an op)"
+        )
     return (
         f"{PREDICTED_NOTE}each operator of the recorded fake step against {source}, each collective by NCCL's model, "
         f"with the overlap the strategy allows (autotune/core/step_time.py); a prediction, not a measurement"

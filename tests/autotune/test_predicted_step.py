@@ -115,7 +115,10 @@ def test_a_card_without_peaks_answers_memory_and_names_the_missing_figure(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--budget", "8GiB", "--peak-tflops", "900"], "--peak-tflops is a figure of the predicted step time on a card"),
+        (
+            ["--budget", "8GiB", "--peak-tflops", "900"],
+            "--peak-tflops is a figure of the predicted step time on a card",
+        ),
         (["--gpu", "h100", "--peak-tflops", "0"], "argument --peak-tflops: '0' must be above 0"),
         (["--gpu", "h100", "--network-gbits-per-s", "nan"], "'nan' is not a finite number"),
         (["--gpu", "h100", "--gpus-per-node", "0"], "--gpus-per-node"),

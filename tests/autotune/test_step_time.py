@@ -121,7 +121,10 @@ def test_tensor_parallels_collectives_are_exposed_and_reductions_wait_for_the_st
     assert (time.seconds, time.exposed_communication_seconds) == (pytest.approx(2.5), pytest.approx(0.5))
     # A reduce-scatter after the last backward compute: the step waits for it (0.5 s), nothing else does.
     deferred = record(
-        [Segment(ops=[(1, 1)], collective=gather(0.5, "deferred", "backward", "reduce_scatter")), Segment(ops=[(1, 1)])],
+        [
+            Segment(ops=[(1, 1)], collective=gather(0.5, "deferred", "backward", "reduce_scatter")),
+            Segment(ops=[(1, 1)]),
+        ],
         ops,
         step=[Segment(ops=[(2, 1)])],
     )
