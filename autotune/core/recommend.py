@@ -192,9 +192,9 @@ class Option:
     def text(self) -> str:
         sizes = " + ".join(f"{count}x{size}" for size, count in self.micro_batches)
         rate = "not timed" if self.samples_per_second is None else f"{self.samples_per_second:.4g} samples/s"
-        if self.tokens_per_second_per_gpu is not None:
-            rate += f", {self.tokens_per_second_per_gpu:,.0f} tokens/s/GPU"
-        if self.samples_per_second is not None and self.predicted:
+        if self.samples_per_second is not None and self.predicted:  # an emulated estimate's: per GPU, and said
+            if self.tokens_per_second_per_gpu is not None:
+                rate += f", {self.tokens_per_second_per_gpu:,.0f} tokens/s/GPU"
             rate += " predicted"
         if self.samples_per_second is not None and not self.timed:
             rate += " (priced from the nearest timed size)"
