@@ -123,11 +123,20 @@ def _stage_flops_per_token(
 ) -> float | None:
     """torchtitan's model FLOPs per token of a pipeline's whole model: its parameters (the meta model's) and every
     stage's forward attention over its K micro-batches."""
-    from autotune.measure.op_counter import attention_forward_flops, model_flops_per_token, non_embedding_parameters
+    from autotune.measure.op_counter import (
+        attention_forward_flops,
+        configured_attention_flops,
+        model_flops_per_token,
+        non_embedding_parameters,
+    )
     from autotune.measure.trial import build_on_meta
 
     model = build_on_meta(task)
     if model is None or not length:
         return None
+    parameters = non_embedding_parameters(model)
+    configured = configured_attention_flops(model, length)
+    if configured is not None:
+        return 6.0 * parameters + configured
     attention = sum(attention_forward_flops(record) for record in records)
-    return model_flops_per_token(non_embedding_parameters(model), attention, tokens=k * size * length // cp, tp=tp)
+    return model_flops_per_token(parameters, attention, tokens=k * size * length // cp, tp=tp)

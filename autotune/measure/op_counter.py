@@ -49,6 +49,7 @@ __all__ = [
     "DDP_BUCKET_BYTES",
     "OpCounter",
     "attention_forward_flops",
+    "configured_attention_flops",
     "ddp_buckets",
     "flops_per_token",
     "model_flops_per_token",
@@ -428,10 +429,28 @@ def _bucket(nbytes: int, replicas: int, stride: int, dim: str) -> CollectiveReco
 
 def flops_per_token(record: StepRecord, model: torch.nn.Module, *, tokens: int, tp: int = 1) -> float:
     """torchtitan's model FLOPs of one token (torchtitan/models/utils.py, get_dense_model_nparams_and_flops): 6 x the
-    non-embedding parameters + 12 x layers x heads x head dim x L, whose second term is 3 x the forward attention's
-    FLOPs of a token as torch's flop counter counts them (4 x heads x head dim x L a layer: the full L x L scores),
-    read off the record (``tokens``: the rank's tokens of the micro-batch; under tp its heads are 1/tp of them)."""
-    return model_flops_per_token(non_embedding_parameters(model), attention_forward_flops(record), tokens=tokens, tp=tp)
+    non-embedding parameters + 12 x layers x heads x head dim x L. The second term is the model config's where it
+    has one (a transformers model), else 3 x the forward attention's FLOPs of a token as torch's flop counter counts
+    them (4 x heads x head dim x L a layer: the full L x L scores), read off the record (``tokens``: the rank's tokens
+    of the micro-batch; under tp its heads are 1/tp of them)."""
+    parameters = non_embedding_parameters(model)
+    configured = configured_attention_flops(model, record.seq_len)
+    if configured is not None:  # a transformers model says its layers, heads and head dim: torchtitan's term itself
+        return 6.0 * parameters + configured
+    return model_flops_per_token(parameters, attention_forward_flops(record), tokens=tokens, tp=tp)
+
+
+def configured_attention_flops(model: torch.nn.Module, seq_len: int | None) -> float | None:
+    """12 x layers x heads x head dim x L from a transformers config (where the recorded kernels would not say it
+    plainly: context parallel's ring runs each layer's attention as several calls over blocks of the sequence)."""
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if not (seq_len and isinstance(layers, int) and isinstance(heads, int) and isinstance(head_dim, int)):
+        return None
+    return 12.0 * layers * heads * head_dim * seq_len
 
 
 def model_flops_per_token(parameters: int, attention_flops: int, *, tokens: int, tp: int = 1) -> float:

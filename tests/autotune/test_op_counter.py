@@ -5,6 +5,7 @@ collectives of each unit with its bytes and overlap, DDP's buckets, and torchtit
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,3 +139,18 @@ def test_model_flops_per_token_are_torchtitans() -> None:
     assert flops_per_token(record, runner.model, tokens=M * LENGTH) == pytest.approx(expected)  # type: ignore[attr-defined]
     (attention,) = [op for op in record.ops if op.kind == "attention" and op.phase == "forward"]
     assert attention.causal and attention.kernel == "flash"
+
+
+def test_a_transformers_config_gives_the_attention_term_itself() -> None:
+    """Where the model has a transformers config (layers, heads, hidden size), torchtitan's second term is read off it
+    (context parallel's ring splits each layer's attention into calls over blocks of the sequence)."""
+    task = ProbeTask(name="attention", model=Attention, batch=lambda m: torch.randint(0, VOCAB, (m, LENGTH)),
+                     loss=lambda model, batch: model(batch).float().logsumexp(-1).sum())  # fmt: skip
+    record, runner = next(counted(task))
+    model = runner.model  # type: ignore[attr-defined]
+    model.config = SimpleNamespace(num_hidden_layers=1, num_attention_heads=HEADS, hidden_size=D_MODEL)
+    at_length = record.model_copy(update={"seq_len": 4 * LENGTH})  # the config's term is of the record's L
+    non_embedding = 3 * D_MODEL**2 + D_MODEL**2 + D_MODEL * VOCAB
+    assert flops_per_token(at_length, model, tokens=M * LENGTH) == 6 * non_embedding + 12 * HEADS * (
+        D_MODEL // HEADS
+    ) * (4 * LENGTH)
