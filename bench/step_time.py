@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         predicted_of[row] = tokens
         gaps = "..".join(f"{(value - published) / published:+.1%}" for value in tokens)
         note = f"  out of reach ({beyond}: fake trials run the eager bf16 step)" if beyond else ""
+        update = " + ".join(f"{count}x{size}" for size, count in priced[name][-1].micro_batches)
+        note = f"  (update {update}){note}"
         mfu = "..".join(f"{timing.mfu or 0:.1%}" for timing in priced[name])
         print(f"{row:44} {_range(tokens):>16} {published:10,.0f} {gaps:>15}  {mfu}{note}")
     print("\nthe parts of each run's predicted step (seconds):")
