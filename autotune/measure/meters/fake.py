@@ -414,7 +414,7 @@ class _FakeCountingMode(_LiveStorageMode):
             left_out = unmodelled(func)
             if left_out is not None:
                 self.meter.unmodelled.add(left_out)
-        observer = self.meter.op_observer
+        observer = getattr(self.meter, "op_observer", None)
         if observer is not None:  # the step's predicted time counts the op (autotune/measure/op_counter.py)
             observer(func, args, kwargs, out)
         if func in _TOPK:
