@@ -7,7 +7,10 @@ For each case the real probe (``autotune probe CASE --device cuda``: real trials
 records being max_memory_reserved + the memory outside the allocator) gives the card's m_max and its figure at
 each size it ran; then ``autotune estimate CASE --gpu NAME`` (the emulated card of the catalog that NVML's name
 matches) runs under ``--estimate-bound safe`` and ``tight`` at those sizes. Printed: the card's m_max, each
-estimate's, and the figures' gap at the card's m_max; written: ``bench/results/card_calibration-CARD-DATE.json``
+estimate's, and the figures' gap at the card's m_max; then the predicted step time (issue 65: the estimate at the
+card's m_max, ``--estimate-bound tight``) against the probe's timed run on the card, part by part (compute against
+the measured forward and backward, the optimizer step against the measured one); written:
+``bench/results/card_calibration-CARD-DATE.json``
 (``--output``), the record a later test or session compares against (the card's figures are the truth there:
 the safe m_max must never be above the card's).
 
@@ -127,6 +130,7 @@ def calibrate(gpu: str, estimates_only: bool, timeout: int, only: set[str] | Non
                     "max_micro_batch": card["max_micro_batch"], "seconds": card["_seconds"],
                     "torch": card.get("device", {}).get("torch_version"), "figures": _figures(card, real=True),
                 }  # fmt: skip
+                case["card_throughput"] = card.get("throughput")  # the probe's timed run on the card
                 sizes = sorted(case["card"].get("figures", {}))
             for bound in ("safe", "tight"):
                 argv = ["estimate", spec, *args, "--budget", budget, "--gpu", gpu, "--estimate-bound", bound]
@@ -139,9 +143,45 @@ def calibrate(gpu: str, estimates_only: bool, timeout: int, only: set[str] | Non
                     # Where the card could not be emulated, the estimate ran with CPU semantics and says so.
                     "emulated": any(w.startswith("emulated ") for w in found.get("warnings", [])),
                 }  # fmt: skip
+            m_card = case.get("card", {}).get("max_micro_batch")
+            if m_card:  # the step's time at the card's m_max: predicted beside the probe's timed run (issue 65)
+                argv = ["estimate", spec, *args, "--budget", budget, "--gpu", gpu, "--estimate-bound", "tight",
+                        "--max-micro-batch", str(m_card)]  # fmt: skip
+                found = _autotune(argv, Path(folder) / "e-time", timeout)
+                case["predicted"] = {"error": found["error"]} if "error" in found else found.get("throughput")
             record["cases"].append(case)
             _print_case(case)
     return record
+
+
+def _timing_rows(record: dict[str, Any]) -> list[str]:
+    """Predicted against measured per part, for each update both have: the card's timed run (the probe's
+    throughput: one forward and backward per size, the optimizer step) and the emulated estimate's prediction at the
+    card's m_max. The cases run on one card through a fake process group (FSDP2's streams are real, NCCL is not
+    there), so the measured step holds no communication: the prediction's exposed communication is shown apart and
+    left out of the comparison."""
+    rows = []
+    for case in record["cases"]:
+        timed = {tuple(map(tuple, t["micro_batches"])): t for t in case.get("card_throughput") or []}
+        for predicted in case.get("predicted") or []:
+            if not isinstance(predicted, dict):
+                continue
+            update = tuple(map(tuple, predicted["micro_batches"]))
+            measured = timed.get(update)
+            if measured is None:
+                continue
+            parts = predicted["parts"]
+            compute = predicted["seconds_per_update"] - parts["exposed_communication_seconds"]
+            pairs = zip(measured["micro_batch_seconds"], measured["micro_batches"], strict=True)
+            forward_backward = sum(count * seconds for (_, seconds), (_, count) in pairs)
+            rows.append(
+                f"| {case['case']} | {' + '.join(f'{c}x{m}' for m, c in update)} | "
+                f"{parts['compute_seconds']:.4g} | {forward_backward:.4g} | "
+                f"{parts['compute_seconds'] / forward_backward - 1:+.1%} | {parts['optimizer_seconds']:.4g} | "
+                f"{measured['step_seconds']:.4g} | {compute:.4g} | {measured['seconds_per_update']:.4g} | "
+                f"{compute / measured['seconds_per_update'] - 1:+.1%} | {parts['exposed_communication_seconds']:.4g} |"
+            )
+    return rows
 
 
 def _print_case(case: dict[str, Any]) -> None:
@@ -187,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"written: {out}")
+    timings = _timing_rows(record)
+    if timings:  # only where a card was probed: nothing is timed here otherwise
+        print("\npredicted (emulated, tight) against measured (the probe's timed run on the card), seconds:")
+        print("| case | update | compute predicted | forward+backward measured | gap | optimizer predicted | "
+              "optimizer measured | update predicted (no comm) | update measured | gap | exposed comm predicted |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(timings))
     above = [c["case"] for c in record["cases"] if _above(c)]
     if above:
         print(f"the safe estimate's m_max is above the card's in: {', '.join(above)}")

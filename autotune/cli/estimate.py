@@ -8,10 +8,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.cli.common import check_seq_len_options, non_negative_int, positive_int_list, size, task_spec
+from autotune.cli.common import (
+    check_seq_len_options,
+    finite_positive,
+    non_negative_int,
+    positive_int,
+    positive_int_list,
+    size,
+    task_spec,
+)
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
 from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of, moe_routing_of, setup_of
 from autotune.cli.recipes.options import add_recipe_options
+from autotune.core.schemas import OBJECTIVES
 from autotune.core.units import limit_bytes
 
 if TYPE_CHECKING:
@@ -34,6 +43,13 @@ def add_parsers(sub: Any) -> None:
     )
     add_card_options(e)
     add_setup_options(e)
+    e.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="memory",
+        help="what the recommended: line of several --ac policies optimizes: memory (default: the fewest steps) or "
+        "throughput (the most samples per second per GPU, as predicted on a --gpu card)",
+    )
     e.add_argument("--output", type=Path, help="also write the profile JSON to this file")
     e.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     e.add_argument("--server", help="upload the estimate to this autotune server (token: AUTOTUNE_TOKEN)")
@@ -76,6 +92,7 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
         "(NCCL's buffers, for more than one rank), so that the answer never promises more than the card holds; "
         "tight adds nothing (docs/cuda-estimates.md)",
     )
+    add_figure_options(e)
     e.add_argument(
         "--micro-batches",
         type=positive_int_list,
@@ -83,6 +100,42 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
         default=(),
         help="with --gpu: also estimate these sizes (their trials in the profile): will m = 32 fit? Each at most "
         "--max-micro-batch and a multiple of --multiple-of",
+    )
+
+
+def add_figure_options(e: argparse.ArgumentParser) -> None:
+    """The card's and the fabric's figures for the predicted step time, in place of the catalog's
+    (autotune/core/cards.py, PERFORMANCE; autotune/core/step_time.py)."""
+    figures = e.add_argument_group("figures of the predicted step time (with --gpu; default the catalog's)")
+    figures.add_argument(
+        "--peak-tflops",
+        type=finite_positive,
+        metavar="TFLOPS",
+        help="the card's dense peak at the job's precision (bf16: 989 on an H100 SXM); its other peaks scale with it",
+    )
+    figures.add_argument("--memory-tbytes-per-s", type=finite_positive, metavar="TB/S", help="the memory's bandwidth")
+    figures.add_argument(
+        "--nvlink-gbytes-per-s", type=finite_positive, metavar="GB/S", help="NVLink per GPU, one direction (H100: 450)"
+    )
+    figures.add_argument(
+        "--network-gbits-per-s",
+        type=finite_positive,
+        metavar="GBIT/S",
+        help="the network between nodes per GPU (a 400 Gb/s NIC per GPU: 400)",
+    )
+    figures.add_argument("--gpus-per-node", type=positive_int, metavar="N", help="GPUs in a node (default 8)")
+
+
+def figures_of(args: argparse.Namespace) -> Any:
+    """The figures the flags give (FigureOverrides)."""
+    from autotune.core.step_time import FigureOverrides
+
+    return FigureOverrides(
+        peak_tflops=getattr(args, "peak_tflops", None),
+        memory_tbytes_per_s=getattr(args, "memory_tbytes_per_s", None),
+        nvlink_gbytes_per_s=getattr(args, "nvlink_gbytes_per_s", None),
+        network_gbits_per_s=getattr(args, "network_gbits_per_s", None),
+        gpus_per_node=getattr(args, "gpus_per_node", None),
     )
 
 
@@ -134,6 +187,7 @@ def estimate_config(
         context_bytes=args.context_bytes,
         micro_batches=tuple(micro_batches),
         estimate_bound=getattr(args, "estimate_bound", "safe"),
+        figures=figures_of(args),
     )
 
 
@@ -219,7 +273,7 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
     every_length: list[int | None] = list(lengths) if lengths else [None]
     for seq_len in every_length:
         at_length = [p for p in profiles if p.seq_len == seq_len]
-        if len(at_length) > 1:  # fake trials cannot be timed: the policies compare by memory only
-            line = recommendation(at_length, "memory")
+        if len(at_length) > 1:  # fake trials are not timed: by memory, or by an emulated card's predicted time
+            line = recommendation(at_length, getattr(args, "objective", "memory"))
             print(line if seq_len is None else f"at L={seq_len}: {line}", file=sys.stderr if args.json else sys.stdout)
     return code

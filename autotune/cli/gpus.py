@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -51,6 +52,8 @@ def run_gpus(args: argparse.Namespace) -> int:
                     "l2_cache_bytes": card.l2_cache_bytes,
                     "memory_bus_width_bits": card.memory_bus_width_bits,
                     "outside_allocator": outside,
+                    # What a predicted step time needs of the card (autotune/core/cards.py, Performance), or None.
+                    "performance": None if card.performance is None else dataclasses.asdict(card.performance),
                     "source": card.source,
                     **({"emulation": checks[card.short_name]} if checks else {}),
                 }

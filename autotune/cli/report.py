@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autotune.core.plan import micro_batches_text
-from autotune.core.schemas import ATTENTION_NOTE, MEMORY_PART_LABELS, MemoryBreakdown, Profile, Trial
+from autotune.core.schemas import ATTENTION_NOTE, MEMORY_PART_LABELS, MemoryBreakdown, Profile, Throughput, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import gap_advice
 
@@ -253,21 +253,40 @@ def datasheet(profile: Profile) -> str:
         + ("" if profile.compile_seconds is None else f" (compilation {profile.compile_seconds:.2f}s of it)")
     )
     for timing in profile.throughput or []:
-        sizes = " + ".join(f"{count}x{size}" for size, count in timing.micro_batches)
-        lines.append(
-            f"  throughput       {timing.samples_per_second:.4g} samples/s, update {sizes} in "
-            f"{timing.seconds_per_update:.4g}s "
-            + (
-                f"(timed, median of {timing.repeats})"
-                if profile.pipeline is None
-                else f"(each stage timed, median of {timing.repeats}; the bubble by the schedule)"
-            )
-        )
+        lines.extend(throughput_rows(timing, pipeline=profile.pipeline is not None))
     advice = gap_advice(profile)
     if advice is not None:
         lines.append(f"  fragmentation    {advice}")
     lines.extend(warning_rows(profile.warnings))
     return "\n".join(lines)
+
+
+def throughput_rows(timing: Throughput, pipeline: bool = False) -> list[str]:
+    """The datasheet's rows of one timed run (a pipeline's stage by stage, autotune/measure/pipeline/timing.py), or of
+    one predicted update with its parts (says "predicted")."""
+    sizes = " + ".join(f"{count}x{size}" for size, count in timing.micro_batches)
+    if not timing.predicted:
+        how = "each stage timed, median of {}; the bubble by the schedule" if pipeline else "timed, median of {}"
+        return [
+            f"  throughput       {timing.samples_per_second:.4g} samples/s, update {sizes} in "
+            f"{timing.seconds_per_update:.4g}s ({how.format(timing.repeats)})"
+        ]
+    tokens = timing.tokens_per_second_per_gpu
+    per_gpu = "" if tokens is None else f", {tokens:,.0f} tokens/s/GPU"
+    mfu = "" if timing.mfu is None else f", MFU {timing.mfu:.1%}"
+    rows = [
+        f"  throughput       {timing.samples_per_second:.4g} samples/s{per_gpu}{mfu}, update {sizes} in "
+        f"{timing.seconds_per_update:.4g}s (predicted)"
+    ]
+    parts = timing.parts
+    if parts is not None:
+        recompute = f" ({parts.recompute_seconds:.4g}s recomputing)" if parts.recompute_seconds else ""
+        bubble = f", bubble {parts.bubble_seconds:.4g}s" if parts.bubble_seconds else ""
+        rows.append(
+            f"    parts          compute {parts.compute_seconds:.4g}s{recompute}, exposed communication "
+            f"{parts.exposed_communication_seconds:.4g}s{bubble}, optimizer {parts.optimizer_seconds:.4g}s"
+        )
+    return rows
 
 
 def warning_rows(warnings: list[str]) -> list[str]:
@@ -317,6 +336,10 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
             lines.append(
                 f"  {p.seq_len or '-':>8}  {p.max_micro_batch:>6}  {tokens:>18}  {_plan_text(p):<28}  {trial_counts(p)}"
             )
+        for p in group:  # each length's predicted (or timed) updates
+            timings = [row for timing in p.throughput or [] for row in throughput_rows(timing, p.pipeline is not None)]
+            if timings:
+                lines += [f"  at L={p.seq_len}:", *timings]
         with_levers = [p for p in group if p.levers is not None]
         if with_levers:
             lines += [f"  at L={with_levers[-1].seq_len}:", *lever_lines(with_levers[-1])]

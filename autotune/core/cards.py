@@ -47,9 +47,11 @@ __all__ = [
     "ARCHITECTURES",
     "CARDS",
     "OUTSIDE_ALLOCATOR",
+    "PERFORMANCE",
     "Architecture",
     "Card",
     "OutsideAllocator",
+    "Performance",
     "closest_card",
     "known_names",
     "lookup",
@@ -105,6 +107,182 @@ ARCHITECTURES = {
 
 
 @dataclass(frozen=True)
+class Performance:
+    """What a step's predicted time needs of a card (autotune/core/step_time.py), each figure from the vendor's
+    data sheet (``source``), none measured here.
+
+    Attributes:
+        dense_tflops: the peak of the tensor cores without sparsity, per dtype ("bf16", "fp16", "tf32", "fp8"), and
+            of the CUDA cores for "fp32" (torch's default for a float32 matmul: ``allow_tf32`` is off); a dtype the
+            card lacks (bf16 before Ampere) is absent. Data sheets print the sparse figure first: half of it.
+        memory_tbytes_per_s: the memory's bandwidth, TB/s (10**12 bytes).
+        nvlink_gbytes_per_s: NVLink per GPU, one direction, GB/s (data sheets print both directions: half of it);
+            None where the card has none.
+        nvlink_gpus: how many GPUs one NVLink domain joins (8 through NVSwitch, 2 over a bridge, 1 for none).
+        pcie_gbytes_per_s: the host link per GPU, one direction, GB/s: what joins GPUs of a node outside an NVLink
+            domain.
+        network_gbits_per_s: the network per GPU of the vendor's reference system (DGX H100: a 400 Gb/s ConnectX-7
+            per GPU), Gb/s; None where there is no reference system (a PCIe card): a job over nodes names it.
+        gemm_fraction: the largest share of the bf16 peak a matmul reaches on the card (the Maximum Achievable
+            Matmul FLOPS of stas00/ml-engineering, compute/accelerator/README.md, over the data sheet's peak);
+            None where none was published for the card or its die.
+        source: where the figures come from, in a line.
+        assumed: what of the entry has no source of its own, in a line (None: every figure has one).
+        unknown: why a figure is absent and what bounds it, where that is published (None: nothing is absent).
+    """
+
+    dense_tflops: dict[str, float]
+    memory_tbytes_per_s: float
+    nvlink_gbytes_per_s: float | None
+    nvlink_gpus: int
+    pcie_gbytes_per_s: float
+    network_gbits_per_s: float | None
+    gemm_fraction: float | None
+    source: str
+    assumed: str | None = None
+    unknown: str | None = None
+
+
+def _hopper_sxm(memory_tbytes_per_s: float, source: str, **more: object) -> Performance:
+    """The SXM5 Hopper's peaks (H100 SXM5 and H200 data sheets: BF16/FP16 1,979, TF32 989, FP8 3,958 TFLOPS with
+    sparsity; FP32 67), NVLink 4 through NVSwitch (900 GB/s both directions), PCIe Gen5 x16 (128 GB/s both)."""
+    fields: dict[str, object] = {
+        "dense_tflops": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp8": 1978.9, "fp32": 66.9},
+        "memory_tbytes_per_s": memory_tbytes_per_s,
+        "nvlink_gbytes_per_s": 450.0,
+        "nvlink_gpus": 8,
+        "pcie_gbytes_per_s": 64.0,
+        "network_gbits_per_s": 400.0,
+        "gemm_fraction": 794.5 / 989.4,
+        "source": source,
+    }
+    fields.update(more)
+    return Performance(**fields)  # type: ignore[arg-type]
+
+
+_MAMF = "MAMF (stas00/ml-engineering, compute/accelerator/README.md, BF16 v2 table)"
+# The figures per card short name. The network is the vendor's reference system's (DGX); a PCIe card has none.
+PERFORMANCE: dict[str, Performance] = {
+    "h100": _hopper_sxm(
+        3.35,
+        "NVIDIA H100 Tensor Core GPU data sheet (SXM5: 3.35 TB/s, NVLink 900 GB/s); DGX H100 data sheet (a 400 Gb/s "
+        f"ConnectX-7 per GPU); {_MAMF}: H100 SXM 794.5 of 989 TFLOPS",
+    ),
+    "h200": _hopper_sxm(
+        4.8,
+        "NVIDIA H200 Tensor Core GPU data sheet (SXM: 4.8 TB/s, NVLink 900 GB/s); DGX H200 data sheet (a 400 Gb/s "
+        f"ConnectX-7 per GPU); {_MAMF}: GH200 141 GB HBM3e (the H200's die and memory) 828.6 of 989 TFLOPS",
+        gemm_fraction=828.6 / 989.4,
+        assumed="the matmul share is the GH200 141 GB's, measured at 900 W where an H200 SXM draws 700 W",
+    ),
+    "h100-96gb": _hopper_sxm(
+        2.4,
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (96 GB HBM2e at 2.4 TB/s, 8 GPUs fully connected "
+        "with NVLink, 400 Gb/s per GPU, 500 W)",
+        dense_tflops={},
+        assumed="the NVLink figure is the SXM5's; the matmul share is the H100 SXM's (measured at 700 W)",
+        unknown="torchtitan: its peak lies between the H100 NVL's 835 and the H100 SXM's 989 TFLOPS bf16, not known; "
+        "--peak-tflops 835 and 989 bound it",
+    ),
+    "h100-pcie": Performance(
+        {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp8": 1513.0, "fp32": 51.2}, 2.0, 300.0, 2, 64.0, None,
+        794.5 / 989.4,
+        "NVIDIA H100 Tensor Core GPU data sheet (PCIe: BF16 1,513 TFLOPS with sparsity, 2.0 TB/s, NVLink bridge "
+        f"600 GB/s between two cards, PCIe Gen5 128 GB/s); {_MAMF}: the H100 SXM's share",
+        assumed="the matmul share is the H100 SXM's",
+    ),
+    "h100-nvl": Performance(
+        {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp8": 1670.5, "fp32": 60.0}, 3.9, 300.0, 2, 64.0, None,
+        794.5 / 989.4,
+        "NVIDIA H100 Tensor Core GPU data sheet (NVL: BF16 1,671 TFLOPS with sparsity, 3.9 TB/s, NVLink bridge "
+        f"600 GB/s between two cards, PCIe Gen5 128 GB/s); {_MAMF}: the H100 SXM's share",
+        assumed="the matmul share is the H100 SXM's",
+    ),
+    "gh200": Performance(
+        {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp8": 1978.9, "fp32": 67.0}, 4.0, 450.0, 1, 64.0, None,
+        828.6 / 989.4,
+        "NVIDIA GH200 Grace Hopper Superchip data sheet (96 GB HBM3: 4 TB/s, BF16 1,979 TFLOPS with sparsity, "
+        f"NVLink 900 GB/s); {_MAMF}: GH200 828.6 of 989 TFLOPS",
+        assumed="one GPU per NVLink domain and no network: GH200 systems differ (--gpus-per-node, "
+        "--network-gbits-per-s)",
+    ),
+    "a100-80gb": Performance(
+        {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 2.039, 300.0, 8, 32.0, 200.0, 271.2 / 312.0,
+        "NVIDIA A100 Tensor Core GPU data sheet (SXM 80 GB: BF16 312 TFLOPS, 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 "
+        f"64 GB/s); DGX A100 data sheet (a 200 Gb/s ConnectX-6 per GPU); {_MAMF}: A100 SXM 271.2 of 312 TFLOPS",
+    ),
+    "a100-40gb": Performance(
+        {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 1.555, 300.0, 8, 32.0, 200.0, 271.2 / 312.0,
+        "NVIDIA A100 Tensor Core GPU data sheet (SXM 40 GB: BF16 312 TFLOPS, 1,555 GB/s, NVLink 600 GB/s, PCIe Gen4 "
+        f"64 GB/s); DGX A100 data sheet (a 200 Gb/s ConnectX-6 per GPU); {_MAMF}: A100 SXM 271.2 of 312 TFLOPS",
+    ),
+    "a100-pcie-80gb": Performance(
+        {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 1.935, 300.0, 2, 32.0, None, 252.9 / 312.0,
+        "NVIDIA A100 Tensor Core GPU data sheet (PCIe 80 GB: BF16 312 TFLOPS, 1,935 GB/s, NVLink bridge 600 GB/s "
+        f"between two cards, PCIe Gen4 64 GB/s); {_MAMF}: A100 PCIe 252.9 of 312 TFLOPS",
+    ),
+    "a100-pcie-40gb": Performance(
+        {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}, 1.555, 300.0, 2, 32.0, None, 252.9 / 312.0,
+        "NVIDIA A100 Tensor Core GPU data sheet (PCIe 40 GB: BF16 312 TFLOPS, 1,555 GB/s, NVLink bridge 600 GB/s "
+        f"between two cards, PCIe Gen4 64 GB/s); {_MAMF}: A100 PCIe 252.9 of 312 TFLOPS",
+    ),
+    "l40s": Performance(
+        {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp8": 733.0, "fp32": 91.6}, 0.864, None, 1, 32.0, None,
+        None,
+        "NVIDIA L40S data sheet (BF16 733 TFLOPS with sparsity, 864 GB/s, PCIe Gen4 x16 64 GB/s, no NVLink)",
+    ),
+    "l4": Performance(
+        {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp8": 242.5, "fp32": 30.3}, 0.3, None, 1, 32.0, None, None,
+        "NVIDIA L4 Tensor Core GPU data sheet (BF16 242 TFLOPS with sparsity, 300 GB/s, PCIe Gen4 x16, no NVLink)",
+    ),
+    "rtx-4090": Performance(
+        {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp8": 330.3, "fp32": 82.6}, 1.008, None, 1, 32.0, None, None,
+        "NVIDIA Ada Lovelace architecture white paper (RTX 4090: BF16 and FP16 with FP32 accumulate 165.2 TFLOPS "
+        "dense, FP32 82.6, 1,008 GB/s GDDR6X, PCIe Gen4 x16, no NVLink)",
+    ),
+    "rtx-3090": Performance(
+        {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}, 0.936, 56.25, 2, 32.0, None, None,
+        "NVIDIA Ampere GA102 GPU architecture white paper (RTX 3090: BF16 and FP16 with FP32 accumulate 71 TFLOPS "
+        "dense, FP32 35.6, 936 GB/s, NVLink bridge 112.5 GB/s between two cards, PCIe Gen4 x16)",
+    ),
+    "t4": Performance(
+        {"fp16": 65.0, "fp32": 8.1}, 0.32, None, 1, 16.0, None, None,
+        "NVIDIA T4 data sheet (mixed-precision FP16/FP32 65 TFLOPS, FP32 8.1, 320 GB/s, PCIe Gen3 x16; no BF16 "
+        "tensor cores)",
+    ),
+    "v100-16gb": Performance(
+        {"fp16": 125.0, "fp32": 15.7}, 0.9, 150.0, 8, 16.0, 50.0, None,
+        "NVIDIA Tesla V100 data sheet (SXM2: tensor 125 TFLOPS, FP32 15.7, HBM2 900 GB/s, NVLink 300 GB/s); DGX-1 "
+        "with V100 data sheet (4 x 100 Gb/s InfiniBand for 8 GPUs); no BF16 tensor cores",
+    ),
+    "v100-32gb": Performance(
+        {"fp16": 125.0, "fp32": 15.7}, 0.9, 150.0, 8, 16.0, 50.0, None,
+        "NVIDIA Tesla V100 data sheet (SXM2: tensor 125 TFLOPS, FP32 15.7, HBM2 900 GB/s, NVLink 300 GB/s); DGX-1 "
+        "with V100 data sheet (4 x 100 Gb/s InfiniBand for 8 GPUs); no BF16 tensor cores",
+    ),
+    "v100-pcie-16gb": Performance(
+        {"fp16": 112.0, "fp32": 14.0}, 0.9, None, 1, 16.0, None, None,
+        "NVIDIA Tesla V100 data sheet (PCIe: tensor 112 TFLOPS, FP32 14, HBM2 900 GB/s, PCIe Gen3 32 GB/s); no BF16 "
+        "tensor cores",
+    ),
+    "v100-pcie-32gb": Performance(
+        {"fp16": 112.0, "fp32": 14.0}, 0.9, None, 1, 16.0, None, None,
+        "NVIDIA Tesla V100 data sheet (PCIe: tensor 112 TFLOPS, FP32 14, HBM2 900 GB/s, PCIe Gen3 32 GB/s); no BF16 "
+        "tensor cores",
+    ),
+    "b200": Performance(
+        {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1125.0, "fp8": 4500.0, "fp32": 75.0}, 8.0, 900.0, 8, 64.0, 400.0,
+        None,
+        "NVIDIA HGX B200 specifications (8 GPUs: FP16/BF16 36 PFLOPS, TF32 18, FP8 72 with sparsity, FP32 600 "
+        "TFLOPS); DGX B200 data sheet (64 TB/s HBM3e over 8 GPUs, NVLink 5 1.8 TB/s per GPU, a 400 Gb/s ConnectX-7 "
+        "per GPU)",
+    ),
+}
+# The A10G is AWS's card: NVIDIA publishes no data sheet of its peaks, so it has none here (a prediction for it says
+# which figure is missing and takes --peak-tflops).
+
+
+@dataclass(frozen=True)
 class Card:
     """One card as its driver reports it.
 
@@ -123,6 +301,8 @@ class Card:
         assumed: what of the entry has no source and is assumed, in a line (None: every figure has one).
         assumed_from: for a card the catalog lacks (:func:`unlisted_card`), the catalog card whose
             architecture, SMs, L2 and bus it takes; None for the catalog's own cards.
+        performance: what a step's predicted time needs of the card (:class:`Performance`: dense peaks,
+            bandwidths); None where the card is not one whose figures are known (a name the catalog lacks).
     """
 
     short_name: str
@@ -136,6 +316,7 @@ class Card:
     source: str
     assumed: str | None = None
     assumed_from: str | None = None
+    performance: Performance | None = None
 
     @property
     def architecture(self) -> Architecture:
@@ -278,6 +459,8 @@ CARDS: tuple[Card, ...] = (
         "HBM2); " + _NVSMI.format(32768) + " (drivers 575-580; older drivers list 32510 MiB)",
     ),
 )
+
+CARDS = tuple(dataclasses.replace(card, performance=PERFORMANCE.get(card.short_name)) for card in CARDS)
 
 # Other names people write for a catalog card (lower case, spaces as in _normalise).
 ALIASES: dict[str, str] = {
@@ -520,6 +703,8 @@ def unlisted_card(name: str, memory_bytes: int) -> Card:
             f"{like.capability}, {like.sm_count} SMs, L2 and bus); the memory given is read as NVML's and CUDA's total"
         ),
         assumed_from=like.short_name,
+        # A card of another name is another chip as far as anyone has published: its peaks are not the like's.
+        performance=None,
     )
 
 
@@ -537,6 +722,10 @@ def resolve_card(name: str, memory_bytes: int | None = None) -> Card:
     >>> card = resolve_card("h100", 64 * 2**30)
     >>> card.nvml_name, card.short_name, card.assumed_from
     ('NVIDIA H100 80GB HBM3 with 64 GiB', 'h100-80gb-hbm3-with-64-gib', 'h100')
+    >>> card.performance == lookup("h100").performance  # the same chip with other memory: its peaks stand
+    True
+    >>> resolve_card("RTX 4090 D", 24 * 2**30).performance is None  # another chip: none are known
+    True
     >>> resolve_card("NVIDIA H100 NVL", 95830 * 2**20).short_name
     'h100-nvl'
     """
@@ -547,5 +736,7 @@ def resolve_card(name: str, memory_bytes: int | None = None) -> Card:
         return known
     if known is None:
         return unlisted_card(name, memory_bytes)
-    # The catalog's name with another memory: a card of that name the catalog does not describe.
-    return unlisted_card(f"{known.nvml_name} with {memory_bytes / 2**30:g} GiB", memory_bytes)
+    # The catalog's name with another memory: a card of that name the catalog does not describe, the same chip (its
+    # peaks and bandwidths are the catalog card's).
+    other = unlisted_card(f"{known.nvml_name} with {memory_bytes / 2**30:g} GiB", memory_bytes)
+    return dataclasses.replace(other, performance=known.performance)

@@ -329,13 +329,25 @@ def _surface_problems(profile: Profile) -> list[Problem]:
 
 
 def _throughput_problems(profile: Profile) -> list[Problem]:
-    """Timed runs are of sizes that fit, on the device (an estimate's fake trials have no time), and
-    their samples per second is the update's samples over its seconds."""
+    """Timed runs are of sizes that fit, on the device (an estimate's fake trials have no time: its throughput is
+    predicted, autotune/core/step_time.py, and says so; a measurement's is timed), their samples per second is the
+    update's samples over its seconds, and a prediction's parts add up to its seconds."""
     problems = []
     for index, timing in enumerate(profile.throughput or []):
         where = f"throughput.{index}"
-        if profile.source == "estimate":
+        if profile.source == "estimate" and not timing.predicted:
             problems.append(Problem(where, "an estimate (fake-tensor trials only) cannot have been timed"))
+        if profile.source == "measured" and timing.predicted:
+            problems.append(Problem(f"{where}.predicted", "a measured profile's throughput is timed, not predicted"))
+        parts = timing.parts
+        if parts is not None:
+            total = (
+                parts.compute_seconds + parts.exposed_communication_seconds + parts.bubble_seconds
+                + parts.optimizer_seconds
+            )  # fmt: skip
+            if not math.isclose(total, timing.seconds_per_update, rel_tol=0.01, abs_tol=1e-6):
+                said = f"add up to {total:.4g} s, not the update's {timing.seconds_per_update} s"
+                problems.append(Problem(f"{where}.parts", said))
         sizes = [size for size, _ in timing.micro_batches]
         m_max = _m_max_for(profile, sum(count for _, count in timing.micro_batches))
         if max(sizes) > m_max:

@@ -60,7 +60,8 @@ def update_seconds(
     step: list[float] = []
     for timing in timings:
         per_size.update(dict(timing.micro_batch_seconds))
-        step.append(timing.step_seconds)
+        # A prediction's once-per-update part (a pipeline's bubble, the last reduction's end) rides with its step.
+        step.append(timing.step_seconds + timing.per_update_seconds)
     if not per_size:
         return None
     total = sum(step) / len(step)
@@ -170,6 +171,17 @@ class Option:
     setup: tuple[tuple[str, str], ...] = ()
     label: str | None = None
     holds_target: bool = True
+    # The timings are an emulated estimate's prediction (autotune/core/step_time.py), not a timed run.
+    predicted: bool = False
+    # Every GPU of the job (W), over which options of different meshes compare, and its tokens per second on each
+    # where the sample's length is known.
+    gpus: int = 1
+    tokens_per_second_per_gpu: float | None = None
+
+    @property
+    def per_gpu(self) -> float | None:
+        """Samples per second per GPU of the job: what options over different numbers of GPUs compare by."""
+        return None if self.samples_per_second is None else self.samples_per_second / self.gpus
 
     def value(self, name: str) -> str | None:
         """The option's value in dimension name (the policy for ``ac``), None where it has none."""
@@ -180,6 +192,10 @@ class Option:
     def text(self) -> str:
         sizes = " + ".join(f"{count}x{size}" for size, count in self.micro_batches)
         rate = "not timed" if self.samples_per_second is None else f"{self.samples_per_second:.4g} samples/s"
+        if self.samples_per_second is not None and self.predicted:  # an emulated estimate's: per GPU, and said
+            if self.tokens_per_second_per_gpu is not None:
+                rate += f", {self.tokens_per_second_per_gpu:,.0f} tokens/s/GPU"
+            rate += " predicted"
         if self.samples_per_second is not None and not self.timed:
             rate += " (priced from the nearest timed size)"
         name = self.label or self.policy
@@ -194,6 +210,8 @@ def option_for(profile: Profile) -> Option:
     steps = the_plan.accumulation_steps if the_plan else 1
     world = the_plan.world_size if the_plan else profile.world_size
     rate = samples_per_second(profile.throughput or [], micro_batches, world)
+    length = profile.seq_len or _tagged_length(profile)
+    tokens = None if rate is None or not length else rate[0] * length / profile.world_size
     return Option(
         policy=profile.activation_checkpointing,
         max_micro_batch=the_plan.max_micro_batch if the_plan else profile.max_micro_batch,
@@ -204,7 +222,15 @@ def option_for(profile: Profile) -> Option:
         plan=the_plan,
         setup=setup_of(profile),
         holds_target=the_plan is None or the_plan.exact,
+        predicted=any(timing.predicted for timing in profile.throughput or []),
+        gpus=profile.world_size,
+        tokens_per_second_per_gpu=tokens,
     )
+
+
+def _tagged_length(profile: Profile) -> int | None:
+    value = profile.tags.get("seq_len")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def options_for(profiles: Sequence[Profile]) -> list[Option]:
@@ -253,7 +279,7 @@ def recommend(options: Sequence[Option], objective: str = "throughput") -> Optio
             held,
             key=lambda o: (
                 o.samples_per_second is None,
-                -(o.samples_per_second or 0.0),
+                -(o.per_gpu or 0.0),
                 o.accumulation_steps if o.samples_per_second is None else 0,
                 _extra_work(o),
                 -o.max_micro_batch,
@@ -268,6 +294,34 @@ def options_text(best: Option, options: Sequence[Option], objective: str) -> str
     """The ``recommended:`` line: the chosen policy and plan, the others beside it."""
     others = [o for o in options if o is not best]
     line = f"recommended: {best.text()} (objective {objective})"
+    margin = _margin(best, options, objective)
+    if margin:
+        line += f", {margin}"
     if others:
         line += "; beside it " + "; ".join(o.text() for o in others)
     return line
+
+
+def _margin(best: Option, options: Sequence[Option], objective: str) -> str | None:
+    """How far ahead of the next option (among those holding the target, by samples per second per GPU) the best
+    one is, under objective throughput.
+
+    >>> fast = Option("none", 10, ((10, 3),), 3, 50.0)
+    >>> slow = Option("full", 30, ((30, 1),), 1, 40.0)
+    >>> _margin(fast, [fast, slow], "throughput")
+    '25.0% faster than full (50 against 40 samples/s per GPU)'
+    """
+    if objective != "throughput" or best.per_gpu is None:
+        return None
+    held = [o for o in options if o.holds_target] or list(options)
+    rivals = [o for o in held if o is not best and o.per_gpu is not None]
+    if not rivals:
+        return None
+    runner_up = max(rivals, key=lambda o: o.per_gpu or 0.0)
+    assert runner_up.per_gpu is not None
+    ahead = best.per_gpu / runner_up.per_gpu - 1 if runner_up.per_gpu else 0.0
+    said = "predicted " if best.predicted else ""
+    return (
+        f"{said}{ahead:.1%} faster than {runner_up.label or runner_up.policy} "
+        f"({best.per_gpu:.4g} against {runner_up.per_gpu:.4g} samples/s per GPU)"
+    )

@@ -43,6 +43,7 @@ __all__ = [
     "Offload",
     "Plan",
     "Precision",
+    "PredictedParts",
     "Profile",
     "PipelineStages",
     "SingleStep",
@@ -206,13 +207,34 @@ class Plan(_Model):
         return len({size for size, _ in self.micro_batches}) > 1
 
 
+Seconds = Annotated[float, Field(ge=0, le=1e7)]
+
+
+class PredictedParts(_Model):
+    """What a predicted update's time is made of (autotune/core/step_time.py); the four parts add up to the
+    update's seconds. ``recompute_seconds`` is the part of compute spent running checkpointed forwards again."""
+
+    compute_seconds: Seconds
+    exposed_communication_seconds: Seconds
+    bubble_seconds: Seconds = 0.0
+    optimizer_seconds: Seconds
+    recompute_seconds: Seconds = 0.0
+
+
 class Throughput(_Model):
     """A timed run on the device (autotune/measure/throughput.py), never the search's trials: warm-up first,
-    then each micro-batch size of one update timed forward+backward, and the optimizer step.
+    then each micro-batch size of one update timed forward+backward, and the optimizer step. Or, on an estimate,
+    the update's time predicted from the recorded fake step (``predicted``: autotune/core/step_time.py).
 
     ``micro_batches`` is one update per replica as (size, count) pairs (a plan's, or one micro-batch
     of m_max); ``seconds_per_update`` is the sum of count x ``micro_batch_seconds`` of each size plus
-    ``step_seconds``; ``samples_per_second`` is the update's samples on ``world_size`` replicas over it.
+    ``step_seconds`` (the optimizer step) and ``per_update_seconds``; ``samples_per_second`` is the update's
+    samples on ``world_size`` replicas over it.
+
+    A prediction adds ``per_update_seconds`` (what an update costs once besides the optimizer step: a pipeline's
+    bubble, the end of the last micro-batch's gradient reduction), ``tokens_per_second_per_gpu`` (the update's
+    tokens over every GPU of the job, where the task's length is known), ``mfu`` (torchtitan's: the model FLOPs of
+    those tokens per second over the card's dense peak, a fraction) and ``parts``.
     """
 
     micro_batch: MicroBatch
@@ -227,6 +249,11 @@ class Throughput(_Model):
     step_seconds: Annotated[float, Field(ge=0, le=1e7)] = 0.0
     # Timed repeats of each size (after one warm-up update).
     repeats: Annotated[int, Field(ge=1, le=100_000)] = 1
+    predicted: bool = False
+    per_update_seconds: Seconds = 0.0
+    tokens_per_second_per_gpu: Annotated[float, Field(gt=0, le=1e12)] | None = None
+    mfu: Annotated[float, Field(ge=0, le=10)] | None = None
+    parts: PredictedParts | None = None
 
 
 # A surface keeps the pieces that can be the largest (autotune/core/surface.py prunes them): a handful.

@@ -106,6 +106,11 @@ def pipeline_search_on_card(task: Any, request: dict[str, Any], device_name: str
         ]
         found["fit"] = result.fit.model_dump(mode="json") if result.fit is not None else None
         found["pipeline"] = result.pipeline.model_dump(mode="json") if result.pipeline is not None else None
+        if request.get("predict"):  # each stage's recorded step at m_max and the plan's sizes (card_steps.py)
+            from autotune.emulation.card_steps import record_stage_steps, sizes_to_record
+
+            sizes = sizes_to_record(job, result.max_micro_batch, request["predict"], multiple_of)
+            found["steps"] = record_stage_steps(task, job, meter, sizes, budget_bytes)
     except NoFitError:
         found["no_fit"] = True
     warnings.extend(sorted(meter.unmodelled))

@@ -49,6 +49,8 @@ class CardSearch:
     pipeline: dict[str, Any] | None = None  # --pp: each stage's figure at m_max and the bubble (PipelineStages)
     # With breakdown: the figures at m_max and the next size broken down (MemoryBreakdown dicts).
     breakdowns: list[dict[str, Any]] = field(default_factory=list)
+    # With predict: the recorded steps at m_max and the plan's sizes (StepRecord dicts: autotune/core/step_records.py).
+    steps: list[dict[str, Any]] = field(default_factory=list)
 
 
 def search_on_card(
@@ -64,9 +66,11 @@ def search_on_card(
     extra_sizes: Sequence[int] = (),
     python: str | None = None,
     breakdown: bool = False,
+    predict: dict[str, Any] | None = None,
 ) -> list[CardSearch]:
     """Run the search at each length (None: a task that is not sequence-aware) in one child process with
-    the card emulated (autotune/emulation/runner.py): one torch import and one task load for all. ``job`` is the
+    the card emulated (autotune/emulation/runner.py): one torch import and one task load for all. ``predict``
+    ({"target_batch", "plan_policy"}) records the steps whose time the profile predicts (card_steps.py). ``job`` is the
     setup the child applies to the task it loads (its precision, policy and offload: ``ProbeTask.with_setup``)
     and holds it under (strategy, world size, mesh), sent whole (``JobSetup`` as JSON).
 
@@ -93,6 +97,8 @@ def search_on_card(
         "extra_sizes": [int(m) for m in extra_sizes],
         "moe_load_factor": current_load_factor(),
         "breakdown": breakdown,
+        # The step to predict the time of: the target and plan policy the parent plans with (None: no prediction).
+        "predict": predict,
     }
     found, _ = _run_child(
         chosen,
@@ -113,6 +119,7 @@ def search_on_card(
             no_fit=bool(one.get("no_fit")),
             pipeline=one.get("pipeline"),
             breakdowns=list(one.get("breakdowns") or ()),
+            steps=list(one.get("steps") or ()),
         )
         for one in found["lengths"]
     ]
@@ -175,6 +182,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
             )
             if not found.no_fit and seq_len is not None:
                 previous = (int(seq_len), found.max_micro_batch)
+            steps = _steps(request, job, at_length, strategy, device["name"], found)
             results.append(
                 {
                     "seq_len": seq_len,
@@ -189,6 +197,18 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
                         for m in (found.max_micro_batch, found.max_micro_batch + multiple_of)
                         if m in found.breakdowns
                     ],
+                    "steps": steps,
                 }
             )
     return {"device": device, "lengths": results}
+
+
+def _steps(request: dict[str, Any], job: JobSetup, task: Any, strategy: Any, device_name: str, found: Any) -> list[Any]:
+    """With ``predict``: the recorded steps at m_max and the plan's sizes (autotune/emulation/card_steps.py)."""
+    predict = request.get("predict")
+    if not predict or found.no_fit:
+        return []
+    from autotune.emulation.card_steps import record_steps, sizes_to_record
+
+    sizes = sizes_to_record(job, found.max_micro_batch, predict, int(request["multiple_of"]))
+    return record_steps(task, job, strategy, device_name, sizes, int(request["budget_bytes"]))

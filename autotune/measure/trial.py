@@ -596,6 +596,11 @@ class TrialRunner:
         while meter.live_bytes != before and time.monotonic() < deadline:
             time.sleep(0)  # gloo's worker thread lets go of its last work once scheduled
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The reused model as the strategy wrapped it, once built (None before, and after ``close()``)."""
+        return self._model
+
     def build(self) -> float:
         """Build the reused model now (the first trial would); the seconds it took."""
         started = time.perf_counter()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from autotune.core import units
 from autotune.core.cards import OUTSIDE_ALLOCATOR, Card, outside_allocator, outside_allocator_stand_in
 from autotune.core.errors import AutotuneError, CannotFitError
-from autotune.core.schemas import Device, Fit, MemoryBreakdown, PipelineStages, Profile, Trial
+from autotune.core.schemas import Device, Fit, MemoryBreakdown, PipelineStages, Profile, Throughput, Trial
 from autotune.core.units import format_bytes
 from autotune.core.unmodelled import UnmodelledBound, unmodelled_bound
 from autotune.orchestrate.config import EstimateConfig
@@ -170,6 +170,8 @@ def _on_card(
             multiple_of=setup.multiple_of,
             extra_sizes=config.micro_batches,
             breakdown=setup.breakdown,
+            # The steps whose time the profile predicts (autotune/orchestrate/predicted.py), at the plan's sizes.
+            predict={"target_batch": setup.target_batch, "plan_policy": setup.plan_policy},
         )
     except EmulationError as exc:
         raise EmulationUnavailable(str(exc)) from None
@@ -227,4 +229,28 @@ def _on_card(
     ]
     for profile, (_, found, _) in zip(profiles, made, strict=True):  # --pp: each stage's figure (issue 34)
         profile.pipeline = PipelineStages.model_validate(found.pipeline) if found.pipeline else None
+        profile.throughput = _predicted(profile, found, config)
     return profiles
+
+
+def _predicted(profile: Profile, found: CardSearch, config: EstimateConfig) -> list[Throughput] | None:
+    """The profile's predicted throughput (autotune/orchestrate/predicted.py), checked as the store checks it."""
+    from autotune.core.consistency import check_profile
+    from autotune.orchestrate.predicted import predicted_throughput
+
+    assert config.card is not None
+    if not found.steps:
+        return None
+    made = predicted_throughput(
+        found.steps,
+        config.card,
+        precision=profile.precision,
+        world_size=profile.world_size,
+        mesh=config.probe.mesh,
+        max_micro_batch=profile.max_micro_batch,
+        plan=profile.plan,
+        overrides=config.figures,
+        warnings=profile.warnings,
+    )
+    check_profile(profile.model_copy(update={"throughput": made}))
+    return made

@@ -27,6 +27,7 @@ from autotune.core.mesh import Mesh
 from autotune.core.plan import MAX_TARGET_BATCH, PLAN_POLICIES, PlanPolicy
 from autotune.core.schemas import OFFLOADS, PRECISIONS, STRATEGIES, Offload, Plan, Precision, Strategy
 from autotune.core.setup import JobSetup
+from autotune.core.step_time import FigureOverrides
 from autotune.tasks.tp_plan import tp_plan_refusal
 
 if TYPE_CHECKING:
@@ -274,6 +275,9 @@ class EstimateConfig:
     # --estimate-bound: "safe" adds a stated bound for each part the card's figure does not model (NCCL's
     # buffers: autotune/core/unmodelled.py), "tight" adds none.
     estimate_bound: str = "safe"
+    # The card's and the fabric's figures the user gives for the predicted step time (--peak-tflops, ...:
+    # autotune/core/step_time.py), in place of the catalog's.
+    figures: FigureOverrides = field(default_factory=FigureOverrides)
 
     def __post_init__(self) -> None:
         if self.card is None:
@@ -296,6 +300,7 @@ class EstimateConfig:
         micro_batches: tuple[int, ...] = (),
         emulation_failed: str | None = None,
         estimate_bound: str = "safe",
+        figures: FigureOverrides | None = None,
         **setup: Any,
     ) -> EstimateConfig:
         """The config from flat keywords: ``setup`` is ProbeConfig's fields, ``gpu`` a card's name and
@@ -320,6 +325,7 @@ class EstimateConfig:
             micro_batches=tuple(micro_batches),
             emulation_failed=emulation_failed,
             estimate_bound=estimate_bound,
+            figures=figures or FigureOverrides(),
         )
 
     def with_setup(self, **changes: Any) -> EstimateConfig:
@@ -343,6 +349,11 @@ class EstimateConfig:
                 )
         elif self.context_bytes is not None:
             raise AutotuneError("--context-bytes applies to an estimate for a card: name it with --gpu")
+        elif self.figures.flags():
+            raise AutotuneError(
+                f"{self.figures.flags()[0].split()[0]} is a figure of the predicted step time on a card: name the card "
+                "with --gpu"
+            )
         from autotune.core.unmodelled import BOUNDS
 
         if self.estimate_bound not in BOUNDS:

@@ -452,12 +452,14 @@ def _throughput_figure(profiles: Sequence[Profile]) -> dict[str, Any] | None:
             continue
         policy = profile.activation_checkpointing
         updates = [" + ".join(f"{count}×{size}" for size, count in t.micro_batches) for t in timings]
+        # An emulated estimate's are predicted from its recorded fake step (autotune/core/step_time.py), and say so.
+        said = " (predicted)" if any(t.predicted for t in timings) else ""
         traces.append(
             {
                 "type": "scatter",
                 "mode": "markers",
                 "meta": f"throughput-{policy}",
-                "name": f"checkpointing {policy}" + ("" if profile is profiles[0] else " (another profile)"),
+                "name": f"checkpointing {policy}{said}" + ("" if profile is profiles[0] else " (another profile)"),
                 "x": [t.micro_batch for t in timings],
                 "y": [t.samples_per_second for t in timings],
                 "customdata": [
@@ -471,10 +473,11 @@ def _throughput_figure(profiles: Sequence[Profile]) -> dict[str, Any] | None:
         )
     if not traces:
         return None
+    predicted = " or predicted" if any(t.predicted for p in profiles for t in p.throughput or []) else ""
     layout = {
         "margin": {"l": 70, "r": 20, "t": 10, "b": 50},
         "xaxis": {"title": {"text": "largest micro-batch of the timed update (samples)"}, "rangemode": "tozero"},
-        "yaxis": {"title": {"text": "samples per second (timed run)"}, "rangemode": "tozero"},
+        "yaxis": {"title": {"text": f"samples per second (timed run{predicted})"}, "rangemode": "tozero"},
         "legend": {"orientation": "h", "y": -0.2},
         "hovermode": "closest",
     }

@@ -228,6 +228,10 @@ def test_autotune_gpus_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows[0]["total_bytes"] == 143771 * MiB and rows[0]["compute_capability"] == "9.0"
     assert rows[0]["outside_allocator"][0]["measured"] is True
     assert rows[1]["outside_allocator"] == [] and rows[1]["cuda_total_bytes"] is None
+    # The figures a predicted step time needs, from the data sheets (the L4: BF16 242 TFLOPS with sparsity, 300 GB/s).
+    figures = rows[1]["performance"]
+    assert figures["dense_tflops"]["bf16"] == 121.0
+    assert figures["memory_tbytes_per_s"] == 0.3 and figures["nvlink_gbytes_per_s"] is None
 
 
 def test_autotune_gpus_refuses_an_unknown_card() -> None:

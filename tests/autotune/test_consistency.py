@@ -116,3 +116,24 @@ def test_device_kind_of_name() -> None:
     unknown.device.name = "Ascend 910B"
     unknown.device.kind = "cuda"
     assert profile_problems(unknown) == []
+
+
+def test_an_estimates_throughput_is_predicted_and_its_parts_add_up() -> None:
+    """An estimate's throughput is a prediction and says so (autotune/core/step_time.py): accepted, and refused where
+    it claims to be timed, where a measurement claims to be predicted, or where its parts miss its seconds."""
+    from autotune.core.schemas import PredictedParts, Throughput
+
+    parts = PredictedParts(compute_seconds=0.8, exposed_communication_seconds=0.1, optimizer_seconds=0.1)
+    timing = Throughput(micro_batch=24, samples_per_second=24.0, seconds_per_update=1.0, micro_batches=[(24, 1)],
+                        micro_batch_seconds=[(24, 0.9)], step_seconds=0.1, predicted=True, parts=parts)  # fmt: skip
+    estimate = make_profile(source="estimate").model_copy(update={"throughput": [timing]})
+    assert profile_problems(estimate) == []
+    timed = estimate.model_copy(update={"throughput": [timing.model_copy(update={"predicted": False})]})
+    assert [p.field for p in profile_problems(timed)] == ["throughput.0"]
+    measured = make_profile().model_copy(update={"throughput": [timing]})
+    assert [p.field for p in profile_problems(measured)] == ["throughput.0.predicted"]
+    short = parts.model_copy(update={"optimizer_seconds": 0.3})
+    wrong = estimate.model_copy(update={"throughput": [timing.model_copy(update={"parts": short})]})
+    assert [(p.field, p.message) for p in profile_problems(wrong)] == [
+        ("throughput.0.parts", "add up to 1.2 s, not the update's 1.0 s")
+    ]

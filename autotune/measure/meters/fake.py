@@ -72,7 +72,7 @@ import functools
 import logging
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -414,6 +414,9 @@ class _FakeCountingMode(_LiveStorageMode):
             left_out = unmodelled(func)
             if left_out is not None:
                 self.meter.unmodelled.add(left_out)
+        observer = getattr(self.meter, "op_observer", None)
+        if observer is not None:  # the step's predicted time counts the op (autotune/measure/op_counter.py)
+            observer(func, args, kwargs, out)
         if func in _TOPK:
             source, k = args[0], args[1]
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
@@ -600,6 +603,9 @@ class FakeMeter(CpuMeter):
         self.kernel_facts: KernelFacts | None = None
         # What the CUDA kernels of the ops run so far take that no rule gives (UNMODELLED), for a warning.
         self.unmodelled: set[str] = set()
+        # Told of every op the trial dispatches, with its inputs and outputs, where a step's time is counted
+        # (autotune/measure/op_counter.py); None the rest of the time.
+        self.op_observer: Callable[[Any, Any, Any, Any], None] | None = None
 
     def _account(self, tensors: Any, what: Any) -> None:
         """On CUDA only the device's storages count: a batch built on the host (the task's ``batch``
