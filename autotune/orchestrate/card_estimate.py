@@ -171,7 +171,7 @@ def _on_card(
             extra_sizes=config.micro_batches,
             breakdown=setup.breakdown,
             # The steps whose time the profile predicts (autotune/orchestrate/predicted.py), at the plan's sizes.
-            predict={"target_batch": setup.target_batch, "plan_policy": setup.plan_policy},
+            predict={"target_batch": setup.target_batch, "plan_policy": setup.plan_policy} if config.predict else None,
         )
     except EmulationError as exc:
         raise EmulationUnavailable(str(exc)) from None

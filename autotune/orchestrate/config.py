@@ -275,6 +275,9 @@ class EstimateConfig:
     # --estimate-bound: "safe" adds a stated bound for each part the card's figure does not model (NCCL's
     # buffers: autotune/core/unmodelled.py), "tight" adds none.
     estimate_bound: str = "safe"
+    # Whether a card's estimate predicts the step's time (autotune/orchestrate/predicted.py): every estimate does; the
+    # levers' estimates of changed setups, which read memory only, do not.
+    predict: bool = True
     # The card's and the fabric's figures the user gives for the predicted step time (--peak-tflops, ...:
     # autotune/core/step_time.py), in place of the catalog's.
     figures: FigureOverrides = field(default_factory=FigureOverrides)

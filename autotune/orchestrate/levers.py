@@ -188,7 +188,7 @@ def _lever_config(setup: ProbeConfig, at_micro_batch: int, on_card: EstimateConf
     (the card's figure there is the lever's peak)."""
     if on_card is None:
         return EstimateConfig(probe=setup, device_kind="cpu")
-    return dataclasses.replace(on_card, probe=setup, micro_batches=(at_micro_batch,))
+    return dataclasses.replace(on_card, probe=setup, micro_batches=(at_micro_batch,), predict=False)
 
 
 def _pull(
