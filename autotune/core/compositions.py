@@ -33,7 +33,7 @@ Why = Literal["not measured yet", "a library's limit", "meaningless"]
 class Dimensions:
     """The dimensions of one job a composition rule reads: strategy, W, the mesh's tp / pp / cp, compile, offload
     (and whether a host budget is given), the memory policy, QLoRA's quantization and whether LoRA is on, the
-    optimizer's spec and library, precision and the weights' dtype."""
+    optimizer's spec and library, precision, the weights' dtype and the loss."""
 
     strategy: str = "ddp"
     world_size: int = 1
@@ -218,8 +218,8 @@ COMPOSITIONS: tuple[Rule, ...] = (
         "not measured yet",
         lambda d: d.lm_loss != "plain" and d.cp > 1,
         lambda d: f"--loss {d.lm_loss} with --cp {d.cp}",
-        "under cp each rank holds a shard of the sequence and its labels are shifted across shards (TRL's "
-        "shift_labels), which --loss does not model yet; probe --loss plain under --cp",
+        "under cp each rank computes the loss over its shard of the sequence, and no run of real cp ranks (the "
+        "truth of --cp) has checked these losses there yet; probe --loss plain under --cp",
     ),
     Rule(
         "--weights-dtype fp16",
