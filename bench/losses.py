@@ -8,8 +8,8 @@ entropy.
 
 The config is Llama 3.2 1B's shape (vocabulary 128,256, hidden 2048, 16 layers, tied embeddings; as
 bench/finetune.py writes it), bf16 weights under bf16 autocast, AdamW. Beside each m_max: the peak at m_max, where
-it sits (the breakdown's peak event and phase), the m_max ratio to the plain loss's in the same run, the fake
-trials and the seconds (this machine's). Figures only.
+it sits (the breakdown's peak event: its index in the trial, and the op and phase), the m_max ratio to the plain
+loss's in the same run, the fake trials and the seconds (this machine's). Figures only.
 """
 
 from __future__ import annotations
@@ -70,14 +70,15 @@ def main() -> int:
         for loss in args.losses.split(","):
             row = run_case(directory, loss)
             plain = next((r for r in rows if r["loss"] == "plain"), None)
-            row["m_max_over_plain"] = None if plain is None or not plain["m_max"] else round(row["m_max"] / plain["m_max"], 2)
+            row["m_max_over_plain"] = (
+                None if plain is None or not plain["m_max"] else round(row["m_max"] / plain["m_max"], 2)
+            )
             rows.append(row)
             peak = (row["peak_at_m_max_bytes"] or 0) / GiB
             ratio = "" if row["m_max_over_plain"] is None else f"  x{row['m_max_over_plain']} the plain loss's"
             print(
                 f"{row['loss']:<13} {row['task']:<16} m_max {row['m_max']:>3} at L={SEQ_LEN}  peak {peak:6.2f} GiB at "
-                f"{row['peak_event']} ({row['peak_where']}){ratio}  {row['fake_trials']} fake trials  "
-                f"{row['seconds']:.1f}s",
+                f"{row['peak_where']}{ratio}  {row['fake_trials']} fake trials  {row['seconds']:.1f}s",
                 flush=True,
             )
     if args.output:

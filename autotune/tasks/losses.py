@@ -43,7 +43,15 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["WithLoss", "apply_loss", "check_loss", "loss_refusal"]
+__all__ = [
+    "WithLoss",
+    "apply_loss",
+    "check_loss",
+    "chunked_nll",
+    "factory_refusal",
+    "fused_linear_causal_lm_loss",
+    "loss_refusal",
+]
 
 # The label transformers and both libraries ignore.
 IGNORE_INDEX = -100
@@ -105,9 +113,10 @@ def loss_refusal(model: nn.Module, loss: str) -> str | None:
         )
     head = lm.get_output_embeddings()  # type: ignore[operator]
     if not isinstance(head, nn.Linear) or hasattr(head, "base_layer"):
+        kind = f"{type(head).__module__}.{type(head).__qualname__}"
         return (
-            f"--loss {loss}: the LM head of {name} is a {type(head).__name__}, not a plain Linear (an adapted or "
-            "wrapped head, which TRL's chunked loss refuses too): leave lm_head out of --lora-targets"
+            f"--loss {loss}: the LM head of {name} is a {kind}, not a plain torch Linear (an adapted or wrapped "
+            "head, which TRL's chunked loss refuses too): leave lm_head out of --lora-targets"
         )
     config = getattr(lm, "config", None)
     for key, unmodelled in _UNMODELLED_CONFIG.items():
@@ -117,24 +126,43 @@ def loss_refusal(model: nn.Module, loss: str) -> str | None:
     return None
 
 
+def factory_refusal(factory: Callable[[], Any], loss: str) -> str | None:
+    """:func:`loss_refusal` of the model factory builds, built on meta (no memory); None where it cannot be built
+    there (its first build says why, or refuses). Kept per factory and loss: a large model's meta build takes
+    seconds, and every config that applies a loss asks."""
+    try:
+        return _cached_refusal(factory, loss)
+    except TypeError:  # a factory that cannot be a key (an object without a hash)
+        return _meta_refusal(factory, loss)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_refusal(factory: Callable[[], Any], loss: str) -> str | None:
+    return _meta_refusal(factory, loss)
+
+
+def _meta_refusal(factory: Callable[[], Any], loss: str) -> str | None:
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception:
+        return None
+    return loss_refusal(model, loss)
+
+
 def check_loss(task: Any) -> None:
-    """Refuse, before any trial, a task whose model cannot compute its loss (its model built on meta: no memory).
+    """Refuse, before any trial, a task whose model cannot compute its loss.
 
     Raises:
         TaskError: :func:`loss_refusal`'s line, naming the task.
     """
-    import torch
-
     loss = getattr(task, "lm_loss", PLAIN_LOSS)
     if loss == PLAIN_LOSS:
         return
     factory = task.model.factory if isinstance(task.model, WithLoss) else task.model
-    try:
-        with torch.device("meta"):
-            model = factory()
-    except Exception:  # a factory that cannot run on meta: its first build says why, or refuses there
-        return
-    refusal = loss_refusal(model, loss)
+    refusal = factory_refusal(factory, loss)
     if refusal is not None:
         raise TaskError(f"{refusal} (task {task.name!r})")
 

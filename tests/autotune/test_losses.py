@@ -9,9 +9,12 @@ and m_max + 1 are the allocator's, under ddp and FSDP2 x 2; a fake trial at m_ma
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from autotune.cli import main
 from autotune.core.errors import TaskError
@@ -22,7 +25,7 @@ from autotune.orchestrate.config import ProbeConfig
 from autotune.orchestrate.probe import probe
 from autotune.search.diagnose import fake_trial, job_strategy
 from autotune.tasks.fingerprint import task_fingerprint
-from autotune.tasks.hf import hf_task
+from autotune.tasks.hf import LoraOptions, hf_task
 from autotune.tasks.task import ProbeTask
 from tests.autotune._allocator_truth import allocator_peak_bytes
 from tests.autotune._hf_configs import write_config, write_head_config
@@ -38,40 +41,66 @@ SEQ_LEN = 32
 # (1,041,096 B) and 7 (1,129,200 B); fsdp x 2 m_max 7 (1,063,536 B) and 8 (1,151,640 B); chunked:64 ddp m_max 6
 # (1,234,504 B) and 7 (1,322,168 B).
 CASES = {
-    ("fused-linear", "ddp", 1): 1_200_000,
-    ("fused-linear", "fsdp", 2): 1_200_000,
-    ("chunked:64", "ddp", 1): 1_400_000,
+    ("fused-linear", "ddp", 1, "full"): 1_200_000,
+    ("fused-linear", "fsdp", 2, "full"): 1_200_000,
+    ("chunked:64", "ddp", 1, "full"): 1_400_000,
+    # LoRA r 4 over q_proj and v_proj: the head frozen, so Liger's function makes no gradient of its weight.
+    ("fused-linear", "ddp", 1, "lora"): 1_000_000,
 }
+# peft scales each adapter's output by a Python float, kept by autograd as an 8-byte tensor made below the meter's
+# view (tests/autotune/test_finetune.py): one per adapted module, q_proj and v_proj of the one layer.
+LORA_NUMBERS_BYTES = 2 * 8
 
 
 def _tiny_llama(tmp_path: Path) -> ProbeTask:
     return hf_task(write_config(tmp_path, "llama")).at_length(SEQ_LEN)
 
 
+def _ordinary(task: ProbeTask, tuned: str, loss: str) -> Callable[[], nn.Module]:
+    """The model built the ordinary way (LoRA as a script writes it), its forward patched as the library does."""
+    name, _, size = loss.partition(":")
+    chunk = [int(size)] if size else []
+    if tuned == "full":
+        return lambda: patched(task.model(), name, *chunk)
+    import peft
+    import transformers
+
+    def lora() -> nn.Module:
+        causal_lm = transformers.AutoModelForCausalLM.from_config(task.model().config)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            model = peft.get_peft_model(causal_lm, peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+        patched(model.get_base_model(), name, *chunk)  # TRL patches the causal LM under peft's wrapper
+        return model  # type: ignore[no-any-return]
+
+    return lora
+
+
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
-@pytest.mark.parametrize(("loss", "strategy", "world_size"), sorted(CASES))
+@pytest.mark.parametrize(("loss", "strategy", "world_size", "tuned"), sorted(CASES))
 def test_each_loss_is_exact_against_the_allocator_at_m_max_and_past_it(
-    tmp_path: Path, loss: str, strategy: str, world_size: int
+    tmp_path: Path, loss: str, strategy: str, world_size: int, tuned: str
 ) -> None:
-    plain = _tiny_llama(tmp_path)
+    folder = write_config(tmp_path, "llama")
+    plain = hf_task(folder, lora=LoraOptions(rank=4) if tuned == "lora" else None).at_length(SEQ_LEN)
     task = dataclasses.replace(plain, lm_loss=loss)
-    budget = CASES[(loss, strategy, world_size)]
+    budget = CASES[(loss, strategy, world_size, tuned)]
     config = ProbeConfig(device="cpu", budget_bytes=budget, strategy=strategy, world_size=world_size, presearch=False)  # type: ignore[arg-type]
     measured = probe(task, config)
     m_max = measured.max_micro_batch
     assert measured.tags["lm_loss"] == loss and 2 <= m_max < 64
     peaks = {t.micro_batch: t.peak_bytes for t in measured.trials if not t.fake}
-    name, _, size = loss.partition(":")
-
-    def ordinary() -> object:
-        return patched(plain.model(), name, *([int(size)] if size else []))
-
+    ordinary = _ordinary(hf_task(folder), tuned, loss)
     truth = {m: allocator_peak_bytes(plain, m, world_size=world_size, model=ordinary) for m in (m_max, m_max + 1)}
     # What the meter cannot see: torch.utils.checkpoint keeps the CPU generator's state (a tensor made below the
-    # dispatcher) for each of TRL's chunks until its backward; the peak holds every chunk of the forward (host
-    # memory on a card).
-    kept = {m: rng_states_of_chunked(m, SEQ_LEN, int(size)) if name == "chunked" else 0 for m in truth}
-    print(f"--loss {loss} {strategy} x{world_size}: m_max {m_max}, probe {peaks}, allocator {truth}, kept {kept}")
+    # dispatcher) for each of TRL's chunks until its backward, and the peak holds every chunk of the forward; peft's
+    # numbers (above). Host memory on a card.
+    name, _, size = loss.partition(":")
+    lora_bytes = LORA_NUMBERS_BYTES if tuned == "lora" else 0
+    kept = {m: lora_bytes + (rng_states_of_chunked(m, SEQ_LEN, int(size)) if name == "chunked" else 0) for m in truth}
+    print(
+        f"--loss {loss} {strategy} x{world_size} {tuned}: m_max {m_max}, probe {peaks}, allocator {truth}, kept {kept}"
+    )
     assert (peaks[m_max], peaks[m_max + 1]) == (truth[m_max] - kept[m_max], truth[m_max + 1] - kept[m_max + 1])
     assert peaks[m_max] <= measured.limit_bytes < peaks[m_max + 1]
     # A fake trial (the pre-search's, the estimate's) gives the same figure.
@@ -102,7 +131,9 @@ def test_the_loss_enters_the_fingerprint_and_the_setup_and_the_plain_loss_change
     chunked = dataclasses.replace(plain, lm_loss="chunked")
     assert named_plain.tags == plain.tags and "lm_loss" not in plain.tags
     assert task_fingerprint(named_plain) == task_fingerprint(plain)
-    fingerprints = {task_fingerprint(dataclasses.replace(plain, lm_loss=name)) for name in ("chunked:128", "fused-linear")}
+    fingerprints = {
+        task_fingerprint(dataclasses.replace(plain, lm_loss=name)) for name in ("chunked:128", "fused-linear")
+    }
     assert len(fingerprints | {task_fingerprint(plain), task_fingerprint(chunked)}) == 4
     # chunked is TRL's chunk of 256 tokens: one name, one fingerprint.
     assert chunked.lm_loss == "chunked:256" and chunked.tags["lm_loss"] == "chunked:256"
@@ -129,6 +160,10 @@ def test_a_model_without_an_lm_head_is_refused_before_any_trial(tmp_path: Path) 
     line = str(caught.value)
     assert line.startswith("--loss fused-linear: BertForSequenceClassification has no LM head to fuse")
     assert "\n" not in line and classifier.name in line
+    # A head LoRA adapts is not the weight the losses read (TRL refuses it too).
+    adapted = hf_task(write_config(tmp_path, "llama"), lora=LoraOptions(rank=4, targets=("q_proj", "lm_head")))
+    with pytest.raises(TaskError, match=r"^--loss chunked:256: the LM head of LlamaForCausalLM is a peft\.tuners"):
+        ProbeConfig(device="cpu", budget_bytes=1 << 20, lm_loss="chunked").applied_to(adapted.at_length(SEQ_LEN))
 
 
 def _exit_code(argv: list[str]) -> int:

@@ -169,7 +169,8 @@ def test_a_profile_answers_only_a_query_of_its_own_loss(client: TestClient) -> N
     assert served.status_code == 200, served.text
     refused = client.get(SUGGEST, params={**ASK, "target_batch": 48, "lm_loss": "plain"})
     assert refused.status_code == 422 and refused.json()["error"]["field"] == "lm_loss"
-    assert "lm_loss=plain" in refused.json()["error"]["message"] and "lm_loss=chunked:256" in refused.json()["error"]["message"]
+    message = refused.json()["error"]["message"]
+    assert "lm_loss=plain" in message and "lm_loss=chunked:256" in message
     bad = client.get(SUGGEST, params={**ASK, "target_batch": 48, "lm_loss": "chunked:0"})
     assert bad.status_code == 422 and "lm_loss" in bad.text and "a chunk holds 1 to" in bad.text
 
