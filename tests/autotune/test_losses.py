@@ -9,6 +9,7 @@ and m_max + 1 are the allocator's, under ddp and FSDP2 x 2; a fake trial at m_ma
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -197,3 +198,25 @@ def test_the_cli_names_a_task_file_whose_model_has_no_lm_head(capsys: pytest.Cap
     errors = [line for line in err.splitlines() if line.startswith("autotune: error:")]
     assert code == 2 and len(errors) == 1, err
     assert "--loss fused-linear: GPT has no LM head to fuse" in errors[0] and "trial m=" not in err
+
+
+def test_on_an_emulated_card_each_loss_runs_with_cuda_semantics_and_the_fused_one_holds_least(
+    cuda_python: str, tmp_path: Path
+) -> None:
+    # A vocabulary 64 x the hidden size at L 256: the logits hold the plain loss's peak. bf16 autocast over fp32
+    # weights: Liger's addmm into an fp32 weight gradient (out_dtype) on a card of compute capability 9.0.
+    folder = write_config(tmp_path, "llama", vocab_size=4096, max_position_embeddings=256)
+    peaks: dict[str, int] = {}
+    for loss in ("plain", "chunked", "fused-linear"):
+        out = tmp_path / f"{loss}.json"
+        code = main(
+            ["estimate", f"hf:{folder}", "--gpu", "h100", "--precision", "bf16", "--seq-len", "256",
+             "--max-micro-batch", "8", "--micro-batches", "8", "--no-breakdown", "--loss", loss, "--output", str(out)]
+        )  # fmt: skip
+        assert code == 0, loss
+        (raw,) = json.loads(out.read_text())
+        profile = Profile.model_validate(raw)
+        assert profile.tags.get("lm_loss", "plain") == ("chunked:256" if loss == "chunked" else loss)
+        peaks[loss] = next(t.allocated_bytes or 0 for t in profile.trials if t.micro_batch == 8)
+    print(peaks)
+    assert peaks["fused-linear"] < peaks["chunked"] < peaks["plain"]
