@@ -24,8 +24,10 @@ no logits. A peft model is patched at its causal LM (``get_base_model()``), whos
 
 Where each differs from its library, for memory: the chunk loops read their bounds off the shapes (every label of
 the trial's batches is supervised, so TRL's count of supervised tokens, a scalar read, is every token; a fake trial
-has no values to read), TRL's early return for a batch with no supervised token is not taken, and Liger's
-backward scales even where the upstream gradient is 1 (in place: no memory either way).
+has no values to read), TRL's early return for a batch with no supervised token is not taken, Liger's count of
+supervised tokens, which it reads (``.item()``), is held as a tensor (8 bytes more while its forward runs), and
+Liger's backward scales even where the upstream gradient is 1 (in place: no memory either way). Liger's Triton kernel
+holds nothing beside a chunk's logits; its torch form here holds one value per row of the chunk besides.
 """
 
 from __future__ import annotations
