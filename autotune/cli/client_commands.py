@@ -137,6 +137,7 @@ def suggest_command(
     host_budget_bytes: int | None = None,
     offload: str | None = None,
     compile: str | None = None,
+    lm_loss: str | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -166,6 +167,7 @@ def suggest_command(
                 host_budget_bytes=host_budget_bytes,
                 offload=offload,
                 compile=compile,
+                lm_loss=lm_loss,
             )
     except AutotuneClientError as exc:
         return _fail(exc, err)

@@ -33,6 +33,7 @@ __all__ = [
     "exit_code_of",
     "finite_positive",
     "headroom",
+    "loss_name",
     "mesh_of",
     "micro_batch_cap",
     "non_negative_int",
@@ -73,6 +74,16 @@ def exit_code_of(exc: BaseException) -> ExitCode:
     if isinstance(exc, CliError):
         return ExitCode.USAGE
     return exit_code_for(exc)
+
+
+def loss_name(text: str) -> str:
+    """A loss's name (``--loss``), canonical: plain, chunked:N or fused-linear (autotune/core/loss_names.py)."""
+    from autotune.core.loss_names import canonical_loss
+
+    try:
+        return canonical_loss(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _integer(text: str, lowest: int, what: str, highest: int | None = None, why: str = "") -> int:

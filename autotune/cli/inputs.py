@@ -81,6 +81,7 @@ def _check_composition(args: argparse.Namespace) -> None:
         lora=getattr(args, "lora_rank", None) is not None if hasattr(args, "lora_rank") else None,
         precision=getattr(args, "precision", None),
         weights_dtype=getattr(args, "weights_dtype", None),
+        lm_loss=getattr(args, "loss", None) or "plain",
     )
     if command in ("probe", "estimate", "fleet", "suggest"):
         refuse_composition(dims, CliError)

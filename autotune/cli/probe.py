@@ -20,6 +20,7 @@ from autotune.cli.common import (
     check_seq_len_options,
     finite_positive,
     headroom,
+    loss_name,
     mesh_of,
     micro_batch_cap,
     positive_int,
@@ -105,6 +106,14 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
         help="the kernel scaled_dot_product_attention runs (default: the one torch picks for the inputs and the "
         "device, which the datasheet names): what the job's torch, mask or inputs make it run, e.g. math where "
         "a mask rules out the fused kernels (docs/cuda-estimates.md)",
+    )
+    p.add_argument(
+        "--loss",
+        type=loss_name,
+        metavar="LOSS",
+        help="how the causal LM's loss is computed: plain (default: the logits whole), chunked[:N] (TRL's chunked "
+        "NLL, N tokens per chunk, 256 by default) or fused-linear (Liger's fused linear cross entropy): "
+        "autotune/tasks/losses.py",
     )
     add_task_options(p)
     add_seq_len_options(p)
@@ -205,6 +214,7 @@ def setup_of(args: argparse.Namespace) -> dict[str, Any]:
         "offload": getattr(args, "offload", None),
         "host_budget_bytes": getattr(args, "host_budget", None),
         "compile": getattr(args, "compile", None),
+        "lm_loss": getattr(args, "loss", None),
         "breakdown": getattr(args, "breakdown", False),
         "levers": getattr(args, "levers", False),
     }

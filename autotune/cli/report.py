@@ -10,6 +10,7 @@ from autotune.measure.fragmentation import gap_advice
 __all__ = [
     "datasheet",
     "finetune_lines",
+    "loss_lines",
     "lengths_datasheet",
     "offload_lines",
     "strategy_text",
@@ -82,6 +83,17 @@ def trial_counts(profile: Profile) -> str:
     fake = len(profile.trials) - len(real)
     text = f"{len(real)} real" + (f" ({sum(t.oom for t in real)} OOM)" if real else "")
     return text + (f", {fake} fake" if fake else "")
+
+
+def loss_lines(profile: Profile) -> list[str]:
+    """The loss the trials computed (the tag lm_loss, autotune/tasks/losses.py) where it is not the plain one."""
+    loss = profile.tags.get("lm_loss")
+    if loss is None:
+        return []
+    if str(loss).startswith("chunked:"):
+        tokens = str(loss).removeprefix("chunked:")
+        return [f"  loss             {loss} (TRL's chunked NLL: the head in chunks of {tokens} tokens, recomputed)"]
+    return [f"  loss             {loss} (Liger's fused linear cross entropy: the logits never whole)"]
 
 
 def finetune_lines(profile: Profile) -> list[str]:
@@ -209,6 +221,7 @@ def datasheet(profile: Profile) -> str:
         f"  precision        {profile.precision}",
         *finetune_lines(profile),
         *([f"  compiled         torch.compile mode {profile.tags['compile']}"] if "compile" in profile.tags else []),
+        *loss_lines(profile),
         f"  strategy         {strategy_text(profile)}",
         f"  checkpointing    {_policy_text(profile.activation_checkpointing)}",
         *offload_lines(profile),
@@ -320,6 +333,7 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
         f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
         f"  precision        {first.precision}",
         *finetune_lines(first),
+        *loss_lines(first),
         f"  strategy         {strategy_text(first)}",
         f"  source           {first.source}",
         f"  budget           {format_bytes(first.budget_bytes)} (headroom {first.headroom:.0%}, "

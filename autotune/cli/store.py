@@ -10,6 +10,7 @@ from autotune.cli.common import (
     add_mesh_options,
     add_strategy_and_plan_options,
     headroom,
+    loss_name,
     mesh_of,
     positive_int,
     seq_len,
@@ -38,6 +39,12 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--offload", choices=OFFLOADS, help="the job's offload (default: the fingerprint's)")
     g.add_argument("--host-budget", type=size, help="the host memory the job may use under --offload")
     g.add_argument("--compile", metavar="MODE", help="the job's torch.compile mode (default: the fingerprint's)")
+    g.add_argument(
+        "--loss",
+        type=loss_name,
+        metavar="LOSS",
+        help="the job's loss: plain, chunked[:N] or fused-linear (default: the fingerprint's)",
+    )
     g.add_argument(
         "--ac",
         type=policy_name,
@@ -94,6 +101,7 @@ def run_suggest(args: argparse.Namespace) -> int:
         host_budget_bytes=args.host_budget,
         offload=args.offload,
         compile=args.compile,
+        lm_loss=args.loss,
         as_json=args.json,
     )
 

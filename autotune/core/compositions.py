@@ -33,7 +33,7 @@ Why = Literal["not measured yet", "a library's limit", "meaningless"]
 class Dimensions:
     """The dimensions of one job a composition rule reads: strategy, W, the mesh's tp / pp / cp, compile, offload
     (and whether a host budget is given), the memory policy, QLoRA's quantization and whether LoRA is on, the
-    optimizer's spec and library, precision and the weights' dtype."""
+    optimizer's spec and library, precision, the weights' dtype and the loss."""
 
     strategy: str = "ddp"
     world_size: int = 1
@@ -51,6 +51,8 @@ class Dimensions:
     optimizer_library: str | None = None
     precision: str | None = None
     weights_dtype: str | None = None
+    # How the causal LM computes its loss (autotune/core/loss_names.py): plain, chunked:N or fused-linear.
+    lm_loss: str = "plain"
 
     @classmethod
     def of(cls, strategy: str, world_size: int, mesh: Mesh | None = None, **more: object) -> Dimensions:
@@ -189,6 +191,35 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: d.activation_checkpointing.startswith("budget:") and d.compile is None,
         lambda d: f"--ac {d.activation_checkpointing} without --compile",
         "the compiler's activation memory budget applies to a compiled job only: give --compile",
+    ),
+    Rule(
+        "--loss",
+        "--tp",
+        "not measured yet",
+        lambda d: d.lm_loss != "plain" and d.tp > 1,
+        lambda d: f"--loss {d.lm_loss} with --tp {d.tp}",
+        "under tp the LM head's weight is sharded over the vocabulary (colwise, or torchtitan's loss parallel): TRL's "
+        "chunked loss gathers it whole on every rank (DTensor.full_tensor) and Liger's fused kernel takes no "
+        "DTensor, so neither holds what the plain loss parallel does; probe --loss plain under --tp, or --loss "
+        "without --tp",
+    ),
+    Rule(
+        "--loss",
+        "--pp",
+        "not measured yet",
+        lambda d: d.lm_loss != "plain" and d.pp > 1,
+        lambda d: f"--loss {d.lm_loss} with --pp {d.pp}",
+        "a pipeline's last stage runs the LM head and the loss as modules of its own cut, which --loss does not "
+        "replace yet; probe --loss plain under --pp",
+    ),
+    Rule(
+        "--loss",
+        "--cp",
+        "not measured yet",
+        lambda d: d.lm_loss != "plain" and d.cp > 1,
+        lambda d: f"--loss {d.lm_loss} with --cp {d.cp}",
+        "under cp each rank computes the loss over its shard of the sequence, and no run of real cp ranks (the "
+        "truth of --cp) has checked these losses there yet; probe --loss plain under --cp",
     ),
     Rule(
         "--weights-dtype fp16",

@@ -1,8 +1,8 @@
 """Which setup and plan hold the target fastest: arithmetic on timed runs. Torch-free.
 
 A setup is every choice a profile records that changes memory and time (:data:`DIMENSIONS`): the memory
-policy, the offload, the quantization, the optimizer and what zero_grad does, and any other tag in which the
-profiles compared differ. Each is read from the profile (``activation_checkpointing``, the task's tags), so a
+policy, the offload, the loss, the quantization, the optimizer and what zero_grad does, and any other tag in which
+the profiles compared differ. Each is read from the profile (``activation_checkpointing``, the task's tags), so a
 new dimension is one entry of the table, or, with no entry, a tag that differs and is shown without an order.
 The options are the setups whose plan holds the target batch (all of them where none does).
 
@@ -16,8 +16,8 @@ largest micro-batch), with the least extra work among equals.
 
 Without timings (an estimate's fake trials, ``--no-throughput``) the stated ordering decides: the fewest
 accumulation steps, then the least extra work per update, dimension by dimension in :data:`DIMENSIONS`'
-order (offload's host copies on every micro-batch, then recomputation, then dequantization, then a slower
-optimizer step, which runs once per update), then the largest micro-batch.
+order (offload's host copies on every micro-batch, then recomputation (of blocks, then of the loss's chunks), then
+dequantization, then a slower optimizer step, which runs once per update), then the largest micro-batch.
 
     >>> t = Throughput(micro_batch=4, samples_per_second=2.0, seconds_per_update=2.0,
     ...                micro_batches=[(4, 1)], micro_batch_seconds=[(4, 1.5)], step_seconds=0.5)
@@ -130,6 +130,14 @@ DIMENSIONS: tuple[Dimension, ...] = (
         lambda value: (float({"none": 0, "activations": 1, "params": 2}.get(value, 3)), 0),
     ),
     Dimension("ac", lambda profile: profile.activation_checkpointing, "none", recomputation_key),
+    # The loss (--loss, autotune/tasks/losses.py): TRL's chunks make their head again in the backward; Liger's
+    # fused form and the plain loss make it once.
+    Dimension(
+        "loss",
+        _tag("lm_loss", "plain"),
+        "plain",
+        lambda value: (1.0 if value.startswith("chunked:") else 0.0, 0),
+    ),
     Dimension("quantize", _tag("quantize", "none"), "none", lambda value: (0.0 if value == "none" else 1.0, 0)),
     Dimension("optimizer", _tag("optimizer_spec", "default"), "default", _optimizer_cost),
     Dimension("zero_grad", _tag("zero_grad", "none"), "none", lambda value: (0.0, 0)),
@@ -141,7 +149,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
 )
 _KNOWN = {dimension.name for dimension in DIMENSIONS}
 # Tags a task writes for every profile of a setup, not choices between setups.
-_NOT_CHOICES = {"offload", "quantize", "optimizer_spec", "zero_grad"}
+_NOT_CHOICES = {"offload", "quantize", "optimizer_spec", "zero_grad", "lm_loss"}
 
 
 def setup_of(profile: Profile) -> tuple[tuple[str, str], ...]:

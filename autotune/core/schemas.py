@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from autotune.core import units
+from autotune.core.loss_names import LOSS_PATTERN, canonical_loss
 from autotune.core.policy_names import (
     MAX_POLICY_NAME_LENGTH,
     POLICY_NAMES,
@@ -96,6 +97,12 @@ NonNegBytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 PosBytes = Annotated[int, Field(gt=0, le=MAX_BYTES)]
 MicroBatch = Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]
 ShortText = Annotated[str, Field(max_length=256)]
+
+
+def _canonical_wire_loss(value: object) -> object:
+    """A wire loss's canonical spelling when it is a string (autotune/core/loss_names.py), its refusal as a
+    validation error; anything else is left for pydantic to refuse as not a string."""
+    return canonical_loss(value) if isinstance(value, str) else value
 
 
 def _valid_mesh(value: dict[str, int | str]) -> dict[str, int | str]:
@@ -834,6 +841,18 @@ class SuggestQuery(BaseModel):
             description="the job's torch.compile mode (default: the profile's); an estimate of a compiled job ran "
             "the eager step, which the answer says",
         ),
+    ] = None
+    # How the job's causal LM computes its loss (autotune/core/loss_names.py), in the fingerprint too (the tag
+    # lm_loss); canonical before the pattern, so "chunked" asks for TRL's chunked:256.
+    lm_loss: Annotated[
+        str | None,
+        Field(
+            max_length=32,
+            pattern=LOSS_PATTERN,
+            description="the job's loss: plain, chunked:N (TRL's chunked NLL, N tokens per chunk) or fused-linear "
+            "(Liger's fused linear cross entropy) (default: the profile's)",
+        ),
+        BeforeValidator(_canonical_wire_loss),
     ] = None
 
     @model_validator(mode="after")

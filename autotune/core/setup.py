@@ -14,8 +14,8 @@ setups differ.
     >>> JobSetup(world_size=2, mesh=Mesh(pp=2, pp_microbatches=4)).plan(8, 32).accumulation_steps
     4
 
-A field that is None (``precision``, ``compile``, ``offload``, ``host_budget_bytes``, ``seq_len``) is one the
-job does not set (the task's own, where a worker applies the setup to the task it loads: ``with_setup``);
+A field that is None (``precision``, ``compile``, ``offload``, ``host_budget_bytes``, ``seq_len``, ``lm_loss``) is one
+the job does not set (the task's own, where a worker applies the setup to the task it loads: ``with_setup``);
 ``differences`` compares every field that changes memory or D, so a query that leaves one out is refused by a
 profile that has it rather than served another job's plan.
 """
@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from autotune.core.errors import AutotuneError
+from autotune.core.loss_names import LOSS_TAG, PLAIN_LOSS, canonical_loss
 from autotune.core.mesh import Mesh
 from autotune.core.plan import DEFAULT_PLAN_POLICY, PlanPolicy, pipeline_plan, plan_with_single_step
 from autotune.core.schemas import MAX_BYTES, MAX_WORLD_SIZE, Offload, Plan, Precision, Profile, Strategy, SuggestQuery
@@ -45,6 +46,7 @@ MEMORY_FIELDS = (
     "offload",
     "host_budget_bytes",
     "compile",
+    "lm_loss",
 )
 
 
@@ -77,6 +79,14 @@ class JobSetup(BaseModel):
     # The attention kernel the job makes SDPA run (--sdpa-backend: flash, efficient, cudnn, math;
     # autotune/tasks/task.py, SDPA_BACKENDS); None: the one torch picks, or the task's own.
     sdpa_backend: str | None = None
+    # How the causal LM computes its loss (--loss: plain, chunked:N, fused-linear; autotune/core/loss_names.py),
+    # canonical; None: the task's own (a setup on its way to a worker), or a query that leaves it to the fingerprint.
+    lm_loss: str | None = None
+
+    @field_validator("lm_loss")
+    @classmethod
+    def _canonical_loss(cls, value: str | None) -> str | None:
+        return None if value is None else canonical_loss(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSetup:
@@ -108,6 +118,7 @@ class JobSetup(BaseModel):
             offload=offload,
             host_budget_bytes=profile.host_budget_bytes if offload is not None else None,
             seq_len=profile.seq_len,
+            lm_loss=str(profile.tags.get(LOSS_TAG, PLAIN_LOSS)),
         )
 
     @classmethod
@@ -125,6 +136,7 @@ class JobSetup(BaseModel):
             offload=None if query.offload == "none" else query.offload,
             host_budget_bytes=query.host_budget_bytes,
             seq_len=query.seq_len,
+            lm_loss=query.lm_loss,
         )
 
     @property
@@ -203,6 +215,10 @@ class JobSetup(BaseModel):
                 elif self.holds_ddp_buckets != other.holds_ddp_buckets:
                     differ.append(name)
                 continue
+            if name == "lm_loss":  # unset is the plain loss, as a profile without the tag was measured
+                if (self.lm_loss or PLAIN_LOSS) != (other.lm_loss or PLAIN_LOSS):
+                    differ.append(name)
+                continue
             if getattr(self, name) != getattr(other, name):
                 differ.append(name)
         return tuple(differ)
@@ -229,4 +245,5 @@ class JobSetup(BaseModel):
         """The store's kind of a profile of this setup: profiles of one kind answer the same jobs, the newest
         first (the fingerprint, device, memory policy and length apart)."""
         sharded = self.world_size if self.strategy == "fsdp" else int(self.holds_ddp_buckets)
-        return (self.strategy, sharded, self.mesh.label(), self.offload, self.host_budget_bytes, self.compile)
+        loss = self.lm_loss or PLAIN_LOSS
+        return (self.strategy, sharded, self.mesh.label(), self.offload, self.host_budget_bytes, self.compile, loss)

@@ -90,6 +90,9 @@ class ProbeConfig:
     tp_plan: str | None = None
     # The kernel SDPA runs (--sdpa-backend: flash, efficient, cudnn, math); None keeps the task's own (torch's pick).
     sdpa_backend: str | None = None
+    # How the causal LM computes its loss (--loss: plain, chunked:N, fused-linear; autotune/tasks/losses.py); None
+    # keeps the task's own.
+    lm_loss: str | None = None
 
     def validate(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -165,6 +168,11 @@ class ProbeConfig:
             task = dataclasses.replace(task, tp_plan=self.tp_plan)
         if self.sdpa_backend is not None and self.sdpa_backend != task.sdpa_backend:
             task = dataclasses.replace(task, sdpa_backend=self.sdpa_backend)
+        if self.lm_loss is not None and self.lm_loss != task.lm_loss:
+            task = dataclasses.replace(task, lm_loss=self.lm_loss)
+        from autotune.tasks.losses import check_loss
+
+        check_loss(task)  # a model with no LM head to fuse: refused before any trial
         return task
 
     def dimensions(self, task: ProbeTask | None = None) -> Dimensions:
@@ -181,6 +189,7 @@ class ProbeConfig:
             host_budget=self.host_budget_bytes is not None,
             activation_checkpointing=self.activation_checkpointing or "none",
             precision=self.precision,
+            lm_loss=self.lm_loss or "plain",
         )
         if task is None:
             return dims
@@ -196,6 +205,7 @@ class ProbeConfig:
             optimizer_library=optimizer_library(task.optimizer),
             precision=self.precision or task.precision,
             weights_dtype=task.weights_dtype,
+            lm_loss=self.lm_loss or task.lm_loss,
         )
 
     @property

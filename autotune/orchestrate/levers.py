@@ -7,10 +7,13 @@ changed setup by an estimate. A change that cannot compose with the job (autotun
 the model refuses (a policy on a model with no blocks, tp on a model without a plan), is listed with the reason
 and never crashes the rest.
 
-The changes, cheapest first (the order of issue 42: what the job gives up grows down the list: time for a memory
-policy, the optimizer state's precision, more ranks holding the job, host memory, a compilation, the weights'
-precision, context):
+The changes, cheapest first (the order of issue 42: what the job gives up grows down the list: the whole logits for
+a fused loss, time for a memory policy, the optimizer state's precision, more ranks holding the job, host memory, a
+compilation, the weights' precision, context):
 
+    --loss fused-linear                 the LM head and the loss fused (Liger's form): the logits never whole, nothing
+                                        recomputed (a causal LM computing the plain loss: where the logits hold the
+                                        peak, this is what frees it)
     --ac every-2, --ac op, --ac full    recompute part or all of the forward in the backward
     --optimizer adamw8bit               8-bit AdamW state (bitsandbytes), for an AdamW job
     --strategy fsdp                     the same world size, sharded (a ddp job over more than one rank; a
@@ -36,12 +39,14 @@ import torch
 
 from autotune.core.compositions import composition_refusal
 from autotune.core.errors import AutotuneError, CannotFitError
+from autotune.core.loss_names import PLAIN_LOSS
 from autotune.core.schemas import MAX_BYTES, Lever, Profile
 from autotune.measure.trial import build_on_meta, frozen_heap
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
 from autotune.search.diagnose import fake_trial, job_strategy, pipeline_peak
 from autotune.tasks.hf import is_hf_spec, with_options
 from autotune.tasks.load import load_task
+from autotune.tasks.losses import loss_refusal
 from autotune.tasks.optimizers import optimizer_text
 from autotune.tasks.task import ProbeTask
 
@@ -63,6 +68,8 @@ class _Change:
 
 def _changes(task: ProbeTask, config: ProbeConfig) -> Iterator[_Change]:
     """Every change that applies to the job (task as config applies it), cheapest first."""
+    if _takes_fused_loss(task):
+        yield _Change("--loss fused-linear", task, config.with_setup(lm_loss="fused-linear"))
     policy = task.activation_checkpointing
     for name in ("every-2", "op"):
         if policy == "none":
@@ -89,6 +96,14 @@ def _changes(task: ProbeTask, config: ProbeConfig) -> Iterator[_Change]:
         yield _Change(f"--seq-len {task.seq_len // 2}", task.at_length(task.seq_len // 2), config)
 
 
+def _takes_fused_loss(task: ProbeTask) -> bool:
+    """Whether the job computes the plain loss over an LM head that Liger's form can fuse (its model on meta)."""
+    if task.lm_loss != PLAIN_LOSS:
+        return False
+    model = build_on_meta(task)
+    return model is not None and loss_refusal(model, "fused-linear") is None
+
+
 def _bf16_weights(task: ProbeTask, config: ProbeConfig) -> _Change:
     """The job with its weights in bf16: an hf: spec loaded again with ``weights_dtype=bf16`` (its factory names
     the dtype), a task file's factory run under bf16 as the default dtype; left out where the model built on the
@@ -104,6 +119,7 @@ def _bf16_weights(task: ProbeTask, config: ProbeConfig) -> _Change:
                 offload=task.offload,
                 compile=task.compile,
                 precision=task.precision,
+                lm_loss=task.lm_loss,
             )
         else:
             changed = dataclasses.replace(task, weights_dtype="bf16")
@@ -274,7 +290,7 @@ def cheapest_lever(
 
 
 # The changes that act on activations only: no help where the weights, gradients and optimizer state alone are over.
-_ACTIVATION_ONLY = ("--ac ", "--offload activations", "--seq-len ")
+_ACTIVATION_ONLY = ("--loss ", "--ac ", "--offload activations", "--seq-len ")
 
 
 def with_cheapest_lever(

@@ -27,10 +27,12 @@ from torch import nn
 
 from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.errors import TaskError
+from autotune.core.loss_names import LOSS_TAG, PLAIN_LOSS, canonical_loss
 from autotune.core.mesh import Mesh
 from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import OFFLOADS, PRECISIONS, Precision, TagValue
 from autotune.core.setup import JobSetup
+from autotune.tasks.losses import WithLoss
 from autotune.tasks.optimizers import SpecOptimizer, optimizer_factory
 from autotune.tasks.tp_plan import TP_PLAN_NAMES
 
@@ -66,7 +68,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # are freed until the next backward makes them) or "keep" (set_to_none=False: zeroed in place, held all the time).
 ZERO_GRAD_MODES = ("none", "keep")
 # The tags the task writes itself (a user's own tags of these names would be replaced).
-_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "compile", "offload", "tp_plan", "sdpa_backend")
+_OWN_TAGS = ("weights_dtype", "optimizer_spec", "zero_grad", "compile", "offload", "tp_plan", "sdpa_backend", LOSS_TAG)
 # The kernels --sdpa-backend makes scaled_dot_product_attention run (torch.nn.attention.SDPBackend by name).
 SDPA_BACKENDS = {
     "flash": "FLASH_ATTENTION",
@@ -187,6 +189,10 @@ class ProbeTask:
             transformers' own; "torchtitan", sequence and loss parallel for the model's family:
             autotune/tasks/tp_plan.py); None takes the model's own (an ``hf:`` model's ``_tp_plan``). Not read
             without ``--tp``.
+        lm_loss: how a causal LM's forward computes its loss (``--loss``; autotune/core/loss_names.py):
+            "plain" (the model's own: the logits whole), "chunked:N" (TRL's chunked NLL, N tokens per chunk) or
+            "fused-linear" (Liger's fused linear cross entropy): autotune/tasks/losses.py replaces the model's
+            forward. Not plain: the tag ``lm_loss`` (the fingerprint and the profile carry it).
 
     A sequence-aware task is probed at the lengths asked for (``--seq-len``): its fingerprint leaves
     the length out, and each profile records it.
@@ -215,6 +221,7 @@ class ProbeTask:
     # The longest sequence the model takes (an hf: config's max_position_embeddings); None: no limit known. A
     # length past it is refused before any trial, and the longest-length search stops there and says so.
     max_seq_len: int | None = None
+    lm_loss: str = PLAIN_LOSS
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -228,9 +235,17 @@ class ProbeTask:
         if self.weights_dtype not in DTYPES:
             raise TaskError(f"weights dtype must be one of {', '.join(DTYPES)}, got {self.weights_dtype!r}")
         refuse_composition(Dimensions(weights_dtype=self.weights_dtype, precision=self.precision), TaskError)
-        # dataclasses.replace hands the wrapped factory back: unwrap it, then wrap for this dtype.
-        factory = self.model.factory if isinstance(self.model, _BuiltIn) else self.model
+        try:
+            self.lm_loss = canonical_loss(self.lm_loss)
+        except ValueError as exc:
+            raise TaskError(f"--loss {exc}") from None
+        # dataclasses.replace hands the wrapped factory back: unwrap it, then wrap for this dtype and loss.
+        factory = self.model
+        while isinstance(factory, (_BuiltIn, WithLoss)):
+            factory = factory.factory
         self.model = factory if self.weights_dtype == "fp32" else _BuiltIn(factory, self.weights_dtype)
+        if self.lm_loss != PLAIN_LOSS:
+            self.model = WithLoss(self.model, self.lm_loss)
         if self.zero_grad not in ZERO_GRAD_MODES:
             raise TaskError(f"zero_grad must be one of {', '.join(ZERO_GRAD_MODES)}, got {self.zero_grad!r}")
         if isinstance(self.optimizer, str):
@@ -258,6 +273,8 @@ class ProbeTask:
                 kernels = ", ".join(SDPA_BACKENDS)
                 raise TaskError(f"--sdpa-backend {self.sdpa_backend!r}: not an attention kernel; use one of {kernels}")
             tags["sdpa_backend"] = self.sdpa_backend  # another kernel holds other memory: another fingerprint
+        if self.lm_loss != PLAIN_LOSS:
+            tags[LOSS_TAG] = self.lm_loss  # the plain loss adds no tag: its fingerprints stay
         if tags != self.tags:
             self.tags = tags
 
@@ -297,7 +314,7 @@ class ProbeTask:
         (autotune/core/setup.py) to the task it loaded from its spec."""
         changes = {
             name: getattr(setup, name)
-            for name in ("precision", "activation_checkpointing", "offload", "sdpa_backend")
+            for name in ("precision", "activation_checkpointing", "offload", "sdpa_backend", "lm_loss")
             if getattr(setup, name) is not None and getattr(setup, name) != getattr(self, name)
         }
         if setup.tp_plan_name is not None and setup.tp_plan_name != self.tp_plan:
@@ -317,6 +334,7 @@ class ProbeTask:
             offload=self.offload,
             tp_plan_name=self.tp_plan if isinstance(self.tp_plan, str) else None,
             sdpa_backend=self.sdpa_backend,
+            lm_loss=self.lm_loss,
         )
 
     def make_optimizer(self, model: nn.Module | Iterable[nn.Parameter]) -> torch.optim.Optimizer:

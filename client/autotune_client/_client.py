@@ -229,6 +229,7 @@ class TunerClient:
         host_budget_bytes: int | None = None,
         offload: str | None = None,
         compile: str | None = None,
+        lm_loss: str | None = None,
     ) -> Suggestion:
         """The plan for a job from what the store knows.
 
@@ -248,8 +249,9 @@ class TunerClient:
                 counts every rank and the plan is over world_size / (tp x pp x cp) replicas; the fingerprint
                 must be the mesh's (``task_fingerprint(task, mesh=...)``).
             host_budget_bytes: the host memory an offloading job may use: profiles measured within it answer.
-            offload, compile: the job's offload and torch.compile mode (None: the fingerprint's); a profile of
-                another setup in any of these (or the mesh) is a 422 naming the field (autotune/core/setup.py).
+            offload, compile, lm_loss: the job's offload, torch.compile mode and loss (plain, chunked:N,
+                fused-linear; None: the fingerprint's); a profile of another setup in any of these (or the mesh) is a
+                422 naming the field (autotune/core/setup.py).
 
         Returns:
             A Suggestion with ``source`` "measured" (a profile of this kind of job on this device

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, select
 
+from autotune.core.loss_names import LOSS_TAG, PLAIN_LOSS
 from autotune.core.mesh import Mesh
 from autotune.core.schemas import DeviceContext, Fit, SingleStep, Throughput
 from autotune.core.setup import JobSetup
@@ -191,7 +192,8 @@ def _setup(row: Any) -> JobSetup:
     """The profile's setup from its columns and stored document (validated on upload; a row written by hand whose
     setup does not parse reads as the plain setup of its strategy and world size)."""
     offload = row.offload if row.offload in ("activations", "params") else None
-    compiled = (row.tags or {}).get("compile") if isinstance(row.tags, dict) else None
+    tags = row.tags if isinstance(row.tags, dict) else {}
+    compiled = tags.get("compile")
     try:
         return JobSetup(
             strategy=row.strategy,
@@ -203,6 +205,7 @@ def _setup(row: Any) -> JobSetup:
             offload=offload,
             host_budget_bytes=int(row.host_budget) if row.host_budget is not None and offload is not None else None,
             seq_len=None if row.seq_len is None else int(row.seq_len),
+            lm_loss=str(tags.get(LOSS_TAG, PLAIN_LOSS)),
         )
     except (ValueError, TypeError):
         return JobSetup(strategy="fsdp" if row.strategy == "fsdp" else "ddp", world_size=max(1, int(row.world_size)))

@@ -3,16 +3,17 @@
 A profile answers only a query of its own setup (autotune/core/setup.py) in the fields that change what a
 device holds or the plan's D and that no prediction covers: the mesh (its degrees and pipeline schedule; a
 query that leaves out the pipeline's K takes the profile's), the host budget (a host-capped profile and an
-uncapped one share a fingerprint), the offload and the compile mode (in the fingerprint too: a query that leaves
-them out takes the profile's). Where the fingerprint has profiles but none of the query's setup, the answer is a
-422 naming the field and listing the stored setups, never a plan over another D. The strategy and the world size
-are ``suggest._rank``'s: those it predicts across, and says so.
+uncapped one share a fingerprint), the offload, the compile mode and the loss (in the fingerprint too: a query
+that leaves them out takes the profile's). Where the fingerprint has profiles but none of the query's setup, the
+answer is a 422 naming the field and listing the stored setups, never a plan over another D. The strategy and the
+world size are ``suggest._rank``'s: those it predicts across, and says so.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from autotune.core.loss_names import PLAIN_LOSS
 from autotune.core.mesh import Mesh
 from autotune.core.schemas import SuggestQuery
 from autotune.core.setup import JobSetup
@@ -39,6 +40,8 @@ def mismatch(c: Candidate, query: SuggestQuery) -> str | None:
         return "host_budget_bytes"
     if asked.compile is not None and asked.compile != stored.compile:
         return "compile"
+    if asked.lm_loss is not None and asked.lm_loss != (stored.lm_loss or PLAIN_LOSS):
+        return "lm_loss"
     return None
 
 

@@ -34,6 +34,9 @@ REFUSED = [
     Dimensions(world_size=2, tp=2, quantize="nf4", lora=True),
     Dimensions(world_size=2, tp=2, optimizer="adamw8bit", optimizer_library="bitsandbytes"),
     Dimensions(activation_checkpointing="budget:0.5"),
+    Dimensions(world_size=2, tp=2, lm_loss="fused-linear"),
+    Dimensions(world_size=2, pp=2, lm_loss="chunked:256"),
+    Dimensions(world_size=2, cp=2, lm_loss="fused-linear"),
     Dimensions(weights_dtype="fp16", precision="fp16"),
 ]
 
@@ -70,6 +73,8 @@ def test_each_rule_is_reached_by_a_job_and_names_both_of_its_flags() -> None:
         Dimensions(world_size=4, pp=2, tp=2, compile="default"),  # test_pipeline_fsdp.py: against real ranks
         Dimensions(world_size=2, tp=2, lora=True),
         Dimensions(strategy="fsdp", world_size=4, cp=2),
+        # test_losses.py: against the allocator, under ddp and FSDP2 x 2.
+        Dimensions(strategy="fsdp", world_size=2, lm_loss="fused-linear"),
         # What the asker does not know yet waits: the CLI cannot tell whether a spec carries LoRA.
         Dimensions(quantize="nf4"),
     ],

@@ -78,6 +78,9 @@ def test_a_levers_m_max_is_a_probe_of_the_changed_setup(estimated: Estimated) ->
     )
     eight_bit = dataclasses.replace(task, optimizer="adamw8bit")
     assert levers["--optimizer adamw8bit"]["max_micro_batch"] == probe(eight_bit, config).max_micro_batch
+    # The logits hold this model's peak (a vocabulary 8 x its hidden size): the fused loss is named.
+    fused = config.with_setup(lm_loss="fused-linear", presearch=False)
+    assert levers["--loss fused-linear"]["max_micro_batch"] == probe(task, fused).max_micro_batch
     # A lever's peak at m_max is read off its estimate's own fake trial there: the whole peak, as a fake trial of the
     # changed setup without a budget gives it.
     full = config.with_setup(activation_checkpointing="full")
@@ -135,7 +138,14 @@ def test_the_cli_prints_every_lever_and_the_profile_carries_them(estimated: Esti
     assert estimated.code == 0, estimated.stderr[-2000:]
     stored = estimated.stored
     flags = [lever["flags"] for lever in stored["levers"]]
-    for expected in ("--ac every-2", "--ac op", "--ac full", "--optimizer adamw8bit", "--offload activations"):
+    for expected in (
+        "--loss fused-linear",
+        "--ac every-2",
+        "--ac op",
+        "--ac full",
+        "--optimizer adamw8bit",
+        "--offload activations",
+    ):
         assert expected in flags and expected in estimated.stdout
     assert f"--seq-len {SEQ_LEN // 2}" in flags and "left out: a compiled step is measured" in estimated.stdout
     ran = [lever for lever in stored["levers"] if lever["peak_bytes"] is not None]

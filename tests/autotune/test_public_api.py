@@ -269,16 +269,18 @@ def test_the_lower_floor_imports_nothing_above_it() -> None:
     # ... and the byte units (the headroom rule, Profile.limit_bytes), which import nothing of autotune either.
     # ... and the policy names' grammar (ActivationCheckpointing), which imports nothing of autotune either.
     # ... and the mesh (Profile.mesh, SuggestQuery.mesh), which imports only the errors, which import nothing.
+    # ... and the losses' names' grammar (SuggestQuery.lm_loss), which imports nothing of autotune either.
     lower = {"autotune.core.split", "autotune.core.units", "autotune.core.policy_names"}
-    lower |= {"autotune.core.mesh", "autotune.core.errors"}
-    # ... and the composition table (SuggestQuery refuses what the CLI refuses), which imports only the mesh and errors.
+    lower |= {"autotune.core.mesh", "autotune.core.errors", "autotune.core.loss_names"}
+    # ... and the composition table (SuggestQuery refuses what the CLI refuses), which imports only those.
     lower |= {"autotune.core.compositions"}
     table = _autotune_imports(root / "core" / "compositions.py", lazy=True)
-    assert table <= {"autotune.core.mesh", "autotune.core.errors"}
+    assert table <= {"autotune.core.mesh", "autotune.core.errors", "autotune.core.loss_names"}
     assert _autotune_imports(root / "core" / "schemas.py", lazy=True) <= lower
     assert _autotune_imports(root / "core" / "mesh.py", lazy=True) == {"autotune.core.errors"}
     assert _autotune_imports(root / "core" / "errors.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "policy_names.py", lazy=True) == set()
+    assert _autotune_imports(root / "core" / "loss_names.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "units.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "split.py", lazy=True) == set()
     assert _autotune_imports(root / "core" / "files.py", lazy=True) == set()

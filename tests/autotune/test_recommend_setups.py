@@ -31,10 +31,22 @@ def test_every_dimension_is_read_from_the_profile_and_a_new_tag_is_one_too() -> 
     profile = _profile(8, policy="op", offload="activations", optimizer_spec="adamw8bit", quantize="nf4", mine="x")
     setup = dict(setup_of(profile))
     assert setup == {
-        "offload": "activations", "ac": "op", "quantize": "nf4", "optimizer": "adamw8bit", "zero_grad": "none",
-        "precision": "bf16", "strategy": "ddp x1", "mesh": "none", "mine": "x",
+        "offload": "activations", "ac": "op", "loss": "plain", "quantize": "nf4", "optimizer": "adamw8bit",
+        "zero_grad": "none", "precision": "bf16", "strategy": "ddp x1", "mesh": "none", "mine": "x",
     }  # fmt: skip
-    assert [d.name for d in DIMENSIONS][:4] == ["offload", "ac", "quantize", "optimizer"]
+    assert [d.name for d in DIMENSIONS][:5] == ["offload", "ac", "loss", "quantize", "optimizer"]
+
+
+def test_the_loss_is_a_setup_and_a_chunked_loss_recomputes() -> None:
+    # --loss: the plain loss's m_max 12 takes 8 steps for T = 96, the fused one's 32 three; as many steps, TRL's
+    # chunks (made again in the backward) come after Liger's fused form.
+    plain = _profile(12, seed=1)
+    fused = _profile(32, seed=2, lm_loss="fused-linear")
+    chunked = _profile(32, seed=3, lm_loss="chunked:256")
+    options = options_for([plain, chunked, fused])
+    assert [o.label for o in options] == ["loss plain", "loss chunked:256", "loss fused-linear"]
+    assert recommend(options, "throughput").label == "loss fused-linear"
+    assert recommend(options_for([plain, chunked]), "memory").label == "loss chunked:256"
 
 
 def test_without_timings_the_stated_ordering_decides() -> None:

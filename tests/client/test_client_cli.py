@@ -273,3 +273,13 @@ def test_upload_directory_takes_a_run_over_lengths_array_and_ls_shows_the_mesh(
     code, listed, _ = run_profiles("ls")
     meshed_rows = [row for row in listed.splitlines() if row.rstrip().endswith("tp=2")]
     assert code == EXIT_OK and len(meshed_rows) == 1
+
+
+def test_suggest_asks_for_the_jobs_loss(in_process_server: Callable[..., Any]) -> None:
+    # --loss: the client sends lm_loss, and a profile of another loss answers with the server's 422 naming it.
+    tagged = make_profile(max_micro_batch=20).model_copy(update={"tags": {"lm_loss": "fused-linear"}})
+    upload_profile(tagged, server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    code, out, err = run_suggest(lm_loss="fused-linear", as_json=True)
+    assert (code, err) == (EXIT_OK, "") and Suggestion.model_validate_json(out).max_micro_batch == 20
+    code, out, err = run_suggest(lm_loss="plain")
+    assert code == ExitCode.USAGE and out == "" and err.count("\n") == 1 and "lm_loss" in err

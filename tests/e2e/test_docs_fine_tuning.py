@@ -73,3 +73,18 @@ def test_a_mixture_of_experts(tmp_path: Path) -> None:
     assert all(p["moe_load_factor"] == 1.5 and p["source"] == "estimate" for p in profiles)
     assert profiles[0]["max_micro_batch"] >= profiles[1]["max_micro_batch"] >= 1
     assert "Traceback" not in out
+
+
+def test_the_loss_as_the_job_computes_it(tmp_path: Path) -> None:
+    text = section(PAGE, "## The loss as the job computes it")
+    (script,) = blocks(text, "bash")
+    (shown,) = blocks(text, "")
+    (tmp_path / "run.sh").write_text(script)
+    out = run(["bash", "-e", "run.sh"], tmp_path)
+    rows = [int(m) for m in re.findall(r"^\s+32\s+(\d+)\s", out, re.MULTILINE)]
+    # The page's words: the plain loss fits 3, the fused one 10.
+    assert rows == [3, 10], out[-3000:]
+    assert "peak of m=3 at _log_softmax_backward_data.default in LlamaForCausalLM backward" in out
+    assert "peak of m=10 at mm.default in LlamaForCausalLM forward" in out
+    for line in shown.strip("\n").splitlines():
+        assert line in out.splitlines()

@@ -86,6 +86,8 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
         "autotune.core.units",
         # The memory policies' names: the grammar /suggest validates and the canonical spelling it matches.
         "autotune.core.policy_names",
+        # The losses' names (--loss): the grammar /suggest validates lm_loss by and the canonical spelling it matches.
+        "autotune.core.loss_names",
         # The job's mesh: /suggest plans over its data-parallel replicas and validates Profile.mesh with it.
         "autotune.core.mesh",
         # The job's setup (issue 40): the store answers a setup, and plans with it as the probe does.

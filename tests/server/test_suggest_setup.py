@@ -158,3 +158,25 @@ def test_the_profile_and_the_query_build_the_same_setup() -> None:
 
     query = SuggestQuery(**ASK, target_batch=64, world_size=8, mesh="tp=2,pp=2,pp_microbatches=4")
     assert JobSetup.of_query(query).mesh == JobSetup.of_profile(profile).mesh and query.data_parallel == 2
+
+
+def test_a_profile_answers_only_a_query_of_its_own_loss(client: TestClient) -> None:
+    # --loss (autotune/tasks/losses.py): the tag lm_loss is in the fingerprint; a query that names another loss is a
+    # 422 naming the field, one that leaves it out takes the profile's, and "chunked" is TRL's chunked:256.
+    _store(client, profile_payload(max_micro_batch=24, tags={"lm_loss": "chunked:256"}))
+    assert client.get(SUGGEST, params={**ASK, "target_batch": 48}).status_code == 200
+    served = client.get(SUGGEST, params={**ASK, "target_batch": 48, "lm_loss": "chunked"})
+    assert served.status_code == 200, served.text
+    refused = client.get(SUGGEST, params={**ASK, "target_batch": 48, "lm_loss": "plain"})
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "lm_loss"
+    message = refused.json()["error"]["message"]
+    assert "lm_loss=plain" in message and "lm_loss=chunked:256" in message
+    bad = client.get(SUGGEST, params={**ASK, "target_batch": 48, "lm_loss": "chunked:0"})
+    assert bad.status_code == 422 and "lm_loss" in bad.text and "a chunk holds 1 to" in bad.text
+
+
+def test_a_profile_of_the_plain_loss_answers_a_plain_query_and_refuses_a_fused_one(client: TestClient) -> None:
+    _store(client, profile_payload(max_micro_batch=24))
+    assert client.get(SUGGEST, params={**ASK, "target_batch": 48, "lm_loss": "plain"}).status_code == 200
+    refused = client.get(SUGGEST, params={**ASK, "target_batch": 48, "lm_loss": "fused-linear"})
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "lm_loss"
