@@ -868,9 +868,8 @@ class SuggestQuery(BaseModel):
             raise ValueError(str(exc)) from None
         # The composition table refuses a query as the CLI refuses the job (autotune/core/compositions.py), over what
         # the query states: a field it leaves to the profile (offload, compile: None) takes the value no rule reads.
-        refusal = composition_refusal(
-            Dimensions.of(self.strategy, self.world_size, mesh, offload=self.offload or "none", compile=self.compile)
-        )
+        stated = Dimensions.of(self.strategy, self.world_size, mesh, offload=self.offload or "none")
+        refusal = composition_refusal(stated.replace(compile=self.compile, lm_loss=self.lm_loss or "plain"))
         if refusal is not None:
             raise ValueError(refusal)
         return self
