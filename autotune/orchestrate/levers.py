@@ -43,7 +43,7 @@ from autotune.core.loss_names import PLAIN_LOSS
 from autotune.core.schemas import MAX_BYTES, Lever, Profile
 from autotune.measure.trial import build_on_meta, frozen_heap
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
-from autotune.search.diagnose import fake_trial, job_strategy, pipeline_peak
+from autotune.search.diagnose import fake_trial, job_strategy
 from autotune.tasks.hf import is_hf_spec, with_options
 from autotune.tasks.load import load_task
 from autotune.tasks.losses import loss_refusal
@@ -137,10 +137,11 @@ def _fake_peak(task: ProbeTask, config: ProbeConfig, micro_batch: int, device_ty
 
     Raises:
         AutotuneError: the job cannot run a fake trial (the line says why)."""
-    if config.mesh.pp > 1:
-        return pipeline_peak(task, micro_batch, device_type, config.strategy, config.world_size, config.mesh)
     strategy = job_strategy(config.strategy, config.world_size, config.mesh)
-    return fake_trial(task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=MAX_BYTES).peak_bytes
+    trial = fake_trial(
+        task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=MAX_BYTES, mesh=config.mesh
+    )
+    return trial.peak_bytes
 
 
 def _peak_among(

@@ -32,10 +32,10 @@ from autotune.core.mesh import Mesh
 from autotune.core.schemas import MAX_BYTES, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters.fake import FakeMeter
+from autotune.measure.runners import job_trials
 from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
-from autotune.measure.trial import frozen_heap, run_trial
-from autotune.search.pipelined import pipeline_trials
+from autotune.measure.trial import frozen_heap
 from autotune.search.presearch import fake_strategy
 from autotune.tasks.task import ProbeTask
 
@@ -149,64 +149,56 @@ def _b(value: int) -> str:
 
 
 @frozen_heap()
-def fake_trial(task: ProbeTask, micro_batch: int, *, device_type: str, strategy: Strategy, limit_bytes: int) -> Trial:
+def fake_trial(
+    task: ProbeTask,
+    micro_batch: int,
+    *,
+    device_type: str,
+    strategy: Strategy,
+    limit_bytes: int,
+    mesh: Mesh | None = None,
+) -> Trial:
     """One fake trial with no budget (it cannot run out), inside the strategy's process group, on a fake meter and a
-    model of its own.
+    model of its own: the job's trials whatever the job (autotune/measure/runners.py), a pipeline's figure its most
+    loaded stage's (``mesh`` lays it out; every stage's fake trial replays its schedule).
 
     Raises:
         AutotuneError: the trial cannot run fake (an op that needs data, a model FSDP cannot shard)."""
     meter = FakeMeter(MAX_BYTES, device_type)
     try:
         with strategy.process_group(meter.device):
-            return run_trial(task, meter, micro_batch, limit_bytes=limit_bytes, strategy=strategy)
+            trials = job_trials(task, meter, strategy, mesh or Mesh(), limit_bytes=limit_bytes, reuse_model=False)
+            try:
+                return trials(micro_batch)
+            finally:
+                trials.close()
     finally:
         meter.close()
 
 
 def _fake_trial(
-    task: ProbeTask, micro_batch: int, *, device_type: str, strategy: Strategy, limit_bytes: int
+    task: ProbeTask,
+    micro_batch: int,
+    *,
+    device_type: str,
+    strategy: Strategy,
+    limit_bytes: int,
+    mesh: Mesh | None = None,
 ) -> Trial | None:
     """:func:`fake_trial`, or None where it cannot run fake."""
     try:
-        return fake_trial(task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=limit_bytes)
+        return fake_trial(
+            task, micro_batch, device_type=device_type, strategy=strategy, limit_bytes=limit_bytes, mesh=mesh
+        )
     except AutotuneError:
         return None
 
 
 def job_strategy(strategy: str, world_size: int, mesh: Mesh) -> Strategy:
-    """The strategy a fake trial of the job as it is runs under: its mesh's (tp, cp), and under ddp with more than
-    one replica DDP's buckets held as the fake trials of the search hold them (``presearch.fake_strategy``)."""
+    """The strategy a fake trial of the job as it is runs under: its mesh's (tp, cp, a pipeline's stages), and under ddp
+    with more than one replica DDP's buckets held as the fake trials of the search hold them
+    (``presearch.fake_strategy``)."""
     return fake_strategy(make_strategy(strategy, world_size, mesh))
-
-
-@frozen_heap()
-def pipeline_peak(
-    task: ProbeTask, micro_batch: int, device_type: str, strategy: str, world_size: int, mesh: Mesh
-) -> int:
-    """The most loaded stage's fake peak at micro_batch, no budget.
-
-    Raises:
-        AutotuneError: the pipeline cannot run fake (the line says why)."""
-    meter = FakeMeter(MAX_BYTES, device_type)
-    try:
-        trials = pipeline_trials(task, meter, mesh, make_strategy(strategy, world_size, mesh), MAX_BYTES)
-        try:
-            with trials.strategy.process_group(meter.device):
-                return trials(micro_batch).peak_bytes
-        finally:
-            trials.close()
-    finally:
-        meter.close()
-
-
-def _pipeline_peak(
-    task: ProbeTask, micro_batch: int, device_type: str, strategy: str, world_size: int, mesh: Mesh
-) -> int | None:
-    """:func:`pipeline_peak`, or None where the pipeline cannot run fake."""
-    try:
-        return pipeline_peak(task, micro_batch, device_type, strategy, world_size, mesh)
-    except AutotuneError:
-        return None
 
 
 def diagnose_no_fit(
@@ -245,19 +237,16 @@ def diagnose_no_fit(
         return None if value is None else value + unseen_bytes
 
     if not mesh.trivial:
-        if mesh.pp > 1:
-            peak = _pipeline_peak(task, micro_batch, device_type, strategy, world_size, mesh)
-            static = None
-        else:
-            trial = _fake_trial(
-                task,
-                micro_batch,
-                device_type=device_type,
-                strategy=job_strategy(strategy, world_size, mesh),
-                limit_bytes=fake_limit,
-            )
-            peak = trial.peak_bytes if trial is not None else None
-            static = trial.step_bytes if trial is not None else None
+        trial = _fake_trial(
+            task,
+            micro_batch,
+            device_type=device_type,
+            strategy=job_strategy(strategy, world_size, mesh),
+            limit_bytes=fake_limit,
+            mesh=mesh,
+        )
+        peak = trial.peak_bytes if trial is not None else None
+        static = trial.step_bytes if trial is not None else None
         return NoFit(
             micro_batch=micro_batch,
             budget_bytes=budget_bytes,

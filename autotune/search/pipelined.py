@@ -18,6 +18,7 @@ from autotune.core.schemas import MemoryBreakdown, PipelineStages, Trial
 from autotune.core.units import format_bytes
 from autotune.measure.meters import Meter
 from autotune.measure.pipeline import PipelineTrials, StageFigure
+from autotune.measure.runners import job_trials, measured_microbatches
 from autotune.measure.strategies import Strategy
 from autotune.search.boundary import FAR_EXTRAPOLATION, SearchResult, find_max_micro_batch, reported
 from autotune.tasks.task import ProbeTask
@@ -30,11 +31,6 @@ class PipelineSearch(SearchResult):
     """The search's result with what the profile says of the stages (None when no size fit)."""
 
     pipeline: PipelineStages | None = None
-
-
-def measured_microbatches(mesh: Mesh) -> int:
-    """K the stages' trials run: ``--pp-microbatches``, else pp."""
-    return mesh.pp_microbatches or mesh.pp
 
 
 def _blocks_text(blocks: range) -> str:
@@ -52,19 +48,18 @@ def pipeline_trials(
     host_limit_bytes: int | None = None,
 ) -> PipelineTrials:
     """The trial of a pipeline of ``mesh`` at m (every stage's, the most loaded stage's peak), at the K its stages are
-    measured at: what the search and the no-fit diagnosis run."""
-    return PipelineTrials(
+    measured at: the job's trials (autotune/measure/runners.py) of a pipeline."""
+    trials = job_trials(
         task,
         meter,
+        strategy,
+        mesh,
         limit_bytes=limit_bytes,
-        stages=mesh.pp,
-        schedule=mesh.pp_schedule,
-        microbatches=measured_microbatches(mesh),
-        virtual_stages=mesh.virtual_stages,
-        strategy=strategy,
         stage_figure=stage_figure,
         host_limit_bytes=host_limit_bytes,
     )
+    assert isinstance(trials, PipelineTrials), "a pipeline's mesh has pp > 1"
+    return trials
 
 
 def search_pipeline(
