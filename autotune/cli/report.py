@@ -60,7 +60,7 @@ def strategy_text(profile: Profile) -> str:
         from autotune.core.mesh import Mesh
 
         mesh = Mesh.from_dict(profile.mesh)
-        replicas = profile.world_size // mesh.model_parallel
+        replicas = mesh.data_parallel(profile.world_size)
         # The cp ranks hold the same parameters: DDP all-reduces and FSDP2 shards over them too (dp_shard_cp).
         sharded = profile.strategy == "fsdp" and mesh.cp > 1
         over = f" (sharded over dp x cp = {replicas * mesh.cp} ranks)" if sharded else ""

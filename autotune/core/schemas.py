@@ -879,4 +879,4 @@ class SuggestQuery(BaseModel):
         """D: the data-parallel replicas the plan holds the target over (world_size over the mesh)."""
         from autotune.core.mesh import Mesh
 
-        return self.world_size // Mesh.parse(self.mesh).model_parallel
+        return Mesh.parse(self.mesh).data_parallel(self.world_size)

@@ -142,7 +142,7 @@ class JobSetup(BaseModel):
     @property
     def data_parallel(self) -> int:
         """D: the replicas the target batch is split over, W / (tp x pp x cp)."""
-        return self.world_size // self.mesh.model_parallel
+        return self.mesh.data_parallel(self.world_size)
 
     @property
     def holds_ddp_buckets(self) -> bool:

@@ -35,7 +35,7 @@ class Layout:
     @property
     def sizes(self) -> dict[str, int]:
         """Every dimension's size, in ORDER."""
-        data_parallel = self.world_size // self.mesh.model_parallel
+        data_parallel = self.mesh.data_parallel(self.world_size)
         return {"pp": self.mesh.pp, "dp": data_parallel, "cp": self.mesh.cp, "tp": self.mesh.tp}
 
     @property

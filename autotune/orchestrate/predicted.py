@@ -64,7 +64,7 @@ def predicted_throughput(
     planned = [(int(size), int(count)) for size, count in plan.micro_batches] if plan is not None else first
     updates = [first] if planned == first else [first, planned]
     updates = [u for u in updates if all(size in records for records in stages.values() for size, _ in u)]
-    replicas = world_size // mesh.model_parallel
+    replicas = mesh.data_parallel(world_size)
     priced: list[tuple[list[tuple[int, int]], UpdateTime, dict[int, StepRecord]]] = []
     for update in updates:
         try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autotune.core import units
+from autotune.core.errors import AutotuneError
 from autotune.core.plan import PLAN_POLICIES
 from autotune.core.policy_names import canonical_policy
 from autotune.core.schemas import (
@@ -342,11 +343,10 @@ def _resolved(call: _Call, target_batch: int) -> _Job:
     model = _unwrap(call.model)
     world = _resolve_world_size(call.world_size)
     layout = _mesh(call.mesh)
-    if world % layout.model_parallel:
-        raise AutotuneClientError(
-            f"mesh {call.mesh!r}: world_size {world} is not a multiple of tp x pp x cp = {layout.model_parallel}"
-        )
-    replicas = world // layout.model_parallel
+    try:
+        replicas = layout.data_parallel(world)
+    except AutotuneError as exc:
+        raise AutotuneClientError(f"mesh {call.mesh!r}: {exc}") from None
     if target_batch < replicas:
         over = f"world_size {world}"
         if not layout.trivial:

@@ -224,7 +224,10 @@ def _replicas(row: ProfileRow) -> int:
         mesh = Mesh.from_dict((row.document or {}).get("mesh"))
     except (AutotuneError, TypeError):
         return int(row.world_size)
-    return max(1, int(row.world_size) // mesh.model_parallel)
+    try:
+        return mesh.data_parallel(int(row.world_size))
+    except AutotuneError:
+        return int(row.world_size)
 
 
 def check_observation(observation: Observation, row: ProfileRow) -> list[str]:
