@@ -35,6 +35,21 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def _pipe_closed() -> int:
+    """The reader of the output went away (``autotune profiles ls | head -1``): stop without a word, as a Unix tool
+    ended by SIGPIPE does. What is still buffered for the closed pipe goes to /dev/null, so that the interpreter's
+    own flush at exit does not fail on it (Python's docs, "Note on SIGPIPE")."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except (OSError, ValueError):  # a stream without a descriptor (a test's capture): nothing left to flush
+                pass
+    return ExitCode.PIPE_CLOSED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `autotune` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -46,7 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         quiet_library_logs()
     try:
         check_inputs(args)
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a closed pipe is found here for what is still buffered, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _pipe_closed()
     except KeyboardInterrupt:
         print("autotune: interrupted", file=sys.stderr)
         return 130

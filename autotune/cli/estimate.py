@@ -69,7 +69,7 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--estimate-bound",
         choices=("safe", "tight"),
-        default="safe",
+        default=None,  # not given: safe; given without --gpu: refused (autotune.cli.inputs)
         help="with --gpu: safe (the default) adds a stated upper bound for what the card's figure does not model "
         "(NCCL's buffers, for more than one rank), so that the answer never promises more than the card holds; "
         "tight adds nothing (docs/cuda-estimates.md)",
@@ -131,7 +131,7 @@ def estimate_config(
         device_name=device_name,
         context_bytes=args.context_bytes,
         micro_batches=tuple(micro_batches),
-        estimate_bound=getattr(args, "estimate_bound", "safe"),
+        estimate_bound=getattr(args, "estimate_bound", None) or "safe",
     )
 
 

@@ -172,17 +172,31 @@ def _check_micro_batches(args: argparse.Namespace) -> None:
 
 
 def _check_gpu_memory(args: argparse.Namespace) -> None:
-    """--gpu-memory: the memory of the card --gpu names, and a card whose architecture can be placed."""
+    """--gpu-memory and --estimate-bound: the memory and the bound of the card --gpu names (a card whose
+    architecture can be placed and that a device of it can have is _known_cards's to say)."""
+    gpu = getattr(args, "gpu", None)
+    bound = getattr(args, "estimate_bound", None)
+    if bound is not None and not gpu:
+        raise CliError(
+            f"--estimate-bound {bound} bounds what an estimate for a card does not model: give --gpu NAME "
+            "(autotune gpus lists them)"
+        )
     gpu_memory = getattr(args, "gpu_memory", None)
     if gpu_memory is None:
         return
-    gpu = getattr(args, "gpu", None)
     if not gpu:
         raise CliError(
             f"--gpu-memory {format_bytes(gpu_memory)} is the memory of the card --gpu names: give --gpu NAME"
         )
     if gpu_memory <= 0:
         raise CliError(f"--gpu-memory {gpu_memory}: a card's memory is above 0 bytes")
+    from autotune.core.cards import resolve_card
+
+    for name in [gpu] if isinstance(gpu, str) else gpu:  # estimate: a name; fleet: the list card_list made
+        try:
+            resolve_card(name, gpu_memory)
+        except ValueError as exc:  # no family in the name, or memory no device of its architecture has
+            raise CliError(f"--gpu {name!r} --gpu-memory {format_bytes(gpu_memory)}: {exc}") from None
 
 
 def _check_budget_on_cards(args: argparse.Namespace) -> None:

@@ -242,13 +242,14 @@ def test_the_exit_codes_are_one_table() -> None:
         "SERVER_UNREACHABLE": 3,
         "NO_FIT": 4,
         "NOT_FOUND": 5,
+        "PIPE_CLOSED": 141,
     }
 
 
 def test_the_docs_table_is_the_enum() -> None:
     """docs/probing.md's table of exit codes lists exactly ExitCode's, each by its number and name."""
     text = (REPO / "docs" / "probing.md").read_text()
-    rows = re.findall(r"^\| (\d) \| `(\w+)` \|", text, flags=re.M)
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", text, flags=re.M)
     assert [(int(number), name) for number, name in rows] == [(int(code), code.name) for code in ExitCode]
 
 
@@ -319,5 +320,9 @@ def test_sizes_and_the_schema_agree() -> None:
 
     assert MAX_SIZE_BYTES == MAX_BYTES
     assert parse_bytes("1024TiB") == 2**50 and parse_bytes(str(2**60)) == 2**60
+    # Every unit up to the cap reads (issue 62: "1PiB cannot read as a size" where 1024TiB did).
+    assert parse_bytes("1PiB") == 2**50 and parse_bytes("1EiB") == 2**60 and parse_bytes("2PB") == 2 * 10**15
+    with pytest.raises(ValueError, match="above 1 EiB"):
+        parse_bytes("2EiB")
     with pytest.raises(ValueError, match="above 1 EiB"):
         parse_bytes(str(2**60 + 1))
