@@ -20,6 +20,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_NO_FIT",
     "EXIT_USAGE",
+    "TASK_HELP",
     "CliError",
     "ExitCode",
     "Parser",
@@ -341,6 +342,13 @@ def task_spec(spec: str, args: argparse.Namespace) -> str:
         zero_grad=getattr(args, "zero_grad", None),
         **finetune,
     )
+
+
+# The task argument's help, for every command that loads a task.
+TASK_HELP = (
+    "path/to/file.py:name or package.module:name (a ProbeTask), or hf:PATH: a Hugging Face config.json or a "
+    "folder holding one, read locally and built with random weights (e.g. hf:examples/configs/tiny-llama.json)"
+)
 
 
 class Parser(argparse.ArgumentParser):

@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.cli.common import check_seq_len_options, non_negative_int, positive_int_list, size, task_spec
+from autotune.cli.common import (
+    TASK_HELP,
+    check_seq_len_options,
+    non_negative_int,
+    positive_int_list,
+    size,
+    task_spec,
+)
 from autotune.cli.policies import for_each_policy, policies_of, recommendation
 from autotune.cli.probe import add_setup_options, emit_profiles, lengths_of, moe_routing_of, setup_of
 from autotune.core.units import limit_bytes
@@ -25,7 +32,7 @@ def add_parsers(sub: Any) -> None:
         "estimate",
         help="estimate the largest micro-batch for a budget with fake tensors (no device memory used)",
     )
-    e.add_argument("task", help="path/to/file.py:name or package.module:name (a ProbeTask)")
+    e.add_argument("task", help=TASK_HELP)
     e.add_argument("--device-kind", choices=["cpu", "cuda"], default="cuda", help="the card's kind (default cuda)")
     e.add_argument(
         "--device-name", help='the card the estimate is for, as /suggest matches it ("NVIDIA H100 80GB HBM3")'

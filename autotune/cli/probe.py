@@ -11,6 +11,7 @@ from typing import Any
 
 from autotune.cli.common import (
     EXIT_FAILED,
+    TASK_HELP,
     CliError,
     add_mesh_options,
     add_seq_len_options,
@@ -225,7 +226,7 @@ def config_from_args(args: argparse.Namespace, device: str) -> Any:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("probe", help="measure the largest micro-batch that fits and plan the target batch")
-    p.add_argument("task", help="path/to/file.py:name or package.module:name (a ProbeTask)")
+    p.add_argument("task", help=TASK_HELP)
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | all | auto (default)")
     add_probe_options(p)
     p.add_argument("--output", type=Path, help="also write the profile JSON to this file")
@@ -234,7 +235,7 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(run=run_probe)
 
     v = sub.add_parser("verify", help="prove that accumulation reproduces the big-batch gradient")
-    v.add_argument("task")
+    v.add_argument("task", help=TASK_HELP)
     v.add_argument("--target-batch", type=positive_int)
     v.add_argument("--micro-batch", type=positive_int)
     v.add_argument("--tolerance", type=finite_positive)
