@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from autotune.core.plan import micro_batches_text
-from autotune.core.schemas import ATTENTION_NOTE, MEMORY_PART_LABELS, MemoryBreakdown, Profile, Trial
+from autotune.core.schemas import (
+    ATTENTION_NOTE,
+    MEMORY_PART_LABELS,
+    MemoryBreakdown,
+    Profile,
+    Trial,
+    shown_fingerprint,
+)
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import gap_advice
 
@@ -204,7 +211,7 @@ def datasheet(profile: Profile) -> str:
     dev = profile.device
     lines = [
         f"autotune datasheet: {profile.task}",
-        f"  fingerprint      {profile.fingerprint[:16]}",
+        f"  fingerprint      {shown_fingerprint(profile.fingerprint)}",
         f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
         f"  precision        {profile.precision}",
         *finetune_lines(profile),
@@ -292,7 +299,7 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
     dev = first.device
     lines = [
         f"autotune datasheet: {first.task} over sequence lengths",
-        f"  fingerprint      {first.fingerprint[:16]} (every length)",
+        f"  fingerprint      {shown_fingerprint(first.fingerprint)} (every length)",
         f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
         f"  precision        {first.precision}",
         *finetune_lines(first),

@@ -34,6 +34,8 @@ __all__ = [
     "Device",
     "DeviceContext",
     "FINGERPRINT_PATTERN",
+    "FINGERPRINT_SHOWN_CHARS",
+    "FULL_FINGERPRINT_CHARS",
     "Fit",
     "LongestSeqLen",
     "MAX_SEQ_LEN",
@@ -54,6 +56,7 @@ __all__ = [
     "TagValue",
     "Throughput",
     "Trial",
+    "shown_fingerprint",
 ]
 
 SCHEMA_VERSION = 1
@@ -715,8 +718,24 @@ class Suggestion(_Model):
         }
 
 
-# A profile's fingerprint as /suggest and the profile list take it: hex, as autotune.tasks.fingerprint writes it.
+# A profile's fingerprint as /suggest and the profile list take it: hex, as autotune.tasks.fingerprint writes it,
+# whole or its first FINGERPRINT_SHOWN_CHARS digits and more (a prefix the server resolves).
 FINGERPRINT_PATTERN = r"^[0-9a-f]{16,128}$"
+# What autotune.tasks.fingerprint writes: a SHA-256, in hex.
+FULL_FINGERPRINT_CHARS = 64
+# The form every listing shows (the datasheet, `autotune profiles ls`, the dashboard) and /suggest takes: the
+# first 16 hex digits, 64 bits (a clash between two setups of one store is not to be expected below ~4 billion
+# fingerprints; the server refuses a prefix several start with, naming them).
+FINGERPRINT_SHOWN_CHARS = 16
+
+
+def shown_fingerprint(fingerprint: str) -> str:
+    """The fingerprint as listings show it and /suggest takes it back.
+
+    >>> shown_fingerprint("923454115ee1139d" + "0" * 48)
+    '923454115ee1139d'
+    """
+    return fingerprint[:FINGERPRINT_SHOWN_CHARS]
 # Effective batches beyond this cannot be represented in a Plan once rounded to the nearest plan.
 MAX_SUGGEST_TARGET_BATCH = 2**40 - 2**30
 
@@ -732,7 +751,14 @@ class SuggestQuery(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    fingerprint: Annotated[str, Field(pattern=FINGERPRINT_PATTERN)]
+    fingerprint: Annotated[
+        str,
+        Field(
+            pattern=FINGERPRINT_PATTERN,
+            description="the profile's fingerprint, or its first 16 or more hex digits as listings show it (one "
+            "stored fingerprint must start with them)",
+        ),
+    ]
     device_name: Annotated[str, Field(min_length=1, max_length=256)]
     target_batch: Annotated[
         int | None,

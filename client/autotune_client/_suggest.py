@@ -33,6 +33,7 @@ from autotune.core.schemas import (
     Suggestion,
     SuggestQuery,
     TagValue,
+    shown_fingerprint,
 )
 from autotune_client._client import TunerClient
 from autotune_client._constants import DEFAULT_TIMEOUT_SECONDS, ENV_URL
@@ -475,7 +476,10 @@ def _probe(call: _Call, job: _Job, notes: list[str]) -> Profile:
         # Should not happen (same function, same inputs); if it does, an upload would be
         # stored under a key no job asks for, so say so rather than fill the store silently.
         notes.append(
-            _warn(f"the probe's fingerprint {profile.fingerprint[:12]} differs from the job's {job.fingerprint[:12]}")
+            _warn(
+                f"the probe's fingerprint {shown_fingerprint(profile.fingerprint)} differs from the job's "
+                f"{shown_fingerprint(job.fingerprint)}"
+            )
         )
     return profile
 
