@@ -191,7 +191,8 @@ def _row(summary: ProfileSummary) -> str:
 def _describe(stored: StoredProfile) -> str:
     """The probe's own datasheet (one text for both), headed by the stored id, with every trial."""
     p = stored.profile
-    trials = "\n".join(f"    {trial_line(t, p.limit_bytes)}" for t in p.trials)
+    memory = "the card" if p.source == "estimate" and p.device.kind == "cuda" else "the budget"
+    trials = "\n".join(f"    {trial_line(t, p.limit_bytes, memory=memory)}" for t in p.trials)
     # The store's own warnings first: a profile that contradicts its trials is never used by /suggest.
     store = "".join(f"  store warning: {w}\n" for w in stored.warnings)
     return (

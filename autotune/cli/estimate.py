@@ -172,8 +172,7 @@ def single_step_not_estimated(profile: Profile) -> None:
     per_replica, rest = divmod(plan.target_batch, plan.world_size)
     if rest or per_replica % profile.multiple_of or per_replica > profile.micro_batch_cap:
         return
-    fit = profile.fit  # the activations alone above the limit: one gradient set less cannot make it fit
-    if fit is not None and fit.bytes_per_sample * per_replica > profile.limit_bytes:
+    if not _single_step_may_fit(profile, per_replica):
         return
     profile.warnings.append(
         f"target {plan.target_batch} would be micro-batch {per_replica} per replica in one step (A = 1), above the "
@@ -181,6 +180,28 @@ def single_step_not_estimated(profile: Profile) -> None:
         "but fake trials estimate the accumulating job only, so the plan accumulates; `autotune probe` with the "
         "target measures the single step on the device"
     )
+
+
+def _single_step_may_fit(profile: Profile, micro_batch: int) -> bool:
+    """Whether the estimate's own figures leave room for a single step at micro_batch: what it saves against the
+    accumulating step is at most one gradient set (the breakdown's gradients at the peak, else the fit's fixed
+    bytes, which hold them), and the accumulating peak at micro_batch is at least the fit's prediction and the
+    peak of any larger size tried below it (a fake trial over the card reads the card's memory: a floor too).
+    Advice past that would propose what the figures already rule out (issue 62: "a single step at micro-batch 16
+    per replica" where m = 1 held 54.64 GiB of an 80 GiB card)."""
+    fit = profile.fit
+    at_m_max = [b for b in profile.breakdown or [] if b.micro_batch == profile.max_micro_batch]
+    gradients = [b.parts.get("gradients", 0) for b in at_m_max]
+    if gradients:
+        saved = max(gradients)
+    elif fit is not None:
+        saved = max(0, int(fit.fixed_bytes))
+    else:
+        return True  # nothing says what a single step saves
+    floors = [t.peak_bytes for t in profile.trials if not t.fits and t.micro_batch <= micro_batch]
+    if fit is not None:
+        floors.append(int(fit.fixed_bytes + fit.bytes_per_sample * micro_batch))
+    return not floors or max(floors) - saved <= profile.limit_bytes
 
 
 def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
@@ -193,8 +214,10 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
     target = config.device_name if config.card else args.device_kind
     print(f"estimating {task.name} for {target} with fake tensors ...", file=sys.stderr)
 
+    memory = "the card" if config.card else "the budget"
+
     def progress(trial: Any) -> None:
-        print(trial_line(trial, limit), file=sys.stderr, flush=True)
+        print(trial_line(trial, limit, memory=memory), file=sys.stderr, flush=True)
 
     def run(t: Any, c: Any) -> list[Any]:
         if lengths and c.card is not None:  # every length's emulated search in one child

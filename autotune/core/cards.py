@@ -442,11 +442,28 @@ def outside_allocator_stand_in(card: Card) -> OutsideAllocator:
     (876, False)
     >>> "163840 resident threads against the H200's 270336" in stand_in.source
     True
+    >>> "against" in outside_allocator_stand_in(lookup("h100")).source  # the H200's capability and threads
+    False
     """
     measured = OUTSIDE_ALLOCATOR[_MEASURED_OUTSIDE]
     h200 = lookup(_MEASURED_OUTSIDE[0])
     if card.short_name == h200.short_name:
         return measured
+    # What differs from the H200, said only where it does (an H100 has the H200's capability and threads).
+    differ = []
+    if card.capability != h200.capability:
+        differ.append(f"compute capability {card.capability} against the H200's {h200.capability}")
+    if card.resident_threads != h200.resident_threads:
+        differ.append(
+            f"{card.resident_threads} resident threads against the H200's {h200.resident_threads}, each with the "
+            "driver's per-thread local memory"
+        )
+    why = (
+        f"the context and the modules differ per card ({', and '.join(differ)})"
+        if differ
+        else f"its compute capability ({card.capability}) and resident threads ({card.resident_threads}) are the "
+        "H200's, so the context should be close, but its modules and driver are not measured"
+    )
     return OutsideAllocator(
         bytes=measured.bytes,
         low_bytes=measured.low_bytes,
@@ -454,9 +471,7 @@ def outside_allocator_stand_in(card: Card) -> OutsideAllocator:
         measured=False,
         source=(
             f"assumed: the H200's figure (torch {_MEASURED_OUTSIDE[1]}, CUDA {_MEASURED_OUTSIDE[2]}), not measured "
-            f"on a {card.short_name}: the context and the modules differ per card (compute capability "
-            f"{card.capability} against the H200's 9.0, and {card.resident_threads} resident threads against the "
-            f"H200's {h200.resident_threads}, each with the driver's per-thread local memory)"
+            f"on a {card.short_name}: {why}"
         ),
     )
 

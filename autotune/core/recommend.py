@@ -182,7 +182,8 @@ class Option:
         rate = "not timed" if self.samples_per_second is None else f"{self.samples_per_second:.4g} samples/s"
         if self.samples_per_second is not None and not self.timed:
             rate += " (priced from the nearest timed size)"
-        name = self.label or self.policy
+        # The policy said as the flag that asks for it: "none" alone read as "nothing recommended".
+        name = self.label or f"--ac {self.policy}"
         held = "" if self.holds_target else ", does not reach the target"
         return f"{name}: m_max {self.max_micro_batch}, update {sizes} ({self.accumulation_steps} steps), {rate}{held}"
 

@@ -11,7 +11,16 @@ import warnings
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from autotune.core import units
 from autotune.core.policy_names import (
@@ -154,6 +163,20 @@ class Trial(_Model):
     # Under --offload: the peak of what the trial held in host memory (saved activations packed to the host,
     # FSDP2's offloaded shards, gradients, optimizer state and the CPU step); None without offload.
     host_peak_bytes: NonNegBytes | None = None
+    # The length a trial of a run over lengths ran at, on the copy handed to the progress line (at_length): a
+    # label, never on the wire (a profile's trials are all at its seq_len).
+    _seq_len: int | None = PrivateAttr(default=None)
+
+    def at_length(self, seq_len: int | None) -> Trial:
+        """A copy labelled with the length it ran at (:attr:`reported_length`), for the progress line."""
+        labelled = self.model_copy()
+        labelled._seq_len = seq_len
+        return labelled
+
+    @property
+    def reported_length(self) -> int | None:
+        """The length :meth:`at_length` labelled this copy with; None for every other trial."""
+        return self._seq_len
 
 
 class Fit(_Model):
