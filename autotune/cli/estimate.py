@@ -143,6 +143,7 @@ def estimate_config(
 
 
 def run_estimate(args: argparse.Namespace) -> int:
+    from autotune.cli.inputs import check_task
     from autotune.tasks.load import load_task
 
     config = estimate_config(
@@ -157,6 +158,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     config.validate()  # a missing budget is refused before the task is even loaded
     check_seq_len_options(args)
     task = load_task(task_spec(args.task, args))
+    check_task(args, task)
     routing, _ = moe_routing_of(task, args)
     with routing:
         return _estimate_task(args, config, task)

@@ -245,11 +245,13 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
+    from autotune.cli.inputs import check_task
     from autotune.tasks.load import load_task
 
     check_seq_len_options(args)
     spec = task_spec(args.task, args)
     task = load_task(spec)
+    check_task(args, task)
     routing, _ = moe_routing_of(task, args)
     with routing:
         return _probe_task(args, spec, task)

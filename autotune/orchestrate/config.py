@@ -180,9 +180,12 @@ class ProbeConfig:
             host_budget=self.host_budget_bytes is not None,
             activation_checkpointing=self.activation_checkpointing or "none",
             precision=self.precision,
+            seq_lens=self.seq_lens,
+            tp_plan=self.tp_plan,
         )
         if task is None:
             return dims
+        from autotune.measure.model_shape import model_shape
         from autotune.tasks.optimizers import optimizer_library, optimizer_text
 
         quantize = task.tags.get("quantize")
@@ -195,6 +198,10 @@ class ProbeConfig:
             optimizer_library=optimizer_library(task.optimizer),
             precision=self.precision or task.precision,
             weights_dtype=task.weights_dtype,
+            # The mesh rows read the model (a meta build, once per model): only where a mesh asks them.
+            seq_lens=self.seq_lens or ((task.seq_len,) if task.seq_len else ()),
+            tp_plan=self.tp_plan or (task.tp_plan if isinstance(task.tp_plan, str) else None),
+            model=None if self.mesh.trivial else model_shape(task),
         )
 
     @property
