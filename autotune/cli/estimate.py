@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.cli.common import (
     TASK_HELP,
     check_seq_len_options,
     non_negative_int,
+    output_file,
     positive_int_list,
     size,
     task_spec,
@@ -39,7 +39,7 @@ def add_parsers(sub: Any) -> None:
     )
     add_card_options(e)
     add_setup_options(e)
-    e.add_argument("--output", type=Path, help="also write the profile JSON to this file")
+    e.add_argument("--output", type=output_file, help="also write the profile JSON to this file")
     e.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     e.add_argument("--server", help="upload the estimate to this autotune server (token: AUTOTUNE_TOKEN)")
     e.add_argument(

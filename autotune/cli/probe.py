@@ -6,7 +6,6 @@ import argparse
 import math
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from autotune.cli.common import (
@@ -23,6 +22,7 @@ from autotune.cli.common import (
     headroom,
     mesh_of,
     micro_batch_cap,
+    output_file,
     positive_int,
     seq_len,
     size,
@@ -229,7 +229,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("task", help=TASK_HELP)
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | all | auto (default)")
     add_probe_options(p)
-    p.add_argument("--output", type=Path, help="also write the profile JSON to this file")
+    p.add_argument("--output", type=output_file, help="also write the profile JSON to this file")
     p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     p.add_argument("--server", help="upload the profile to this autotune server (token: AUTOTUNE_TOKEN)")
     p.set_defaults(run=run_probe)

@@ -103,6 +103,9 @@ def _refusals(tmp: Path, url: str) -> list[tuple[list[str], str]]:
         ([*estimate, "--device-kind", "cpu", "--budget", "0.5"], "'0.5' is less than one byte"),
         ([*estimate, "--device-kind", "cpu", "--budget", "-5MiB"], "cannot read '-5MiB' as a size"),
         ([*probe, "--output", str(folder)], "is a folder: give a file name"),
+        # A folder that does not exist yet, named by its separator (issue 62: a file "profiles" was written).
+        ([*probe, "--output", "not-yet-there/"], "'not-yet-there/' names a folder: give a file name"),
+        ([*estimate, "--device-kind", "cpu", "--budget", "8MiB", "--output", "out/"], "'out/' names a folder"),
         ([*probe, "--output", str(a_file / "p.json")], "is a file, not a folder"),
         ([*probe, "--server", "not-a-url"], "'not-a-url' is not a server URL"),
         ([*on_cpu, "--server", "ftp://host"], "'ftp://host' is not a server URL"),
