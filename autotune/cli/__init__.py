@@ -4,7 +4,7 @@ One module per command group (probe, estimate, fleet, service, store) adds its s
 module holds only ``main``. Every input is checked before any work starts (``autotune.cli.inputs``), and every
 failure a user can cause ends in one line on stderr and the exit status of one table for every command
 (``autotune.core.errors.ExitCode``: 0 ok, 1 failed, 2 usage or input, 3 server unreachable, 4 nothing fits,
-5 nothing stored), never a traceback (AUTOTUNE_DEBUG=1 shows it). Torch, the server and the client are imported
+5 nothing stored, 141 the reader closed the output early), never a traceback (AUTOTUNE_DEBUG=1 shows it). Torch, the server and the client are imported
 only by the commands that need them, so `autotune serve` runs in the service image without torch.
 """
 
