@@ -120,13 +120,14 @@ def _run_block(block: Block, server: LiveServer, scratch: Path) -> list[tuple[St
         if argv[0] == "serve":
             code, printed = _serve(argv, folder, {k: v for k, v in command_env.items() if k != "AUTOTUNE_DATABASE_URL"})
         else:
-            done = subprocess.run(
-                [*_autotune(), *argv], cwd=folder, env=command_env, capture_output=True, text=True,
-                timeout=TIMEOUT_SECONDS,
-            )  # fmt: skip
-            code, printed = done.returncode, done.stdout + done.stderr
-            if "> " in f"{step.after} " and done.returncode == 0:  # `> estimate.json`: the shell's redirection
-                (folder / step.after.split(">", 1)[1].strip()).write_text(done.stdout)
+            redirected = step.after.split(">", 1)[1].strip() if step.after.startswith(">") else None
+            with open(folder / redirected, "w") if redirected else open(os.devnull, "w") as into:
+                done = subprocess.run(
+                    [*_autotune(), *argv], cwd=folder, env=command_env, text=True, timeout=TIMEOUT_SECONDS,
+                    stdout=into if redirected else subprocess.PIPE,  # `> estimate.json`: the shell's redirection
+                    stderr=subprocess.STDOUT if not redirected else subprocess.PIPE,  # as a terminal shows them
+                )  # fmt: skip
+            code, printed = done.returncode, (done.stdout or "") + (done.stderr or "")
         seconds = time.perf_counter() - started
         if argv[0] in ("suggest", "profiles") and code == 5:  # a fresh store: the page's profile is not in it
             verdict = "nothing stored here"

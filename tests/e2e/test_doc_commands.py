@@ -86,7 +86,8 @@ def _run(step: Step, folder: Path, env: dict[str, str], server: str) -> subproce
         [*autotune_command(), *_arguments(step, command_env, server)],
         cwd=folder,
         env=command_env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one stream, in the order a terminal shows it
         text=True,
         timeout=TIMEOUT_SECONDS,
     )
@@ -179,7 +180,7 @@ def _masked(text: str) -> list[str]:
 
 
 def _compared(step: Step, done: subprocess.CompletedProcess[str]) -> None:
-    printed = done.stdout + done.stderr + (f"{done.returncode}\n" if "echo $?" in step.after else "")
+    printed = done.stdout + (f"{done.returncode}\n" if "echo $?" in step.after else "")
     shown = _masked("\n".join(step.shown))
     lines = _masked(printed)
     assert lines == shown, f"{step.where}: the page shows\n" + "\n".join(shown) + "\nthe command prints\n" + printed
