@@ -4,8 +4,9 @@ One module per command group (probe, estimate, fleet, service, store) adds its s
 module holds only ``main``. Every input is checked before any work starts (``autotune.cli.inputs``), and every
 failure a user can cause ends in one line on stderr and the exit status of one table for every command
 (``autotune.core.errors.ExitCode``: 0 ok, 1 failed, 2 usage or input, 3 server unreachable, 4 nothing fits,
-5 nothing stored), never a traceback (AUTOTUNE_DEBUG=1 shows it). Torch, the server and the client are imported
-only by the commands that need them, so `autotune serve` runs in the service image without torch.
+5 nothing stored, 141 the reader closed the output early), never a traceback (AUTOTUNE_DEBUG=1 shows it). Torch,
+the server and the client are imported only by the commands that need them, so `autotune serve` runs in the service
+image without torch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def _pipe_closed() -> int:
+    """The reader of the output went away (``autotune profiles ls | head -1``): stop without a word, as a Unix tool
+    ended by SIGPIPE does. What is still buffered for the closed pipe goes to /dev/null, so that the interpreter's
+    own flush at exit does not fail on it (Python's docs, "Note on SIGPIPE")."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except (OSError, ValueError):  # a stream without a descriptor (a test's capture): nothing left to flush
+                pass
+    return ExitCode.PIPE_CLOSED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `autotune` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -48,7 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         apply_recipe(args, argv)  # --recipe FILE: its job's flags, before they are checked as typed ones are
         check_inputs(args)
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a closed pipe is found here for what is still buffered, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _pipe_closed()
     except KeyboardInterrupt:
         print("autotune: interrupted", file=sys.stderr)
         return 130

@@ -32,7 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from autotune.cli.report import datasheet, trial_line
 from autotune.core.errors import ExitCode
 from autotune.core.plan import micro_batches_text
-from autotune.core.schemas import Profile, Suggestion
+from autotune.core.schemas import Profile, Suggestion, shown_fingerprint
 from autotune.core.units import format_bytes
 from autotune_client._client import TunerClient
 from autotune_client._models import ProfileSummary, StoredProfile
@@ -184,7 +184,7 @@ def _row(summary: ProfileSummary) -> str:
     host = f"host budget {format_bytes(summary.host_budget_bytes)}" if summary.host_budget_bytes else ""
     setup = ", ".join(filter(None, [summary.mesh, host]))
     return (
-        f"{summary.id:>6}  {summary.fingerprint[:12]:<12}  {summary.task[:20]:<20}  "
+        f"{summary.id:>6}  {shown_fingerprint(summary.fingerprint):<16}  {summary.task[:20]:<20}  "
         f"{summary.device_name[:28]:<28}  {summary.precision:<5}  {kind[:10]:<10}  {summary.source[:8]:<8}  "
         f"{summary.max_micro_batch:>7}  {created}" + (f"  {setup}" if setup else "")
     )
@@ -193,7 +193,8 @@ def _row(summary: ProfileSummary) -> str:
 def _describe(stored: StoredProfile) -> str:
     """The probe's own datasheet (one text for both), headed by the stored id, with every trial."""
     p = stored.profile
-    trials = "\n".join(f"    {trial_line(t, p.limit_bytes)}" for t in p.trials)
+    memory = "the card" if p.source == "estimate" and p.device.kind == "cuda" else "the budget"
+    trials = "\n".join(f"    {trial_line(t, p.limit_bytes, memory=memory)}" for t in p.trials)
     # The store's own warnings first: a profile that contradicts its trials is never used by /suggest.
     store = "".join(f"  store warning: {w}\n" for w in stored.warnings)
     return (
@@ -236,7 +237,7 @@ def profiles_command(
                     print(json.dumps([s.model_dump(mode="json") for s in stored]), file=out)
                 else:
                     header = (
-                        f"{'id':>6}  {'fingerprint':<12}  {'task':<20}  {'device':<28}  "
+                        f"{'id':>6}  {'fingerprint':<16}  {'task':<20}  {'device':<28}  "
                         f"{'prec':<5}  {'strategy':<10}  {'source':<8}  {'m_max':>7}  created"
                     )
                     print("\n".join([header, *(_row(s) for s in stored)]), file=out)

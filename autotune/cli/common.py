@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 from autotune.core.errors import ExitCode
@@ -20,6 +22,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_NO_FIT",
     "EXIT_USAGE",
+    "TASK_HELP",
     "CliError",
     "ExitCode",
     "Parser",
@@ -37,6 +40,7 @@ __all__ = [
     "mesh_of",
     "micro_batch_cap",
     "non_negative_int",
+    "output_file",
     "port",
     "positive_int",
     "positive_int_list",
@@ -144,6 +148,17 @@ def size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def output_file(text: str) -> Path:
+    """--output of probe and estimate: a file's name. One ending in a separator names a folder, refused here: the
+    folder need not exist yet, and Path() would drop the separator (a file called "profiles" would be written)."""
+    if text.endswith(("/", os.sep)):
+        folder = text.rstrip("/" + os.sep) or text
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names a folder: give a file name, e.g. {str(Path(folder) / 'profile.json')!r}"
+        )
+    return Path(text)
 
 
 def headroom(text: str) -> float:
@@ -353,6 +368,13 @@ def task_spec(spec: str, args: argparse.Namespace) -> str:
         zero_grad=getattr(args, "zero_grad", None),
         **finetune,
     )
+
+
+# The task argument's help, for every command that loads a task.
+TASK_HELP = (
+    "path/to/file.py:name or package.module:name (a ProbeTask), or hf:PATH: a Hugging Face config.json or a "
+    "folder holding one, read locally and built with random weights (e.g. hf:examples/configs/tiny-llama.json)"
+)
 
 
 class Parser(argparse.ArgumentParser):

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.cli.common import (
+    TASK_HELP,
     check_seq_len_options,
     finite_positive,
     non_negative_int,
+    output_file,
     positive_int,
     positive_int_list,
     size,
@@ -35,7 +36,7 @@ def add_parsers(sub: Any) -> None:
         "estimate",
         help="estimate the largest micro-batch for a budget with fake tensors (no device memory used)",
     )
-    e.add_argument("task", nargs="?", help="path/to/file.py:name or package.module:name (a ProbeTask), or hf:PATH")
+    e.add_argument("task", nargs="?", help=TASK_HELP)
     add_recipe_options(e)
     e.add_argument("--device-kind", choices=["cpu", "cuda"], default="cuda", help="the card's kind (default cuda)")
     e.add_argument(
@@ -50,7 +51,7 @@ def add_parsers(sub: Any) -> None:
         help="what the recommended: line of several --ac policies optimizes: memory (default: the fewest steps) or "
         "throughput (the most samples per second per GPU, as predicted on a --gpu card)",
     )
-    e.add_argument("--output", type=Path, help="also write the profile JSON to this file")
+    e.add_argument("--output", type=output_file, help="also write the profile JSON to this file")
     e.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     e.add_argument("--server", help="upload the estimate to this autotune server (token: AUTOTUNE_TOKEN)")
     e.add_argument(
@@ -87,7 +88,7 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--estimate-bound",
         choices=("safe", "tight"),
-        default="safe",
+        default=None,  # not given: safe; given without --gpu: refused (autotune.cli.inputs)
         help="with --gpu: safe (the default) adds a stated upper bound for what the card's figure does not model "
         "(NCCL's buffers, for more than one rank), so that the answer never promises more than the card holds; "
         "tight adds nothing (docs/cuda-estimates.md)",
@@ -186,12 +187,13 @@ def estimate_config(
         device_name=device_name,
         context_bytes=args.context_bytes,
         micro_batches=tuple(micro_batches),
-        estimate_bound=getattr(args, "estimate_bound", "safe"),
+        estimate_bound=getattr(args, "estimate_bound", None) or "safe",
         figures=figures_of(args),
     )
 
 
 def run_estimate(args: argparse.Namespace) -> int:
+    from autotune.cli.inputs import check_task
     from autotune.tasks.load import load_task
 
     config = estimate_config(
@@ -206,6 +208,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     config.validate()  # a missing budget is refused before the task is even loaded
     check_seq_len_options(args)
     task = load_task(task_spec(args.task, args))
+    check_task(args, task)
     routing, _ = moe_routing_of(task, args)
     with routing:
         return _estimate_task(args, config, task)
@@ -221,8 +224,7 @@ def single_step_not_estimated(profile: Profile) -> None:
     per_replica, rest = divmod(plan.target_batch, plan.world_size)
     if rest or per_replica % profile.multiple_of or per_replica > profile.micro_batch_cap:
         return
-    fit = profile.fit  # the activations alone above the limit: one gradient set less cannot make it fit
-    if fit is not None and fit.bytes_per_sample * per_replica > profile.limit_bytes:
+    if not _single_step_may_fit(profile, per_replica):
         return
     profile.warnings.append(
         f"target {plan.target_batch} would be micro-batch {per_replica} per replica in one step (A = 1), above the "
@@ -230,6 +232,28 @@ def single_step_not_estimated(profile: Profile) -> None:
         "but fake trials estimate the accumulating job only, so the plan accumulates; `autotune probe` with the "
         "target measures the single step on the device"
     )
+
+
+def _single_step_may_fit(profile: Profile, micro_batch: int) -> bool:
+    """Whether the estimate's own figures leave room for a single step at micro_batch: what it saves against the
+    accumulating step is at most one gradient set (the breakdown's gradients at the peak, else the fit's fixed
+    bytes, which hold them), and the accumulating peak at micro_batch is at least the fit's prediction and the
+    peak of any larger size tried below it (a fake trial over the card reads the card's memory: a floor too).
+    Advice past that would propose what the figures already rule out (issue 62: "a single step at micro-batch 16
+    per replica" where m = 1 held 54.64 GiB of an 80 GiB card)."""
+    fit = profile.fit
+    at_m_max = [b for b in profile.breakdown or [] if b.micro_batch == profile.max_micro_batch]
+    gradients = [b.parts.get("gradients", 0) for b in at_m_max]
+    if gradients:
+        saved = max(gradients)
+    elif fit is not None:
+        saved = max(0, int(fit.fixed_bytes))
+    else:
+        return True  # nothing says what a single step saves
+    floors = [t.peak_bytes for t in profile.trials if not t.fits and t.micro_batch <= micro_batch]
+    if fit is not None:
+        floors.append(int(fit.fixed_bytes + fit.bytes_per_sample * micro_batch))
+    return not floors or max(floors) - saved <= profile.limit_bytes
 
 
 def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
@@ -242,8 +266,10 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
     target = config.device_name if config.card else args.device_kind
     print(f"estimating {task.name} for {target} with fake tensors ...", file=sys.stderr)
 
+    memory = "the card" if config.card else "the budget"
+
     def progress(trial: Any) -> None:
-        print(trial_line(trial, limit), file=sys.stderr, flush=True)
+        print(trial_line(trial, limit, memory=memory), file=sys.stderr, flush=True)
 
     def run(t: Any, c: Any) -> list[Any]:
         if lengths and c.card is not None:  # every length's emulated search in one child

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.common import EXIT_FAILED, CliError, non_negative_int, size, task_spec
+from autotune.cli.common import EXIT_FAILED, TASK_HELP, CliError, non_negative_int, size, task_spec
 from autotune.cli.policies import policies_of, with_policies
 from autotune.cli.probe import add_probe_options, config_from_args
 
@@ -69,7 +69,7 @@ def add_parsers(sub: Any) -> None:
         help="probe tasks on every GPU kind (or budget) as Ray tasks and upload the profiles",
         conflict_handler="resolve",
     )
-    p.add_argument("tasks", nargs="+", metavar="TASK", help="path/to/file.py:name or package.module:name")
+    p.add_argument("tasks", nargs="+", metavar="TASK", help=TASK_HELP)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--accelerators", help="Ray accelerator types, one GPU of each per task: H100,A100,L4")
     where.add_argument("--device", choices=["cpu", "cuda"], help="any node's CPU (needs --budget) or any GPU")

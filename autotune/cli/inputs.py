@@ -15,6 +15,7 @@ import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from autotune.cli.common import CliError
@@ -22,7 +23,7 @@ from autotune.core.compositions import Dimensions, refuse_composition
 from autotune.core.units import format_bytes
 from autotune.tasks.tp_plan import tp_plan_refusal
 
-__all__ = ["check_inputs"]
+__all__ = ["check_inputs", "check_task"]
 
 # The commands that upload what they make to --server (a write, which the server takes only with a token).
 _UPLOADERS = ("probe", "estimate", "fleet")
@@ -43,6 +44,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_budget_on_cards(args)
     _check_database_url(args)
     _check_verify_sizes(args)
+    _check_mesh(args)
     _check_composition(args)
     _check_tp_plan(args)
 
@@ -58,16 +60,37 @@ def _check_tp_plan(args: argparse.Namespace) -> None:
         raise CliError(refusal)
 
 
-def _check_composition(args: argparse.Namespace) -> None:
-    """The flags' dimensions, asked of the one composition table (autotune/core/compositions.py) before any task
-    loads: what needs the task (the optimizer's library, LoRA in a spec) is asked again where it is known."""
-    command = getattr(args, "command", None)
-    suggest = command == "suggest"  # a query: None is the fingerprint's compile and offload, not "eager"/"none"
+def check_task(args: argparse.Namespace, task: Any) -> None:
+    """The rows of the composition table that read the model (its heads, key/value heads, blocks, family:
+    autotune/core/compositions.py), asked once the command has loaded the task and before its first trial: one line
+    naming the flag and the model's number, exit 2.
+
+    Raises:
+        CliError: the first row that refuses the flags' mesh on this model.
+    """
+    dims = _dimensions(args)
+    if dims.trivial_mesh and dims.tp_plan is None:
+        return
+    from autotune.measure.model_shape import model_shape
+
+    own_plan = task.tp_plan if isinstance(task.tp_plan, str) else None
+    dims = dims.replace(
+        seq_lens=dims.seq_lens or ((task.seq_len,) if task.seq_len else ()),
+        tp_plan=dims.tp_plan or own_plan,
+        model=model_shape(task),
+    )
+    refuse_composition(dims, CliError)
+
+
+def _dimensions(args: argparse.Namespace) -> Dimensions:
+    """The flags' dimensions for the composition table (what a flag leaves unsaid, unknown)."""
+    suggest = getattr(args, "command", None) == "suggest"  # a query: None is the fingerprint's compile and offload
     policies = getattr(args, "ac", None)
     if isinstance(policies, str):
         policies = [policies]
     budgets = [policy for policy in policies or () if policy.startswith("budget:")]
-    dims = Dimensions(
+    lengths = getattr(args, "seq_len", None)
+    return Dimensions(
         strategy=getattr(args, "strategy", None) or "ddp",
         world_size=getattr(args, "world_size", None) or 1,
         tp=getattr(args, "tp", None) or 1,
@@ -82,9 +105,32 @@ def _check_composition(args: argparse.Namespace) -> None:
         precision=getattr(args, "precision", None),
         weights_dtype=getattr(args, "weights_dtype", None),
         lm_loss=getattr(args, "loss", None) or "plain",
+        seq_lens=tuple(lengths) if isinstance(lengths, list) else (),
+        tp_plan=getattr(args, "tp_plan", None),
     )
+
+
+def _check_mesh(args: argparse.Namespace) -> None:
+    """The mesh flags on their own (the schedule's rules, W a multiple of tp x pp x cp), before the model's rows
+    (:func:`check_task`) can be asked."""
+    if getattr(args, "command", None) not in ("probe", "estimate"):
+        return
+    from autotune.cli.common import mesh_of
+    from autotune.core.errors import AutotuneError
+
+    try:
+        mesh_of(args).validate(getattr(args, "world_size", None) or 1)
+    except AutotuneError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _check_composition(args: argparse.Namespace) -> None:
+    """The flags' dimensions, asked of the one composition table (autotune/core/compositions.py) before any task
+    loads: what needs the task (the optimizer's library, LoRA in a spec, the model's shape: :func:`check_task`) is
+    asked again where it is known."""
+    command = getattr(args, "command", None)
     if command in ("probe", "estimate", "fleet", "suggest"):
-        refuse_composition(dims, CliError)
+        refuse_composition(_dimensions(args), CliError)
     if getattr(args, "host_budget", None) is not None and command not in ("probe", "suggest"):
         raise CliError(
             "--host-budget applies to autotune probe: an estimate reports the host's bytes with --offload but "
@@ -173,17 +219,31 @@ def _check_micro_batches(args: argparse.Namespace) -> None:
 
 
 def _check_gpu_memory(args: argparse.Namespace) -> None:
-    """--gpu-memory: the memory of the card --gpu names, and a card whose architecture can be placed."""
+    """--gpu-memory and --estimate-bound: the memory and the bound of the card --gpu names (a card whose
+    architecture can be placed and that a device of it can have is _known_cards's to say)."""
+    gpu = getattr(args, "gpu", None)
+    bound = getattr(args, "estimate_bound", None)
+    if bound is not None and not gpu:
+        raise CliError(
+            f"--estimate-bound {bound} bounds what an estimate for a card does not model: give --gpu NAME "
+            "(autotune gpus lists them)"
+        )
     gpu_memory = getattr(args, "gpu_memory", None)
     if gpu_memory is None:
         return
-    gpu = getattr(args, "gpu", None)
     if not gpu:
         raise CliError(
             f"--gpu-memory {format_bytes(gpu_memory)} is the memory of the card --gpu names: give --gpu NAME"
         )
     if gpu_memory <= 0:
         raise CliError(f"--gpu-memory {gpu_memory}: a card's memory is above 0 bytes")
+    from autotune.core.cards import resolve_card
+
+    for name in [gpu] if isinstance(gpu, str) else gpu:  # estimate: a name; fleet: the list card_list made
+        try:
+            resolve_card(name, gpu_memory)
+        except ValueError as exc:  # no family in the name, or memory no device of its architecture has
+            raise CliError(f"--gpu {name!r} --gpu-memory {format_bytes(gpu_memory)}: {exc}") from None
 
 
 def _check_budget_on_cards(args: argparse.Namespace) -> None:

@@ -6,11 +6,11 @@ import argparse
 import math
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from autotune.cli.common import (
     EXIT_FAILED,
+    TASK_HELP,
     CliError,
     add_mesh_options,
     add_seq_len_options,
@@ -23,6 +23,7 @@ from autotune.cli.common import (
     loss_name,
     mesh_of,
     micro_batch_cap,
+    output_file,
     positive_int,
     seq_len,
     size,
@@ -237,17 +238,17 @@ def config_from_args(args: argparse.Namespace, device: str) -> Any:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("probe", help="measure the largest micro-batch that fits and plan the target batch")
-    p.add_argument("task", nargs="?", help="path/to/file.py:name or package.module:name (a ProbeTask), or hf:PATH")
+    p.add_argument("task", nargs="?", help=TASK_HELP)
     add_recipe_options(p)
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | all | auto (default)")
     add_probe_options(p)
-    p.add_argument("--output", type=Path, help="also write the profile JSON to this file")
+    p.add_argument("--output", type=output_file, help="also write the profile JSON to this file")
     p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     p.add_argument("--server", help="upload the profile to this autotune server (token: AUTOTUNE_TOKEN)")
     p.set_defaults(run=run_probe)
 
     v = sub.add_parser("verify", help="prove that accumulation reproduces the big-batch gradient")
-    v.add_argument("task")
+    v.add_argument("task", help=TASK_HELP)
     v.add_argument("--target-batch", type=positive_int)
     v.add_argument("--micro-batch", type=positive_int)
     v.add_argument("--tolerance", type=finite_positive)
@@ -257,11 +258,13 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
+    from autotune.cli.inputs import check_task
     from autotune.tasks.load import load_task
 
     check_seq_len_options(args)
     spec = task_spec(args.task, args)
     task = load_task(spec)
+    check_task(args, task)
     routing, _ = moe_routing_of(task, args)
     with routing:
         return _probe_task(args, spec, task)

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 from autotune.core.plan import micro_batches_text
-from autotune.core.schemas import ATTENTION_NOTE, MEMORY_PART_LABELS, MemoryBreakdown, Profile, Throughput, Trial
+from autotune.core.schemas import (
+    ATTENTION_NOTE,
+    MEMORY_PART_LABELS,
+    Device,
+    LongestSeqLen,
+    MemoryBreakdown,
+    Profile,
+    Throughput,
+    Trial,
+    shown_fingerprint,
+)
 from autotune.core.units import format_bytes
 from autotune.measure.fragmentation import gap_advice
 
 __all__ = [
     "datasheet",
+    "device_text",
     "finetune_lines",
     "loss_lines",
     "lengths_datasheet",
+    "longest_line",
     "offload_lines",
     "strategy_text",
     "trial_counts",
@@ -39,8 +51,16 @@ def _policy_text(policy: str) -> str:
     return f"{policy} (every block op by op, keeping the outputs of {policy.removeprefix('op:').replace('/', ', ')})"
 
 
-def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
-    """One progress line: m, peak, verdict, time."""
+def trial_line(trial: Trial, limit_bytes: int | None = None, *, memory: str = "the budget") -> str:
+    """One progress line: the length where a run over lengths reported it, m, peak, verdict, time.
+
+    A fake trial that ran out of memory has neither a peak (what it records is the memory it was given, the card's
+    on an emulated card) nor a time worth a column: it says only that it is over ``memory`` ("the card" for an
+    estimate on a card).
+    """
+    length = "" if trial.reported_length is None else f"L={trial.reported_length:<6d} "
+    if trial.fake and trial.oom:
+        return f"trial {length}m={trial.micro_batch:<6d} over {memory} (a fake trial: out of memory)"
     verdict = "OOM" if trial.oom else ("fits" if trial.fits else "over limit")
     if verdict == "over limit" and limit_bytes and trial.peak_bytes <= limit_bytes and trial.host_peak_bytes:
         verdict = "over host budget"  # --host-budget (autotune/measure/offload.py)
@@ -49,9 +69,17 @@ def trial_line(trial: Trial, limit_bytes: int | None = None) -> str:
     share = f" ({100 * trial.peak_bytes / limit_bytes:5.1f}% of limit)" if limit_bytes and not trial.oom else ""
     host = "" if trial.host_peak_bytes is None else f"  host {format_bytes(trial.host_peak_bytes):>11}"
     return (
-        f"trial m={trial.micro_batch:<6d} peak {format_bytes(trial.peak_bytes):>11}{share}  "
+        f"trial {length}m={trial.micro_batch:<6d} peak {format_bytes(trial.peak_bytes):>11}{share}  "
         f"{verdict:<15} {trial.seconds:6.2f}s{host}"
     )
+
+
+def device_text(device: Device) -> str:
+    """The device as the datasheet names it: its name, and its kind and index where the name does not already say
+    them ("NVIDIA H100 80GB HBM3 (cuda:0)", "cpu", "cpu (estimate)", never "cpu (estimate) (cpu)")."""
+    where = f"{device.kind}{'' if device.index is None else f':{device.index}'}"
+    says_kind = device.name.split(" ", 1)[0].lower() == device.kind
+    return device.name if says_kind and device.index is None else f"{device.name} ({where})"
 
 
 def strategy_text(profile: Profile) -> str:
@@ -216,8 +244,8 @@ def datasheet(profile: Profile) -> str:
     dev = profile.device
     lines = [
         f"autotune datasheet: {profile.task}",
-        f"  fingerprint      {profile.fingerprint[:16]}",
-        f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
+        f"  fingerprint      {shown_fingerprint(profile.fingerprint)}",
+        f"  device           {device_text(dev)}",
         f"  precision        {profile.precision}",
         *finetune_lines(profile),
         *([f"  compiled         torch.compile mode {profile.tags['compile']}"] if "compile" in profile.tags else []),
@@ -321,6 +349,40 @@ def _plan_text(profile: Profile) -> str:
     return text + ("" if plan.exact else f" (target {plan.target_batch}, not exact)")
 
 
+def _longest_lengths_parts(group: list[Profile]) -> list[str]:
+    """Under one heading per length: each length's predicted (or timed) updates, and the levers and the breakdown of
+    the longest length that has each (every length's are in --json)."""
+    with_levers = [p for p in group if p.levers is not None]
+    broken_down = [p for p in group if p.breakdown]
+    lines: list[str] = []
+    for p in sorted(group, key=lambda p: p.seq_len or 0):
+        rows = [row for timing in p.throughput or [] for row in throughput_rows(timing, p.pipeline is not None)]
+        if with_levers and p is with_levers[-1]:
+            rows += lever_lines(p)
+        if broken_down and p is broken_down[-1]:
+            rows += breakdown_lines(p)
+        if rows:
+            lines += [f"  at L={p.seq_len}:", *rows]
+    return lines
+
+
+# What stopped the longest-length search, as the datasheet says it.
+_LIMITED_BY = {
+    "memory": "memory: the next length does not fit",
+    "cap": "the cap, --max-seq-len",
+    "model": "the model: it takes no longer sequence",
+}
+
+
+def longest_line(longest: LongestSeqLen) -> str:
+    """The longest length that fits at m = multiple_of, and what limited it."""
+    return (
+        f"  longest L at m={longest.micro_batch}: {longest.seq_len} "
+        f"({format_bytes(longest.peak_bytes)}; limited by {_LIMITED_BY[longest.limited_by]})"
+        + (f": {longest.note}" if longest.note else "")
+    )
+
+
 def lengths_datasheet(profiles: list[Profile]) -> str:
     """The profiles of one run over sequence lengths as one table (per memory policy where several
     ran): L, m_max, tokens per micro-batch, the plan, real and fake trials; then the longest length
@@ -329,8 +391,8 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
     dev = first.device
     lines = [
         f"autotune datasheet: {first.task} over sequence lengths",
-        f"  fingerprint      {first.fingerprint[:16]} (every length)",
-        f"  device           {dev.name} ({dev.kind}{'' if dev.index is None else f':{dev.index}'})",
+        f"  fingerprint      {shown_fingerprint(first.fingerprint)} (every length)",
+        f"  device           {device_text(dev)}",
         f"  precision        {first.precision}",
         *finetune_lines(first),
         *loss_lines(first),
@@ -350,26 +412,10 @@ def lengths_datasheet(profiles: list[Profile]) -> str:
             lines.append(
                 f"  {p.seq_len or '-':>8}  {p.max_micro_batch:>6}  {tokens:>18}  {_plan_text(p):<28}  {trial_counts(p)}"
             )
-        for p in group:  # each length's predicted (or timed) updates
-            timings = [row for timing in p.throughput or [] for row in throughput_rows(timing, p.pipeline is not None)]
-            if timings:
-                lines += [f"  at L={p.seq_len}:", *timings]
-        with_levers = [p for p in group if p.levers is not None]
-        if with_levers:
-            lines += [f"  at L={with_levers[-1].seq_len}:", *lever_lines(with_levers[-1])]
-        broken_down = [p for p in group if p.breakdown]
-        if broken_down:  # the longest length's (each length's is in --json)
-            shown = broken_down[-1]
-            lines += [f"  at L={shown.seq_len}:", *breakdown_lines(shown)]
+        lines += _longest_lengths_parts(group)
         surface = group[0].surface
         if surface is not None and surface.longest is not None:
-            longest = surface.longest
-            why = {"memory": "the next length does not fit", "cap": "the cap", "model": "the model refuses longer"}
-            lines.append(
-                f"  longest L at m={longest.micro_batch}: {longest.seq_len} "
-                f"({format_bytes(longest.peak_bytes)}; limited by {why[longest.limited_by]})"
-                + (f": {longest.note}" if longest.note else "")
-            )
+            lines.append(longest_line(surface.longest))
         if surface is not None:
             lines.append(
                 f"  surface          {len(surface.pieces)} pieces over L {surface.covered[0]}..{surface.covered[1]}, "

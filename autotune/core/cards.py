@@ -42,6 +42,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from autotune.core.units import format_bytes
+
 __all__ = [
     "ALIASES",
     "ARCHITECTURES",
@@ -90,20 +92,53 @@ class Architecture:
     # unlisted card given more (--gpu-memory 1TiB) is no card at all, and its estimate would promise what none
     # holds.
     max_memory_bytes: int = 0
+    # The least memory any device of the architecture presents to a process (its smallest card, or its smallest
+    # MIG instance where the architecture has MIG: a slice is what torch sees there), the data sheet's decimal GB
+    # rounded down to a GiB; and that device, for the refusal's line. Less (--gpu-memory 1KiB) is no card at all.
+    min_memory_bytes: int = 0
+    min_memory_device: str = ""
 
 
 ARCHITECTURES = {
     arch.compute_capability: arch
     for arch in (
-        Architecture((7, 0), 2048, 32, 96 * KiB, 96 * KiB, 0, max_memory_bytes=32 * 2**30),  # Volta: V100 32GB
-        Architecture((7, 5), 1024, 16, 64 * KiB, 64 * KiB, 0, max_memory_bytes=48 * 2**30),  # Turing: RTX 8000
-        Architecture((8, 0), 2048, 32, 164 * KiB, 163 * KiB, 1024, max_memory_bytes=80 * 2**30),  # A100 80GB
-        Architecture((8, 6), 1536, 16, 100 * KiB, 99 * KiB, 1024, max_memory_bytes=48 * 2**30),  # GA10x: A6000
-        Architecture((8, 9), 1536, 24, 100 * KiB, 99 * KiB, 1024, max_memory_bytes=48 * 2**30),  # Ada: L40S
-        Architecture((9, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024, max_memory_bytes=144 * 2**30),  # Hopper: GH200
-        Architecture((10, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024, max_memory_bytes=288 * 2**30),  # Blackwell: B300
+        # Volta: V100 32GB; TITAN V (12 GB HBM2).
+        Architecture(
+            (7, 0), 2048, 32, 96 * KiB, 96 * KiB, 0, max_memory_bytes=32 * 2**30,
+            min_memory_bytes=11 * 2**30, min_memory_device="TITAN V, 12 GB",
+        ),
+        # Turing: Quadro RTX 8000; T400 (2 GB GDDR6).
+        Architecture(
+            (7, 5), 1024, 16, 64 * KiB, 64 * KiB, 0, max_memory_bytes=48 * 2**30,
+            min_memory_bytes=1 * 2**30, min_memory_device="NVIDIA T400, 2 GB",
+        ),
+        # A100 80GB; the A100 40GB's MIG 1g.5gb instance (NVIDIA MIG User Guide, supported profiles).
+        Architecture(
+            (8, 0), 2048, 32, 164 * KiB, 163 * KiB, 1024, max_memory_bytes=80 * 2**30,
+            min_memory_bytes=4 * 2**30, min_memory_device="A100 40GB MIG 1g.5gb, 5 GB",
+        ),
+        # GA10x: RTX A6000; GeForce MX570 (2 GB GDDR6).
+        Architecture(
+            (8, 6), 1536, 16, 100 * KiB, 99 * KiB, 1024, max_memory_bytes=48 * 2**30,
+            min_memory_bytes=1 * 2**30, min_memory_device="GeForce MX570, 2 GB",
+        ),
+        # Ada: L40S; GeForce RTX 4050 Laptop GPU (6 GB GDDR6).
+        Architecture(
+            (8, 9), 1536, 24, 100 * KiB, 99 * KiB, 1024, max_memory_bytes=48 * 2**30,
+            min_memory_bytes=5 * 2**30, min_memory_device="GeForce RTX 4050 Laptop GPU, 6 GB",
+        ),
+        # Hopper: GH200; the H100's MIG 1g.10gb instance (NVIDIA MIG User Guide, supported profiles).
+        Architecture(
+            (9, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024, max_memory_bytes=144 * 2**30,
+            min_memory_bytes=9 * 2**30, min_memory_device="H100 MIG 1g.10gb, 10 GB",
+        ),
+        # Blackwell: B300; the B200's MIG 1g.23gb instance (NVIDIA MIG User Guide, supported profiles).
+        Architecture(
+            (10, 0), 2048, 32, 228 * KiB, 227 * KiB, 1024, max_memory_bytes=288 * 2**30,
+            min_memory_bytes=21 * 2**30, min_memory_device="B200 MIG 1g.23gb, 23 GB",
+        ),
     )
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -590,11 +625,28 @@ def outside_allocator_stand_in(card: Card) -> OutsideAllocator:
     (876, False)
     >>> "163840 resident threads against the H200's 270336" in stand_in.source
     True
+    >>> "against" in outside_allocator_stand_in(lookup("h100")).source  # the H200's capability and threads
+    False
     """
     measured = OUTSIDE_ALLOCATOR[_MEASURED_OUTSIDE]
     h200 = lookup(_MEASURED_OUTSIDE[0])
     if card.short_name == h200.short_name:
         return measured
+    # What differs from the H200, said only where it does (an H100 has the H200's capability and threads).
+    differ = []
+    if card.capability != h200.capability:
+        differ.append(f"compute capability {card.capability} against the H200's {h200.capability}")
+    if card.resident_threads != h200.resident_threads:
+        differ.append(
+            f"{card.resident_threads} resident threads against the H200's {h200.resident_threads}, each with the "
+            "driver's per-thread local memory"
+        )
+    why = (
+        f"the context and the modules differ per card ({', and '.join(differ)})"
+        if differ
+        else f"its compute capability ({card.capability}) and resident threads ({card.resident_threads}) are the "
+        "H200's, so the context should be close, but its modules and driver are not measured"
+    )
     return OutsideAllocator(
         bytes=measured.bytes,
         low_bytes=measured.low_bytes,
@@ -602,9 +654,7 @@ def outside_allocator_stand_in(card: Card) -> OutsideAllocator:
         measured=False,
         source=(
             f"assumed: the H200's figure (torch {_MEASURED_OUTSIDE[1]}, CUDA {_MEASURED_OUTSIDE[2]}), not measured "
-            f"on a {card.short_name}: the context and the modules differ per card (compute capability "
-            f"{card.capability} against the H200's 9.0, and {card.resident_threads} resident threads against the "
-            f"H200's {h200.resident_threads}, each with the driver's per-thread local memory)"
+            f"on a {card.short_name}: {why}"
         ),
     )
 
@@ -666,6 +716,25 @@ def closest_card(name: str, memory_bytes: int) -> Card:
     )
 
 
+def _closest_within_architecture(name: str, memory_bytes: int) -> Card:
+    """:func:`closest_card`, where a device of its architecture can have memory_bytes (ValueError otherwise)."""
+    like = closest_card(name, memory_bytes)
+    architecture = like.architecture
+    most, least = architecture.max_memory_bytes, architecture.min_memory_bytes
+    if most and memory_bytes > most:
+        raise ValueError(
+            f"card {name!r} with {format_bytes(memory_bytes)}: no card of its architecture (compute capability "
+            f"{like.capability}, like the {like.short_name}) ships more than {most // 2**30} GiB"
+        )
+    if memory_bytes < least:
+        raise ValueError(
+            f"card {name!r} with {format_bytes(memory_bytes)}: no device of its architecture (compute capability "
+            f"{like.capability}, like the {like.short_name}) has less than {least // 2**30} GiB (the smallest: "
+            f"{architecture.min_memory_device})"
+        )
+    return like
+
+
 def unlisted_card(name: str, memory_bytes: int) -> Card:
     """A card the catalog lacks, by its name and memory (``--gpu NAME --gpu-memory 96GiB``): the memory as
     given, read as NVML's total and as CUDA's ``total_memory``; compute capability, SMs, L2 and bus from
@@ -673,7 +742,8 @@ def unlisted_card(name: str, memory_bytes: int) -> Card:
     architecture was assumed.
 
     Raises:
-        ValueError: memory_bytes not positive, or a name of no family the catalog knows.
+        ValueError: memory_bytes not positive, more or less than any device of the architecture presents, or a
+            name of no family the catalog knows.
 
     >>> card = unlisted_card("RTX 4090 D", 24 * 2**30)
     >>> card.short_name, card.compute_capability, card.memory_bytes // 2**20, card.assumed_from
@@ -681,13 +751,7 @@ def unlisted_card(name: str, memory_bytes: int) -> Card:
     """
     if memory_bytes <= 0:
         raise ValueError(f"card {name!r}: memory must be positive, got {memory_bytes} bytes")
-    like = closest_card(name, memory_bytes)
-    most = like.architecture.max_memory_bytes
-    if most and memory_bytes > most:
-        raise ValueError(
-            f"card {name!r} with {memory_bytes / 2**30:g} GiB: no card of its architecture (compute capability "
-            f"{like.capability}, like the {like.short_name}) ships more than {most // 2**30} GiB"
-        )
+    like = _closest_within_architecture(name, memory_bytes)
     short = re.sub(r"[^0-9a-z]+", "-", _normalise(name).removeprefix("nvidia ")).strip("-")
     if short in _BY_NAME:  # never the short name of a catalog card it is not
         short = f"{short}-{memory_bytes // MiB}mib"
@@ -738,5 +802,6 @@ def resolve_card(name: str, memory_bytes: int | None = None) -> Card:
         return unlisted_card(name, memory_bytes)
     # The catalog's name with another memory: a card of that name the catalog does not describe, the same chip (its
     # peaks and bandwidths are the catalog card's).
+    _closest_within_architecture(name, memory_bytes)  # refused under the name given, before one is made up
     other = unlisted_card(f"{known.nvml_name} with {memory_bytes / 2**30:g} GiB", memory_bytes)
     return dataclasses.replace(other, performance=known.performance)

@@ -12,6 +12,17 @@ Every pair of dimensions composes unless a rule below says why not, in one line 
 A field left at its "unknown" value (``lora`` None, ``optimizer_library`` None) is one the asker does not know yet
 (the CLI before the optimizer's spec is resolved): the rules that read it wait for an asker that does know it.
 Torch-free: the CLI and the server may ask without importing torch.
+
+Some rows read the model: a mesh the model cannot take (``--tp 3`` on 4 heads, ``--pp 4`` on 2 blocks, ``--cp`` on
+a model torch's context parallelism does not run, torchtitan's plan on a family it has no names for). They read a
+:class:`ModelShape` (heads, key/value heads, blocks, ...), which an asker that has the task reads cheaply
+(``autotune.measure.model_shape``: a meta build) before any trial; without one (``model`` None) they wait:
+
+    >>> llama = ModelShape(name="llama-107K", heads=4, kv_heads=2, blocks=2, family="llama", causal_lm_sdpa=True)
+    >>> composition_refusal(Dimensions(world_size=3, tp=3, model=llama)).partition(":")[0]
+    "--tp 3 on the model's 4 attention heads (llama-107K)"
+    >>> composition_refusal(Dimensions(world_size=3, tp=3)) is None
+    True
 """
 
 from __future__ import annotations
@@ -24,9 +35,37 @@ from typing import Literal
 from autotune.core.errors import AutotuneError
 from autotune.core.mesh import Mesh
 
-__all__ = ["COMPOSITIONS", "Dimensions", "Rule", "composition_refusal", "composition_table", "refuse_composition"]
+__all__ = [
+    "COMPOSITIONS",
+    "Dimensions",
+    "ModelShape",
+    "Rule",
+    "composition_refusal",
+    "composition_table",
+    "refuse_composition",
+]
 
 Why = Literal["not measured yet", "a library's limit", "meaningless"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the mesh rows read of a model: its name (the task's), attention heads and key/value heads (None: no
+    config says them), the blocks a pipeline cuts between (None: not one list of them), its hf: config's model type
+    (None: no hf: config), whether torch's context parallelism runs it (an hf: causal LM with SDPA attention), and
+    the plan names its family has module names for (``--tp-plan``)."""
+
+    name: str
+    heads: int | None = None
+    kv_heads: int | None = None
+    blocks: int | None = None
+    family: str | None = None
+    causal_lm_sdpa: bool = False
+    tp_plans: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        """How a refusal names the model: its task's name, and its family where it has one."""
+        return self.name if self.family is None or self.family in self.name else f"{self.name}, {self.family}"
 
 
 @dataclass(frozen=True)
@@ -53,6 +92,11 @@ class Dimensions:
     weights_dtype: str | None = None
     # How the causal LM computes its loss (autotune/core/loss_names.py): plain, chunked:N or fused-linear.
     lm_loss: str = "plain"
+    # The lengths the job runs at (--seq-len, or the task's own), the tp plan by name, and the model's shape: None
+    # and () where the asker does not know them (the rows that read them wait).
+    seq_lens: tuple[int, ...] = ()
+    tp_plan: str | None = None
+    model: ModelShape | None = None
 
     @classmethod
     def of(cls, strategy: str, world_size: int, mesh: Mesh | None = None, **more: object) -> Dimensions:
@@ -229,7 +273,69 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: "--weights-dtype fp16 with --precision fp16",
         "GradScaler cannot unscale fp16 gradients; hold fp16 weights with --precision fp32 (or bf16)",
     ),
+    Rule(
+        "--cp",
+        "--seq-len",
+        "meaningless",
+        lambda d: d.cp > 1 and any(length % d.cp for length in d.seq_lens),
+        lambda d: f"--cp {d.cp} at --seq-len {next(n for n in d.seq_lens if n % d.cp)}",
+        "context parallelism splits each sequence over the cp ranks: --cp must divide every length",
+    ),
+    # The rows that read the model (ModelShape): asked once the task is known, before any trial.
+    Rule(
+        "--tp",
+        "the model's attention heads",
+        "meaningless",
+        lambda d: d.tp > 1 and d.model is not None and d.model.heads is not None and d.model.heads % d.tp != 0,
+        lambda d: f"--tp {d.tp} on the model's {_model(d).heads} attention heads ({_model(d).text()})",
+        "tensor parallelism gives each tp rank whole attention heads: --tp must divide the heads",
+    ),
+    Rule(
+        "--tp",
+        "the model's key/value heads",
+        "meaningless",
+        lambda d: d.tp > 1
+        and d.model is not None
+        and d.model.kv_heads is not None
+        and d.model.kv_heads != d.model.heads  # as many as the heads: the row above says it
+        and d.model.kv_heads % d.tp != 0,
+        lambda d: f"--tp {d.tp} on the model's {_model(d).kv_heads} key/value heads ({_model(d).text()})",
+        "tensor parallelism shards the key and value projections by head over the tp ranks: --tp must divide the "
+        "key/value heads (grouped-query attention has fewer of them than query heads)",
+    ),
+    Rule(
+        "--pp",
+        "the model's blocks",
+        "meaningless",
+        lambda d: d.pp > 1 and d.model is not None and d.model.blocks is not None and d.model.blocks < d.pp,
+        lambda d: f"--pp {d.pp} on the model's {_model(d).blocks} block(s) ({_model(d).text()})",
+        "a pipeline cuts the model between its blocks, at least one to a stage: --pp at most the blocks",
+    ),
+    Rule(
+        "--cp",
+        "a model other than an hf: causal LM",
+        "not measured yet",
+        lambda d: d.cp > 1 and d.model is not None and not d.model.causal_lm_sdpa,
+        lambda d: f"--cp {d.cp} on the model of {_model(d).text()}",
+        "torch's context parallelism is measured for hf: causal LMs with SDPA attention (input_ids, labels), as "
+        "transformers' Trainer runs it",
+    ),
+    Rule(
+        "--tp-plan torchtitan",
+        "a model of another family",
+        "not measured yet",
+        lambda d: d.tp_plan == "torchtitan" and d.model is not None and "torchtitan" not in d.model.tp_plans,
+        lambda d: f"--tp-plan torchtitan on the model of {_model(d).text()}"
+        + ("" if _model(d).family else " (no hf: config)"),
+        "torchtitan's plan is written for the module names of the hf: Llama, Mistral, Qwen2, Qwen3, Mixtral and "
+        "GPT-2 families; use --tp-plan hf (or the task's own tp_plan)",
+    ),
 )
+
+
+def _model(d: Dimensions) -> ModelShape:
+    assert d.model is not None  # a row that reads the model applies only where it is known
+    return d.model
 
 
 def _mesh_text(d: Dimensions) -> str:

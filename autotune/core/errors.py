@@ -15,6 +15,8 @@ launch script branches on it the same way after any of them)::
     4  NO_FIT              not even the smallest micro-batch fits the budget (CannotFitError; /suggest's
                            budget_too_small)
     5  NOT_FOUND           nothing stored answers: /suggest has no profile for the setup, no profile has the id
+  141  PIPE_CLOSED         the reader of stdout closed it early (`autotune profiles ls | head -1`): the command
+                           stops quietly, as a Unix tool killed by SIGPIPE does (128 + 13)
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ExitCode(enum.IntEnum):
     SERVER_UNREACHABLE = 3
     NO_FIT = 4
     NOT_FOUND = 5
+    PIPE_CLOSED = 141
 
 
 class AutotuneError(Exception):

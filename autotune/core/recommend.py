@@ -206,7 +206,8 @@ class Option:
             rate += " predicted"
         if self.samples_per_second is not None and not self.timed:
             rate += " (priced from the nearest timed size)"
-        name = self.label or self.policy
+        # The policy said as the flag that asks for it: "none" alone read as "nothing recommended".
+        name = self.label or f"--ac {self.policy}"
         held = "" if self.holds_target else ", does not reach the target"
         return f"{name}: m_max {self.max_micro_batch}, update {sizes} ({self.accumulation_steps} steps), {rate}{held}"
 
@@ -317,7 +318,7 @@ def _margin(best: Option, options: Sequence[Option], objective: str) -> str | No
     >>> fast = Option("none", 10, ((10, 3),), 3, 50.0)
     >>> slow = Option("full", 30, ((30, 1),), 1, 40.0)
     >>> _margin(fast, [fast, slow], "throughput")
-    '25.0% faster than full (50 against 40 samples/s per GPU)'
+    '25.0% faster than --ac full (50 against 40 samples/s per GPU)'
     """
     if objective != "throughput" or best.per_gpu is None:
         return None
@@ -330,6 +331,6 @@ def _margin(best: Option, options: Sequence[Option], objective: str) -> str | No
     ahead = best.per_gpu / runner_up.per_gpu - 1 if runner_up.per_gpu else 0.0
     said = "predicted " if best.predicted else ""
     return (
-        f"{said}{ahead:.1%} faster than {runner_up.label or runner_up.policy} "
+        f"{said}{ahead:.1%} faster than {runner_up.label or '--ac ' + runner_up.policy} "
         f"({best.per_gpu:.4g} against {runner_up.per_gpu:.4g} samples/s per GPU)"
     )

@@ -11,7 +11,16 @@ import warnings
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from autotune.core import units
 from autotune.core.loss_names import LOSS_PATTERN, canonical_loss
@@ -35,6 +44,8 @@ __all__ = [
     "Device",
     "DeviceContext",
     "FINGERPRINT_PATTERN",
+    "FINGERPRINT_SHOWN_CHARS",
+    "FULL_FINGERPRINT_CHARS",
     "Fit",
     "LongestSeqLen",
     "MAX_SEQ_LEN",
@@ -56,6 +67,7 @@ __all__ = [
     "TagValue",
     "Throughput",
     "Trial",
+    "shown_fingerprint",
 ]
 
 SCHEMA_VERSION = 1
@@ -159,6 +171,20 @@ class Trial(_Model):
     # Under --offload: the peak of what the trial held in host memory (saved activations packed to the host,
     # FSDP2's offloaded shards, gradients, optimizer state and the CPU step); None without offload.
     host_peak_bytes: NonNegBytes | None = None
+    # The length a trial of a run over lengths ran at, on the copy handed to the progress line (at_length): a
+    # label, never on the wire (a profile's trials are all at its seq_len).
+    _seq_len: int | None = PrivateAttr(default=None)
+
+    def at_length(self, seq_len: int | None) -> Trial:
+        """A copy labelled with the length it ran at (:attr:`reported_length`), for the progress line."""
+        labelled = self.model_copy()
+        labelled._seq_len = seq_len
+        return labelled
+
+    @property
+    def reported_length(self) -> int | None:
+        """The length :meth:`at_length` labelled this copy with; None for every other trial."""
+        return self._seq_len
 
 
 class Fit(_Model):
@@ -749,8 +775,24 @@ class Suggestion(_Model):
         }
 
 
-# A profile's fingerprint as /suggest and the profile list take it: hex, as autotune.tasks.fingerprint writes it.
+# A profile's fingerprint as /suggest and the profile list take it: hex, as autotune.tasks.fingerprint writes it,
+# whole or its first FINGERPRINT_SHOWN_CHARS digits and more (a prefix the server resolves).
 FINGERPRINT_PATTERN = r"^[0-9a-f]{16,128}$"
+# What autotune.tasks.fingerprint writes: a SHA-256, in hex.
+FULL_FINGERPRINT_CHARS = 64
+# The form every listing shows (the datasheet, `autotune profiles ls`, the dashboard) and /suggest takes: the
+# first 16 hex digits, 64 bits (a clash between two setups of one store is not to be expected below ~4 billion
+# fingerprints; the server refuses a prefix several start with, naming them).
+FINGERPRINT_SHOWN_CHARS = 16
+
+
+def shown_fingerprint(fingerprint: str) -> str:
+    """The fingerprint as listings show it and /suggest takes it back.
+
+    >>> shown_fingerprint("923454115ee1139d" + "0" * 48)
+    '923454115ee1139d'
+    """
+    return fingerprint[:FINGERPRINT_SHOWN_CHARS]
 # Effective batches beyond this cannot be represented in a Plan once rounded to the nearest plan.
 MAX_SUGGEST_TARGET_BATCH = 2**40 - 2**30
 
@@ -766,7 +808,14 @@ class SuggestQuery(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    fingerprint: Annotated[str, Field(pattern=FINGERPRINT_PATTERN)]
+    fingerprint: Annotated[
+        str,
+        Field(
+            pattern=FINGERPRINT_PATTERN,
+            description="the profile's fingerprint, or its first 16 or more hex digits as listings show it (one "
+            "stored fingerprint must start with them)",
+        ),
+    ]
     device_name: Annotated[str, Field(min_length=1, max_length=256)]
     target_batch: Annotated[
         int | None,

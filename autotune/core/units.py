@@ -17,10 +17,16 @@ _UNITS = {
     "gb": 1000**3,
     "t": 1000**4,
     "tb": 1000**4,
+    "p": 1000**5,
+    "pb": 1000**5,
+    "e": 1000**6,
+    "eb": 1000**6,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "pib": 1024**5,
+    "eib": 1024**6,
 }
 # The largest size a profile records (autotune.core.schemas.MAX_BYTES, 1 EiB; a test holds them equal): a larger
 # one is refused where it is read, not by the profile's validation after the trials.
@@ -33,6 +39,8 @@ def parse_bytes(text: str) -> int:
 
     >>> parse_bytes("800MiB")
     838860800
+    >>> parse_bytes("1PiB") == 2**50, parse_bytes("1EiB") == 2**60
+    (True, True)
     >>> parse_bytes("0.5")
     Traceback (most recent call last):
     ...
@@ -79,8 +87,8 @@ def format_bytes(value: float | None) -> str:
     if value is None:
         return "-"
     size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(size) < 1024 or unit == "PiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
-    return f"{size:.2f} TiB"
+    return f"{size:.2f} PiB"

@@ -197,7 +197,7 @@ def _on_card(
         trials = [Trial.model_validate(raw) for raw in found.trials]
         for trial in trials:
             if on_trial is not None:
-                on_trial(trial)
+                on_trial(trial.at_length(seq_len))
         if found.no_fit:
             at = next((t for t in trials if t.micro_batch == setup.multiple_of), None)
             read = at is not None and not at.oom

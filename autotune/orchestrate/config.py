@@ -190,9 +190,12 @@ class ProbeConfig:
             activation_checkpointing=self.activation_checkpointing or "none",
             precision=self.precision,
             lm_loss=self.lm_loss or "plain",
+            seq_lens=self.seq_lens,
+            tp_plan=self.tp_plan,
         )
         if task is None:
             return dims
+        from autotune.measure.model_shape import model_shape
         from autotune.tasks.optimizers import optimizer_library, optimizer_text
 
         quantize = task.tags.get("quantize")
@@ -206,6 +209,10 @@ class ProbeConfig:
             precision=self.precision or task.precision,
             weights_dtype=task.weights_dtype,
             lm_loss=self.lm_loss or task.lm_loss,
+            # The mesh rows read the model (a meta build, once per model): only where a mesh asks them.
+            seq_lens=self.seq_lens or ((task.seq_len,) if task.seq_len else ()),
+            tp_plan=self.tp_plan or (task.tp_plan if isinstance(task.tp_plan, str) else None),
+            model=None if self.mesh.trivial else model_shape(task),
         )
 
     @property

@@ -35,7 +35,7 @@ from autotune.orchestrate.breakdowns import chosen_breakdowns
 from autotune.orchestrate.card_estimate import EmulationUnavailable, estimate_on_card, estimate_on_card_lengths
 from autotune.orchestrate.config import DeviceKind, EstimateConfig, ProbeConfig
 from autotune.orchestrate.estimated import estimated_profile
-from autotune.search.boundary import NoFitError
+from autotune.search.boundary import NoFitError, at_length
 from autotune.search.diagnose import no_fit_error
 from autotune.search.presearch import FakeSearch, FakeTrials, fake_search
 from autotune.tasks.optimizers import eager_step_note, refuse_compiled_step
@@ -267,7 +267,7 @@ def estimate_for_card_at_lengths(
         profiles = estimate_on_card_lengths(task, config, lengths, on_trial=on_trial)
     except EmulationUnavailable as exc:
         config = dataclasses.replace(config, emulation_failed=str(exc))
-        return [estimate(task.at_length(seq_len), config, on_trial=on_trial) for seq_len in lengths]
+        return [estimate(task.at_length(seq_len), config, on_trial=at_length(on_trial, seq_len)) for seq_len in lengths]
     note = eager_step_note(task.optimizer)
     for profile in profiles:
         if note is not None:

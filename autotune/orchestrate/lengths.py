@@ -38,7 +38,7 @@ from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
 from autotune.orchestrate.config import EstimateConfig, ProbeConfig
-from autotune.search.boundary import NoFitError
+from autotune.search.boundary import NoFitError, at_length
 from autotune.search.lanes import FakeLanes, Point, spare_cores
 from autotune.search.presearch import (
     FakeSearch,
@@ -331,7 +331,7 @@ class _Lengths:
             finally:
                 self.release()
         if self.on_trial is not None:
-            self.on_trial(trial)
+            self.on_trial(trial.at_length(seq_len))
         return trial
 
     def no_fit_confirmed(self, seq_len: int) -> str | None:
@@ -399,7 +399,7 @@ class _Lengths:
         def trial_at(seq_len: int) -> Trial:
             trial = self.trial_at(self.task.at_length(seq_len))
             if self.on_trial is not None:
-                self.on_trial(trial)
+                self.on_trial(trial.at_length(seq_len))
             return trial
 
         with self.group(), frozen_heap():
@@ -590,7 +590,7 @@ def probe_lengths(
 
             def one_length(task_at: ProbeTask, target: int | None) -> Profile:
                 at_config = config.with_setup(target_batch=target, target_tokens=None, seq_lens=())
-                return probe_with_meter(task_at, meter, at_config, on_trial=on_trial)
+                return probe_with_meter(task_at, meter, at_config, on_trial=at_length(on_trial, task_at.seq_len))
 
             lengths = check_lengths(task, lengths)
             return _each_length_on_its_own(task, lengths, one_length, config=config, target_tokens=target_tokens)
@@ -600,7 +600,9 @@ def probe_lengths(
         def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
             # One length's probe: its target in sequences, and no lengths of its own.
             at_config = config.with_setup(target_batch=target, target_tokens=None, seq_lens=())
-            return probe_with_meter(task_at, meter, at_config, on_trial=on_trial, presearched=presearched)
+            return probe_with_meter(
+                task_at, meter, at_config, on_trial=at_length(on_trial, task_at.seq_len), presearched=presearched
+            )
 
         # The host budget (--host-budget under an offload) decides the longest length as it decides m_max.
         runner = TrialRunner(
@@ -667,7 +669,9 @@ def estimate_lengths(
     if setup.mesh.pp > 1:  # each length's stages replay their schedule: estimate's pipeline search
 
         def one_length(task_at: ProbeTask, target: int | None) -> Profile:
-            return estimate(task_at, config.with_setup(target_batch=target), on_trial=on_trial)
+            return estimate(
+                task_at, config.with_setup(target_batch=target), on_trial=at_length(on_trial, task_at.seq_len)
+            )
 
         ordered = check_lengths(task, lengths)
         return _each_length_on_its_own(task, ordered, one_length, config=setup, target_tokens=target_tokens)
@@ -679,13 +683,14 @@ def estimate_lengths(
 
     def measure(task_at: ProbeTask, presearched: FakeSearch | None, target: int | None) -> Profile:
         at_config = config.with_setup(target_batch=target)
+        reporting = at_length(on_trial, task_at.seq_len)
         if presearched is None:
-            return estimate(task_at, at_config, on_trial=on_trial, fakes=fakes)
+            return estimate(task_at, at_config, on_trial=reporting, fakes=fakes)
         # The surface's trials at this length are this estimate's own fake trials: not run twice.
         return estimate(
             task_at,
             at_config,
-            on_trial=on_trial,
+            on_trial=reporting,
             hint=presearched.max_micro_batch,
             known=presearched.trials,
             fakes=fakes,

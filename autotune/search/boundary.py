@@ -31,6 +31,7 @@ __all__ = [
     "MAX_PREDICTED_TRIALS",
     "NoFitError",
     "SearchResult",
+    "at_length",
     "find_max_micro_batch",
     "measured_fit",
     "reported",
@@ -126,6 +127,19 @@ def peaks_decrease(trials: list[Trial]) -> tuple[Trial, Trial] | None:
         if highest is None or trial.peak_bytes >= highest.peak_bytes:
             highest = trial
     return None
+
+
+def at_length(on_trial: Callable[[Trial], None] | None, seq_len: int | None) -> Callable[[Trial], None] | None:
+    """``on_trial`` for the trials of one length of a run over lengths: each handed on labelled with its length
+    (``Trial.at_length``), so that the progress line names it; on_trial itself where there is no length."""
+    if on_trial is None or seq_len is None:
+        return on_trial
+    report = on_trial
+
+    def labelled(trial: Trial) -> None:
+        report(trial.at_length(seq_len))
+
+    return labelled
 
 
 def reported(run: Callable[[int], Trial], on_trial: Callable[[Trial], None] | None) -> Callable[[int], Trial]:

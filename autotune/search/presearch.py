@@ -347,7 +347,7 @@ def fake_surface(
             )
             trials.setdefault(seq_len, []).append(result)
             if on_trial is not None:
-                on_trial(result)
+                on_trial(result.at_length(seq_len))
             if trace is None:
                 failed = f"the fake trial at m={micro_batch}, L={seq_len} did not finish"
                 return SurfaceSearch(None, trials, failed=failed)

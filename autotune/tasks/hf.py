@@ -308,13 +308,29 @@ def _split(spec: str) -> tuple[str, dict[str, str]]:
     return path, options
 
 
+# How to get a local config of a model on the hub: hf: reads local files only (no network, no token, no weights).
+_GET_A_CONFIG = "hf download {repo} config.json --local-dir {folder} (huggingface_hub's CLI), then hf:{folder}"
+
+
 def _config_file(path: str) -> Path:
+    """The config.json hf:path names: the file itself, or the one in the folder. Raises TaskError saying which
+    of the two is missing, and for what reads as a hub id, that only a local config is read and how to get one."""
     where = Path(path)
     if where.is_dir():
-        where = where / "config.json"
-    if not where.is_file():
-        raise TaskError(f"hf:{path}: no config.json there")
-    return where
+        if not (where / "config.json").is_file():
+            raise TaskError(
+                f"hf:{path}: the folder has no config.json (hf: reads a config.json, or a folder holding one)"
+            )
+        return where / "config.json"
+    if where.is_file():
+        return where
+    if where.suffix == ".json" or where.is_absolute() or path.startswith("."):
+        raise TaskError(f"hf:{path}: no such file (hf: reads a config.json, or a folder holding one)")
+    folder = where.name.lower()
+    raise TaskError(
+        f"hf:{path}: no local file or folder of that name; hf: reads a local config.json (or a folder holding one), "
+        "never the hub: get it with " + _GET_A_CONFIG.format(repo=path, folder=folder)
+    )
 
 
 def _reason(exc: BaseException) -> str:

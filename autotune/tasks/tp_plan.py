@@ -22,7 +22,15 @@ from typing import Any
 
 from autotune.core.errors import TaskError
 
-__all__ = ["TP_PLAN_NAMES", "sequence_multiple", "torchtitan_plan", "tp_plan_label", "tp_plan_of", "tp_plan_refusal"]
+__all__ = [
+    "TORCHTITAN_FAMILIES",
+    "TP_PLAN_NAMES",
+    "sequence_multiple",
+    "torchtitan_plan",
+    "tp_plan_label",
+    "tp_plan_of",
+    "tp_plan_refusal",
+]
 
 TP_PLAN_NAMES = ("hf", "torchtitan")
 # The families whose module names torchtitan's plan is written for (config.model_type): Llama's layout (q/k/v/o,
@@ -32,6 +40,8 @@ _MOE_LAYOUT = ("mixtral",)
 # GPT-2's layout: transformers' Conv1D layers (weights stored (in, out)), q/k/v packed in one (c_attn), learned
 # position embeddings beside the token embeddings, and the LM head tied to the token embedding.
 _GPT2_LAYOUT = ("gpt2",)
+# Every family torchtitan's plan has module names for (the composition table's --tp-plan row reads it).
+TORCHTITAN_FAMILIES = (*_LLAMA_LAYOUT, *_MOE_LAYOUT, *_GPT2_LAYOUT)
 
 # The styles that shard the sequence over the tp ranks (sequence parallel): every length a multiple of tp.
 _SEQUENCE_STYLES = (
@@ -93,8 +103,8 @@ def torchtitan_plan(model: Any) -> dict[str, str]:
     """
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
-    if family not in (*_LLAMA_LAYOUT, *_MOE_LAYOUT, *_GPT2_LAYOUT):
-        known = ", ".join((*_LLAMA_LAYOUT, *_MOE_LAYOUT, *_GPT2_LAYOUT))
+    if family not in TORCHTITAN_FAMILIES:
+        known = ", ".join(TORCHTITAN_FAMILIES)
         what = f"model type {family!r}" if family else f"{type(model).__name__} (no hf: config)"
         raise TaskError(f"--tp-plan torchtitan: no module names of {what} are known to it ({known})")
     prefix = getattr(model, "base_model_prefix", "") or ""

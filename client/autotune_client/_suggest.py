@@ -34,6 +34,7 @@ from autotune.core.schemas import (
     Suggestion,
     SuggestQuery,
     TagValue,
+    shown_fingerprint,
 )
 from autotune_client._client import TunerClient
 from autotune_client._constants import DEFAULT_TIMEOUT_SECONDS, ENV_URL
@@ -99,6 +100,7 @@ def job_fingerprint(
     from autotune.tasks.fingerprint import fingerprint_model
 
     _, one_sample = _batch_factory(example)
+    _check_length(one_sample, seq_len)
     unwrapped = _unwrap(model)
     return fingerprint_model(
         unwrapped,
@@ -355,6 +357,7 @@ def _resolved(call: _Call, target_batch: int) -> _Job:
             f"target_batch {target_batch} is smaller than {over}: every replica needs at least one sample per update"
         )
     batch_fn, one_sample = _batch_factory(call.example)
+    _check_length(one_sample, call.seq_len)
     precision = call.precision or "fp32"
     tags = {**(call.tags or {}), **_compilation(call.model)}
     device_spec = _job_device(model, call.device)
@@ -475,7 +478,10 @@ def _probe(call: _Call, job: _Job, notes: list[str]) -> Profile:
         # Should not happen (same function, same inputs); if it does, an upload would be
         # stored under a key no job asks for, so say so rather than fill the store silently.
         notes.append(
-            _warn(f"the probe's fingerprint {profile.fingerprint[:12]} differs from the job's {job.fingerprint[:12]}")
+            _warn(
+                f"the probe's fingerprint {shown_fingerprint(profile.fingerprint)} differs from the job's "
+                f"{shown_fingerprint(job.fingerprint)}"
+            )
         )
     return profile
 
@@ -562,6 +568,27 @@ def _resolve_world_size(world_size: int | None) -> int:
             raise AutotuneClientError(f"WORLD_SIZE={env!r} is not a positive integer")
         return int(env)
     return 1
+
+
+def _check_length(sample: Any, seq_len: int | None) -> None:
+    """The job's length is a dimension of its example's sample: what a local probe measures, and what the
+    store's profile at seq_len was made at. An example made at another length would be measured at that one and
+    stored (and answered) as seq_len's.
+
+    Raises:
+        AutotuneClientError: no dimension of any tensor of the sample (past the batch one) is seq_len.
+    """
+    if seq_len is None:
+        return
+    from autotune.tasks.batches import tensors
+
+    shapes = [tuple(t.shape[1:]) for t in tensors(sample)]
+    if not any(seq_len in shape for shape in shapes):
+        said = ", ".join(str(list(shape)) for shape in shapes)
+        raise AutotuneClientError(
+            f"seq_len {seq_len}: no dimension of the example's sample is {seq_len} (its shapes without the batch "
+            f"dimension: {said}): make the example at the job's length, which is what is measured and answered"
+        )
 
 
 def _batch_factory(example: Any) -> tuple[Callable[[int], Any], Any]:

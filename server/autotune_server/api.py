@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from autotune.core.schemas import (
     FINGERPRINT_PATTERN,
+    FULL_FINGERPRINT_CHARS,
     MAX_SEQ_LEN,
     MAX_WORLD_SIZE,
     ActivationCheckpointing,
@@ -36,6 +37,7 @@ from autotune_server.consistency import consistent_lookup, require_consistent
 from autotune_server.convert import to_stored_observation, to_stored_profile, to_summary
 from autotune_server.deps import GateDep, ReadAccess, WriteAccess
 from autotune_server.errors import ContextNotMeasured, ErrorBody
+from autotune_server.fingerprints import resolve_fingerprint
 from autotune_server.gate import DatabaseGate
 from autotune_server.outage import DATABASE_ERRORS, STALE_HEADER, Failure, classify
 from autotune_server.storable import check_storable
@@ -161,7 +163,10 @@ async def upload_profile(
 async def list_profiles(
     gate: GateDep,
     _reader: ReadAccess,
-    fingerprint: Annotated[str | None, Query(pattern=FINGERPRINT_PATTERN)] = None,
+    fingerprint: Annotated[
+        str | None,
+        Query(pattern=FINGERPRINT_PATTERN, description="a fingerprint, or its first 16 or more hex digits"),
+    ] = None,
     task: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
     device_name: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
     precision: Precision | None = None,
@@ -328,8 +333,10 @@ async def suggest(_reader: ReadAccess, request: Request, query: Annotated[Sugges
     # by the response model. The query itself (frozen, hashable) keys the finished answers.
     state = request.app.state
     cache = state.suggest_cache
-    body = cache.get_answer(query)
+    asked = query
+    body = cache.get_answer(asked)
     if body is None:
+        query = await _with_stored_fingerprint(query, state)
         key = (query.fingerprint, query.device_name)
         found = cache.get(key)
         remembered: _Remembered | None = None
@@ -338,8 +345,19 @@ async def suggest(_reader: ReadAccess, request: Request, query: Annotated[Sugges
         body = await run_in_threadpool(_answer, found, query, lambda: str(request.base_url).rstrip("/"))
         if remembered is not None:
             return _remembered_answer(body, remembered)
-        cache.put_answer(query, body)
+        cache.put_answer(asked, body)
     return Response(body, media_type="application/json")
+
+
+async def _with_stored_fingerprint(query: SuggestQuery, state: Any) -> SuggestQuery:
+    """The query with the stored fingerprint its prefix names (autotune_server.fingerprints); a whole one as it is,
+    without a query."""
+    if len(query.fingerprint) >= FULL_FINGERPRINT_CHARS:
+        return query
+    gate: DatabaseGate = state.gate
+    text = query.fingerprint
+    stored = await gate.run(lambda session: resolve_fingerprint(session.connection(), text))
+    return query if stored == text else query.model_copy(update={"fingerprint": stored})
 
 
 def _answer(found: Lookup, query: SuggestQuery, server_url: Callable[[], str]) -> bytes:

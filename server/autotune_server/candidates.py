@@ -58,6 +58,9 @@ class Candidate:
     # (the wire form of autotune.core.schemas.Surface), from which other lengths are predicted.
     seq_len: int | None = None
     surface: dict[str, Any] | None = None
+    # The length a setup that is not sequence-aware was measured at, where its task says it (the tag seq_len, as
+    # ProbeTask's docs and examples/gpt.py write it); None: not said (or sequence-aware: ``seq_len``).
+    fixed_seq_len: int | None = None
     # (micro_batch, peak_bytes) of the jobs' observations that reported a peak and no OOM, newest
     # first (at most _OBSERVED_LIMIT per lookup): the drift's evidence (autotune_server.drift).
     observed: tuple[tuple[int, int], ...] = ()
@@ -184,8 +187,15 @@ def _candidate(row: Any, **extra: Any) -> Candidate:
         throughput=_throughput(row.throughput),
         seq_len=None if row.seq_len is None else int(row.seq_len),
         surface=row.surface if isinstance(row.surface, dict) else None,
+        fixed_seq_len=_tagged_length(row.tags),
         **extra,
     )
+
+
+def _tagged_length(tags: Any) -> int | None:
+    """The tag seq_len of a stored profile, where it is a positive integer (tags are free-form)."""
+    value = tags.get("seq_len") if isinstance(tags, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _setup(row: Any) -> JobSetup:

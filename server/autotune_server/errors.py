@@ -239,14 +239,32 @@ def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(parts) if parts else "body"
 
 
+def _json_invalid(err: dict[str, Any]) -> str | None:
+    """The line for a body that is not JSON, or None for another error. FastAPI puts the decoder's character
+    offset where a field's name goes (``loc: ("body", 5)``): it is said as a position, and no field is named."""
+    if err.get("type") != "json_invalid":
+        return None
+    loc = list(err.get("loc", ()))
+    position = loc[-1] if len(loc) > 1 and isinstance(loc[-1], int) else None
+    ctx = err.get("ctx")
+    # The decoder's own words ("Expecting value"), never the input: json.JSONDecodeError.msg holds no content.
+    reason = str(ctx.get("error", "")) if isinstance(ctx, dict) else ""
+    where = f" at character {position} (counting from 0)" if position is not None else ""
+    return f"the body is not valid JSON: {reason or 'cannot decode'}{where}"
+
+
 def _validation_handler(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    problems = []
+    problems: list[dict[str, Any]] = []
     for err in exc.errors():
+        not_json = _json_invalid(err)
+        if not_json is not None:
+            problems.append({"field": None, "message": not_json})
+            continue
         # "input" and "ctx" can echo back arbitrary (huge or hostile) request content: leave them out.
         problems.append({"field": _field_of(err.get("loc", ())), "message": str(err.get("msg", ""))})
-    first = problems[0] if problems else {"field": "body", "message": "invalid request"}
-    message = f"{first['field']}: {first['message']}"
+    first = problems[0] if problems else {"field": None, "message": "invalid request"}
+    message = f"{first['field']}: {first['message']}" if first["field"] else str(first["message"])
     if len(problems) > 1:
         message += f" (and {len(problems) - 1} more)"
     return error_response(422, "validation_error", message, field=first["field"], details=problems)
@@ -264,7 +282,7 @@ def _http_handler(_request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 400:
         # FastAPI's body reader says 400 for bytes that are not even text (invalid UTF-8), and 422
         # for text that is not JSON; to a client both are "the body is not valid JSON".
-        return error_response(422, "validation_error", "body: not valid JSON", field="body")
+        return error_response(422, "validation_error", "the body is not valid JSON: not UTF-8 text")
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
     headers = dict(exc.headers) if exc.headers else None

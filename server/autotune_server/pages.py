@@ -38,7 +38,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from autotune.core.plan import is_single_step, micro_batches_text
 from autotune.core.policy_names import canonical_policy
-from autotune.core.schemas import ACTIVATION_CHECKPOINTING, MAX_SEQ_LEN, PRECISIONS, SOURCES, STRATEGIES, Plan, Profile
+from autotune.core.schemas import (
+    ACTIVATION_CHECKPOINTING,
+    MAX_SEQ_LEN,
+    PRECISIONS,
+    SOURCES,
+    STRATEGIES,
+    Plan,
+    Profile,
+    shown_fingerprint,
+)
 from autotune.core.setup import JobSetup
 from autotune.core.units import format_bytes as human_bytes
 from autotune_server.api import API_PREFIX, MAX_ID
@@ -188,6 +197,7 @@ def _environment() -> Environment:
     env.filters["age"] = human_age
     env.filters["ago"] = _ago
     env.filters["plan_text"] = plan_text
+    env.filters["shown_fingerprint"] = shown_fingerprint
     return env
 
 

@@ -224,7 +224,8 @@ def list_profiles(
     """
     query = select(ProfileRow)
     if filters.fingerprint is not None:
-        query = query.where(ProfileRow.fingerprint == filters.fingerprint)
+        # The whole fingerprint, or its start as listings show it (autotune_server.fingerprints).
+        query = query.where(ProfileRow.fingerprint.startswith(filters.fingerprint, autoescape=True))
     if filters.task is not None:
         query = query.where(ProfileRow.task == filters.task)
     if filters.device_name is not None:

@@ -9,9 +9,11 @@ carrying the peak surface over (m, L) its probe measured (autotune/core/surface.
   ``predicted``, with a warning naming the measured lengths;
 - otherwise a 404 naming the measured lengths.
 
-A setup that is not sequence-aware has the length in its fingerprint already: a ``seq_len`` only
-converts the answer to tokens. A sequence-aware setup asked without ``seq_len`` is a 422: its answer
-depends on L.
+A setup that is not sequence-aware has its length in its fingerprint already (the samples' fixed shapes): asked
+at its own length (the task's tag ``seq_len``), a ``seq_len`` only converts the answer to tokens; asked at
+another, it is a 404 naming both (the job at that length is another job, never measured); a setup that records no
+length is asked without one (422: the answer cannot say which length it holds for). A sequence-aware setup asked
+without ``seq_len`` is a 422: its answer depends on L.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from autotune_server.candidates import Candidate, Lookup
 from autotune_server.errors import InvalidPlanRequest, NoProfileForSuggestion
 
 __all__ = [
+    "at_fixed_length",
     "at_length",
     "covering",
     "measured_lengths",
@@ -63,6 +66,43 @@ def at_length(found: Lookup, seq_len: int | None, *, fingerprint: str) -> Lookup
         here=tuple(c for c in found.here if c.seq_len == seq_len),
         elsewhere=tuple(c for c in found.elsewhere if c.seq_len == seq_len),
         skipped=found.skipped,
+    )
+
+
+def at_fixed_length(found: Lookup, seq_len: int | None, *, fingerprint: str, device_name: str) -> Lookup:
+    """A setup that is not sequence-aware, asked at seq_len: the lookup itself where seq_len is its own length
+    (or none is asked).
+
+    Raises:
+        NoProfileForSuggestion: its length is another (404 naming both).
+        InvalidPlanRequest: it records no length to hold seq_len against (422 naming seq_len).
+    """
+    everyone = _candidates(found)
+    if seq_len is None or not everyone:
+        return found
+    own = sorted({c.fixed_seq_len for c in everyone if c.fixed_seq_len is not None})
+    if seq_len in own:
+        return Lookup(
+            here=tuple(c for c in found.here if c.fixed_seq_len == seq_len),
+            elsewhere=tuple(c for c in found.elsewhere if c.fixed_seq_len == seq_len),
+            skipped=found.skipped,
+        )
+    if own:
+        lengths = ", ".join(map(str, own))
+        raise NoProfileForSuggestion(
+            f"no profile of fingerprint {fingerprint} at seq_len {seq_len} on {device_name!r}: its task's length is "
+            f"fixed at {lengths} (the tag seq_len; the fingerprint holds its samples' shapes), so a job at {seq_len} "
+            f"is another job, never measured: ask at seq_len {lengths}, or probe the job at its own length (a "
+            f"sequence-aware task, batch(m, seq_len=L), at --seq-len {seq_len})",
+            field="seq_len",
+            details={"measured_lengths": own, "covered": []},
+        )
+    raise InvalidPlanRequest(
+        f"seq_len {seq_len}: fingerprint {fingerprint} is not sequence-aware and records no length (its task has "
+        "no seq_len tag; the fingerprint holds its samples' shapes), so no answer can say it holds at "
+        f"{seq_len}: ask without seq_len (the plan in sequences), or probe a sequence-aware task (batch(m, "
+        f"seq_len=L)) at --seq-len {seq_len}",
+        field="seq_len",
     )
 
 

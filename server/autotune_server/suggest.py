@@ -563,6 +563,10 @@ def _compute(found: Lookup, query: SuggestQuery, target_batch: int, server_url: 
                 )
                 return _with_skipped(found, answer)
         raise sequence.not_measured(found, query.seq_len, fingerprint=query.fingerprint, device_name=query.device_name)
+    if at is found:  # not sequence-aware: asked at its own length only
+        at = sequence.at_fixed_length(
+            found, query.seq_len, fingerprint=query.fingerprint, device_name=query.device_name
+        )
     found = at
     for source in ("measured", "estimate"):
         here = _best(tuple(c for c in found.here if c.source == source), JobSetup.of_query(query))

@@ -126,8 +126,18 @@ def test_every_other_card_takes_the_h200s_outside_figure_and_says_so() -> None:
         stand_in = outside_allocator_stand_in(card)
         assert stand_in.bytes == measured.bytes and not stand_in.measured
         assert stand_in.source.startswith("assumed: the H200's figure") and card.short_name in stand_in.source
-        # The part that scales with the card: 80 SMs x 2048 threads on a V100, 148 x 2048 on a B200.
-        assert f"{card.sm_count * card.architecture.max_threads_per_sm} resident threads" in stand_in.source
+        # The part that scales with the card: 80 SMs x 2048 threads on a V100, 148 x 2048 on a B200; compared with
+        # the H200's only where it differs (issue 62: "compute capability 9.0 against the H200's 9.0" on an H100).
+        threads = card.sm_count * card.architecture.max_threads_per_sm
+        h200 = lookup("h200")
+        if threads != h200.resident_threads:
+            assert f"{threads} resident threads against the H200's {h200.resident_threads}" in stand_in.source
+        else:
+            assert f"resident threads ({threads}) are the H200's" in stand_in.source
+        if card.capability != h200.capability:
+            assert f"compute capability {card.capability} against the H200's 9.0" in stand_in.source
+        else:
+            assert "compute capability 9.0 against" not in stand_in.source
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,9 @@ def _refusals(tmp: Path, url: str) -> list[tuple[list[str], str]]:
         ([*estimate, "--device-kind", "cpu", "--budget", "0.5"], "'0.5' is less than one byte"),
         ([*estimate, "--device-kind", "cpu", "--budget", "-5MiB"], "cannot read '-5MiB' as a size"),
         ([*probe, "--output", str(folder)], "is a folder: give a file name"),
+        # A folder that does not exist yet, named by its separator (issue 62: a file "profiles" was written).
+        ([*probe, "--output", "not-yet-there/"], "'not-yet-there/' names a folder: give a file name"),
+        ([*estimate, "--device-kind", "cpu", "--budget", "8MiB", "--output", "out/"], "'out/' names a folder"),
         ([*probe, "--output", str(a_file / "p.json")], "is a file, not a folder"),
         ([*probe, "--server", "not-a-url"], "'not-a-url' is not a server URL"),
         ([*on_cpu, "--server", "ftp://host"], "'ftp://host' is not a server URL"),
@@ -242,13 +245,14 @@ def test_the_exit_codes_are_one_table() -> None:
         "SERVER_UNREACHABLE": 3,
         "NO_FIT": 4,
         "NOT_FOUND": 5,
+        "PIPE_CLOSED": 141,
     }
 
 
 def test_the_docs_table_is_the_enum() -> None:
     """docs/probing.md's table of exit codes lists exactly ExitCode's, each by its number and name."""
     text = (REPO / "docs" / "probing.md").read_text()
-    rows = re.findall(r"^\| (\d) \| `(\w+)` \|", text, flags=re.M)
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", text, flags=re.M)
     assert [(int(number), name) for number, name in rows] == [(int(code), code.name) for code in ExitCode]
 
 
@@ -319,5 +323,9 @@ def test_sizes_and_the_schema_agree() -> None:
 
     assert MAX_SIZE_BYTES == MAX_BYTES
     assert parse_bytes("1024TiB") == 2**50 and parse_bytes(str(2**60)) == 2**60
+    # Every unit up to the cap reads (issue 62: "1PiB cannot read as a size" where 1024TiB did).
+    assert parse_bytes("1PiB") == 2**50 and parse_bytes("1EiB") == 2**60 and parse_bytes("2PB") == 2 * 10**15
+    with pytest.raises(ValueError, match="above 1 EiB"):
+        parse_bytes("2EiB")
     with pytest.raises(ValueError, match="above 1 EiB"):
         parse_bytes(str(2**60 + 1))

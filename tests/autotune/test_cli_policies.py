@@ -83,7 +83,7 @@ def test_throughput_with_one_policy_still_times_it(tmp_path: Path) -> None:
     profile = json.loads(done.stdout)  # one policy: one profile, not an array
     assert profile["activation_checkpointing"] == "none"
     assert profile["throughput"][0]["micro_batch"] == profile["max_micro_batch"]
-    assert any(line.startswith("recommended: none: m_max") for line in done.stderr.splitlines())
+    assert any(line.startswith("recommended: --ac none: m_max") for line in done.stderr.splitlines())
 
 
 def test_estimate_takes_ac_and_compares_policies_by_memory(tmp_path: Path) -> None:
@@ -96,7 +96,7 @@ def test_estimate_takes_ac_and_compares_policies_by_memory(tmp_path: Path) -> No
     profiles = json.loads(done.stdout)
     assert [p["activation_checkpointing"] for p in profiles] == ["none", "every-2"]
     assert all(p["throughput"] is None for p in profiles)  # fake trials are never timed
-    assert any(line.startswith("recommended: every-2") for line in done.stderr.splitlines())
+    assert any(line.startswith("recommended: --ac every-2") for line in done.stderr.splitlines())
 
 
 def test_fleet_makes_one_pair_per_policy_and_refuses_a_policy_before_any_cluster_time(tmp_path: Path) -> None:

@@ -235,8 +235,19 @@ def test_torchs_ring_attention_on_the_cpu_kernel_equals_plain_sdpa(cp_job: dict[
 @pytest.mark.parametrize(
     ("target", "flags", "line"),
     [
-        ("llama", ["--seq-len", "15", "--cp", "2", "--world-size", "2"], "--cp 2 does not divide the sequence length"),
-        ("gpt", ["--cp", "2", "--world-size", "2"], "context parallelism is measured for hf: causal LMs"),
+        # Refused by the composition table (issue 62, item 6): at parse time for the length, once the task is loaded
+        # for the model, before any trial.
+        (
+            "llama",
+            ["--seq-len", "15", "--cp", "2", "--world-size", "2"],
+            "--cp 2 at --seq-len 15: context parallelism splits each sequence over the cp ranks: --cp must divide "
+            "every length",
+        ),
+        (
+            "gpt",
+            ["--cp", "2", "--world-size", "2"],
+            "--cp 2 on the model of gpt-small: torch's context parallelism is measured for hf: causal LMs",
+        ),
     ],
 )
 def test_a_job_cp_cannot_take_is_one_line_and_exit_2(

@@ -61,6 +61,20 @@ def test_gpu_memory_without_gpu_is_refused_in_the_config() -> None:
         (["--gpu", "h100", "--gpu-memory", "lots"], "--gpu-memory: "),
         # More than any card of the architecture ships (issue 40): no card to emulate, and no name to store under.
         (["--gpu", "h100", "--gpu-memory", "1TiB"], "no card of its architecture (compute capability 9.0"),
+        (["--gpu", "h100", "--gpu-memory", "1PiB"], "with 1.00 PiB: no card of its architecture"),
+        # Less than any device of the architecture presents (issue 62: 1KiB ran 9 s before "nothing fits"); the
+        # smallest Hopper device is a MIG slice of an H100.
+        (
+            ["--gpu", "h100", "--gpu-memory", "1KiB"],
+            "--gpu 'h100' --gpu-memory 1.00 KiB: card 'h100' with 1.00 KiB: no device of its architecture (compute "
+            "capability 9.0, like the h100) has less than 9 GiB (the smallest: H100 MIG 1g.10gb, 10 GB)",
+        ),
+        (["--gpu", "l4", "--gpu-memory", "4GiB"], "has less than 5 GiB (the smallest: GeForce RTX 4050 Laptop"),
+        # --estimate-bound bounds an estimate for a card: without one it is refused as --gpu-memory is.
+        (
+            ["--estimate-bound", "tight", "--device-kind", "cpu", "--budget", "8GiB"],
+            "--estimate-bound tight bounds what an estimate for a card does not model: give --gpu NAME",
+        ),
     ],
 )
 def test_bad_gpu_memory_input_is_one_line_and_exit_2(
@@ -76,6 +90,15 @@ def test_bad_gpu_memory_input_is_one_line_and_exit_2(
     assert message in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_mig_slice_is_a_card_of_its_architecture() -> None:
+    """The least memory a device of an architecture presents is its smallest MIG instance where it has MIG: an
+    H100's 1g.10gb slice (9.75 GiB as NVML lists it) is a card an estimate can be for, as is an A100's 1g.5gb."""
+    config = EstimateConfig.of(gpu="h100", gpu_memory=9984 * MiB)
+    assert config.card is not None and config.card.compute_capability == (9, 0)
+    config = EstimateConfig.of(gpu="a100-40gb", gpu_memory=4864 * MiB)
+    assert config.card is not None and config.card.compute_capability == (8, 0)
 
 
 def test_an_estimate_for_an_unlisted_card_says_what_it_assumed(cuda_python: str, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_the_optimizer_options_travel_in_the_spec(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "no config.json there"),
+        (None, "the folder has no config.json (hf: reads a config.json, or a folder holding one)"),
         ("{not json", "is not readable JSON"),
         ('{"vocab_size": 8}', 'has no "model_type"'),
         ('{"model_type": "no-such-model"}', "transformers cannot read the config: Unrecognized model"),
@@ -90,9 +91,32 @@ def test_a_config_that_is_no_causal_lm_is_refused_in_one_line(
 ) -> None:
     if content is not None:
         (tmp_path / "config.json").write_text(content)
-    with pytest.raises(TaskError, match=message) as caught:
+    with pytest.raises(TaskError, match=re.escape(message)) as caught:
         load_task(f"hf:{tmp_path}")
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        # A file path that is not there (issue 62: "hf:configs/llama.json: no config.json there").
+        ("hf:configs/no-such.json", "hf:configs/no-such.json: no such file (hf: reads a config.json, or a folder"),
+        # A hub id: hf: never reads the hub, and the line says how to get the config.
+        (
+            "hf:meta-llama/Llama-3.1-8B",
+            "hf:meta-llama/Llama-3.1-8B: no local file or folder of that name; hf: reads a local config.json (or a "
+            "folder holding one), never the hub: get it with hf download meta-llama/Llama-3.1-8B config.json "
+            "--local-dir llama-3.1-8b (huggingface_hub's CLI), then hf:llama-3.1-8b",
+        ),
+    ],
+)
+def test_a_config_that_is_not_here_says_what_hf_reads(
+    spec: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TaskError) as caught:
+        load_task(spec)
+    assert str(caught.value).startswith(message), str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -193,14 +193,14 @@ def test_unmeasured_schedules_and_compositions_are_refused_in_one_line() -> None
         )
     # --cp under a pipeline runs an hf: causal LM's stages (tests/autotune/test_cp_pipeline.py); this task's is not one.
     config = ProbeConfig(device="cpu", budget_bytes=BUDGET, world_size=4, mesh=Mesh(pp=2, cp=2))
-    with pytest.raises(TaskError, match="^--cp 2: context parallelism is measured for hf: causal LMs"):
+    with pytest.raises(TaskError, match="^--cp 2 on the model of tiny-llama: torch's context parallelism is measured"):
         probe(llama_task(), config)
 
 
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--pp", "4", "--pp-microbatches", "4"], "--pp 4: TinyLlama of task 'tiny-llama' has 3 block(s) to cut"),
+        (["--pp", "4", "--pp-microbatches", "4"], "--pp 4 on the model's 3 block(s) (tiny-llama): a pipeline cuts"),
         (["--pp", "2", "--pp-microbatches", "1"], "--pp-microbatches 1 is below --pp 2"),
         (
             ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5"],

@@ -77,8 +77,8 @@ def test_the_datasheet_says_predicted_and_recommend_ranks_by_it_with_its_margin(
     other = min(per_gpu, key=lambda policy: per_gpu[policy])
     ahead = per_gpu[best] / per_gpu[other] - 1
     line = next(line for line in printed.splitlines() if line.startswith("recommended:"))
-    assert line.startswith(f"recommended: {best}: ") and "predicted" in line
-    assert f"predicted {ahead:.1%} faster than {other}" in line
+    assert line.startswith(f"recommended: --ac {best}: ") and "predicted" in line
+    assert f"predicted {ahead:.1%} faster than --ac {other}" in line
     # `autotune recommend` over the written profiles says the same.
     paths = []
     for profile in profiles:
@@ -87,7 +87,7 @@ def test_the_datasheet_says_predicted_and_recommend_ranks_by_it_with_its_margin(
         paths.append(str(path))
     assert main(["recommend", *paths]) == 0
     said = capsys.readouterr().out
-    assert said.startswith(f"recommended: {best}: ") and f"{ahead:.1%} faster than {other}" in said
+    assert said.startswith(f"recommended: --ac {best}: ") and f"{ahead:.1%} faster than --ac {other}" in said
 
 
 def _per_gpu(profile: Profile) -> float:

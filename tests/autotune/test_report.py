@@ -95,3 +95,80 @@ def test_the_step_phase_recorded_by_a_real_trial_is_the_floor_of_predictions() -
     assert profile.step_floor_bytes == 20 * gib
     assert profile.predicted_peak(3) == 20 * gib  # the step phase, not the line's 4 GiB
     assert profile.predicted_peak(22) == 23 * gib  # the line above it
+
+
+# -- issue 62, item 8: the lines said plainly ------------------------------------------------------------------
+
+
+def test_an_over_the_card_fake_trial_says_so_without_a_peak_or_a_time() -> None:
+    """Before: `trial m=2 peak 79.19 GiB fake OOM 0.00s`, the card's size read as a peak and a time of zero."""
+    from autotune.cli.report import trial_line
+    from autotune.core.schemas import Trial
+
+    over = Trial(micro_batch=2, peak_bytes=85_000_000_001, fits=False, oom=True, fake=True)
+    on_card = trial_line(over, 72 * 2**30, memory="the card")
+    assert on_card == "trial m=2      over the card (a fake trial: out of memory)"
+    assert trial_line(over, 72 * 2**30) == "trial m=2      over the budget (a fake trial: out of memory)"
+    # A real trial that ran out keeps its reading and its time.
+    real = Trial(micro_batch=3, peak_bytes=2**30, fits=False, oom=True, seconds=1.5)
+    assert trial_line(real, 2**30) == "trial m=3      peak    1.00 GiB  OOM               1.50s"
+
+
+def test_each_trial_line_of_a_run_over_lengths_names_its_length() -> None:
+    from autotune.cli.report import trial_line
+    from autotune.core.schemas import Trial
+    from autotune.search.boundary import at_length
+
+    trial = Trial(micro_batch=4, peak_bytes=2**20, fits=True, seconds=0.25)
+    heard: list[Trial] = []
+    report = at_length(heard.append, 512)
+    assert report is not None
+    report(trial)
+    assert trial_line(heard[0], 2**21) == (
+        "trial L=512    m=4      peak    1.00 MiB ( 50.0% of limit)  fits              0.25s"
+    )
+    # The label is the progress line's only: never on the wire, and the trial reported is a copy.
+    assert "seq_len" not in heard[0].model_dump() and trial.reported_length is None
+    assert at_length(heard.append, None) is not None and at_length(None, 512) is None
+
+
+def test_the_device_is_named_once() -> None:
+    from autotune.cli.report import device_text
+    from autotune.core.schemas import Device
+
+    assert device_text(Device(kind="cpu", name="cpu (estimate)")) == "cpu (estimate)"  # was "cpu (estimate) (cpu)"
+    assert device_text(Device(kind="cpu", name="cpu")) == "cpu"
+    assert device_text(Device(kind="cuda", name="NVIDIA H100 80GB HBM3", index=0)) == "NVIDIA H100 80GB HBM3 (cuda:0)"
+    assert device_text(Device(kind="cuda", name="NVIDIA H100 80GB HBM3")) == "NVIDIA H100 80GB HBM3 (cuda)"
+
+
+def test_a_run_over_lengths_heads_each_length_once_and_says_what_limits_the_longest() -> None:
+    """Before: `at L=32:` twice (once over the levers, once over the breakdown), and "limited by the model refuses
+    longer"."""
+    from autotune.cli.report import lengths_datasheet, longest_line
+    from autotune.core.schemas import Lever, LongestSeqLen, MemoryBreakdown
+
+    profiles = []
+    for seq_len in (16, 32):
+        profile = make_profile(max_micro_batch=8)
+        profile.seq_len = seq_len
+        peak = profile.peak_at(8)
+        assert peak is not None
+        profile.levers = [Lever(flags="--ac full", at_micro_batch=8, peak_bytes=peak // 2, freed_bytes=peak // 2,
+                                max_micro_batch=16)]  # fmt: skip
+        profile.breakdown = [
+            MemoryBreakdown(micro_batch=8, fits=True, peak_bytes=peak, parts={"activations": peak}, peak_event=0,
+                            events=1, timeline=[[0]], phases=[])
+        ]  # fmt: skip
+        profiles.append(profile)
+    sheet = lengths_datasheet(profiles)
+    assert sheet.count("  at L=") == 1 and "  at L=32:" in sheet
+    heading = sheet.splitlines().index("  at L=32:")
+    assert sheet.splitlines()[heading + 1].startswith("  levers")
+    assert any(line.startswith("  memory at peak") for line in sheet.splitlines()[heading:])
+    longest = LongestSeqLen(micro_batch=1, seq_len=2048, peak_bytes=2**30, limited_by="model", cap=4096,
+                            note="max_position_embeddings 2048")  # fmt: skip
+    assert longest_line(longest) == (
+        "  longest L at m=1: 2048 (1.00 GiB; limited by the model: it takes no longer sequence): "
+        "max_position_embeddings 2048"
+    )

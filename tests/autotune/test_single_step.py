@@ -158,3 +158,36 @@ def test_an_estimate_says_it_has_no_single_step_figure() -> None:
         other.plan = plan(24, target, world)
         single_step_not_estimated(other)
         assert not any(said in w for w in other.warnings), (target, world)
+
+
+def test_an_estimate_proposes_no_single_step_its_own_figures_rule_out() -> None:
+    """Issue 62, item 8: the advice proposed one step at "micro-batch 16 per replica" where m = 1 already held
+    54.64 GiB of an 80 GiB card. A single step saves at most one gradient set (the breakdown's, 4 GiB here): at 16
+    per replica the fit says 53 + 16 x 1.6 = 78.6 GiB, 74.6 GiB less the gradients, over the 72 GiB limit: no word.
+    With gradients as large as the fit's fixed bytes, the same target is left said (the figures allow it)."""
+    from autotune.cli.estimate import single_step_not_estimated
+    from autotune.core.plan import plan
+    from autotune.core.schemas import MemoryBreakdown
+    from tests.factories import make_profile
+
+    gib = 2**30
+
+    def at_sixteen(gradients_bytes: int) -> list[str]:
+        profile = make_profile(
+            max_micro_batch=11, fixed_bytes=53 * gib, bytes_per_sample=1.6 * gib, budget_bytes=80 * gib,
+            source="estimate",
+        )  # fmt: skip
+        peak = profile.peak_at(11)
+        assert peak is not None
+        profile.breakdown = [
+            MemoryBreakdown(
+                micro_batch=11, fits=True, peak_bytes=peak, parts={"gradients": gradients_bytes,
+                "activations": peak - gradients_bytes}, peak_event=0, events=1, timeline=[[0]], phases=[],
+            )
+        ]  # fmt: skip
+        profile.plan = plan(11, 16)
+        single_step_not_estimated(profile)
+        return [w for w in profile.warnings if "in one step (A = 1)" in w]
+
+    assert at_sixteen(4 * gib) == []
+    assert len(at_sixteen(53 * gib)) == 1

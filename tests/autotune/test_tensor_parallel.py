@@ -248,7 +248,11 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> _Done:
     ("flags", "line"),
     [
         (["--tp", "3", "--world-size", "4"], "--world-size 4 is not a multiple of --tp x --pp x --cp = 3 x 1 x 1"),
-        (["--tp", "4", "--world-size", "4"], "--tp 4 does not divide the 2 key-value heads"),
+        (
+            ["--tp", "4", "--world-size", "4"],
+            "--tp 4 on the model's 2 key/value heads (llama-",
+        ),
+        (["--tp", "3", "--world-size", "3"], "--tp 3 on the model's 4 attention heads (llama-"),
     ],
 )
 def test_a_mesh_the_model_cannot_take_is_one_line_and_exit_2(

@@ -202,7 +202,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str, output: Path) -> tuple[
         ),
         (
             ["--tp", "2", "--world-size", "2", "--tp-plan", "torchtitan", "--seq-len", "16", "bert"],
-            "--tp-plan torchtitan: no module names of model type 'bert'",
+            "--tp-plan torchtitan on the model of bert-",
         ),
     ],
 )

@@ -283,3 +283,24 @@ def test_suggest_asks_for_the_jobs_loss(in_process_server: Callable[..., Any]) -
     assert (code, err) == (EXIT_OK, "") and Suggestion.model_validate_json(out).max_micro_batch == 20
     code, out, err = run_suggest(lm_loss="plain")
     assert code == ExitCode.USAGE and out == "" and err.count("\n") == 1 and "lm_loss" in err
+
+
+def test_the_fingerprint_every_listing_shows_is_the_one_suggest_takes(in_process_server: Callable[..., Any]) -> None:
+    """Issue 62, item 3: the datasheet showed 16 digits, `profiles ls` 12, and `suggest --fingerprint` took
+    neither (404). Both now show the same 16 digits, and suggest answers them with the stored profile."""
+    from autotune.cli.report import datasheet
+
+    profile = make_profile(max_micro_batch=20)
+    profile_id = upload_profile(profile, server=IN_PROCESS_URL, token=WRITE_TOKEN)
+    (sheet_line,) = [line for line in datasheet(profile).splitlines() if line.strip().startswith("fingerprint")]
+    from_sheet = sheet_line.split()[1]
+    code, out, _ = run_profiles("ls")
+    assert code == EXIT_OK
+    header, row = out.splitlines()
+    assert header.split()[:2] == ["id", "fingerprint"]
+    from_list = row.split()[1]
+    assert from_sheet == from_list == FINGERPRINT[:16]
+    code, out, err = run_suggest(fingerprint=from_list, as_json=True)
+    assert (code, err) == (EXIT_OK, "")
+    got = Suggestion.model_validate_json(out)
+    assert (got.profile_id, got.fingerprint) == (profile_id, FINGERPRINT)

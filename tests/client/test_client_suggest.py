@@ -112,6 +112,22 @@ def test_job_fingerprint_changes_with_what_changes_memory() -> None:
     assert job_fingerprint(frozen, example=tiny_batch) != base
 
 
+def test_a_length_the_example_is_not_made_at_is_refused_before_anything_is_asked() -> None:
+    """Issue 62, item 1: the job's seq_len is a dimension of its example, or the local probe would measure the
+    example's length and store (and answer) it as seq_len's. Refused before the store is asked or a trial runs."""
+    tokens = lambda m: {"input_ids": torch.zeros(m, 64, dtype=torch.long)}  # noqa: E731
+    with pytest.raises(AutotuneClientError) as caught:
+        job_fingerprint(tiny_model(), example=tokens, seq_len=4096)
+    assert str(caught.value) == (
+        "seq_len 4096: no dimension of the example's sample is 4096 (its shapes without the batch dimension: [64]): "
+        "make the example at the job's length, which is what is measured and answered"
+    )
+    with pytest.raises(AutotuneClientError, match="seq_len 4096: no dimension of the example's sample is 4096"):
+        suggest(tiny_model(), 64, example=tokens, seq_len=4096, probe_if_missing=False)
+    # At its own length the fingerprint is the sequence-aware one.
+    assert job_fingerprint(tiny_model(), example=tokens, seq_len=64) != job_fingerprint(tiny_model(), example=tokens)
+
+
 def test_the_fingerprint_of_a_model_built_in_two_processes_is_equal() -> None:
     script = textwrap.dedent(
         """

@@ -109,6 +109,11 @@ def test_the_readme_probe_and_suggest_answer_as_shown(live_server: LiveServer) -
     out = run([*autotune_command(), *args[1:], "--server", live_server.url], live_server.env())
     printed = [line for line in normalized(out) if not line.startswith("uploaded as profile")]
     assert printed == normalized(shown), out
+    # docs/probing.md shows the same probe's output (issue 62: its copy had gone stale).
+    (probing_shown,) = [
+        b for b in blocks(section(DOCS / "probing.md", "## Probe a job"), "") if b.startswith("probing gpt-small")
+    ]
+    assert normalized(probing_shown) == normalized(shown)
 
     answers = [b for b in blocks(section(README, "## `/suggest` from a job"), "") if b.startswith("$ autotune suggest")]
     assert len(answers) == 1

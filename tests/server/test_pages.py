@@ -101,7 +101,8 @@ def test_table_lists_every_profile_with_its_columns(client: TestClient, three: d
     assert len(ROW.findall(page)) == 3
     gpt_row = page.split(f'data-profile-id="{three["gpt"]}"', 1)[1].split("</tr>", 1)[0]
     assert f'title="{fingerprint_for("examples/gpt.py:task-1")}"' in gpt_row
-    assert fingerprint_for("examples/gpt.py:task-1")[:12] + "</code>" in gpt_row
+    # The form /suggest takes (issue 62): the 16 digits the datasheet and `profiles ls` show too.
+    assert ">" + fingerprint_for("examples/gpt.py:task-1")[:16] + "</code>" in gpt_row
     assert "NVIDIA A100-SXM4-80GB" in gpt_row and "bf16" in gpt_row
     assert "24 × 1 × 1 = 24" in gpt_row
     # Largest fitting trial: 10 GiB + 2.5 GiB x 24 (+ seed 1 byte) of an 80 GiB budget.

@@ -280,6 +280,26 @@ def test_malformed_json_is_422_in_the_error_shape(client: TestClient) -> None:
     assert response.json()["error"]["code"] == "validation_error"
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        # Issue 62: '{"a":' answered "5: JSON decode error" with the field "5", a character offset as a field.
+        (b'{"a":', "the body is not valid JSON: Expecting value at character 5 (counting from 0)"),
+        (b"{not json", "the body is not valid JSON: Expecting property name enclosed in double quotes at character 1"),
+        (b"\xff\xfe{", "the body is not valid JSON: not UTF-8 text"),
+    ],
+)
+def test_a_body_that_is_not_json_names_the_position_and_no_field(
+    client: TestClient, content: bytes, message: str
+) -> None:
+    response = client.post(PROFILES, content=content, headers={**WRITE, "Content-Type": "application/json"})
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["code"] == "validation_error" and error["field"] is None
+    assert error["message"].startswith(message), error["message"]
+    assert all(problem["field"] is None for problem in error["details"] or [])
+
+
 def test_write_without_token_is_401_and_wrong_token_403(client: TestClient) -> None:
     body = profile_payload()
     missing = client.post(PROFILES, json=body)

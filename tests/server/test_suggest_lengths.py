@@ -127,3 +127,64 @@ def test_a_surface_without_its_length_is_refused(client: TestClient) -> None:
     assert response.json()["error"]["field"] == "surface"
     outside = {**PROFILES[0], "seq_len": 4096}
     assert client.post("/api/v1/profiles", json=outside, headers=WRITE).status_code == 422
+
+
+def _fixed(client: TestClient, fingerprint: str, tags: dict[str, Any]) -> int:
+    from tests.factories import profile_payload
+
+    response = client.post(
+        "/api/v1/profiles",
+        json=profile_payload(fingerprint=fingerprint, max_micro_batch=26, bytes_per_sample=2**30, tags=tags),
+        headers=WRITE,
+    )
+    assert response.status_code == 201, response.text
+    return int(response.json()["id"])
+
+
+def _ask_fixed(client: TestClient, fingerprint: str, **params: object) -> Any:
+    from tests.factories import DEFAULT_DEVICE
+
+    return client.get(SUGGEST, params={"fingerprint": fingerprint, "device_name": DEFAULT_DEVICE, **params})
+
+
+def test_a_fixed_length_setup_answers_its_own_length_only(client: TestClient) -> None:
+    """Issue 62, item 1: examples/gpt.py:task (64 tokens, not sequence-aware) asked at seq_len 4096 answered 200,
+    "measured", m = 26 and 106,496 tokens per micro-batch: a job at 4096 would run out of memory on its first step.
+    Its own length (the tag seq_len) answers as before; another is a 404 naming both."""
+    fingerprint = "64" * 32
+    profile_id = _fixed(client, fingerprint, {"seq_len": 64})
+    own = _ask_fixed(client, fingerprint, seq_len=64, target_batch=512)
+    assert own.status_code == 200, own.text
+    got = Suggestion.model_validate(own.json())
+    assert (got.source, got.profile_id, got.micro_batch, got.tokens_per_micro_batch) == (
+        "measured",
+        profile_id,
+        26,
+        26 * 64,
+    )
+    unsaid = Suggestion.model_validate(_ask_fixed(client, fingerprint, target_batch=512).json())
+    assert (unsaid.source, unsaid.micro_batch, unsaid.tokens_per_micro_batch) == ("measured", 26, None)
+    longer = _ask_fixed(client, fingerprint, seq_len=4096, target_batch=512)
+    assert longer.status_code == 404, longer.text
+    error = longer.json()["error"]
+    assert error["code"] == "no_matching_profile" and error["field"] == "seq_len"
+    assert error["message"].startswith(
+        f"no profile of fingerprint {fingerprint} at seq_len 4096 on 'NVIDIA A100-SXM4-80GB': its task's length is "
+        "fixed at 64 (the tag seq_len;"
+    ), error["message"]
+    assert error["details"] == {"measured_lengths": [64], "covered": []}
+    tokens = _ask_fixed(client, fingerprint, seq_len=4096, target_tokens=1 << 20)
+    assert tokens.status_code == 404
+
+
+def test_a_setup_that_records_no_length_is_not_answered_at_one(client: TestClient) -> None:
+    fingerprint = "0a" * 32
+    _fixed(client, fingerprint, {})
+    response = _ask_fixed(client, fingerprint, seq_len=4096, target_batch=512)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "seq_len"
+    assert error["message"].startswith(
+        f"seq_len 4096: fingerprint {fingerprint} is not sequence-aware and records no length"
+    ), error["message"]
+    assert _ask_fixed(client, fingerprint, target_batch=512).status_code == 200
