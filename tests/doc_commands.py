@@ -24,6 +24,7 @@ loaded first), the server's ``serve``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import shlex
 from collections.abc import Iterator
@@ -110,7 +111,8 @@ def _blocks(page: Path) -> Iterator[Block]:
             end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```"), len(lines))
             if language in _SHELL_LANGUAGES:
                 body = list(enumerate(lines[i + 1 : end], start=i + 2))
-                yield Block(name, i + 1, language, heading, tuple(_statements(name, body, prompted=language != "bash")))
+                steps = tuple(_statements(name, body, prompted=language != "bash"))
+                yield Block(name, i + 1, language, heading, _with_output_block(steps, lines, end + 1))
             i = end + 1
             continue
         if line.startswith("    autotune ") and (i == 0 or not lines[i - 1].strip()):
@@ -122,6 +124,21 @@ def _blocks(page: Path) -> Iterator[Block]:
             i = end
             continue
         i += 1
+
+
+def _with_output_block(steps: tuple[Step, ...], lines: list[str], after: int) -> tuple[Step, ...]:
+    """A bash block's steps, its last ``autotune`` command given the lines of the bare block that follows it (the
+    page's output of the block) as what it shows, where one follows and the command shows none of its own."""
+    j = after
+    while j < len(lines) and not lines[j].strip():
+        j += 1
+    commands = [k for k, step in enumerate(steps) if step.kind == "autotune"]
+    if not commands or j >= len(lines) or lines[j].rstrip() != "```" or steps[commands[-1]].shown:
+        return steps
+    end = next((k for k in range(j + 1, len(lines)) if lines[k].rstrip() == "```"), len(lines))
+    last = commands[-1]
+    shown = dataclasses.replace(steps[last], shown=tuple(lines[j + 1 : end]))
+    return (*steps[:last], shown, *steps[last + 1 :])
 
 
 def _is_command(text: str) -> bool:

@@ -108,6 +108,19 @@ def _locals(tree: Any) -> Any:
     return tree_unflatten([_local(leaf) for leaf in flat], spec)
 
 
+def _counted(counter: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """The FLOPs torch's flop counter gives an op. Its formulas take the default overload's arguments: an overload
+    with a trailing argument more (``addmm.dtype``'s ``out_dtype``, Liger's fp32 weight gradient under --loss
+    fused-linear) is counted as the default one, its trailing non-tensor positionals left out."""
+    try:
+        return int(counter(*_locals(args), **_locals(kwargs), out_val=_locals(out)))
+    except TypeError:
+        positional = list(args)
+        while positional and not isinstance(positional[-1], torch.Tensor):
+            positional.pop()
+        return int(counter(*_locals(tuple(positional)), **_locals(kwargs), out_val=_locals(out)))
+
+
 def _footprint(tensor: torch.Tensor) -> int:
     """The bytes a kernel touches of tensor: its elements, or less where strides repeat them (a broadcast input)."""
     if tensor.numel() == 0:
@@ -266,7 +279,7 @@ class OpCounter:
             kind: OpKind = "reduction" if name.split(".")[1] in REDUCTION_OPS else "elementwise"
             return OpRecord(op=name, kind=kind, dtype=self._dtype(inputs, False), phase=self._phase(), flops=0,
                             bytes=moved)  # fmt: skip
-        flops = beyond if counter is None else int(counter(*_locals(args), **_locals(kwargs), out_val=_locals(out)))
+        flops = beyond if counter is None else _counted(counter, args, kwargs, out)
         assert flops is not None
         if kernel is not None:
             causal = _argument(func, args, kwargs, "is_causal")

@@ -112,5 +112,8 @@ def test_an_estimate_for_an_unlisted_card_says_what_it_assumed(cuda_python: str,
     assert code == 0
     profile = Profile.model_validate(json.loads(out.read_text()))
     assert profile.device.name == "RTX 4090 D" and profile.device.compute_capability == "8.9"
-    (said,) = [w for w in profile.warnings if "not in the catalog" in w]
+    (said,) = [w for w in profile.warnings if w.startswith("RTX 4090 D is not in the catalog")]
+    # The step time says what it lacks of such a card, in one line of its own (issue 65).
+    (no_time,) = [w for w in profile.warnings if w.startswith("no predicted step time:")]
+    assert "--peak-tflops" in no_time
     assert "the catalog's rtx-4090" in said and "24576 MiB as given" in said
