@@ -83,73 +83,23 @@ def estimate(
     config.validate()
     setup = config.probe
     assert setup.budget_bytes is not None  # validate() refused None
-    # torchao's compiled step runs eagerly on fake tensors, on one device (autotune/tasks/optimizers.py).
-    refuse_compiled_step(task.optimizer, allocator_count=False, fake=True)
-    warnings: list[str] = [note] if (note := eager_step_note(task.optimizer)) else []
-    if (setup.compile or task.compile) is not None:  # fake trials run the eager model (docs/compile.md)
-        from autotune.measure.meters.compiled import estimated_eager
-
-        warnings.append(estimated_eager(setup.applied_to(task)))
+    warnings = _eager_notes(task, setup)
     if config.card is not None and fakes is None:
-        reason = config.emulation_failed
-        if reason is None:
-            try:  # the card's estimate applies the setup to the task itself
-                on_card = estimate_on_card(task, config, on_trial=on_trial)
-                on_card.warnings[:0] = warnings
-                if setup.levers:  # each change estimated on the same card (autotune/orchestrate/levers.py)
-                    on_card.levers = card_levers(task, config, on_card)
-                return on_card
-            except EmulationUnavailable as exc:
-                reason = str(exc)
-        warnings.append(
-            f"the {config.card.short_name} could not be emulated here ({reason}): estimated with CPU semantics, "
-            "without the caching allocator or the memory outside it"
-        )
+        on_card = _on_card_or_why(task, config, warnings, on_trial)
+        if on_card is not None:
+            return on_card
     task = setup.applied_to(task)
     started = time.perf_counter()
     device_type, semantics = estimate_device_type(config.device_kind)
     warnings.extend([semantics] if semantics else [])
-    limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
     device_name = config.device_name or f"{config.device_kind} (estimate)"
     if setup.mesh.pp > 1:  # every stage's fake trial replays its schedule, on a model of its own
         if fakes is not None:
             raise AutotuneError(f"--pp {setup.mesh.pp}: a pipeline's stages are not estimated on a shared fake model")
         return _estimate_pipeline(task, config, device_type, device_name, warnings, on_trial)
-    strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
-    no_fit: NoFitError | None = None
-    # The fake trials' peaks broken down (autotune/measure/breakdown.py); a run's shared fake model (a run over
-    # lengths) records none: its sizes are broken down on a model of their own below.
-    breakdowns: dict[int, MemoryBreakdown] | None = {} if setup.breakdown and fakes is None else None
-    # A shared fake model lives in its caller's process group; a model of its own needs one.
-    group = nullcontext() if fakes is not None else strategy.process_group(torch.device(device_type))
-    with group:
-        try:
-            found = fake_search(
-                task,
-                budget_bytes=setup.budget_bytes,
-                limit_bytes=limit_bytes,
-                device_type=device_type,
-                strategy=strategy,
-                max_micro_batch=setup.max_micro_batch,
-                multiple_of=setup.multiple_of,
-                device_name=device_name,
-                on_trial=on_trial,
-                confirm=True,
-                hint=hint,
-                known=known,
-                fakes=fakes,
-                breakdowns=breakdowns,
-            )
-        except NoFitError as exc:  # diagnosed by fake trials, outside this process group
-            if fakes is not None:  # the caller holds the group: it diagnoses after the run
-                raise
-            no_fit = exc
-    if no_fit is not None:
-        from autotune.orchestrate.levers import with_cheapest_lever
-
-        error = no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
-        raise with_cheapest_lever(error, task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
+    found, breakdowns = _fake_searched(task, setup, device_type, device_name, on_trial, hint, known, fakes)
     warnings.extend(found.warnings)
+    limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
     if setup.breakdown and fakes is not None:  # a run over lengths: this length's own datasheet
         # The strategy whose process group the caller holds (a mesh's: its device mesh is that group's).
         breakdowns = _broken_down(task, found, setup, fakes.runner.strategy, device_type, device_name, limit_bytes)
@@ -180,6 +130,89 @@ def estimate(
         breakdown=breakdown,
         levers=levers,
     )
+
+
+def _eager_notes(task: ProbeTask, setup: ProbeConfig) -> list[str]:
+    """What an estimate says first of a step its fake trials run eagerly: torchao's compiled optimizer step (refused
+    where it cannot), a compiled model (docs/compile.md)."""
+    # torchao's compiled step runs eagerly on fake tensors, on one device (autotune/tasks/optimizers.py).
+    refuse_compiled_step(task.optimizer, allocator_count=False, fake=True)
+    warnings: list[str] = [note] if (note := eager_step_note(task.optimizer)) else []
+    if (setup.compile or task.compile) is not None:  # fake trials run the eager model (docs/compile.md)
+        from autotune.measure.meters.compiled import estimated_eager
+
+        warnings.append(estimated_eager(setup.applied_to(task)))
+    return warnings
+
+
+def _on_card_or_why(
+    task: ProbeTask, config: EstimateConfig, warnings: list[str], on_trial: Callable[[Trial], None] | None
+) -> Profile | None:
+    """The estimate on the emulated card (with its levers, each on the same card), or None with the reason it could
+    not be emulated among the warnings: the estimate then runs with CPU semantics."""
+    assert config.card is not None
+    reason = config.emulation_failed
+    if reason is None:
+        try:  # the card's estimate applies the setup to the task itself
+            on_card = estimate_on_card(task, config, on_trial=on_trial)
+            on_card.warnings[:0] = warnings
+            if config.probe.levers:  # each change estimated on the same card (autotune/orchestrate/levers.py)
+                on_card.levers = card_levers(task, config, on_card)
+            return on_card
+        except EmulationUnavailable as exc:
+            reason = str(exc)
+    warnings.append(
+        f"the {config.card.short_name} could not be emulated here ({reason}): estimated with CPU semantics, "
+        "without the caching allocator or the memory outside it"
+    )
+    return None
+
+
+def _fake_searched(
+    task: ProbeTask,
+    setup: ProbeConfig,
+    device_type: str,
+    device_name: str,
+    on_trial: Callable[[Trial], None] | None,
+    hint: int | None,
+    known: Sequence[Trial],
+    fakes: FakeTrials | None,
+) -> tuple[FakeSearch, dict[int, MemoryBreakdown] | None]:
+    """The search by fake trials, and its sizes broken down where asked; a size that does not fit raises the one line
+    of the no-fit diagnosis with the cheapest change (outside the strategy's process group)."""
+    assert setup.budget_bytes is not None
+    strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
+    # The fake trials' peaks broken down (autotune/measure/breakdown.py); a run's shared fake model (a run over
+    # lengths) records none: its sizes are broken down on a model of their own.
+    breakdowns: dict[int, MemoryBreakdown] | None = {} if setup.breakdown and fakes is None else None
+    # A shared fake model lives in its caller's process group; a model of its own needs one.
+    group = nullcontext() if fakes is not None else strategy.process_group(torch.device(device_type))
+    with group:
+        try:
+            found = fake_search(
+                task,
+                budget_bytes=setup.budget_bytes,
+                limit_bytes=units.limit_bytes(setup.budget_bytes, setup.headroom),
+                device_type=device_type,
+                strategy=strategy,
+                max_micro_batch=setup.max_micro_batch,
+                multiple_of=setup.multiple_of,
+                device_name=device_name,
+                on_trial=on_trial,
+                confirm=True,
+                hint=hint,
+                known=known,
+                fakes=fakes,
+                breakdowns=breakdowns,
+            )
+            return found, breakdowns
+        except NoFitError:  # diagnosed by fake trials, outside this process group
+            if fakes is not None:  # the caller holds the group: it diagnoses after the run
+                raise
+    from autotune.orchestrate.levers import with_cheapest_lever
+
+    error = no_fit_error(task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
+    raise with_cheapest_lever(error, task, setup, budget_bytes=setup.budget_bytes, device_type=device_type)
 
 
 def _broken_down(

@@ -33,7 +33,7 @@ from autotune.core.errors import AutotuneError, BudgetError, TaskError, TrialErr
 from autotune.core.plan import TargetError, target_in_sequences
 from autotune.core.schemas import MAX_SEQ_LEN, Fit, LongestSeqLen, Profile, Surface, Trial
 from autotune.core.surface import PeakSurface
-from autotune.measure.meters import make_meter, resolve_device
+from autotune.measure.meters import Meter, make_meter, resolve_device
 from autotune.measure.strategies import Strategy
 from autotune.measure.strategy_choice import make_strategy
 from autotune.measure.trial import TrialRunner, frozen_heap
@@ -586,14 +586,8 @@ def probe_lengths(
     compiled = task.compile is not None or compiled_step(task.optimizer) is not None
     meter = make_meter(resolve_device(config.device), config.budget_bytes, compiled=compiled)
     try:
-        if config.mesh.pp > 1:  # each length's stages replay their schedule: probe_with_meter's pipeline search
-
-            def one_length(task_at: ProbeTask, target: int | None) -> Profile:
-                at_config = config.with_setup(target_batch=target, target_tokens=None, seq_lens=())
-                return probe_with_meter(task_at, meter, at_config, on_trial=at_length(on_trial, task_at.seq_len))
-
-            lengths = check_lengths(task, lengths)
-            return _each_length_on_its_own(task, lengths, one_length, config=config, target_tokens=target_tokens)
+        if config.job_setup.planner == "pipeline":  # each length's stages replay their schedule
+            return _probe_pipeline_lengths(task, config, lengths, meter, target_tokens, on_trial)
         limit_bytes = units.limit_bytes(meter.budget_bytes, config.headroom)
         strategy = make_strategy(config.strategy, config.world_size, config.mesh)
 
@@ -644,6 +638,59 @@ def probe_lengths(
         meter.close()
 
 
+def _probe_pipeline_lengths(
+    task: ProbeTask,
+    config: ProbeConfig,
+    lengths: Sequence[int],
+    meter: Meter,
+    target_tokens: int | None,
+    on_trial: Callable[[Trial], None] | None,
+) -> LengthsRun:
+    """A pipeline's probe at each length on its own (probe_with_meter's pipeline search): no surface is traced over
+    its stages."""
+    from autotune.orchestrate.probe import probe_with_meter
+
+    def one_length(task_at: ProbeTask, target: int | None) -> Profile:
+        at_config = config.with_setup(target_batch=target, target_tokens=None, seq_lens=())
+        return probe_with_meter(task_at, meter, at_config, on_trial=at_length(on_trial, task_at.seq_len))
+
+    ordered = check_lengths(task, lengths)
+    return _each_length_on_its_own(task, ordered, one_length, config=config, target_tokens=target_tokens)
+
+
+def _estimate_pipeline_lengths(
+    task: ProbeTask,
+    config: EstimateConfig,
+    lengths: Sequence[int],
+    target_tokens: int | None,
+    on_trial: Callable[[Trial], None] | None,
+) -> LengthsRun:
+    """A pipeline's estimate at each length on its own (estimate's pipeline search)."""
+    from autotune.orchestrate.estimate import estimate
+
+    def one_length(task_at: ProbeTask, target: int | None) -> Profile:
+        return estimate(task_at, config.with_setup(target_batch=target), on_trial=at_length(on_trial, task_at.seq_len))
+
+    ordered = check_lengths(task, lengths)
+    return _each_length_on_its_own(task, ordered, one_length, config=config.probe, target_tokens=target_tokens)
+
+
+def _lanes(
+    task: ProbeTask, setup: ProbeConfig, workers: int | None, device_type: str, device_name: str
+) -> FakeLanes | None:
+    """The worker processes that run a run's independent fake trials beside this one (autotune/search/lanes.py)."""
+    return FakeLanes.for_task(
+        task,
+        spare_cores() if workers is None else workers,
+        device_type=device_type,
+        strategy=setup.strategy,
+        world_size=setup.world_size,
+        device_name=device_name,
+        hold=hold_lane_model,
+        mesh=setup.mesh.label(),
+    )
+
+
 def estimate_lengths(
     task: ProbeTask,
     config: EstimateConfig,
@@ -666,15 +713,8 @@ def estimate_lengths(
     task = _checked(task, config, lengths)
     setup = config.probe
     assert setup.budget_bytes is not None  # validate() refused None
-    if setup.mesh.pp > 1:  # each length's stages replay their schedule: estimate's pipeline search
-
-        def one_length(task_at: ProbeTask, target: int | None) -> Profile:
-            return estimate(
-                task_at, config.with_setup(target_batch=target), on_trial=at_length(on_trial, task_at.seq_len)
-            )
-
-        ordered = check_lengths(task, lengths)
-        return _each_length_on_its_own(task, ordered, one_length, config=setup, target_tokens=target_tokens)
+    if setup.job_setup.planner == "pipeline":  # each length's stages replay their schedule: estimate's own search
+        return _estimate_pipeline_lengths(task, config, lengths, target_tokens, on_trial)
     limit_bytes = units.limit_bytes(setup.budget_bytes, setup.headroom)
     device_type, _ = estimate_device_type(config.device_kind)
     strategy = make_strategy(setup.strategy, setup.world_size, setup.mesh)
@@ -706,16 +746,7 @@ def estimate_lengths(
     # seconds to build and its dispatch cache a trial to warm).
     try:
         with held.process_group(torch.device(device_type)), frozen_heap():
-            lanes = FakeLanes.for_task(
-                task,
-                spare_cores() if workers is None else workers,
-                device_type=device_type,
-                strategy=setup.strategy,
-                world_size=setup.world_size,
-                device_name=device_name,
-                hold=hold_lane_model,
-                mesh=setup.mesh.label(),
-            )
+            lanes = _lanes(task, setup, workers, device_type, device_name)
             fakes = FakeTrials(task, device_type=device_type, strategy=held, device_name=device_name, lanes=lanes)
             steps = _Lengths(
                 task=task,
