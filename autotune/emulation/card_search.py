@@ -64,11 +64,13 @@ def search_on_card(
     extra_sizes: Sequence[int] = (),
     python: str | None = None,
     breakdown: bool = False,
+    full_walk: bool = False,
 ) -> list[CardSearch]:
     """Run the search at each length (None: a task that is not sequence-aware) in one child process with
     the card emulated (autotune/emulation/runner.py): one torch import and one task load for all. ``job`` is the
     setup the child applies to the task it loads (its precision, policy and offload: ``ProbeTask.with_setup``)
-    and holds it under (strategy, world size, mesh), sent whole (``JobSetup`` as JSON).
+    and holds it under (strategy, world size, mesh), sent whole (``JobSetup`` as JSON). ``full_walk``: every block
+    of the model walked in every trial, not a few of them repeated (autotune/search/depth.py), to check the shortcut.
 
     Raises:
         CudaTorchMissing: no CUDA build of torch here (the caller falls back to CPU semantics).
@@ -93,6 +95,7 @@ def search_on_card(
         "extra_sizes": [int(m) for m in extra_sizes],
         "moe_load_factor": current_load_factor(),
         "breakdown": breakdown,
+        "full_walk": full_walk,
     }
     found, _ = _run_child(
         chosen,
@@ -172,6 +175,7 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
                 extra_sizes=[int(m) for m in request.get("extra_sizes") or ()],
                 hint=hint,
                 breakdown=bool(request.get("breakdown")),
+                depth_shortcut=not request.get("full_walk"),
             )
             if not found.no_fit and seq_len is not None:
                 previous = (int(seq_len), found.max_micro_batch)

@@ -1,0 +1,392 @@
+"""The trace of a model of any depth from walks of the same model cut to a few blocks (docs/depth.md).
+
+A fake trial's trace (every allocation and release, with the marks the meter and the breakdown make among them) is
+a sequence of *tokens*; a model of n identical blocks gives a sequence in which each block's stretch of events
+repeats wherever the trial runs the blocks: once a forward, once a backward (and its recomputation), once per
+foreach op of the optimizer's step. Three walks of the model cut to a, a + s and a + 2s blocks (s the period in
+blocks: 1, or K for a policy that checkpoints every K-th block) show it:
+
+- **Tokens.** The walk of a + s blocks is the walk of a blocks with one stretch inserted at each place where the
+  blocks repeat (the longest matching blocks of the two sequences, :class:`difflib.SequenceMatcher`); each stretch
+  is a *run*'s chunk, and where the walk of a blocks already holds copies of the chunk beside the insertion
+  (the cut's own middle and edge blocks), those are the run's copies too. The walk of a + 2s blocks must then be
+  the walk of a blocks with every chunk inserted twice, token for token: sizes, order, streams, marks. Held out,
+  it is the check that the runs repeat.
+- **References.** A release names the allocation it frees. Each event of the template is a *slot* (one event of
+  the fixed part, or the k-th event of a run's chunk, whichever copy g); every release of a slot frees, at every
+  depth, either one fixed event, or the k'-th event of copy h of one run, h = alpha g + beta (copies - 1) + delta
+  with alpha in {-1, 0, 1} and beta in {0, 1} (the same block, the next one, the mirrored one of a backward, the
+  first or the last), a copy past either end being one fixed event for each distance past it (the embedding's
+  output, freed by the first block's backward). The rule is fitted to the three walks' releases; a slot no rule
+  fits, or two rules that disagree deeper, is no proof, and the caller walks the whole model.
+- **Block indices.** A mark that names a module (the breakdown's place of the peak) names the block it runs in;
+  the index follows the same affine rule, fitted the same way.
+
+A template learnt at one micro-batch serves another when the walk of a + s blocks at that size has the same
+sequence but for the sizes (:meth:`Template.at_sizes_of`), each run's copies equal in it; else the template is
+learnt again there. Torch-free, pure arithmetic on tuples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from difflib import SequenceMatcher
+from typing import Any
+
+__all__ = ["NoRepetition", "Template", "Walk", "learn_template"]
+
+# A token is a hashable tuple whose first item says its kind: "A" an allocation (its size second), "F" a release
+# (the size it frees second), anything else a mark (no size). Two tokens equal are the same event at two depths.
+Token = tuple[Any, ...]
+ALLOC = "A"
+RELEASE = "F"
+_SIZED = (ALLOC, RELEASE)
+
+
+class NoRepetition(Exception):
+    """The walks do not show the blocks repeating in a way this module can extend: the reason, in one line."""
+
+
+@dataclass
+class Walk:
+    """One walk's sequence: ``tokens``; ``refs[i]`` the index of the allocation token a release frees (-1 for none:
+    an allocation, a mark, a release of a storage the recording never saw); ``blocks[i]`` the block index a mark
+    names (None where it names none)."""
+
+    tokens: list[Token]
+    refs: list[int]
+    blocks: list[int | None]
+
+    def __post_init__(self) -> None:
+        if not len(self.tokens) == len(self.refs) == len(self.blocks):
+            raise ValueError("a walk's tokens, refs and blocks must be as long as each other")
+
+
+def _shape(token: Token) -> Token:
+    """The token without its size (what a walk at another micro-batch must keep)."""
+    return token[:1] + token[2:] if token[0] in _SIZED else token
+
+
+# Rules of a slot's reference or block index, in the extra periods c (every run has lead + c copies):
+# ("fixed", j) the fixed token j; ("run", alpha, beta, delta, r, k, past) the k-th token of run r's copy
+# h = alpha g + beta c + delta, ``past`` the fixed token for each distance past its copies (negative: before the
+# first; else h - copies), as pairs; ("block", alpha, beta, delta) the block index alpha g + beta c + delta.
+Rule = tuple[Any, ...]
+# (alpha, beta): the same copy order, mirrored (a backward's), one copy from the first, one from the last.
+_COPY_RULES = ((1, 0), (-1, 1), (0, 0), (0, 1))
+Coord = tuple[Any, ...]  # ("f", j) a fixed token; ("x", r, g, k) the k-th token of run r's copy g
+
+
+@dataclass
+class _Run:
+    chunk: list[Token]
+    lead: int  # copies in the shallowest walk
+
+
+@dataclass
+class Template:
+    """A trace at any depth ``base_depth + step c``: the shallowest walk's fixed tokens, its runs (each repeated
+    ``lead + c`` times), and every slot's rules."""
+
+    base_depth: int
+    step: int
+    fixed: list[Token]  # the shallowest walk's tokens outside the runs, in order
+    # ("f", first, end): the fixed tokens first .. end - 1; ("r", index): a run.
+    layout: list[tuple[Any, ...]]
+    runs: list[_Run]
+    ref_rules: dict[Coord, Rule] = field(default_factory=dict)
+    block_rules: dict[Coord, Rule] = field(default_factory=dict)
+
+    def periods(self, depth: int) -> int:
+        """The extra periods c of a model of ``depth`` blocks (ValueError: none makes it)."""
+        extra, rest = divmod(depth - self.base_depth, self.step)
+        if extra < 0 or rest:
+            raise ValueError(f"a template of {self.base_depth} + {self.step} c blocks cannot make {depth}")
+        return extra
+
+    def coords(self, c: int) -> list[Coord]:
+        """Each token's coordinate in the walk with c extra periods."""
+        coords: list[Coord] = []
+        for item in self.layout:
+            if item[0] == "f":
+                coords.extend(("f", j) for j in range(item[1], item[2]))
+            else:
+                width = len(self.runs[item[1]].chunk)
+                for g in range(self.runs[item[1]].lead + c):
+                    coords.extend(("x", item[1], g, k) for k in range(width))
+        return coords
+
+    def tokens(self, c: int) -> list[Token]:
+        tokens: list[Token] = []
+        for item in self.layout:
+            if item[0] == "f":
+                tokens.extend(self.fixed[item[1] : item[2]])
+            else:
+                run = self.runs[item[1]]
+                tokens.extend(run.chunk * (run.lead + c))
+        return tokens
+
+    def positions(self, c: int) -> tuple[dict[int, int], dict[int, int]]:
+        """Where each fixed token and each run's first copy falls in the walk with c extra periods."""
+        fixed_at: dict[int, int] = {}
+        run_at: dict[int, int] = {}
+        position = 0
+        for item in self.layout:
+            if item[0] == "f":
+                for j in range(item[1], item[2]):
+                    fixed_at[j] = position
+                    position += 1
+            else:
+                run = self.runs[item[1]]
+                run_at[item[1]] = position
+                position += len(run.chunk) * (run.lead + c)
+        return fixed_at, run_at
+
+    def expand(self, depth: int) -> Walk:
+        """The walk of a model of ``depth`` blocks.
+
+        Raises:
+            NoRepetition: a release reaches past a run further than any walk showed.
+        """
+        c = self.periods(depth)
+        fixed_at, run_at = self.positions(c)
+        refs: list[int] = []
+        blocks: list[int | None] = []
+        ref_rules, block_rules = self.ref_rules, self.block_rules
+        for item in self.layout:
+            if item[0] == "f":
+                for j in range(item[1], item[2]):
+                    rule = ref_rules.get(("f", j))
+                    refs.append(-1 if rule is None else self._target(rule, 0, c, fixed_at, run_at))
+                    block = block_rules.get(("f", j))
+                    blocks.append(None if block is None else _affine(block, 0, c))
+                continue
+            r = item[1]
+            chunk_rules = [ref_rules.get(("x", r, k)) for k in range(len(self.runs[r].chunk))]
+            chunk_blocks = [block_rules.get(("x", r, k)) for k in range(len(self.runs[r].chunk))]
+            for g in range(self.runs[r].lead + c):
+                for rule, block in zip(chunk_rules, chunk_blocks, strict=True):
+                    refs.append(-1 if rule is None else self._target(rule, g, c, fixed_at, run_at))
+                    blocks.append(None if block is None else _affine(block, g, c))
+        return Walk(self.tokens(c), refs, blocks)
+
+    def _target(self, rule: Rule, g: int, c: int, fixed_at: dict[int, int], run_at: dict[int, int]) -> int:
+        if rule[0] == "fixed":
+            return fixed_at[rule[1]]
+        h = _affine(rule, g, c)
+        run = self.runs[rule[4]]
+        count = run.lead + c
+        if 0 <= h < count:
+            return run_at[rule[4]] + h * len(run.chunk) + rule[5]
+        past = h if h < 0 else h - count
+        for distance, fixed in rule[6]:
+            if distance == past:
+                return fixed_at[fixed]
+        raise NoRepetition(f"a release reaches {past} copies past a run, further than any walk showed")
+
+    def at_sizes_of(self, walk: Walk) -> Template | None:
+        """This template with the sizes of ``walk``, the walk of ``base_depth + step`` blocks at another micro-batch;
+        None where that walk is not this template's at c = 1 but for its sizes (another order, another count, other
+        references or blocks), or where a run's copies in it differ (the blocks do not repeat at that size)."""
+        shaped = self.expand(self.base_depth + self.step)
+        if len(shaped.tokens) != len(walk.tokens) or shaped.refs != walk.refs or shaped.blocks != walk.blocks:
+            return None
+        if any(a != b and _shape(a) != _shape(b) for a, b in zip(shaped.tokens, walk.tokens, strict=True)):
+            return None
+        fixed = list(self.fixed)
+        runs: list[_Run] = []
+        position = 0
+        for item in self.layout:
+            if item[0] == "f":
+                fixed[item[1] : item[2]] = walk.tokens[position : position + item[2] - item[1]]
+                position += item[2] - item[1]
+                continue
+            run = self.runs[item[1]]
+            width, count = len(run.chunk), run.lead + 1
+            chunk = walk.tokens[position : position + width]
+            if any(walk.tokens[position + g * width : position + (g + 1) * width] != chunk for g in range(1, count)):
+                return None
+            runs.append(_Run(chunk, run.lead))
+            position += width * count
+        return Template(self.base_depth, self.step, fixed, self.layout, runs, self.ref_rules, self.block_rules)
+
+
+def _affine(rule: Rule, g: int, c: int) -> int:
+    return int(rule[1] * g + rule[2] * c + rule[3])
+
+
+def learn_template(walks: Sequence[Walk], base_depth: int, step: int = 1) -> Template:
+    """The template of three walks of the model cut to ``base_depth``, ``base_depth + step`` and
+    ``base_depth + 2 step`` blocks (the module docstring). Every walk given is reproduced exactly by the template,
+    the third's tokens held out from the runs' finding.
+
+    Raises:
+        NoRepetition: the walks do not repeat in a way a template can say (the reason, in one line).
+    """
+    if len(walks) < 3:
+        raise NoRepetition("three walks are needed: two find the runs, the third checks them")
+    template = _runs_of(walks[0].tokens, walks[1].tokens, base_depth, step)
+    for c, walk in enumerate(walks):
+        if template.tokens(c) != walk.tokens:
+            raise NoRepetition(
+                f"the walk of {base_depth + c * step} blocks is not the walk of {base_depth} with its "
+                f"repeating stretches repeated {c} times"
+            )
+    coords = [template.coords(c) for c in range(len(walks))]
+    template.ref_rules = _fit_references(template, walks, coords)
+    template.block_rules = _fit_blocks(template, walks, coords)
+    for c, walk in enumerate(walks):
+        made = template.expand(base_depth + c * step)
+        if made.refs != walk.refs or made.blocks != walk.blocks:
+            raise NoRepetition(f"the rules fitted do not give the walk of {base_depth + c * step} blocks")
+    return template
+
+
+def _runs_of(shallow: list[Token], deeper: list[Token], base_depth: int, step: int) -> Template:
+    """The fixed tokens and the runs: what the deeper walk inserts in the shallow one, each insertion widened to
+    the copies of its chunk beside it in the shallow walk."""
+    matcher = SequenceMatcher(None, shallow, deeper, autojunk=False)
+    inserts: list[tuple[int, list[Token]]] = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        if tag != "insert":
+            raise NoRepetition(f"the deeper walk changes the shallow one ({tag} at event {i1}), not only adds to it")
+        inserts.append((i1, deeper[j1:j2]))
+    if not inserts:
+        raise NoRepetition("the deeper walk adds nothing: its blocks leave no trace")
+    fixed: list[Token] = []
+    layout: list[tuple[Any, ...]] = []
+    runs: list[_Run] = []
+    done = 0  # shallow tokens placed so far
+    for index, (at, chunk) in enumerate(inserts):
+        width = len(chunk)
+        limit = inserts[index + 1][0] if index + 1 < len(inserts) else len(shallow)
+        before = 0
+        while at - (before + 1) * width >= done and shallow[at - (before + 1) * width : at - before * width] == chunk:
+            before += 1
+        after = 0
+        while at + (after + 1) * width <= limit and shallow[at + after * width : at + (after + 1) * width] == chunk:
+            after += 1
+        start = at - before * width
+        if start > done:
+            layout.append(("f", len(fixed), len(fixed) + start - done))
+            fixed.extend(shallow[done:start])
+        layout.append(("r", len(runs)))
+        runs.append(_Run(list(chunk), before + after))
+        done = at + after * width
+    if done < len(shallow):
+        layout.append(("f", len(fixed), len(fixed) + len(shallow) - done))
+        fixed.extend(shallow[done:])
+    return Template(base_depth, step, fixed, layout, runs)
+
+
+def _observations(
+    walks: Sequence[Walk], coords: list[list[Coord]], values: str
+) -> dict[Coord, list[tuple[int, int, Any]]]:
+    """Per slot, (copy g, periods c, what the walk says there): the coordinate a release frees, or a mark's block."""
+    seen: dict[Coord, list[tuple[int, int, Any]]] = {}
+    for c, (walk, walk_coords) in enumerate(zip(walks, coords, strict=True)):
+        if values == "refs":
+            pairs = ((i, walk_coords[ref]) for i, ref in enumerate(walk.refs) if ref >= 0)
+        else:
+            pairs = ((i, block) for i, block in enumerate(walk.blocks) if block is not None)
+        for i, value in pairs:
+            coord = walk_coords[i]
+            slot = coord if coord[0] == "f" else ("x", coord[1], coord[3])
+            seen.setdefault(slot, []).append((0 if coord[0] == "f" else coord[2], c, value))
+    return seen
+
+
+def _fit_references(template: Template, walks: Sequence[Walk], coords: list[list[Coord]]) -> dict[Coord, Rule]:
+    rules: dict[Coord, Rule] = {}
+    for slot, seen in _observations(walks, coords, "refs").items():
+        counts = {c: sum(1 for _, cc, _ in seen if cc == c) for c in range(len(walks))}
+        expected = {c: _slot_count(template, slot, c) for c in range(len(walks))}
+        if counts != expected:  # a slot that frees at one depth and not at another
+            raise NoRepetition(f"a release of slot {slot} is not at every depth")
+        rules[slot] = _fit_reference(template, slot, seen)
+    return rules
+
+
+def _slot_count(template: Template, slot: Coord, c: int) -> int:
+    return 1 if slot[0] == "f" else template.runs[slot[1]].lead + c
+
+
+def _fit_reference(template: Template, slot: Coord, seen: list[tuple[int, int, Any]]) -> Rule:
+    targets = {target for _, _, target in seen}
+    if len(targets) == 1 and next(iter(targets))[0] == "f":
+        return ("fixed", next(iter(targets))[1])
+    fits: list[Rule] = []
+    run_targets = {(t[1], t[3]) for _, _, t in seen if t[0] == "x"}
+    for r, k in run_targets:
+        count = template.runs[r].lead
+        for alpha, beta in _COPY_RULES:
+            if slot[0] == "f" and alpha:
+                continue
+            deltas = {t[2] - alpha * g - beta * c for g, c, t in seen if t[0] == "x"}
+            if len(deltas) != 1:
+                continue
+            delta = deltas.pop()
+            past: dict[int, int] = {}
+            for g, c, target in seen:
+                h = alpha * g + beta * c + delta
+                inside = 0 <= h < count + c
+                if inside != (target[0] == "x") or (inside and (target[1], target[3]) != (r, k)):
+                    break
+                if not inside:
+                    distance = h if h < 0 else h - count - c
+                    if past.setdefault(distance, target[1]) != target[1]:
+                        break
+            else:
+                fits.append(("run", alpha, beta, delta, r, k, tuple(sorted(past.items()))))
+    if not fits:
+        raise NoRepetition(f"no rule gives the allocations a release of slot {slot} frees at every depth")
+    return _one(fits, slot, "release", template)
+
+
+def _one(fits: list[Rule], slot: Coord, what: str, template: Template) -> Rule:
+    """The one rule, where several fit the walks: they must say the same deeper (probed at four more depths, which
+    rules of this family, affine in g and c, agree beyond once they agree there)."""
+    if len(fits) > 1:
+        answers = {tuple(_said(rule, template, slot, c) for c in range(3, 7)) for rule in fits}
+        if len(answers) > 1:
+            raise NoRepetition(f"the walks leave the {what} of slot {slot} ambiguous deeper")
+    return fits[0]
+
+
+def _said(rule: Rule, template: Template, slot: Coord, c: int) -> tuple[Any, ...]:
+    """What a rule says for every copy of a slot at c extra periods (the coordinates it names)."""
+    copies = range(1 if slot[0] == "f" else template.runs[slot[1]].lead + c)
+    if rule[0] == "fixed":
+        return tuple(("f", rule[1]) for _ in copies)
+    if rule[0] == "block":
+        return tuple(_affine(rule, g, c) for g in copies)
+    said = []
+    for g in copies:
+        h = _affine(rule, g, c)
+        count = template.runs[rule[4]].lead + c
+        if 0 <= h < count:
+            said.append(("x", rule[4], h, rule[5]))
+        else:
+            past = dict(rule[6]).get(h if h < 0 else h - count)
+            said.append(("f", past))
+    return tuple(said)
+
+
+def _fit_blocks(template: Template, walks: Sequence[Walk], coords: list[list[Coord]]) -> dict[Coord, Rule]:
+    rules: dict[Coord, Rule] = {}
+    step = template.step
+    for slot, seen in _observations(walks, coords, "blocks").items():
+        fits = []
+        for alpha, beta in _COPY_RULES:
+            if slot[0] == "f" and alpha:
+                continue
+            deltas = {block - alpha * step * g - beta * step * c for g, c, block in seen}
+            if len(deltas) == 1:
+                fits.append(("block", alpha * step, beta * step, deltas.pop()))
+        if not fits:
+            raise NoRepetition(f"no rule gives the block a mark of slot {slot} names at every depth")
+        rules[slot] = _one(fits, slot, "block", template)
+    return rules
