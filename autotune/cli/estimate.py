@@ -75,6 +75,12 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
         "tight adds nothing (docs/cuda-estimates.md)",
     )
     e.add_argument(
+        "--full-walk",
+        action="store_true",
+        help="with --gpu: walk every block of the model in every fake trial, not a few of them with the rest "
+        "repeated (the same bytes, minutes longer for a deep model: the check of the shortcut; docs/depth.md)",
+    )
+    e.add_argument(
         "--micro-batches",
         type=positive_int_list,
         metavar="M1,M2,...",
@@ -132,6 +138,7 @@ def estimate_config(
         context_bytes=args.context_bytes,
         micro_batches=tuple(micro_batches),
         estimate_bound=getattr(args, "estimate_bound", "safe"),
+        full_walk=getattr(args, "full_walk", False),
     )
 
 

@@ -39,6 +39,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_server(args)
     _check_output(args)
     _check_micro_batches(args)
+    _check_full_walk(args)
     _check_gpu_memory(args)
     _check_budget_on_cards(args)
     _check_database_url(args)
@@ -169,6 +170,12 @@ def _check_micro_batches(args: argparse.Namespace) -> None:
             )
         if m % multiple:
             raise CliError(f"--micro-batches {m}: not a multiple of --multiple-of {multiple}")
+
+
+def _check_full_walk(args: argparse.Namespace) -> None:
+    """--full-walk: the whole walk of an emulated card's fake trials (only a card's search has a shortcut)."""
+    if getattr(args, "full_walk", False) and getattr(args, "gpu", None) is None:
+        raise CliError("--full-walk walks every block of an emulated card's trials: name the card with --gpu")
 
 
 def _check_gpu_memory(args: argparse.Namespace) -> None:

@@ -21,6 +21,8 @@ from autotune.search.reserved import cublas_workspace_bytes as _for_capability
 __all__ = ["CardSearch", "cublas_workspace_bytes", "search_on_card"]
 
 MiB = 1 << 20
+# Why a pipeline's stages are walked whole (autotune/search/depth.py covers a whole model's trials).
+PIPELINE_WALKED_WHOLE = "a pipeline's stages are walked whole (the depth shortcut repeats a whole model's blocks)"
 # Large enough to mean "search for it": what the card holds bounds every trial anyway.
 SEARCH_TIMEOUT_SECONDS = 3600.0
 
@@ -155,7 +157,10 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
             if strategy is None:
                 from autotune.emulation.card_pipeline import pipeline_search_on_card
 
-                results.append(pipeline_search_on_card(at_length, request, device["name"]))
+                found_stages = pipeline_search_on_card(at_length, request, device["name"])
+                if not request.get("full_walk"):  # the datasheet says where the depth shortcut is not taken
+                    found_stages["warnings"].append(f"depth: every block walked, {PIPELINE_WALKED_WHOLE}")
+                results.append(found_stages)
                 continue
             if previous is not None and seq_len is not None:
                 # Activations grow about as L: the last length's answer, scaled, is where to start.

@@ -170,6 +170,7 @@ def _on_card(
             multiple_of=setup.multiple_of,
             extra_sizes=config.micro_batches,
             breakdown=setup.breakdown,
+            full_walk=config.full_walk,
         )
     except EmulationError as exc:
         raise EmulationUnavailable(str(exc)) from None

@@ -274,6 +274,8 @@ class EstimateConfig:
     # --estimate-bound: "safe" adds a stated bound for each part the card's figure does not model (NCCL's
     # buffers: autotune/core/unmodelled.py), "tight" adds none.
     estimate_bound: str = "safe"
+    # --full-walk: every block of an emulated card's trials walked, not a few repeated (autotune/search/depth.py).
+    full_walk: bool = False
 
     def __post_init__(self) -> None:
         if self.card is None:
@@ -296,6 +298,7 @@ class EstimateConfig:
         micro_batches: tuple[int, ...] = (),
         emulation_failed: str | None = None,
         estimate_bound: str = "safe",
+        full_walk: bool = False,
         **setup: Any,
     ) -> EstimateConfig:
         """The config from flat keywords: ``setup`` is ProbeConfig's fields, ``gpu`` a card's name and
@@ -320,6 +323,7 @@ class EstimateConfig:
             micro_batches=tuple(micro_batches),
             emulation_failed=emulation_failed,
             estimate_bound=estimate_bound,
+            full_walk=full_walk,
         )
 
     def with_setup(self, **changes: Any) -> EstimateConfig:

@@ -206,6 +206,7 @@ class DepthShortcut:
                 held, events, categories, phases_of(walk), peak_label(walk), micro_batch, True, trial.peak_bytes
             )
             if made is None or made.model_dump() != recorded.breakdown.model_copy(update={"fits": True}).model_dump():
-                raise ShortcutUnavailable(f"the walk of {depth} blocks at m = {micro_batch}: its tokens break down "
-                                          "otherwise than its trial")
+                raise ShortcutUnavailable(
+                    f"the walk of {depth} blocks at m = {micro_batch}: its tokens break down otherwise than its trial"
+                )
         return recorded

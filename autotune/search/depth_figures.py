@@ -70,9 +70,7 @@ def events_of(walk: Walk) -> tuple[list[tuple[int, int]], list[tuple[int, int]],
     return held, events, streams, categories
 
 
-def replay_trace(
-    walk: Walk, workspaces: Sequence[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], dict[int, int]]:
+def replay_trace(walk: Walk, workspaces: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], dict[int, int]]:
     """The trace the card's search replays (autotune/search/reserved.py): the workspaces, the held storages, the
     events but releases of storages never seen; with each allocation's stream."""
     held, events, streams, _ = events_of(walk)

@@ -187,13 +187,13 @@ class Template:
 
     def at_sizes_of(self, walk: Walk) -> Template | None:
         """This template with the sizes of ``walk``, the walk of ``base_depth + step`` blocks at another micro-batch;
-        None where that walk is not this template's at c = 1 but for its sizes (another order, another count, other
-        references or blocks), or where a run's copies in it differ (the blocks do not repeat at that size)."""
+        None where that walk is not this template's at c = 1 but for its sizes and its fixed part (:meth:`_aligned`:
+        another order or count in a run, other references or blocks), or where a run's copies in it differ (the
+        blocks do not repeat at that size)."""
         shaped = self.expand(self.base_depth + self.step)
-        if len(shaped.tokens) != len(walk.tokens) or shaped.refs != walk.refs or shaped.blocks != walk.blocks:
-            return None
-        if any(a != b and _shape(a) != _shape(b) for a, b in zip(shaped.tokens, walk.tokens, strict=True)):
-            return None
+        same = len(shaped.tokens) == len(walk.tokens) and shaped.refs == walk.refs and shaped.blocks == walk.blocks
+        if not same or any(a != b and _shape(a) != _shape(b) for a, b in zip(shaped.tokens, walk.tokens, strict=True)):
+            return self._aligned(shaped, walk)
         fixed = list(self.fixed)
         runs: list[_Run] = []
         position = 0
@@ -210,6 +210,93 @@ class Template:
             runs.append(_Run(chunk, run.lead))
             position += width * count
         return Template(self.base_depth, self.step, fixed, self.layout, runs, self.ref_rules, self.block_rules)
+
+    def _aligned(self, shaped: Walk, walk: Walk) -> Template | None:
+        """The template whose fixed part is the walk's where the two differ only there (a size whose embedding or
+        loss runs other ops: m = 1 against m = 2), its runs and rules carried over; None where they differ in a run,
+        a rule names a fixed event the walk lacks, a new release frees a run's event, or the result does not give the
+        walk back exactly."""
+        coords = self.coords(1)
+        mine, theirs = [_shape(t) for t in shaped.tokens], [_shape(t) for t in walk.tokens]
+        moved: dict[int, int] = {}  # the template's position -> the walk's, where they match
+        i = j = 0
+        try:
+            gaps = _differences(mine, theirs, inserts_only=False)
+        except NoRepetition:
+            return None
+        for i1, i2, j1, j2 in [*gaps, (len(mine), len(mine), len(theirs), len(theirs))]:
+            moved.update(zip(range(i, i1), range(j, j1), strict=True))
+            if any(coord[0] != "f" for coord in coords[i1:i2]):
+                return None
+            i, j = i2, j2
+        fixed: list[Token] = []
+        layout: list[tuple[Any, ...]] = []
+        runs: list[_Run] = []
+        new_fixed: dict[int, int] = {}  # the walk's position -> its index among the new fixed tokens
+        _, run_at = self.positions(1)
+        done = 0  # the walk's tokens placed
+        for r, run in enumerate(self.runs):
+            width, count = len(run.chunk), run.lead + 1
+            span = [moved.get(run_at[r] + i) for i in range(width * count)]
+            start = span[0]
+            if start is None or span != list(range(start, start + width * count)) or start < done:
+                return None
+            if start > done:
+                layout.append(("f", len(fixed), len(fixed) + start - done))
+                new_fixed.update((done + i, len(fixed) + i) for i in range(start - done))
+                fixed.extend(walk.tokens[done:start])
+            layout.append(("r", r))
+            runs.append(_Run(walk.tokens[start : start + width], run.lead))
+            done = start + width * count
+        if done < len(walk.tokens):
+            layout.append(("f", len(fixed), len(fixed) + len(walk.tokens) - done))
+            new_fixed.update((done + i, len(fixed) + i) for i in range(len(walk.tokens) - done))
+            fixed.extend(walk.tokens[done:])
+        fixed_at, _ = self.positions(1)
+        renamed = {j: new_fixed.get(moved.get(at, -1)) for j, at in fixed_at.items()}  # old fixed -> new
+        made = Template(self.base_depth, self.step, fixed, layout, runs)
+        try:
+            made.ref_rules = _carried(self.ref_rules, renamed)
+            made.block_rules = _carried(self.block_rules, renamed)
+        except KeyError:
+            return None
+        new_coords = made.coords(1)
+        for position, index in new_fixed.items():
+            slot = ("f", index)
+            ref = walk.refs[position]
+            if slot not in made.ref_rules and ref >= 0:
+                if new_coords[ref][0] != "f":
+                    return None
+                made.ref_rules[slot] = ("fixed", new_coords[ref][1])
+            if slot not in made.block_rules and walk.blocks[position] is not None:
+                return None
+        remade = made.expand(self.base_depth + self.step)
+        if remade.tokens != walk.tokens or remade.refs != walk.refs or remade.blocks != walk.blocks:
+            return None
+        return made
+
+
+def _carried(rules: dict[Coord, Rule], renamed: dict[int, int | None]) -> dict[Coord, Rule]:
+    """Rules with the fixed tokens they name (and their own fixed slots) renumbered; KeyError where one is gone."""
+
+    def fixed(j: int) -> int:
+        new = renamed[j]
+        if new is None:
+            raise KeyError(j)
+        return new
+
+    carried: dict[Coord, Rule] = {}
+    for slot, rule in rules.items():
+        if slot[0] == "f":
+            if renamed.get(slot[1]) is None:
+                continue  # a fixed event the walk lacks: its rule goes with it
+            slot = ("f", fixed(slot[1]))
+        if rule[0] == "fixed":
+            rule = ("fixed", fixed(rule[1]))
+        elif rule[0] == "run":
+            rule = (*rule[:6], tuple((distance, fixed(j)) for distance, j in rule[6]))
+        carried[slot] = rule
+    return carried
 
 
 def _affine(rule: Rule, g: int, c: int) -> int:
@@ -246,13 +333,10 @@ def learn_template(walks: Sequence[Walk], base_depth: int, step: int = 1) -> Tem
 def _runs_of(shallow: list[Token], deeper: list[Token], base_depth: int, step: int) -> Template:
     """The fixed tokens and the runs: what the deeper walk inserts in the shallow one, each insertion widened to
     the copies of its chunk beside it in the shallow walk."""
-    matcher = SequenceMatcher(None, shallow, deeper, autojunk=False)
     inserts: list[tuple[int, list[Token]]] = []
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            continue
-        if tag != "insert":
-            raise NoRepetition(f"the deeper walk changes the shallow one ({tag} at event {i1}), not only adds to it")
+    for i1, i2, j1, j2 in _differences(shallow, deeper, inserts_only=True):
+        if i2 > i1:
+            raise NoRepetition(f"the deeper walk changes the shallow one (at event {i1}), not only adds to it")
         inserts.append((i1, deeper[j1:j2]))
     if not inserts:
         raise NoRepetition("the deeper walk adds nothing: its blocks leave no trace")
@@ -280,6 +364,38 @@ def _runs_of(shallow: list[Token], deeper: list[Token], base_depth: int, step: i
         layout.append(("f", len(fixed), len(fixed) + len(shallow) - done))
         fixed.extend(shallow[done:])
     return Template(base_depth, step, fixed, layout, runs)
+
+
+# Marks every walk of a model makes alike whatever its depth (the held storages' end, the meter's checkpoints, the
+# trial's phases): the walks are diffed between them, each stretch on its own.
+_BOUNDARIES = frozenset({"H", "K", "P"})
+
+
+def _differences(a: list[Token], b: list[Token], *, inserts_only: bool) -> list[tuple[int, int, int, int]]:
+    """Where two walks differ, as (i1, i2, j1, j2): a[i1:i2] stands where b has b[j1:j2], in order; between them the
+    walks are equal. Diffed (difflib's longest matching blocks, every token an anchor) between the marks both walks
+    make alike (phases, checkpoints), stretch by stretch: the cost of a diff grows as the square of what it
+    compares, and a stretch is a phase of one micro-batch.
+
+    Raises:
+        NoRepetition: ``inserts_only`` and a stretch of ``a`` that ``b`` lacks.
+    """
+    ids: dict[Token, int] = {}
+    xs = [ids.setdefault(token, len(ids)) for token in a]
+    ys = [ids.setdefault(token, len(ids)) for token in b]
+    cuts_a = [i for i, token in enumerate(a) if token[0] in _BOUNDARIES]
+    cuts_b = [j for j, token in enumerate(b) if token[0] in _BOUNDARIES]
+    if [xs[i] for i in cuts_a] != [ys[j] for j in cuts_b]:
+        cuts_a = cuts_b = []
+    gaps: list[tuple[int, int, int, int]] = []
+    for i0, i1, j0, j1 in zip([0, *cuts_a], [*cuts_a, len(a)], [0, *cuts_b], [*cuts_b, len(b)], strict=True):
+        for tag, k1, k2, l1, l2 in SequenceMatcher(None, xs[i0:i1], ys[j0:j1], autojunk=False).get_opcodes():
+            if tag == "equal":
+                continue
+            if inserts_only and k2 > k1:
+                raise NoRepetition(f"the deeper walk changes the shallow one (at event {i0 + k1}), not only adds to it")
+            gaps.append((i0 + k1, i0 + k2, j0 + l1, j0 + l2))
+    return gaps
 
 
 def _observations(

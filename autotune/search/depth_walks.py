@@ -271,6 +271,32 @@ class _WatchedTracker(ModTracker):
         self.__dict__["_watched_parents"] = _WatchedSet(running, self._watcher)
 
 
+class _PhaseMarks:
+    """What a trial tells a breakdown's recorder, heard only for its phases: a walk without a breakdown still marks
+    them, for the walks to be diffed phase by phase (autotune/search/depth_template.py)."""
+
+    def __init__(self, ledger: _MarkingLedger) -> None:
+        self._ledger = ledger
+
+    def phase(self, name: str) -> None:
+        self._ledger.mark(("P", name))
+
+    def note_peak(self, peak_bytes: int, what: Any) -> None:
+        pass
+
+    def classify_model(self, model: nn.Module) -> None:
+        pass
+
+    def classify_gradients(self, model: nn.Module) -> None:
+        pass
+
+    def classify_optimizer(self, optimizer: Any) -> None:
+        pass
+
+    def classify(self, tensors: Any, part: str) -> None:
+        pass
+
+
 @dataclass
 class RecordedWalk:
     """One walk: its tokens, and what its trial read (to hold the tokens' figures to)."""
@@ -335,7 +361,12 @@ class CutWalker:
         started = time.perf_counter()
         with self.meter.record_events() as recorded:
             ledger.flags, ledger.marks, ledger.block_of_mark = {}, [], {}
-            trial = self.runner(micro_batch)
+            if self.runner.breakdowns is None:
+                self.meter.recorder = _PhaseMarks(ledger)
+            try:
+                trial = self.runner(micro_batch)
+            finally:
+                self.meter.recorder = None
         seconds = time.perf_counter() - started
         categories = self.recorder._categories() if self.recorder is not None else None
         breakdown = (self.runner.breakdowns or {}).get(micro_batch)
@@ -398,4 +429,3 @@ def _tokens(
             refs.append(at)
         blocks.append(None)
     return Walk(tokens, refs, blocks)
-
