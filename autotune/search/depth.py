@@ -17,18 +17,21 @@ the search walks the whole model: ``--full-walk`` asks for that anyway, to check
 
 from __future__ import annotations
 
+import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from autotune.core.schemas import MemoryBreakdown, Trial
 from autotune.measure.breakdown import breakdown_of
 from autotune.measure.strategies import Strategy
 from autotune.search.depth_figures import events_of, meter_figures, peak_label, phases_of
-from autotune.search.depth_template import NoRepetition, Template, learn_template
+from autotune.search.depth_template import NoRepetition, Template, Walk, learn_template
 from autotune.search.depth_walks import Blocks, CutWalker, RecordedWalk, repeated_blocks
 from autotune.tasks.task import ProbeTask
 
-__all__ = ["BASE_DEPTH", "DepthShortcut", "ShortcutUnavailable", "Walked", "plan_shortcut"]
+__all__ = ["BASE_DEPTH", "CutWalks", "DepthShortcut", "SharedWalks", "ShortcutUnavailable", "Walked", "plan_shortcut"]
 
 # The shallowest cut: 2 blocks and the two walks after it (3 and 4) are where Llama, GPT-2 and Mixtral's traces
 # repeat (the first and last blocks differ from the middle ones: FSDP2's prefetch, the embedding's output).
@@ -51,12 +54,13 @@ class Walked:
     held: list[tuple[int, int]]
     events: list[tuple[int, int]]
     streams: dict[int, int]
-    breakdown: MemoryBreakdown | None
+    # The breakdown, or how to make it when it is read (it costs seconds for a deep model's walk).
+    breakdown: MemoryBreakdown | Callable[[], MemoryBreakdown | None] | None
 
 
 def plan_shortcut(task: ProbeTask, strategy: Strategy) -> tuple[Blocks, int] | str:
     """The task's repeated blocks and the period of their policy, where the shortcut can walk the task; else why
-    not (the datasheet's words)."""
+    not (the datasheet's words; empty where the model has too few blocks for the shortcut to pay)."""
     if task.offload != "none":
         return f"--offload {task.offload}: the host's bytes are walked whole"
     found = repeated_blocks(task)
@@ -64,7 +68,7 @@ def plan_shortcut(task: ProbeTask, strategy: Strategy) -> tuple[Blocks, int] | s
         return found
     step = _period(task.activation_checkpointing)
     if found.count < max(MIN_BLOCKS, BASE_DEPTH + 2 * step + 1):
-        return f"{found.count} blocks: walking them all costs no more"
+        return ""  # too few blocks for the shortcut to pay: nothing to say
     return found, step
 
 
@@ -75,10 +79,44 @@ def _period(policy: str) -> int:
     return 1
 
 
-class DepthShortcut:
-    """Trials of the task at its full depth from walks of it cut to a, a + s and a + 2s blocks (the module
-    docstring). ``build_first``: the whole walk builds its model before its first trial (a sharded job), so the cut
-    walkers do too."""
+# Where a trial starts, as the whole walk's runner holds its model: built before the trial and never trained
+# (a sharded job's first trial: FSDP2's first iteration initialises what the later ones reuse), trained (steady),
+# or to be built inside the trial (a replicated job's first trial, and any trial after an OOM dropped the model).
+FRESH, STEADY, REBUILT = "fresh", "steady", "rebuilt"
+
+
+@dataclass(frozen=True)
+class SharedWalks:
+    """Where the templates of one task, setup and length on cards of one architecture are kept across processes (a
+    folder the caller made for one run over several cards, and the key of this search in it: the walks never read
+    the card's memory, so a card with more of it asks the same walks)."""
+
+    folder: Path
+    key: str
+
+    def path(self, start: str, micro_batch: int) -> Path:
+        return self.folder / f"{self.key}-{start}-{micro_batch}.pickle"
+
+    def load(self, start: str, micro_batch: int) -> Template | None:
+        path = self.path(start, micro_batch)
+        if not path.is_file():
+            return None
+        with path.open("rb") as made:
+            template: Template = pickle.load(made)  # written by this run's own children (the caller's folder)
+        return template
+
+    def save(self, start: str, micro_batch: int, template: Template) -> None:
+        path = self.path(start, micro_batch)
+        written = path.with_suffix(".part")
+        with written.open("wb") as out:
+            pickle.dump(template, out, protocol=pickle.HIGHEST_PROTOCOL)
+        written.replace(path)
+
+
+class CutWalks:
+    """The model cut to a, a + s and a + 2s blocks (:class:`CutWalker` each, holding its model between walks) and
+    the templates learnt from them, by (the trial's start, micro-batch), with ``shared`` where other cards' searches
+    keep theirs. ``build_first``: the whole walk builds its model before its first trial (a sharded job)."""
 
     def __init__(
         self,
@@ -89,11 +127,12 @@ class DepthShortcut:
         strategy: Strategy,
         device_type: str,
         device_name: str,
-        budget_bytes: int,
         breakdown: bool,
         build_first: bool,
+        shared: SharedWalks | None = None,
     ) -> None:
-        self.blocks, self.step, self.budget_bytes, self.breakdown = blocks, step, budget_bytes, breakdown
+        self.blocks, self.step, self.breakdown, self.build_first = blocks, step, breakdown, build_first
+        self.shared = shared
         base = BASE_DEPTH + (blocks.count - BASE_DEPTH) % step
         self.depths = (base, base + step, base + 2 * step)
         self.walkers = {
@@ -108,21 +147,63 @@ class DepthShortcut:
             )
             for depth in self.depths
         }
-        if build_first:
-            for walker in self.walkers.values():
-                walker.build()
-        self.templates: list[Template] = []
-        self.learnt_at: list[int] = []  # the sizes a template was learnt at
+        self.first = FRESH if build_first else REBUILT  # where the whole walk's first trial starts
+        self.state = dict.fromkeys(self.depths, REBUILT)  # each walker's model, as it is now
+        self.templates: dict[tuple[str, int], Template] = {}
+        self._shapes: dict[str, list[Template]] = {}  # the templates of each start, the latest last
+        self.learnt_at: list[tuple[str, int]] = []
 
-    def describe(self) -> str:
-        """The datasheet's line."""
+    def close(self) -> None:
+        for depth, walker in self.walkers.items():
+            walker.close()
+            self.state[depth] = REBUILT
+
+    def template(self, start: str, micro_batch: int) -> Template:
+        """The template of a trial at ``micro_batch`` that starts as ``start`` says (the cache's, else the middle
+        walk carried from a template of that start, else the three walks learnt from).
+
+        Raises:
+            ShortcutUnavailable: the walks do not show the repetition (or a walk's tokens do not read its trial).
+        """
+        known = self.templates.get((start, micro_batch))
+        if known is None and self.shared is not None:
+            known = self.shared.load(start, micro_batch)
+        if known is not None:
+            self.templates[(start, micro_batch)] = known
+            return known
         a, b, c = self.depths
-        at = ", ".join(str(m) for m in self.learnt_at)
-        return (
-            f"depth: {self.blocks.count} identical {self.blocks.kind} blocks ({self.blocks.path}); each trial walked "
-            f"{b} of them and the rest repeated from walks of {a}, {b} and {c} (at m = {at}), the same bytes as "
-            f"walking all {self.blocks.count} (--full-walk walks them)"
-        )
+        middle = self._walk(b, start, micro_batch)
+        shapes = self._shapes.setdefault(start, [])
+        template = next((t for t in (t.at_sizes_of(middle) for t in reversed(shapes)) if t is not None), None)
+        if template is None:
+            walks = [self._walk(a, start, micro_batch), middle, self._walk(c, start, micro_batch)]
+            try:
+                template = learn_template(walks, a, self.step)
+            except NoRepetition as exc:
+                raise ShortcutUnavailable(f"the walks of {a}, {b} and {c} blocks do not repeat: {exc}") from None
+            self.learnt_at.append((start, micro_batch))
+        shapes.append(template)
+        del shapes[:-4]  # a few recent ones to carry from: sizes change the fixed part rarely
+        self.templates[(start, micro_batch)] = template
+        if self.shared is not None:
+            self.shared.save(start, micro_batch, template)
+        return template
+
+    def _walk(self, depth: int, start: str, micro_batch: int) -> Walk:
+        """The cut walk of a trial that starts as ``start`` says (the walker's model brought there first), its
+        tokens held to what its trial read."""
+        walker = self.walkers[depth]
+        if self.state[depth] != start:
+            if start == STEADY:  # a trial at this size, not recorded, makes the model a trained one
+                walker(micro_batch)
+            else:
+                walker.close()
+                if start == FRESH:
+                    walker.build()
+        recorded = walker(micro_batch)
+        self.state[depth] = STEADY
+        _check(recorded, depth, micro_batch)
+        return recorded.walk
 
     @property
     def runner_warnings(self) -> list[str]:
@@ -138,9 +219,46 @@ class DepthShortcut:
         meter says it."""
         return sorted({line for walker in self.walkers.values() for line in walker.meter.unmodelled})
 
-    def close(self) -> None:
-        for walker in self.walkers.values():
-            walker.close()
+
+def _check(recorded: RecordedWalk, depth: int, micro_batch: int) -> None:
+    """A cut walk's tokens read as its trial read (its peaks, its breakdown): else ShortcutUnavailable."""
+    walk, trial = recorded.walk, recorded.trial
+    figures = meter_figures(walk, 1 << 62)
+    read = (trial.peak_bytes, trial.forward_backward_bytes, trial.step_bytes)
+    made = (figures.peak_bytes, figures.forward_backward_bytes, figures.step_bytes)
+    if trial.oom or made != read:
+        raise ShortcutUnavailable(f"the walk of {depth} blocks at m = {micro_batch} reads {read}, its tokens {made}")
+    if recorded.breakdown is not None:
+        held, events, _, categories = events_of(walk)
+        label = peak_label(walk)
+        parts = breakdown_of(held, events, categories, phases_of(walk), label, micro_batch, True, trial.peak_bytes)
+        if parts is None or parts.model_dump() != recorded.breakdown.model_copy(update={"fits": True}).model_dump():
+            raise ShortcutUnavailable(
+                f"the walk of {depth} blocks at m = {micro_batch}: its tokens break down otherwise than its trial"
+            )
+
+
+class DepthShortcut:
+    """One search's trials of the task at its full depth, made from :class:`CutWalks` (the module docstring), under
+    the card's ``budget_bytes``: the trials start as the whole walk's runner's would (the first one fresh or built
+    inside it, the next ones steady, the one after an OOM built inside it again)."""
+
+    def __init__(self, walks: CutWalks, budget_bytes: int) -> None:
+        self.walks, self.budget_bytes = walks, budget_bytes
+        self.start = walks.first
+
+    def describe(self) -> str:
+        """The datasheet's line."""
+        walks = self.walks
+        a, b, c = walks.depths
+        count = walks.blocks.count
+        at = ", ".join(str(m) for _, m in walks.learnt_at)
+        blocks = f"depth: {count} identical {walks.blocks.kind} blocks ({walks.blocks.path}); "
+        same = f", the same bytes as walking all {count} (--full-walk walks them)"
+        if not at:
+            return f"{blocks}every trial repeated from walks of {a}, {b} and {c} that another card's search made{same}"
+        walked = f"each trial walked {b} of them and the rest repeated from walks of {a}, {b} and {c} (at m = {at})"
+        return f"{blocks}{walked}{same}"
 
     def trial(self, micro_batch: int) -> Walked:
         """The trial at ``micro_batch`` as the whole walk would have run it.
@@ -149,19 +267,10 @@ class DepthShortcut:
             ShortcutUnavailable: the walks do not show the repetition here (the caller walks the whole model).
         """
         started = time.perf_counter()
-        a, b, c = self.depths
-        middle = self._walk(b, micro_batch)
-        template = next((t for t in (t.at_sizes_of(middle.walk) for t in reversed(self.templates)) if t), None)
-        if template is None:
-            walks = [self._walk(a, micro_batch).walk, middle.walk, self._walk(c, micro_batch).walk]
-            try:
-                template = learn_template(walks, a, self.step)
-            except NoRepetition as exc:
-                raise ShortcutUnavailable(f"the walks of {a}, {b} and {c} blocks do not repeat: {exc}") from None
-            self.learnt_at.append(micro_batch)
-        self.templates.append(template)
+        template = self.walks.template(self.start, micro_batch)
+        depth = self.walks.blocks.count
         try:
-            full = template.expand(self.blocks.count)
+            full = template.expand(depth)
         except NoRepetition as exc:
             raise ShortcutUnavailable(str(exc)) from None
         figures = meter_figures(full, self.budget_bytes)
@@ -170,10 +279,11 @@ class DepthShortcut:
         seconds = round(time.perf_counter() - started, 6)
         held, events, streams, categories = events_of(full)
         if figures.oom:
-            # The whole walk's runner drops a model an OOM stopped mid-step and builds it again in the next trial.
-            self.close()
+            # The whole walk's runner drops a model an OOM stopped mid-step and builds it in the next trial.
+            self.start = REBUILT
             trial = Trial(micro_batch=micro_batch, peak_bytes=figures.peak_bytes, fits=False, oom=True, seconds=seconds)
             return Walked(trial, held, events, streams, None)
+        self.start = STEADY
         fits = figures.peak_bytes <= self.budget_bytes
         trial = Trial(
             micro_batch=micro_batch,
@@ -184,29 +294,13 @@ class DepthShortcut:
             step_bytes=figures.step_bytes,
         )
         parts = None
-        if self.breakdown and any(categories):
-            label = peak_label(full)
-            parts = breakdown_of(held, events, categories, phases_of(full), label, micro_batch, fits, trial.peak_bytes)
-        return Walked(trial, held, events, streams, parts)
+        if self.walks.breakdown and any(categories):
+            peak = trial.peak_bytes
 
-    def _walk(self, depth: int, micro_batch: int) -> RecordedWalk:
-        """The cut walk, its tokens held to what its trial read."""
-        recorded = self.walkers[depth](micro_batch)
-        walk, trial = recorded.walk, recorded.trial
-        figures = meter_figures(walk, 1 << 62)
-        read = (trial.peak_bytes, trial.forward_backward_bytes, trial.step_bytes)
-        if trial.oom or (figures.peak_bytes, figures.forward_backward_bytes, figures.step_bytes) != read:
-            raise ShortcutUnavailable(
-                f"the walk of {depth} blocks at m = {micro_batch} reads {read}, its tokens "
-                f"{(figures.peak_bytes, figures.forward_backward_bytes, figures.step_bytes)}"
-            )
-        if recorded.breakdown is not None:
-            held, events, _, categories = events_of(walk)
-            made = breakdown_of(
-                held, events, categories, phases_of(walk), peak_label(walk), micro_batch, True, trial.peak_bytes
-            )
-            if made is None or made.model_dump() != recorded.breakdown.model_copy(update={"fits": True}).model_dump():
-                raise ShortcutUnavailable(
-                    f"the walk of {depth} blocks at m = {micro_batch}: its tokens break down otherwise than its trial"
-                )
-        return recorded
+            def parts() -> MemoryBreakdown | None:
+                again = template.expand(depth)
+                held, events, _, categories = events_of(again)
+                label = peak_label(again)
+                return breakdown_of(held, events, categories, phases_of(again), label, micro_batch, fits, peak)
+
+        return Walked(trial, held, events, streams, parts)

@@ -404,10 +404,11 @@ def _observations(
     """Per slot, (copy g, periods c, what the walk says there): the coordinate a release frees, or a mark's block."""
     seen: dict[Coord, list[tuple[int, int, Any]]] = {}
     for c, (walk, walk_coords) in enumerate(zip(walks, coords, strict=True)):
+        pairs: list[tuple[int, Any]]
         if values == "refs":
-            pairs = ((i, walk_coords[ref]) for i, ref in enumerate(walk.refs) if ref >= 0)
+            pairs = [(i, walk_coords[ref]) for i, ref in enumerate(walk.refs) if ref >= 0]
         else:
-            pairs = ((i, block) for i, block in enumerate(walk.blocks) if block is not None)
+            pairs = [(i, block) for i, block in enumerate(walk.blocks) if block is not None]
         for i, value in pairs:
             coord = walk_coords[i]
             slot = coord if coord[0] == "f" else ("x", coord[1], coord[3])
@@ -479,7 +480,7 @@ def _said(rule: Rule, template: Template, slot: Coord, c: int) -> tuple[Any, ...
         return tuple(("f", rule[1]) for _ in copies)
     if rule[0] == "block":
         return tuple(_affine(rule, g, c) for g in copies)
-    said = []
+    said: list[tuple[Any, ...]] = []
     for g in copies:
         h = _affine(rule, g, c)
         count = template.runs[rule[4]].lead + c

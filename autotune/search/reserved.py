@@ -21,7 +21,7 @@ Call inside the strategy's process group and a frozen heap, as every fake trial 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autotune.core.allocator import AllocatorConfig, replay
@@ -31,7 +31,7 @@ from autotune.measure.meters.fake import FakeMeter
 from autotune.measure.strategies import Strategy
 from autotune.measure.trial import TrialRunner
 from autotune.search.boundary import NoFitError, find_max_micro_batch
-from autotune.search.depth import DepthShortcut, ShortcutUnavailable, Walked, plan_shortcut
+from autotune.search.depth import CutWalks, DepthShortcut, SharedWalks, ShortcutUnavailable, Walked, plan_shortcut
 from autotune.tasks.task import ProbeTask
 
 __all__ = ["CUBLAS_HANDLES", "ReservedSearch", "cublas_workspace_bytes", "renumbered", "reserved_search"]
@@ -103,8 +103,42 @@ class ReservedSearch:
     fit: Fit | None = None
     no_fit: bool = False
     warnings: list[str] = field(default_factory=list)
-    # With breakdown=True: each trial's figure broken down (MemoryBreakdown), by micro-batch.
-    breakdowns: dict[int, MemoryBreakdown] = field(default_factory=dict)
+    # With breakdown=True: each trial's figure broken down (MemoryBreakdown), by micro-batch, made when read.
+    breakdowns: Breakdowns = field(default_factory=lambda: Breakdowns())
+
+
+class Breakdowns(Mapping[int, MemoryBreakdown]):
+    """Each trial's breakdown on the card, by micro-batch, made when first read: a profile keeps two of them (m_max's
+    and the next size's), and a deep model's made from its walks (autotune/search/depth.py) costs seconds. A size
+    whose breakdown comes to None (parts that do not sum to the figure) is not in it."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, MemoryBreakdown | None] = {}
+        self._pending: dict[int, Callable[[], MemoryBreakdown | None]] = {}
+
+    def later(self, micro_batch: int, make: Callable[[], MemoryBreakdown | None]) -> None:
+        self._made.pop(micro_batch, None)
+        self._pending[micro_batch] = make
+
+    def _get(self, micro_batch: int) -> MemoryBreakdown | None:
+        if micro_batch in self._pending:
+            self._made[micro_batch] = self._pending.pop(micro_batch)()
+        return self._made.get(micro_batch)
+
+    def __getitem__(self, micro_batch: int) -> MemoryBreakdown:
+        made = self._get(micro_batch)
+        if made is None:
+            raise KeyError(micro_batch)
+        return made
+
+    def __contains__(self, micro_batch: object) -> bool:
+        return isinstance(micro_batch, int) and self._get(micro_batch) is not None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([m for m in sorted({*self._made, *self._pending}) if m in self])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def reserved_search(
@@ -124,6 +158,7 @@ def reserved_search(
     hint: int | None = None,
     breakdown: bool = False,
     depth_shortcut: bool = False,
+    shared_walks: SharedWalks | None = None,
 ) -> ReservedSearch:
     """The search on fake trials replayed through the caching allocator (the module docstring).
 
@@ -132,7 +167,8 @@ def reserved_search(
     trial's figure broken down (autotune/measure/breakdown.py), the live tensors' parts with the allocator's reserve
     and the memory outside it, into ``breakdowns``. ``depth_shortcut``: a model of identical blocks walked as a few
     of them and the rest repeated, the same bytes (autotune/search/depth.py); where the repetition cannot be shown,
-    every block is walked, and a warning says why.
+    every block is walked, and a warning says why. ``shared_walks``: where the searches of other cards of this
+    architecture keep the templates they made (and this one keeps its own), so that none walks a size twice.
     """
     search = _Search(
         config=AllocatorConfig.parse(alloc_conf),
@@ -158,24 +194,25 @@ def reserved_search(
         if isinstance(planned, str):
             why_whole = planned
         else:
-            shortcut = DepthShortcut(
+            walks = CutWalks(
                 task,
                 *planned,
                 strategy=strategy,
                 device_type=device_type,
                 device_name=device_name,
-                budget_bytes=budget_bytes,
                 breakdown=breakdown,
                 build_first=build_first,
+                shared=shared_walks,
             )
+            shortcut = DepthShortcut(walks, budget_bytes)
             try:
                 found = search.run(shortcut.trial)
-                found.warnings.extend([*shortcut.runner_warnings, *shortcut.unmodelled, shortcut.describe()])
+                found.warnings.extend([*walks.runner_warnings, *walks.unmodelled, shortcut.describe()])
                 return found
             except ShortcutUnavailable as exc:
                 why_whole = str(exc)
             finally:
-                shortcut.close()
+                walks.close()
     found = _whole_walk(task, search, device_type, device_name, strategy, breakdown, build_first)
     if why_whole:
         found.warnings.append(f"depth: every block walked, {why_whole}")
@@ -277,10 +314,15 @@ class _Search:
             fake=True,
             host_peak_bytes=live.host_peak_bytes,  # --offload: the host's bytes (autotune/measure/offload.py)
         )
-        reserved = peaks.peak_reserved_bytes
-        on_card = walked.breakdown and with_card_parts(
-            walked.breakdown, reserved_bytes=reserved, outside_bytes=self.outside_bytes, fits=result.fits
-        )
-        if on_card:
-            found.breakdowns[micro_batch] = on_card
+        live_parts, reserved, fits = walked.breakdown, peaks.peak_reserved_bytes, result.fits
+        outside = self.outside_bytes
+        if live_parts is not None:
+
+            def on_card() -> MemoryBreakdown | None:
+                parts = live_parts() if callable(live_parts) else live_parts
+                if parts is None:
+                    return None
+                return with_card_parts(parts, reserved_bytes=reserved, outside_bytes=outside, fits=fits)
+
+            found.breakdowns.later(micro_batch, on_card)
         return result
