@@ -151,6 +151,7 @@ class CutWalks:
         self.state = dict.fromkeys(self.depths, REBUILT)  # each walker's model, as it is now
         self.templates: dict[tuple[str, int], Template] = {}
         self._shapes: dict[str, list[Template]] = {}  # the templates of each start, the latest last
+        self._proven: dict[str, Template] = {}  # of each start, the latest learnt from three walks
         self.learnt_at: list[tuple[str, int]] = []
 
     def close(self) -> None:
@@ -176,11 +177,7 @@ class CutWalks:
         shapes = self._shapes.setdefault(start, [])
         template = next((t for t in (t.at_sizes_of(middle) for t in reversed(shapes)) if t is not None), None)
         if template is None:
-            walks = [self._walk(a, start, micro_batch), middle, self._walk(c, start, micro_batch)]
-            try:
-                template = learn_template(walks, a, self.step)
-            except NoRepetition as exc:
-                raise ShortcutUnavailable(f"the walks of {a}, {b} and {c} blocks do not repeat: {exc}") from None
+            template = self._learnt(start, micro_batch, middle)
             self.learnt_at.append((start, micro_batch))
         shapes.append(template)
         del shapes[:-4]  # a few recent ones to carry from: sizes change the fixed part rarely
@@ -188,6 +185,24 @@ class CutWalks:
         if self.shared is not None:
             self.shared.save(start, micro_batch, template)
         return template
+
+    def _learnt(self, start: str, micro_batch: int, middle: Walk) -> Template:
+        """A template learnt at this size: from the walks of a and a + s blocks where a template learnt from three
+        (the latest of this start, else of another) settles what two leave open, else from the three walks."""
+        a, b, c = self.depths
+        shallow = self._walk(a, start, micro_batch)
+        prior = self._proven.get(start) or next(iter(self._proven.values()), None)
+        if prior is not None:
+            try:
+                return learn_template([shallow, middle], a, self.step, prior=prior)
+            except NoRepetition:
+                pass  # the three walks settle it
+        walks = [shallow, middle, self._walk(c, start, micro_batch)]
+        try:
+            self._proven[start] = learn_template(walks, a, self.step)
+        except NoRepetition as exc:
+            raise ShortcutUnavailable(f"the walks of {a}, {b} and {c} blocks do not repeat: {exc}") from None
+        return self._proven[start]
 
     def _walk(self, depth: int, start: str, micro_batch: int) -> Walk:
         """The cut walk of a trial that starts as ``start`` says (the walker's model brought there first), its

@@ -303,17 +303,23 @@ def _affine(rule: Rule, g: int, c: int) -> int:
     return int(rule[1] * g + rule[2] * c + rule[3])
 
 
-def learn_template(walks: Sequence[Walk], base_depth: int, step: int = 1) -> Template:
+def learn_template(walks: Sequence[Walk], base_depth: int, step: int = 1, *, prior: Template | None = None) -> Template:
     """The template of three walks of the model cut to ``base_depth``, ``base_depth + step`` and
     ``base_depth + 2 step`` blocks (the module docstring). Every walk given is reproduced exactly by the template,
     the third's tokens held out from the runs' finding.
 
+    With two walks and a ``prior``, a template learnt from three at another size or another start of the trial
+    (the first trial's, whose FSDP2 initialises what the later ones reuse): the runs are the two walks' and must be
+    the prior's (as many, each with as many copies); where the two walks leave a slot's rule open deeper (which a
+    third walk would settle), the rule of the prior's slot it stands for settles it, else NoRepetition.
+
     Raises:
         NoRepetition: the walks do not repeat in a way a template can say (the reason, in one line).
     """
-    if len(walks) < 3:
-        raise NoRepetition("three walks are needed: two find the runs, the third checks them")
+    if len(walks) < 3 and (prior is None or len(walks) < 2):
+        raise NoRepetition("three walks are needed (two and a template learnt from three): two find the runs")
     template = _runs_of(walks[0].tokens, walks[1].tokens, base_depth, step)
+    settle = _Prior.of(prior, template) if len(walks) < 3 and prior is not None else None
     for c, walk in enumerate(walks):
         if template.tokens(c) != walk.tokens:
             raise NoRepetition(
@@ -321,8 +327,8 @@ def learn_template(walks: Sequence[Walk], base_depth: int, step: int = 1) -> Tem
                 f"repeating stretches repeated {c} times"
             )
     coords = [template.coords(c) for c in range(len(walks))]
-    template.ref_rules = _fit_references(template, walks, coords)
-    template.block_rules = _fit_blocks(template, walks, coords)
+    template.ref_rules = _fit_references(template, walks, coords, settle)
+    template.block_rules = _fit_blocks(template, walks, coords, settle)
     for c, walk in enumerate(walks):
         made = template.expand(base_depth + c * step)
         if made.refs != walk.refs or made.blocks != walk.blocks:
@@ -416,14 +422,16 @@ def _observations(
     return seen
 
 
-def _fit_references(template: Template, walks: Sequence[Walk], coords: list[list[Coord]]) -> dict[Coord, Rule]:
+def _fit_references(
+    template: Template, walks: Sequence[Walk], coords: list[list[Coord]], settle: _Prior | None
+) -> dict[Coord, Rule]:
     rules: dict[Coord, Rule] = {}
     for slot, seen in _observations(walks, coords, "refs").items():
         counts = {c: sum(1 for _, cc, _ in seen if cc == c) for c in range(len(walks))}
         expected = {c: _slot_count(template, slot, c) for c in range(len(walks))}
         if counts != expected:  # a slot that frees at one depth and not at another
             raise NoRepetition(f"a release of slot {slot} is not at every depth")
-        rules[slot] = _fit_reference(template, slot, seen)
+        rules[slot] = _fit_reference(template, slot, seen, settle)
     return rules
 
 
@@ -431,7 +439,10 @@ def _slot_count(template: Template, slot: Coord, c: int) -> int:
     return 1 if slot[0] == "f" else template.runs[slot[1]].lead + c
 
 
-def _fit_reference(template: Template, slot: Coord, seen: list[tuple[int, int, Any]]) -> Rule:
+def _fit_reference(template: Template, slot: Coord, seen: list[tuple[int, int, Any]], settle: _Prior | None) -> Rule:
+    carried = settle.carried(slot, "release") if settle is not None else None
+    if carried is not None and _fits(carried, template, seen):
+        return carried  # proven from three walks where this slot stands, and true of these two
     targets = {target for _, _, target in seen}
     if len(targets) == 1 and next(iter(targets))[0] == "f":
         return ("fixed", next(iter(targets))[1])
@@ -460,17 +471,137 @@ def _fit_reference(template: Template, slot: Coord, seen: list[tuple[int, int, A
                 fits.append(("run", alpha, beta, delta, r, k, tuple(sorted(past.items()))))
     if not fits:
         raise NoRepetition(f"no rule gives the allocations a release of slot {slot} frees at every depth")
-    return _one(fits, slot, "release", template)
+    return _one(fits, slot, "release", template, settle)
 
 
-def _one(fits: list[Rule], slot: Coord, what: str, template: Template) -> Rule:
+def _one(fits: list[Rule], slot: Coord, what: str, template: Template, settle: _Prior | None = None) -> Rule:
     """The one rule, where several fit the walks: they must say the same deeper (probed at four more depths, which
-    rules of this family, affine in g and c, agree beyond once they agree there)."""
+    rules of this family, affine in g and c, agree beyond once they agree there), or the prior settles it."""
     if len(fits) > 1:
-        answers = {tuple(_said(rule, template, slot, c) for c in range(3, 7)) for rule in fits}
+        answers = {tuple(_said(rule, template, slot, c) for c in _PROBES) for rule in fits}
         if len(answers) > 1:
-            raise NoRepetition(f"the walks leave the {what} of slot {slot} ambiguous deeper")
+            settled = [rule for rule in fits if settle is not None and settle.agrees(rule, template, slot, what)]
+            if not settled:
+                raise NoRepetition(f"the walks leave the {what} of slot {slot} ambiguous deeper")
+            return settled[0]
     return fits[0]
+
+
+# The depths past the walks at which rules are compared (rules affine in g and c that agree at four agree beyond).
+_PROBES = range(3, 7)
+
+
+@dataclass
+class _Prior:
+    """A template learnt from three walks, standing for the slots of one learnt from two: the two templates' walks
+    of ``base_depth + step`` blocks lined up by shape (the sizes are another size's; the first trial's walk holds
+    what FSDP2's first iteration adds), each run the prior's run most of its tokens line up with (where that run has
+    as many copies), each token the prior's it lines up with."""
+
+    template: Template
+    runs: dict[int, int]  # this template's run -> the prior's
+    chunk: dict[int, dict[int, int]]  # per run: this chunk's token -> the prior's chunk's
+    fixed: dict[int, int]  # this fixed token -> the prior's
+
+    @classmethod
+    def of(cls, prior: Template, template: Template) -> _Prior:
+        mine, theirs = template.coords(1), prior.coords(1)
+        lined_up = _matched(template.tokens(1), prior.tokens(1))
+        votes: dict[int, dict[int, int]] = {}
+        fixed: dict[int, int] = {}
+        for i, j in lined_up.items():
+            a, b = mine[i], theirs[j]
+            if a[0] == "f" and b[0] == "f":
+                fixed[a[1]] = b[1]
+            elif a[0] == "x" and b[0] == "x":
+                votes.setdefault(a[1], {}).setdefault(b[1], 0)
+                votes[a[1]][b[1]] += 1
+        runs = {r: max(counts, key=counts.__getitem__) for r, counts in votes.items()}
+        runs = {r: p for r, p in runs.items() if prior.runs[p].lead == template.runs[r].lead}
+        chunk: dict[int, dict[int, int]] = {r: {} for r in runs}
+        for i, j in lined_up.items():
+            a, b = mine[i], theirs[j]
+            if a[0] == "x" and b[0] == "x" and runs.get(a[1]) == b[1] and a[2] == b[2]:
+                chunk[a[1]][a[3]] = b[3]
+        return cls(prior, runs, chunk, fixed)
+
+    def slot(self, slot: Coord) -> Coord | None:
+        if slot[0] == "f":
+            j = self.fixed.get(slot[1])
+            return None if j is None else ("f", j)
+        k = self.chunk.get(slot[1], {}).get(slot[2])
+        return None if k is None else ("x", self.runs[slot[1]], k)
+
+    def agrees(self, rule: Rule, template: Template, slot: Coord, what: str) -> bool:
+        """Whether ``rule`` says deeper what the prior's rule of the slot it stands for says."""
+        theirs = self.slot(slot)
+        rules = self.template.ref_rules if what == "release" else self.template.block_rules
+        prior_rule = rules.get(theirs) if theirs is not None else None
+        if prior_rule is None or theirs is None:
+            return False
+        for c in _PROBES:
+            said = _said(rule, template, slot, c)
+            if what == "release":
+                said = tuple(self._coord(coord) for coord in said)
+            if said != _said(prior_rule, self.template, theirs, c):
+                return False
+        return True
+
+    def carried(self, slot: Coord, what: str) -> Rule | None:
+        """The prior's rule of the slot ``slot`` stands for, in this template's coordinates (None: no such slot, or a
+        rule that names a token this template lacks)."""
+        theirs = self.slot(slot)
+        rules = self.template.ref_rules if what == "release" else self.template.block_rules
+        rule = rules.get(theirs) if theirs is not None else None
+        if rule is None or rule[0] == "block":
+            return rule
+        fixed = {j: i for i, j in self.fixed.items()}
+        if rule[0] == "fixed":
+            return None if rule[1] not in fixed else ("fixed", fixed[rule[1]])
+        runs = {p: r for r, p in self.runs.items()}
+        r = runs.get(rule[4])
+        k = None if r is None else {kp: km for km, kp in self.chunk[r].items()}.get(rule[5])
+        if k is None or any(j not in fixed for _, j in rule[6]):
+            return None
+        return ("run", rule[1], rule[2], rule[3], r, k, tuple((distance, fixed[j]) for distance, j in rule[6]))
+
+    def _coord(self, coord: Coord) -> Coord | None:
+        """A coordinate of this template as the prior's (None where it stands for none of the prior's)."""
+        if coord[0] == "f":
+            return coord if coord[1] is None else (None if coord[1] not in self.fixed else ("f", self.fixed[coord[1]]))
+        k = self.chunk.get(coord[1], {}).get(coord[3])
+        return None if k is None else ("x", self.runs[coord[1]], coord[2], k)
+
+
+def _fits(rule: Rule, template: Template, seen: list[tuple[int, int, Any]]) -> bool:
+    """Whether ``rule`` gives every observation of its slot: (copy g, periods c, the coordinate freed or the
+    block named)."""
+    for g, c, value in seen:
+        if rule[0] == "block":
+            if _affine(rule, g, c) != value:
+                return False
+        elif rule[0] == "fixed":
+            if value != ("f", rule[1]):
+                return False
+        else:
+            h, count = _affine(rule, g, c), template.runs[rule[4]].lead + c
+            if 0 <= h < count:
+                if value != ("x", rule[4], h, rule[5]):
+                    return False
+            elif value != ("f", dict(rule[6]).get(h if h < 0 else h - count)):
+                return False
+    return True
+
+
+def _matched(mine: list[Token], theirs: list[Token]) -> dict[int, int]:
+    """Each token of ``mine`` that lines up with one of ``theirs`` by shape, by index."""
+    a, b = [_shape(t) for t in mine], [_shape(t) for t in theirs]
+    matched: dict[int, int] = {}
+    i = j = 0
+    for i1, i2, j1, j2 in [*_differences(a, b, inserts_only=False), (len(a), len(a), len(b), len(b))]:
+        matched.update(zip(range(i, i1), range(j, j1), strict=True))
+        i, j = i2, j2
+    return matched
 
 
 def _said(rule: Rule, template: Template, slot: Coord, c: int) -> tuple[Any, ...]:
@@ -492,10 +623,16 @@ def _said(rule: Rule, template: Template, slot: Coord, c: int) -> tuple[Any, ...
     return tuple(said)
 
 
-def _fit_blocks(template: Template, walks: Sequence[Walk], coords: list[list[Coord]]) -> dict[Coord, Rule]:
+def _fit_blocks(
+    template: Template, walks: Sequence[Walk], coords: list[list[Coord]], settle: _Prior | None
+) -> dict[Coord, Rule]:
     rules: dict[Coord, Rule] = {}
     step = template.step
     for slot, seen in _observations(walks, coords, "blocks").items():
+        carried = settle.carried(slot, "block") if settle is not None else None
+        if carried is not None and _fits(carried, template, seen):
+            rules[slot] = carried
+            continue
         fits = []
         for alpha, beta in _COPY_RULES:
             if slot[0] == "f" and alpha:
@@ -505,5 +642,5 @@ def _fit_blocks(template: Template, walks: Sequence[Walk], coords: list[list[Coo
                 fits.append(("block", alpha * step, beta * step, deltas.pop()))
         if not fits:
             raise NoRepetition(f"no rule gives the block a mark of slot {slot} names at every depth")
-        rules[slot] = _one(fits, slot, "block", template)
+        rules[slot] = _one(fits, slot, "block", template, settle)
     return rules

@@ -60,7 +60,7 @@ def _task(tmp_path: Path, arch: str, setup: JobSetup, **config: Any) -> ProbeTas
 
         (where / "config.json").write_text(json.dumps({**MIXTRAL, **config}))
     else:
-        where = write_config(tmp_path, arch, **{**DEPTH, **config})
+        where = write_config(tmp_path, arch, **(config or DEPTH))  # GPT-2's n_layer is num_hidden_layers too
     return hf_task(where).with_setup(setup).at_length(16)
 
 

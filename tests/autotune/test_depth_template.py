@@ -44,8 +44,9 @@ class _Trace:
         return Walk(self.tokens, self.refs, self.blocks)
 
 
-def model_trace(blocks: int, *, size_of_block: dict[int, int] | None = None) -> Walk:
-    """The hand-written trial of a model of ``blocks`` blocks (two micro-batches, one step)."""
+def model_trace(blocks: int, *, size_of_block: dict[int, int] | None = None, first: bool = False) -> Walk:
+    """The hand-written trial of a model of ``blocks`` blocks (two micro-batches, one step); ``first``: the first
+    trial, whose first forward also makes a buffer per block that the step releases (FSDP2's first iteration)."""
     sizes = size_of_block or {}
     t = _Trace()
     for i in range(blocks):
@@ -59,6 +60,8 @@ def model_trace(blocks: int, *, size_of_block: dict[int, int] | None = None) -> 
         previous = "x"
         for i in range(blocks):
             t.mark(("T", "+", "Model.layers.{}"), i)
+            if first and micro_batch == 0:
+                t.alloc(f"buffer{i}", 48)
             t.alloc(f"saved{i}", sizes.get(i, 96))
             t.alloc(f"out{i}", 64)
             t.alloc("tmp", 32, "s")
@@ -92,6 +95,8 @@ def model_trace(blocks: int, *, size_of_block: dict[int, int] | None = None) -> 
     t.mark(("K", "step"))
     for i in range(blocks):
         t.free(f"state{i}")
+        if first:
+            t.free(f"buffer{i}")
     t.mark(("K", "tail"))
     return t.walk()
 
@@ -155,3 +160,15 @@ def test_a_template_takes_the_sizes_of_another_micro_batch() -> None:
     assert moved is not None
     assert moved.expand(7).tokens == bigger(7).tokens and moved.expand(7).refs == bigger(7).refs
     assert template.at_sizes_of(model_trace(3, size_of_block={0: 128})) is None
+
+
+def test_two_walks_and_a_template_of_another_start_make_every_depth() -> None:
+    """The later trials' template from the walks of 2 and 3 blocks alone, the first trial's (learnt from three, one
+    run more) settling what two walks leave open: which copy a release of the backward frees."""
+    first = learn_template([model_trace(2, first=True), model_trace(3, first=True), model_trace(4, first=True)], 2)
+    later = learn_template([model_trace(2), model_trace(3)], 2, prior=first)
+    for depth in (4, 7, 20):
+        made, written = later.expand(depth), model_trace(depth)
+        assert (made.tokens, made.refs, made.blocks) == (written.tokens, written.refs, written.blocks)
+    with pytest.raises(NoRepetition):  # two walks alone leave it open
+        learn_template([model_trace(2), model_trace(3)], 2)
