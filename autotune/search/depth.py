@@ -63,6 +63,10 @@ def plan_shortcut(task: ProbeTask, strategy: Strategy) -> tuple[Blocks, int] | s
     not (the datasheet's words; empty where the model has too few blocks for the shortcut to pay)."""
     if task.offload != "none":
         return f"--offload {task.offload}: the host's bytes are walked whole"
+    if getattr(strategy, "measures_buckets", False):
+        # DDP's reducer holds every gradient in its buckets (FakeReplicas: one flat bucket per dtype at first), whose
+        # size grows with the depth rather than repeating with the blocks.
+        return "DDP's gradient buckets hold the whole model's gradients, not a block's"
     found = repeated_blocks(task)
     if isinstance(found, str):
         return found
