@@ -107,7 +107,7 @@ CASES = {
     "llama ddp, none": ("llama", _setup("ddp", 1, activation_checkpointing="none"), {}),
     "llama fsdp 4 x tp 2, full": ("llama", _setup(mesh=Mesh(tp=2), activation_checkpointing="full"), {}),
     "llama fsdp 4 x cp 2, op": ("llama", _setup(mesh=Mesh(cp=2), activation_checkpointing="op"), {}),
-    "gpt2 ddp 2, every-2": ("gpt2", _setup("ddp", 2, activation_checkpointing="every-2"), {"n_layer": 7}),
+    "gpt2 fsdp 2, every-2": ("gpt2", _setup("fsdp", 2, activation_checkpointing="every-2"), {"n_layer": 7}),
     "mixtral fsdp 8, full": ("mixtral", _setup(activation_checkpointing="full"), {}),
 }
 
@@ -157,13 +157,17 @@ def _live_peak(found: ReservedSearch, micro_batch: int) -> int:
     [
         ("examples/cnn.py:task", "none", "it has no repeated blocks"),
         ("llama", "activations", "--offload activations"),
+        ("llama-ddp-2", "none", "DDP's gradient buckets"),
     ],
 )
 def test_where_the_repetition_cannot_be_shown_every_block_is_walked(
     tmp_path: Path, spec: str, offload: str, why: str
 ) -> None:
-    setup = _setup("ddp", 1, offload=offload)
-    task = load_task(spec).with_setup(setup) if spec.endswith(":task") else _task(tmp_path, spec, setup)
+    setup = _setup("ddp", 2 if spec.endswith("ddp-2") else 1, offload=offload)
+    if spec.endswith(":task"):
+        task = load_task(spec).with_setup(setup)
+    else:
+        task = _task(tmp_path, spec.split("-")[0], setup)
     found = _search(task, setup, shortcut=True)
     said = [w for w in found.warnings if w.startswith("depth:")]
     assert len(said) == 1 and said[0].startswith("depth: every block walked") and why in said[0], said
