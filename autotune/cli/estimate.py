@@ -70,7 +70,8 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
         "--gpu",
         metavar="NAME",
         help="a card of the catalog (h100, h200, a100-80gb, l4, ...: `autotune gpus`): its name for /suggest, "
-        "its memory as the default budget, and CUDA semantics by an emulated card",
+        "its memory as the default budget, and CUDA semantics by an emulated card; several (h100,h200,b200): an "
+        "estimate for each in one run, the cards of one architecture sharing their fake trials' walks",
     )
     e.add_argument(
         "--gpu-memory",
@@ -94,6 +95,12 @@ def add_card_options(e: argparse.ArgumentParser) -> None:
         "tight adds nothing (docs/cuda-estimates.md)",
     )
     add_figure_options(e)
+    e.add_argument(
+        "--full-walk",
+        action="store_true",
+        help="with --gpu: walk every block of the model in every fake trial, not a few of them with the rest "
+        "repeated (the same bytes, minutes longer for a deep model: the check of the shortcut; docs/depth.md)",
+    )
     e.add_argument(
         "--micro-batches",
         type=positive_int_list,
@@ -189,6 +196,7 @@ def estimate_config(
         micro_batches=tuple(micro_batches),
         estimate_bound=getattr(args, "estimate_bound", None) or "safe",
         figures=figures_of(args),
+        full_walk=getattr(args, "full_walk", False),
     )
 
 
@@ -196,6 +204,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     from autotune.cli.inputs import check_task
     from autotune.tasks.load import load_task
 
+    cards = [name.strip() for name in args.gpu.split(",")] if args.gpu and "," in args.gpu else []
+    if cards:
+        return _estimate_cards(args, cards)
     config = estimate_config(
         args,
         budget_bytes=args.budget,
@@ -256,7 +267,58 @@ def _single_step_may_fit(profile: Profile, micro_batch: int) -> bool:
     return not floors or max(floors) - saved <= profile.limit_bytes
 
 
+def _estimate_cards(args: argparse.Namespace, cards: list[str]) -> int:
+    """``--gpu h100,h200,b200``: each card's estimate, one after another in one run, the cards of one architecture
+    sharing their walks (autotune/emulation/card_search.py, ``sharing_traces``); every profile in one JSON array."""
+    from autotune.emulation.card_search import sharing_traces
+    from autotune.tasks.load import load_task
+
+    configs = []
+    for name in cards:  # every card's config refused or not before any estimate starts
+        config = estimate_config(
+            args,
+            budget_bytes=args.budget,
+            gpu=name,
+            device_kind=args.device_kind,
+            device_name=args.device_name,
+            micro_batches=args.micro_batches,
+        )
+        config = measured_context(config, args)
+        config.validate()
+        configs.append(config)
+    check_seq_len_options(args)
+    task = load_task(task_spec(args.task, args))
+    routing, _ = moe_routing_of(task, args)
+    profiles: list[Profile] = []
+    with routing, sharing_traces():
+        for name, config in zip(cards, configs, strict=True):
+            profiles.extend(_estimate_profiles(argparse.Namespace(**{**vars(args), "gpu": name}), config, task))
+    code = emit_profiles(profiles, args, as_array=True)
+    for config in configs:
+        _recommend([p for p in profiles if p.device.name == config.device_name], args, lengths_of(task, args))
+    return code
+
+
 def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
+    profiles = _estimate_profiles(args, config, task)
+    lengths = lengths_of(task, args)
+    code = emit_profiles(profiles, args, as_array=bool(lengths))
+    _recommend(profiles, args, lengths)
+    return code
+
+
+def _recommend(profiles: list[Profile], args: argparse.Namespace, lengths: Sequence[int] | None) -> None:
+    """The policies compete at each length, not the lengths with each other: a ``recommended:`` line at each length
+    where several policies were estimated."""
+    every_length: list[int | None] = list(lengths) if lengths else [None]
+    for seq_len in every_length:
+        at_length = [p for p in profiles if p.seq_len == seq_len]
+        if len(at_length) > 1:  # fake trials are not timed: by memory, or by an emulated card's predicted time
+            line = recommendation(at_length, getattr(args, "objective", "memory"))
+            print(line if seq_len is None else f"at L={seq_len}: {line}", file=sys.stderr if args.json else sys.stdout)
+
+
+def _estimate_profiles(args: argparse.Namespace, config: Any, task: Any) -> list[Profile]:
     from autotune.cli.report import trial_line
     from autotune.orchestrate.estimate import estimate
 
@@ -294,12 +356,4 @@ def _estimate_task(args: argparse.Namespace, config: Any, task: Any) -> int:
     profiles = [p for group in for_each_policy(task, config, policies_of(args), run) for p in group]
     for profile in profiles:
         single_step_not_estimated(profile)
-    code = emit_profiles(profiles, args, as_array=bool(lengths))
-    # The policies compete at each length, not the lengths with each other.
-    every_length: list[int | None] = list(lengths) if lengths else [None]
-    for seq_len in every_length:
-        at_length = [p for p in profiles if p.seq_len == seq_len]
-        if len(at_length) > 1:  # fake trials are not timed: by memory, or by an emulated card's predicted time
-            line = recommendation(at_length, getattr(args, "objective", "memory"))
-            print(line if seq_len is None else f"at L={seq_len}: {line}", file=sys.stderr if args.json else sys.stdout)
-    return code
+    return profiles

@@ -40,6 +40,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_server(args)
     _check_output(args)
     _check_micro_batches(args)
+    _check_card_list(args)
+    _check_full_walk(args)
     _check_gpu_memory(args)
     _check_budget_on_cards(args)
     _check_database_url(args)
@@ -218,6 +220,24 @@ def _check_micro_batches(args: argparse.Namespace) -> None:
             raise CliError(f"--micro-batches {m}: not a multiple of --multiple-of {multiple}")
 
 
+def _check_card_list(args: argparse.Namespace) -> None:
+    """--gpu h100,h200: an estimate for each card, each named as the catalog names it (not by --device-name)."""
+    gpu = getattr(args, "gpu", None)
+    if not isinstance(gpu, str) or "," not in gpu:
+        return
+    names = [name.strip() for name in gpu.split(",")]
+    if not all(names):
+        raise CliError(f"--gpu {gpu!r}: an empty card name between the commas")
+    if getattr(args, "device_name", None):
+        raise CliError(f"--device-name names one card: --gpu names several ({gpu}); each takes its catalog name")
+
+
+def _check_full_walk(args: argparse.Namespace) -> None:
+    """--full-walk: the whole walk of an emulated card's fake trials (only a card's search has a shortcut)."""
+    if getattr(args, "full_walk", False) and getattr(args, "gpu", None) is None:
+        raise CliError("--full-walk walks every block of an emulated card's trials: name the card with --gpu")
+
+
 def _check_gpu_memory(args: argparse.Namespace) -> None:
     """--gpu-memory and --estimate-bound: the memory and the bound of the card --gpu names (a card whose
     architecture can be placed and that a device of it can have is _known_cards's to say)."""
@@ -235,6 +255,8 @@ def _check_gpu_memory(args: argparse.Namespace) -> None:
         raise CliError(
             f"--gpu-memory {format_bytes(gpu_memory)} is the memory of the card --gpu names: give --gpu NAME"
         )
+    if isinstance(gpu, str) and "," in gpu:
+        raise CliError(f"--gpu-memory is one card's memory: --gpu names several ({gpu}); give one card with it")
     if gpu_memory <= 0:
         raise CliError(f"--gpu-memory {gpu_memory}: a card's memory is above 0 bytes")
     from autotune.core.cards import resolve_card
@@ -276,8 +298,8 @@ def _known_cards(args: argparse.Namespace) -> Iterable[tuple[str, int]]:
     command = getattr(args, "command", None)
     gpu = getattr(args, "gpu", None)
     gpu_memory = getattr(args, "gpu_memory", None)
-    if gpu:  # estimate: a name; fleet: the list card_list made
-        for name in [gpu] if isinstance(gpu, str) else gpu:
+    if gpu:  # estimate: a name or several, by commas; fleet: the list card_list made
+        for name in gpu.split(",") if isinstance(gpu, str) else gpu:
             try:
                 card = resolve_card(name, gpu_memory)
             except ValueError as exc:

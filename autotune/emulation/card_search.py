@@ -8,8 +8,12 @@ replay, so the search finds the step the card's figure crosses the limit at, not
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,11 +22,30 @@ from autotune.core.setup import JobSetup
 from autotune.search.reserved import CUBLAS_HANDLES
 from autotune.search.reserved import cublas_workspace_bytes as _for_capability
 
-__all__ = ["CardSearch", "cublas_workspace_bytes", "search_on_card"]
+__all__ = ["CardSearch", "cublas_workspace_bytes", "search_on_card", "sharing_traces"]
 
 MiB = 1 << 20
+# Why a pipeline's stages are walked whole (autotune/search/depth.py covers a whole model's trials).
+PIPELINE_WALKED_WHOLE = "a pipeline's stages are walked whole (the depth shortcut repeats a whole model's blocks)"
 # Large enough to mean "search for it": what the card holds bounds every trial anyway.
 SEARCH_TIMEOUT_SECONDS = 3600.0
+
+
+# sharing_traces(): the folder where the searches of one run keep the templates of their walks.
+_TRACES: ContextVar[str | None] = ContextVar("shared_traces", default=None)
+
+
+@contextmanager
+def sharing_traces() -> Iterator[None]:
+    """The card searches started inside share their walks (autotune/search/depth.py): a card of the architecture of
+    one searched before (the H100 and the H200: the same compute capability and SMs) reads the templates that one
+    made instead of walking the model again; they are kept in a folder of this run, removed after it."""
+    with tempfile.TemporaryDirectory(prefix="autotune-traces-") as folder:
+        token = _TRACES.set(folder)
+        try:
+            yield
+        finally:
+            _TRACES.reset(token)
 
 
 def cublas_workspace_bytes(card: Card, config: str | None = None) -> int:
@@ -67,12 +90,14 @@ def search_on_card(
     python: str | None = None,
     breakdown: bool = False,
     predict: dict[str, Any] | None = None,
+    full_walk: bool = False,
 ) -> list[CardSearch]:
     """Run the search at each length (None: a task that is not sequence-aware) in one child process with
     the card emulated (autotune/emulation/runner.py): one torch import and one task load for all. ``predict``
     ({"target_batch", "plan_policy"}) records the steps whose time the profile predicts (card_steps.py). ``job`` is the
     setup the child applies to the task it loads (its precision, policy and offload: ``ProbeTask.with_setup``)
-    and holds it under (strategy, world size, mesh), sent whole (``JobSetup`` as JSON).
+    and holds it under (strategy, world size, mesh), sent whole (``JobSetup`` as JSON). ``full_walk``: every block
+    of the model walked in every trial, not a few of them repeated (autotune/search/depth.py), to check the shortcut.
 
     Raises:
         CudaTorchMissing: no CUDA build of torch here (the caller falls back to CPU semantics).
@@ -99,6 +124,8 @@ def search_on_card(
         "breakdown": breakdown,
         # The step to predict the time of: the target and plan policy the parent plans with (None: no prediction).
         "predict": predict,
+        "full_walk": full_walk,
+        "shared_traces": _TRACES.get(),
     }
     found, _ = _run_child(
         chosen,
@@ -123,6 +150,34 @@ def search_on_card(
         )
         for one in found["lengths"]
     ]
+
+
+def _shared_walks(request: dict[str, Any], seq_len: int | None) -> Any:
+    """In the child: where this length's search shares its walks (None: this run shares none). The key is what the
+    walks depend on: the task, the setup, the length, routing, the breakdown asked for, and what the card's kernels
+    take their temporaries and their choice by (its compute capability and SMs: autotune/measure/meters/
+    temporaries.py), under this torch; not the card's memory."""
+    if not request.get("shared_traces"):
+        return None
+    import hashlib
+    from pathlib import Path
+
+    import torch
+
+    from autotune.measure.meters.temporaries import kernel_facts
+    from autotune.search.depth import SharedWalks
+
+    said = [
+        request["task"],
+        request["setup"],
+        seq_len,
+        request.get("moe_load_factor"),
+        bool(request.get("breakdown")),
+        repr(kernel_facts(torch.device("cuda", 0))),
+        torch.__version__,
+    ]
+    key = hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return SharedWalks(Path(request["shared_traces"]), key)
 
 
 def child_search(request: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +214,10 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
             if strategy is None:
                 from autotune.emulation.card_pipeline import pipeline_search_on_card
 
-                results.append(pipeline_search_on_card(at_length, request, device["name"]))
+                found_stages = pipeline_search_on_card(at_length, request, device["name"])
+                if not request.get("full_walk"):  # the datasheet says where the depth shortcut is not taken
+                    found_stages["warnings"].append(f"depth: every block walked, {PIPELINE_WALKED_WHOLE}")
+                results.append(found_stages)
                 continue
             if previous is not None and seq_len is not None:
                 # Activations grow about as L: the last length's answer, scaled, is where to start.
@@ -179,6 +237,8 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
                 extra_sizes=[int(m) for m in request.get("extra_sizes") or ()],
                 hint=hint,
                 breakdown=bool(request.get("breakdown")),
+                depth_shortcut=not request.get("full_walk"),
+                shared_walks=_shared_walks(request, seq_len),
             )
             if not found.no_fit and seq_len is not None:
                 previous = (int(seq_len), found.max_micro_batch)

@@ -35,7 +35,7 @@ from torch import nn
 from autotune.core.allocator import FREE
 from autotune.core.schemas import MEMORY_PARTS, MemoryBreakdown
 
-__all__ = ["BreakdownRecorder", "TIMELINE_POINTS", "with_card_parts", "with_host_parts"]
+__all__ = ["BreakdownRecorder", "TIMELINE_POINTS", "breakdown_of", "with_card_parts", "with_host_parts"]
 
 TIMELINE_POINTS = 120
 # The category an allocation takes from the phase it was made in, unless the trial later says what it is.
@@ -248,7 +248,9 @@ class BreakdownRecorder:
         module, backward = "", False
         if tracker is not None:
             running = [name for name in tracker.parents if name != "Global"]
-            module = max(running, key=len) if running else ""
+            # The innermost running module, the longest name; between two as long, the last by name (the set's own
+            # order is its strings' hashes', which differ from process to process).
+            module = max(running, key=_innermost) if running else ""
             backward = bool(tracker.is_bw)
         op = getattr(what, "__name__", None) or str(what)
         phase = self._phases[-1][1] if self._phases else ""
@@ -262,54 +264,13 @@ class BreakdownRecorder:
         assert self._events is not None, "breakdown() after recording()"
         if self._deferred is not None and not self._events and not self._place_deferred():
             return None
-        categories = self._categories()
-        parts_index = {part: i for i, part in enumerate(MEMORY_PARTS)}
-        live = [0] * len(MEMORY_PARTS)
-        where: dict[int, tuple[int, int]] = {}  # key -> (part index, bytes)
-        for serial, (key, nbytes) in enumerate(self._held):
-            part = parts_index[categories[serial]]
-            where[key] = (part, nbytes)
-            live[part] += nbytes
-        points: list[list[int]] = [[0, *live]]
-        best = sum(live)
-        best_parts = list(live)
-        best_index = 0
-        serial = len(self._held)
-        for index, (key, nbytes) in enumerate(self._events, start=1):
-            if nbytes == FREE:
-                gone = where.pop(key, None)
-                if gone is None:  # a storage the recording never saw get bytes: nothing to take off
-                    points.append([index, *live])
-                    continue
-                part, freed = gone
-                live[part] -= freed
-            else:
-                part = parts_index[categories[serial]]
-                serial += 1
-                where[key] = (part, nbytes)
-                live[part] += nbytes
-            points.append([index, *live])
-            total = sum(live)
-            if total > best:
-                best, best_parts, best_index = total, list(live), index
-        if best != peak_bytes:
-            return None
         phases = [[index, name] for index, name in self._phases]
         if self._deferred is not None:  # no operator is seen inside a compiled graph: the phase it peaked in
+            best_index = _peak_of(self._held, self._events, self._categories())[2]
             at = ([""] + [name for index, name in self._phases if index < best_index])[-1]
             self._peak_label = f"compiled code in the {at}" if at else "compiled code"
-        return MemoryBreakdown.model_validate(
-            {
-                "micro_batch": micro_batch,
-                "fits": fits,
-                "peak_bytes": best,
-                "parts": {part: best_parts[i] for i, part in enumerate(MEMORY_PARTS) if best_parts[i]},
-                "peak_event": best_index,
-                "peak_where": self._peak_label[:256],
-                "events": len(self._events),
-                "timeline": _thinned(points, best_index, TIMELINE_POINTS),
-                "phases": _phase_starts(phases),
-            }
+        return breakdown_of(
+            self._held, self._events, self._categories(), phases, self._peak_label, micro_batch, fits, peak_bytes
         )
 
     def _categories(self) -> list[str]:
@@ -346,6 +307,80 @@ class BreakdownRecorder:
                 live[key] = len(categories)
                 categories.append("collectives" if in_collective else phase)
         return categories
+
+
+def _innermost(name: str) -> tuple[int, str]:
+    return len(name), name
+
+
+def _peak_of(
+    held: list[tuple[int, int]], events: list[tuple[int, int]], categories: list[str]
+) -> tuple[int, list[int], int, list[list[int]]]:
+    """Replay held storages and events with each allocation's category (by serial, held first): the peak's total,
+    its parts (by MEMORY_PARTS' order), its event (1-based; 0 the held storages) and every event's point."""
+    parts_index = {part: i for i, part in enumerate(MEMORY_PARTS)}
+    live = [0] * len(MEMORY_PARTS)
+    where: dict[int, tuple[int, int]] = {}  # key -> (part index, bytes)
+    for serial, (key, nbytes) in enumerate(held):
+        part = parts_index[categories[serial]]
+        where[key] = (part, nbytes)
+        live[part] += nbytes
+    points: list[list[int]] = [[0, *live]]
+    best = sum(live)
+    best_parts = list(live)
+    best_index = 0
+    serial = len(held)
+    for index, (key, nbytes) in enumerate(events, start=1):
+        if nbytes == FREE:
+            gone = where.pop(key, None)
+            if gone is None:  # a storage the recording never saw get bytes: nothing to take off
+                points.append([index, *live])
+                continue
+            part, freed = gone
+            live[part] -= freed
+        else:
+            part = parts_index[categories[serial]]
+            serial += 1
+            where[key] = (part, nbytes)
+            live[part] += nbytes
+        points.append([index, *live])
+        total = sum(live)
+        if total > best:
+            best, best_parts, best_index = total, list(live), index
+    return best, best_parts, best_index, points
+
+
+def breakdown_of(
+    held: list[tuple[int, int]],
+    events: list[tuple[int, int]],
+    categories: list[str],
+    phases: list[list[Any]],
+    peak_label: str,
+    micro_batch: int,
+    fits: bool,
+    peak_bytes: int,
+) -> MemoryBreakdown | None:
+    """A recorded trial's peak by part and its timeline, from its held storages and events (``(key, bytes)``, bytes
+    ``FREE`` for a release), each allocation's category by serial (held first), the phases' marks ([event, name])
+    and the place of the peak. None where the parts do not sum to ``peak_bytes`` (a storage the meter counted
+    outside its events): no breakdown rather than a wrong one. What :meth:`BreakdownRecorder.breakdown` returns, and
+    what a trace made for a deeper model (autotune/search/depth.py) gives."""
+    best, best_parts, best_index, points = _peak_of(held, events, categories)
+    if best != peak_bytes:
+        return None
+    return MemoryBreakdown.model_validate(
+        {
+            "micro_batch": micro_batch,
+            "fits": fits,
+            "peak_bytes": best,
+            "parts": {part: best_parts[i] for i, part in enumerate(MEMORY_PARTS) if best_parts[i]},
+            "peak_event": best_index,
+            "peak_where": peak_label[:256],
+            "events": len(events),
+            "timeline": _thinned(points, best_index, TIMELINE_POINTS),
+            "phases": _phase_starts(phases),
+        }
+    )
 
 
 def with_card_parts(

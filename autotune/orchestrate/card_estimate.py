@@ -172,6 +172,7 @@ def _on_card(
             breakdown=setup.breakdown,
             # The steps whose time the profile predicts (autotune/orchestrate/predicted.py), at the plan's sizes.
             predict={"target_batch": setup.target_batch, "plan_policy": setup.plan_policy} if config.predict else None,
+            full_walk=config.full_walk,
         )
     except EmulationError as exc:
         raise EmulationUnavailable(str(exc)) from None

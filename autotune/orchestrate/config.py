@@ -298,6 +298,8 @@ class EstimateConfig:
     # The card's and the fabric's figures the user gives for the predicted step time (--peak-tflops, ...:
     # autotune/core/step_time.py), in place of the catalog's.
     figures: FigureOverrides = field(default_factory=FigureOverrides)
+    # --full-walk: every block of an emulated card's trials walked, not a few repeated (autotune/search/depth.py).
+    full_walk: bool = False
 
     def __post_init__(self) -> None:
         if self.card is None:
@@ -321,6 +323,7 @@ class EstimateConfig:
         emulation_failed: str | None = None,
         estimate_bound: str = "safe",
         figures: FigureOverrides | None = None,
+        full_walk: bool = False,
         **setup: Any,
     ) -> EstimateConfig:
         """The config from flat keywords: ``setup`` is ProbeConfig's fields, ``gpu`` a card's name and
@@ -346,6 +349,7 @@ class EstimateConfig:
             emulation_failed=emulation_failed,
             estimate_bound=estimate_bound,
             figures=figures or FigureOverrides(),
+            full_walk=full_walk,
         )
 
     def with_setup(self, **changes: Any) -> EstimateConfig:
