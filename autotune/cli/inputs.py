@@ -255,13 +255,16 @@ def _check_gpu_memory(args: argparse.Namespace) -> None:
         raise CliError(
             f"--gpu-memory {format_bytes(gpu_memory)} is the memory of the card --gpu names: give --gpu NAME"
         )
-    if isinstance(gpu, str) and "," in gpu:
-        raise CliError(f"--gpu-memory is one card's memory: --gpu names several ({gpu}); give one card with it")
+    names = gpu.split(",") if isinstance(gpu, str) else list(gpu)  # estimate: a string; fleet: card_list's list
+    if len(names) > 1:
+        raise CliError(
+            f"--gpu-memory is one card's memory: --gpu names several ({','.join(names)}); give one card with it"
+        )
     if gpu_memory <= 0:
         raise CliError(f"--gpu-memory {gpu_memory}: a card's memory is above 0 bytes")
     from autotune.core.cards import resolve_card
 
-    for name in [gpu] if isinstance(gpu, str) else gpu:  # estimate: a name; fleet: the list card_list made
+    for name in names:
         try:
             resolve_card(name, gpu_memory)
         except ValueError as exc:  # no family in the name, or memory no device of its architecture has

@@ -92,5 +92,7 @@ def test_server_runs_with_torch_unimportable(tmp_path: Path) -> None:
         "autotune.core.mesh",
         # The job's setup (issue 40): the store answers a setup, and plans with it as the probe does.
         "autotune.core.setup",
+        # The table of compositions (issue 61): /suggest refuses a setup the CLI refuses, in the CLI's words.
+        "autotune.core.compositions",
     }
     assert set(result["autotune_modules"]) <= allowed
