@@ -3,7 +3,8 @@ models of 5 identical blocks (7 for a policy of period 2), walked as 2, 3 and 4 
 product waits for 8 blocks, where the shortcut starts to pay; the arithmetic is the same), gives every trial's figures
 (reserved, allocated, the live phases), the breakdown and the warnings of the search that walks all 8, to the byte.
 The models of bench/, small: Llama under fsdp with op-level checkpointing, ddp without, fsdp x tp, fsdp x cp, GPT-2
-checkpointed every 2 blocks, a Mixtral-shaped mixture of experts, a search whose live bytes cross the card (the
+checkpointed every 2 blocks, a Mixtral-shaped mixture of experts (the suite runs three of them, bench/depth_cases.py
+every one), a search whose live bytes cross the card (the
 whole walk rebuilds its model after that OOM, and so do the cut walks); the CNN (blocks that differ) and an offload
 walk every block, and the datasheet says why. The fake trials run on the CPU here (the arithmetic is the device's
 own; CUDA's streams and kernel temporaries are in the emulated card's case at the end).
@@ -110,6 +111,9 @@ CASES = {
     "gpt2 fsdp 2, every-2": ("gpt2", _setup("fsdp", 2, activation_checkpointing="every-2"), {"n_layer": 7}),
     "mixtral fsdp 8, full": ("mixtral", _setup(activation_checkpointing="full"), {}),
 }
+# The suite's cases: one each of no policy, a policy of period 2 and a mixture of experts (the 8-way op-level case runs
+# on the emulated cards below). Every case, the mesh ones with them, is bench/depth_cases.py's (about 1 minute each).
+SUITE_CASES = ("llama ddp, none", "gpt2 fsdp 2, every-2", "mixtral fsdp 8, full")
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +122,7 @@ def _few_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(depth, "MIN_BLOCKS", BLOCKS)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", SUITE_CASES)
 def test_the_shortcut_reads_what_the_whole_walk_reads(tmp_path: Path, case: str) -> None:
     arch, setup, config = CASES[case]
     task = _task(tmp_path, arch, setup, **config)
@@ -176,7 +180,8 @@ def test_where_the_repetition_cannot_be_shown_every_block_is_walked(
 def test_on_emulated_cards_every_figure_is_the_full_walks(tmp_path: Path, cuda_python: str) -> None:
     """CUDA's semantics (FSDP2's collectives on streams of their own, the kernels' temporaries, the cuDNN attention of
     the card) on an emulated H100 and H200 in one run (`--gpu h100,h200`): 8 blocks walked as 2, 3 and 4, each card's
-    profile the same as `--full-walk`'s, the H200's search reading the walks the H100's made (one architecture)."""
+    profile the same as `--full-walk`'s, the H200's search reading the walks the H100's made (one architecture). One
+    size per card (the CPU cases above carry the walks learnt at one size into the next)."""
     import json
 
     from autotune.cli import main
@@ -184,7 +189,7 @@ def test_on_emulated_cards_every_figure_is_the_full_walks(tmp_path: Path, cuda_p
     where = write_config(tmp_path, "llama", num_hidden_layers=8)
     common = [
         "estimate", f"hf:{where}", "--gpu", "h100,h200", "--strategy", "fsdp", "--world-size", "8", "--precision",
-        "bf16", "--ac", "op", "--seq-len", "16", "--max-micro-batch", "2", "--micro-batches", "1",
+        "bf16", "--ac", "op", "--seq-len", "16", "--max-micro-batch", "1", "--micro-batches", "1",
     ]  # fmt: skip
     profiles = {}
     for walk in ("short", "full"):
