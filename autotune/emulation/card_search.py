@@ -242,13 +242,13 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
             )
             if not found.no_fit and seq_len is not None:
                 previous = (int(seq_len), found.max_micro_batch)
-            steps = _steps(request, job, at_length, strategy, device["name"], found)
+            steps, recorded_how = _steps(request, job, at_length, strategy, device["name"], found)
             results.append(
                 {
                     "seq_len": seq_len,
                     "max_micro_batch": found.max_micro_batch,
                     "trials": [t.model_dump(mode="json") for t in found.trials.values()],
-                    "warnings": found.warnings,
+                    "warnings": [*found.warnings, *([recorded_how] if recorded_how else [])],
                     "fit": found.fit.model_dump(mode="json") if found.fit is not None else None,
                     "no_fit": found.no_fit,
                     # The profile keeps m_max's and the next size's (autotune/orchestrate/breakdowns.py).
@@ -263,12 +263,16 @@ def child_search(request: dict[str, Any]) -> dict[str, Any]:
     return {"device": device, "lengths": results}
 
 
-def _steps(request: dict[str, Any], job: JobSetup, task: Any, strategy: Any, device_name: str, found: Any) -> list[Any]:
-    """With ``predict``: the recorded steps at m_max and the plan's sizes (autotune/emulation/card_steps.py)."""
+def _steps(
+    request: dict[str, Any], job: JobSetup, task: Any, strategy: Any, device_name: str, found: Any
+) -> tuple[list[Any], str]:
+    """With ``predict``: the recorded steps at m_max and the plan's sizes (autotune/emulation/card_steps.py), and the
+    datasheet's line on how the model's depth was recorded (empty: nothing to say)."""
     predict = request.get("predict")
     if not predict or found.no_fit:
-        return []
+        return [], ""
     from autotune.emulation.card_steps import record_steps, sizes_to_record
 
     sizes = sizes_to_record(job, found.max_micro_batch, predict, int(request["multiple_of"]))
-    return record_steps(task, job, strategy, device_name, sizes, int(request["budget_bytes"]))
+    budget_bytes = int(request["budget_bytes"])
+    return record_steps(task, job, strategy, device_name, sizes, budget_bytes, full_walk=bool(request.get("full_walk")))

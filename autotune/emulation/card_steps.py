@@ -36,18 +36,86 @@ def sizes_to_record(job: JobSetup, max_micro_batch: int, predict: dict[str, Any]
 
 
 def record_steps(task: Any, job: JobSetup, strategy: Any, device_name: str, sizes: Sequence[int],
-                 budget_bytes: int) -> list[dict[str, Any]]:  # fmt: skip
+                 budget_bytes: int, *, full_walk: bool = False) -> tuple[list[dict[str, Any]], str]:  # fmt: skip
     """Each size's StepRecord (as JSON) from a counted fake trial on a model of its own, inside the strategy's
-    process group; a size whose trial ran out of the card's memory is left out (its timing is not predicted)."""
+    process group; a size whose trial ran out of the card's memory is left out (its timing is not predicted). A model
+    of identical blocks is recorded cut to three depths and its record made at its own depth (autotune/search/
+    depth_steps.py), unless ``full_walk``. The second item: the datasheet's line on how the depth was recorded
+    (empty where the whole model was, as asked or too shallow to cut)."""
+    from autotune.search.depth import plan_shortcut
+    from autotune.search.depth_steps import NoRepetition, record_depths
+    from autotune.search.depth_walks import cut_task
+
+    planned = None if full_walk else plan_shortcut(task, strategy)
+    depths = record_depths(planned[0].count, planned[1]) if isinstance(planned, tuple) else None
+    line = ""
+    if isinstance(planned, tuple) and depths is not None:
+        blocks = planned[0]
+        cuts = [_recorded(cut_task(task, blocks, d), job, strategy, device_name, sizes, budget_bytes) for d in depths]
+        walked = ", ".join(map(str, depths))
+        try:
+            if not cuts[0].keys() == cuts[1].keys() == cuts[2].keys():
+                raise NoRepetition("a cut ran out of the card's memory where another did not")
+            made = [_made(job, [cut[size] for cut in cuts], depths, blocks.count) for size in cuts[0]]
+        except NoRepetition as exc:
+            line = f"depth: the recorded step walked every block (its cuts to {walked} blocks: {exc})"
+        else:
+            return (
+                made,
+                f"depth: the step whose time is predicted recorded from cuts to {walked} of the {blocks.count} blocks",
+            )
+    whole = _recorded(task, job, strategy, device_name, sizes, budget_bytes)
+    return [_finished(job, *recorded) for recorded in whole.values()], line
+
+
+def _made(job: JobSetup, trio: list[_Recorded], depths: Sequence[int], depth: int) -> dict[str, Any]:
+    """One size's record at ``depth`` from its records at the three cuts, with the whole model's parameters and
+    configured attention FLOPs grown as the blocks grow."""
+    from autotune.search.depth_steps import extrapolate, grown
+
+    record = extrapolate([recorded[0] for recorded in trio], depths, depth)
+    parameters = None if trio[0][1] is None else grown([r[1] or 0 for r in trio], depths, depth)
+    configured = None if trio[0][2] is None else grown([r[2] or 0 for r in trio], depths, depth)
+    return _finished(job, record, parameters, configured, trio[0][3])
+
+
+def _finished(job: JobSetup, record: StepRecord, parameters: int | None, configured: int | None,
+              tokens: int) -> dict[str, Any]:  # fmt: skip
+    """The record with its model FLOPs per token (torchtitan's: autotune/measure/op_counter.py), as JSON."""
+    from autotune.measure.op_counter import attention_forward_flops, model_flops_per_token
+
+    flops: float | None = None
+    if record.tokens_per_sample and parameters is not None:
+        if configured is not None:  # a transformers model says its layers, heads and head dim: torchtitan's term
+            flops = 6.0 * parameters + float(configured)
+        else:
+            flops = model_flops_per_token(parameters, attention_forward_flops(record), tokens=tokens, tp=job.mesh.tp)
+    return record.model_copy(update={"flops_per_token": flops}).model_dump(mode="json")
+
+
+# A size's record (its FLOPs per token left out) and what they are made of: the model's non-embedding parameters
+# (None: no model), its configured attention FLOPs (None: none configured), the rank's tokens of the micro-batch.
+_Recorded = tuple[StepRecord, int | None, int | None, int]
+
+
+def _recorded(task: Any, job: JobSetup, strategy: Any, device_name: str, sizes: Sequence[int],
+              budget_bytes: int) -> dict[int, _Recorded]:  # fmt: skip
+    """Each size's record (its FLOPs per token left out) with what they are made of: the model's non-embedding
+    parameters, its configured attention FLOPs (None: none configured) and the rank's tokens of the micro-batch."""
     from autotune.measure.meters.fake import FakeMeter
-    from autotune.measure.op_counter import OpCounter, ddp_buckets, flops_per_token
+    from autotune.measure.op_counter import (
+        OpCounter,
+        configured_attention_flops,
+        ddp_buckets,
+        non_embedding_parameters,
+    )
     from autotune.measure.trial import TrialRunner
 
     meter = FakeMeter(budget_bytes, "cuda", device_name)
     runner = TrialRunner(task, meter, limit_bytes=budget_bytes, strategy=strategy)
     mesh = job.mesh
     tokens_per_sample = task.seq_len if task.seq_len is not None else _tagged_length(task)
-    recorded: list[dict[str, Any]] = []
+    recorded: dict[int, _Recorded] = {}
     try:
         runner.build()
         for size in sizes:
@@ -64,10 +132,14 @@ def record_steps(task: Any, job: JobSetup, strategy: Any, device_name: str, size
                 replicas = job.data_parallel * mesh.cp
                 dim = mesh_dim(replicas, mesh.tp, world_size=job.world_size, tp=mesh.tp, cp=mesh.cp, pp=mesh.pp)
                 update["ddp_buckets"] = ddp_buckets(model, replicas=replicas, stride=mesh.tp, dim=dim)
-            if tokens_per_sample and model is not None:
-                tokens = int(size) * tokens_per_sample // mesh.cp  # the rank's share of each sequence under cp
-                update["flops_per_token"] = flops_per_token(record, model, tokens=tokens, tp=mesh.tp)
-            recorded.append(StepRecord.model_validate({**record.model_dump(), **update}).model_dump(mode="json"))
+            parameters, configured = None, None
+            if model is not None:
+                parameters = non_embedding_parameters(model)
+                attention = configured_attention_flops(model, record.seq_len)
+                configured = None if attention is None else int(attention)
+            tokens = int(size) * (tokens_per_sample or 0) // mesh.cp  # the rank's share of each sequence under cp
+            step = StepRecord.model_validate({**record.model_dump(), **update})
+            recorded[int(size)] = (step, parameters, configured, tokens)
     finally:
         runner.close()
     return recorded

@@ -3,11 +3,11 @@ models of 5 identical blocks (7 for a policy of period 2), walked as 2, 3 and 4 
 product waits for 8 blocks, where the shortcut starts to pay; the arithmetic is the same), gives every trial's figures
 (reserved, allocated, the live phases), the breakdown and the warnings of the search that walks all 8, to the byte.
 The models of bench/, small: Llama under fsdp with op-level checkpointing, ddp without, fsdp x tp, fsdp x cp, GPT-2
-checkpointed every 2 blocks, a Mixtral-shaped mixture of experts (the suite runs three of them, bench/depth_cases.py
-every one), a search whose live bytes cross the card (the
-whole walk rebuilds its model after that OOM, and so do the cut walks); the CNN (blocks that differ) and an offload
-walk every block, and the datasheet says why. The fake trials run on the CPU here (the arithmetic is the device's
-own; CUDA's streams and kernel temporaries are in the emulated card's case at the end).
+checkpointed every 2 blocks, a Mixtral-shaped mixture of experts (the suite's search stops at m = 2 and leaves the
+8-way op-level case to the emulated cards; bench/depth_cases.py runs every case to m = 3), a search whose live bytes
+cross the card (the whole walk rebuilds its model after that OOM, and so do the cut walks); the CNN (blocks that
+differ) and an offload walk every block, and the datasheet says why. The fake trials run on the CPU here (the
+arithmetic is the device's own; CUDA's streams and kernel temporaries are in the emulated card's case at the end).
 """
 
 from __future__ import annotations
@@ -111,9 +111,10 @@ CASES = {
     "gpt2 fsdp 2, every-2": ("gpt2", _setup("fsdp", 2, activation_checkpointing="every-2"), {"n_layer": 7}),
     "mixtral fsdp 8, full": ("mixtral", _setup(activation_checkpointing="full"), {}),
 }
-# The suite's cases: one each of no policy, a policy of period 2 and a mixture of experts (the 8-way op-level case runs
-# on the emulated cards below). Every case, the mesh ones with them, is bench/depth_cases.py's (about 1 minute each).
-SUITE_CASES = ("llama ddp, none", "gpt2 fsdp 2, every-2", "mixtral fsdp 8, full")
+# The suite's cases, each searched over m = 1 and 2 (the second size carries the first's template): the 8-way
+# op-level case runs on the emulated cards below. bench/depth_cases.py runs every case up to m = 3.
+SUITE_CASES = ("llama ddp, none", "llama fsdp 4 x tp 2, full", "llama fsdp 4 x cp 2, op", "gpt2 fsdp 2, every-2",
+               "mixtral fsdp 8, full")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +127,8 @@ def _few_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_shortcut_reads_what_the_whole_walk_reads(tmp_path: Path, case: str) -> None:
     arch, setup, config = CASES[case]
     task = _task(tmp_path, arch, setup, **config)
-    short = _search(task, setup, shortcut=True)
-    whole = _search(task, setup, shortcut=False)
+    short = _search(task, setup, shortcut=True, extra=())
+    whole = _search(task, setup, shortcut=False, extra=())
     said = [w for w in short.warnings if w.startswith("depth:")]
     assert len(said) == 1 and " identical " in said[0], said  # the shortcut was taken
     assert _figures(short) == _figures(whole)
@@ -181,7 +182,8 @@ def test_on_emulated_cards_every_figure_is_the_full_walks(tmp_path: Path, cuda_p
     """CUDA's semantics (FSDP2's collectives on streams of their own, the kernels' temporaries, the cuDNN attention of
     the card) on an emulated H100 and H200 in one run (`--gpu h100,h200`): 8 blocks walked as 2, 3 and 4, each card's
     profile the same as `--full-walk`'s, the H200's search reading the walks the H100's made (one architecture). One
-    size per card (the CPU cases above carry the walks learnt at one size into the next)."""
+    size per card (the CPU cases above carry the walks learnt at one size into the next). The step whose time each card
+    predicts is recorded at cuts to 3, 4 and 5 blocks and made at 8, and predicts what the whole model's record does."""
     import json
 
     from autotune.cli import main
@@ -189,7 +191,8 @@ def test_on_emulated_cards_every_figure_is_the_full_walks(tmp_path: Path, cuda_p
     where = write_config(tmp_path, "llama", num_hidden_layers=8)
     common = [
         "estimate", f"hf:{where}", "--gpu", "h100,h200", "--strategy", "fsdp", "--world-size", "8", "--precision",
-        "bf16", "--ac", "op", "--seq-len", "16", "--max-micro-batch", "1", "--micro-batches", "1",
+        "bf16", "--ac", "op", "--seq-len", "16", "--max-micro-batch", "1", "--micro-batches", "1", "--target-batch",
+        "16",
     ]  # fmt: skip
     profiles = {}
     for walk in ("short", "full"):
@@ -199,7 +202,9 @@ def test_on_emulated_cards_every_figure_is_the_full_walks(tmp_path: Path, cuda_p
     short, full = profiles["short"], profiles["full"]
     assert [p["device"]["name"] for p in short] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
     for one, other in zip(short, full, strict=True):
-        keys = ("max_micro_batch", "breakdown", "fit")
+        # The predicted step time, of m_max and the plan (1 x 2 x 8), from the step recorded at cuts to 3, 4 and 5
+        # blocks, and from the whole model's (autotune/search/depth_steps.py).
+        keys = ("max_micro_batch", "breakdown", "fit", "throughput")
         assert {k: one[k] for k in keys} == {k: other[k] for k in keys}
         assert [{k: v for k, v in t.items() if k != "seconds"} for t in one["trials"]] == [
             {k: v for k, v in t.items() if k != "seconds"} for t in other["trials"]
@@ -207,3 +212,9 @@ def test_on_emulated_cards_every_figure_is_the_full_walks(tmp_path: Path, cuda_p
     lines = [next(w for w in p["warnings"] if w.startswith("depth:")) for p in short]
     assert " identical " in lines[0] and "at m = 1" in lines[0]
     assert "that another card's search made" in lines[1]  # every size the H200 asked, the H100 had walked
+    for profile in short:
+        assert profile["throughput"] and all(t["predicted"] for t in profile["throughput"])
+        assert (
+            "depth: the step whose time is predicted recorded from cuts to 3, 4, 5 of the 8 blocks"
+            in profile["warnings"]
+        )
