@@ -189,4 +189,3 @@ class ExpertParallel(Sharded):
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
         apply_ep(model, task, device, self._meshes)
         return super().wrap(model, task, device)
-

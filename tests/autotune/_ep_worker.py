@@ -114,7 +114,7 @@ def _model(meshes: Any, config: dict[str, Any]) -> nn.Module:
     rank = expert_mesh["ep"].get_local_rank()
     model = MixtralForCausalLM(MixtralConfig(**config))
     layers = list(model.model.layers)
-    for index, layer in enumerate(layers):
+    for layer in layers:
         experts = layer.mlp.experts
         mine = experts.num_experts // ep
         with torch.no_grad():

@@ -53,7 +53,9 @@ def _mixtral(tmp_path: Path) -> Any:
     return hf_task(where).at_length(16)
 
 
-def _probe(meter: CpuMeter, task: Any, world_size: int, ep: int, sizes: tuple[int, ...], factor: float = 1.0) -> dict[int, int]:
+def _probe(
+    meter: CpuMeter, task: Any, world_size: int, ep: int, sizes: tuple[int, ...], factor: float = 1.0
+) -> dict[int, int]:
     strategy = ExpertParallel(world_size, ep)
     with moe_routing(factor), strategy.process_group(meter.device):
         runner = TrialRunner(task, meter, limit_bytes=LIMIT_BYTES, strategy=strategy)
@@ -63,7 +65,9 @@ def _probe(meter: CpuMeter, task: Any, world_size: int, ep: int, sizes: tuple[in
             runner.close()
 
 
-def _truth(tmp_path: Path, world_size: int, ep: int, sizes: tuple[int, ...], busiest: float | None) -> dict[int, list[int]]:
+def _truth(
+    tmp_path: Path, world_size: int, ep: int, sizes: tuple[int, ...], busiest: float | None
+) -> dict[int, list[int]]:
     from tests.autotune import _ep_worker
 
     out = tmp_path / "truth"
