@@ -6,7 +6,10 @@ W counts every rank. The ranks that share one model through tensor (``tp``), pip
 holds ``T = m x A x D`` with that D (``autotune/core/plan.py``). A pipeline cuts each step's batch into K
 micro-batches that flow through its ``pp`` stages; while the first stage starts and the last one drains,
 stages idle: the bubble, a fraction ``(pp - 1) / (K + pp - 1)`` of a step (``(pp - 1) / (V K + pp - 1)``
-with V virtual stages per rank under the interleaved schedule).
+with V virtual stages per rank under the interleaved schedule). Expert parallelism (``ep``) shards a mixture of
+experts' routed experts over ep of the ranks that share one stage (dp x cp x tp, as torchtitan borrows them); it
+leaves D as it is, and the experts' own data parallelism is ``efsdp = W / (pp x ep)``
+(autotune/measure/experts.py).
 
     >>> mesh = Mesh(tp=2, pp=2, pp_microbatches=8)
     >>> mesh.data_parallel(16)
@@ -63,6 +66,7 @@ class Mesh:
     pp_schedule: PipelineSchedule = "1f1b"
     pp_microbatches: int | None = None
     pp_virtual_stages: int | None = None
+    ep: int = 1
 
     @property
     def model_parallel(self) -> int:
@@ -72,7 +76,7 @@ class Mesh:
     @property
     def trivial(self) -> bool:
         """Whether every rank holds the whole model and the whole sequence (the job before meshes)."""
-        return self.model_parallel == 1
+        return self.model_parallel == 1 and self.ep == 1
 
     @property
     def virtual_stages(self) -> int:
@@ -89,7 +93,7 @@ class Mesh:
                 stages outside the interleaved schedule, K < pp under a 1F1B schedule, or (given world_size)
                 a mesh whose product does not divide it.
         """
-        for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp)):
+        for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp), ("--ep", self.ep)):
             _positive(value, flag)
         if self.pp_schedule not in PP_SCHEDULES:
             raise AutotuneError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}")
@@ -118,6 +122,11 @@ class Mesh:
             raise AutotuneError(
                 f"--world-size {world_size} is not a multiple of --tp x --pp x --cp = {self.tp} x {self.pp} x "
                 f"{self.cp} = {self.model_parallel}: the data-parallel replicas would not be whole"
+            )
+        if world_size is not None and (world_size // self.pp) % self.ep:
+            raise AutotuneError(
+                f"--ep {self.ep} does not divide the {world_size // self.pp} ranks of a stage (--world-size "
+                f"{world_size} over --pp {self.pp}): each expert's shard would not have whole data-parallel ranks"
             )
 
     def data_parallel(self, world_size: int) -> int:
@@ -148,7 +157,9 @@ class Mesh:
     def as_dict(self) -> dict[str, Any]:
         """The mesh as a profile and the fingerprint record it: only what differs from the trivial mesh
         (empty for it), the pipeline's schedule only with a pipeline."""
-        out: dict[str, Any] = {name: getattr(self, name) for name in ("tp", "pp", "cp") if getattr(self, name) != 1}
+        out: dict[str, Any] = {
+            name: getattr(self, name) for name in ("tp", "pp", "cp", "ep") if getattr(self, name) != 1
+        }
         if self.pp > 1:
             out["pp_schedule"] = self.pp_schedule
             for name in ("pp_microbatches", "pp_virtual_stages"):
@@ -161,7 +172,7 @@ class Mesh:
         """The mesh as_dict wrote (the trivial one for None or an empty dict)."""
         if not data:
             return cls()
-        known = {"tp", "pp", "cp", "pp_schedule", "pp_microbatches", "pp_virtual_stages"}
+        known = {"tp", "pp", "cp", "ep", "pp_schedule", "pp_microbatches", "pp_virtual_stages"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise AutotuneError(f"mesh: unknown field(s) {', '.join(unknown)}")
@@ -193,7 +204,7 @@ class Mesh:
         """One line for a datasheet: 'tp 2 x pp 2 (1f1b, K 8)', 'no model parallelism' for the trivial mesh."""
         if self.trivial:
             return "no model parallelism"
-        parts = [f"{name} {getattr(self, name)}" for name in ("tp", "pp", "cp") if getattr(self, name) != 1]
+        parts = [f"{name} {getattr(self, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(self, name) != 1]
         text = " x ".join(parts)
         if self.pp > 1:
             schedule: str = self.pp_schedule

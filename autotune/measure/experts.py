@@ -88,8 +88,8 @@ def _received_counts(sent: torch.Tensor, ep: int, rank: int, group: Any) -> torc
     return received
 
 
-def _dispatched_forward(module: nn.Module, ep: int, rank: int, group: Any) -> Any:
-    experts = module.num_experts
+def _dispatched_forward(module: Any, ep: int, rank: int, group: Any) -> Any:
+    experts: int = module.num_experts
     local = experts // ep
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

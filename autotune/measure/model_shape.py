@@ -67,7 +67,16 @@ def _shape(
         family=str(family) if family else None,
         causal_lm_sdpa=config is not None and type(model).__name__.endswith("ForCausalLM") and attention == "sdpa",
         tp_plans=("torchtitan",) if family in TORCHTITAN_FAMILIES else (),
+        experts=_experts(model),
     )
+
+
+def _experts(model: nn.Module) -> int | None:
+    """The routed experts --ep shards (autotune/measure/experts.py), None where the model has none."""
+    from autotune.measure.experts import expert_modules
+
+    found = expert_modules(model)
+    return int(found[0].num_experts) if found else None
 
 
 def _count(config: Any, keys: tuple[str, ...]) -> int | None:
