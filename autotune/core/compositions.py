@@ -322,7 +322,7 @@ COMPOSITIONS: tuple[Rule, ...] = (
         "a dense model",
         "meaningless",
         lambda d: d.ep > 1 and d.model is not None and d.model.experts is None,
-        lambda d: f"--ep {d.ep} on the dense model of {_model(d).text()}",
+        lambda d: f"--ep {d.ep} on the model of {_model(d).text()}, which has no routed experts",
         "expert parallelism shards a mixture of experts' routed experts (transformers' fused gate_up_proj and "
         "down_proj), and this model has none",
     ),
