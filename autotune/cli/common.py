@@ -207,6 +207,13 @@ def add_mesh_options(p: argparse.ArgumentParser) -> None:
         help="expert-parallel ranks (default 1): a mixture of experts' routed experts sharded over N ranks, tokens "
         "dispatched by all-to-all, under --strategy fsdp (docs/experts.md)",
     )
+    g.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        metavar="C",
+        help="with --ep: the job drops tokens, each expert taking at most C x its fair share of a rank's tokens "
+        "(GShard, Switch); default: dropless, as torchtitan and Megatron route",
+    )
 
 
 def add_tp_plan_option(p: argparse.ArgumentParser) -> None:
@@ -230,6 +237,7 @@ def mesh_of(args: argparse.Namespace) -> Any:
         pp=getattr(args, "pp", 1),
         cp=getattr(args, "cp", 1),
         ep=getattr(args, "ep", 1),
+        ep_capacity=getattr(args, "moe_capacity_factor", None),
         pp_schedule=getattr(args, "pp_schedule", "1f1b"),
         pp_microbatches=getattr(args, "pp_microbatches", None),
         pp_virtual_stages=getattr(args, "pp_virtual_stages", None),

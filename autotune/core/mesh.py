@@ -44,6 +44,13 @@ def _positive(value: object, flag: str) -> int:
     return value
 
 
+def _number(text: str, key: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise AutotuneError(f"mesh: {key}={text!r} is not a number") from None
+
+
 def _integer(text: str, key: str) -> int:
     try:
         return int(text)
@@ -67,6 +74,9 @@ class Mesh:
     pp_microbatches: int | None = None
     pp_virtual_stages: int | None = None
     ep: int = 1
+    # Token dropping under ep (``--moe-capacity-factor``): each expert takes at most ceil(c x T k / E) of a rank's
+    # T x k picks, the rest dropped (GShard, Switch); None: dropless (torchtitan's and Megatron's default).
+    ep_capacity: float | None = None
 
     @property
     def model_parallel(self) -> int:
@@ -95,6 +105,19 @@ class Mesh:
         """
         for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp), ("--ep", self.ep)):
             _positive(value, flag)
+        if self.ep_capacity is not None:
+            if isinstance(self.ep_capacity, bool) or not isinstance(self.ep_capacity, (int, float)):
+                raise AutotuneError(f"--moe-capacity-factor must be a number, got {self.ep_capacity!r}")
+            if not 0 < self.ep_capacity < float("inf"):
+                raise AutotuneError(
+                    f"--moe-capacity-factor {self.ep_capacity:g} is not a positive finite number: each expert's "
+                    "capacity is that many times its fair share of a rank's tokens"
+                )
+            if self.ep == 1:
+                raise AutotuneError(
+                    f"--moe-capacity-factor {self.ep_capacity:g} needs --ep of at least 2: it sizes the experts' "
+                    "all-to-all, which only expert parallelism runs"
+                )
         if self.pp_schedule not in PP_SCHEDULES:
             raise AutotuneError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}")
         if self.pp_microbatches is not None:
@@ -160,6 +183,8 @@ class Mesh:
         out: dict[str, Any] = {
             name: getattr(self, name) for name in ("tp", "pp", "cp", "ep") if getattr(self, name) != 1
         }
+        if self.ep_capacity is not None:  # as text: a profile's mesh holds integers and names
+            out["ep_capacity"] = f"{self.ep_capacity:g}"
         if self.pp > 1:
             out["pp_schedule"] = self.pp_schedule
             for name in ("pp_microbatches", "pp_virtual_stages"):
@@ -172,10 +197,12 @@ class Mesh:
         """The mesh as_dict wrote (the trivial one for None or an empty dict)."""
         if not data:
             return cls()
-        known = {"tp", "pp", "cp", "ep", "pp_schedule", "pp_microbatches", "pp_virtual_stages"}
+        known = {"tp", "pp", "cp", "ep", "ep_capacity", "pp_schedule", "pp_microbatches", "pp_virtual_stages"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise AutotuneError(f"mesh: unknown field(s) {', '.join(unknown)}")
+        if isinstance(data.get("ep_capacity"), str):
+            data = {**data, "ep_capacity": _number(data["ep_capacity"], "ep_capacity")}
         mesh = cls(**data)
         mesh.validate()
         return mesh
@@ -197,7 +224,11 @@ class Mesh:
             key, sep, value = part.partition("=")
             if not sep:
                 raise AutotuneError(f"mesh: {part!r} is not KEY=VALUE (e.g. tp=2,pp=2)")
-            data[key.strip()] = value.strip() if key.strip() == "pp_schedule" else _integer(value, key)
+            name = key.strip()
+            if name == "ep_capacity":
+                data[name] = _number(value, name)
+            else:
+                data[name] = value.strip() if name == "pp_schedule" else _integer(value, key)
         return cls.from_dict(data)
 
     def describe(self) -> str:
@@ -213,4 +244,6 @@ class Mesh:
             if self.pp_microbatches is not None:
                 schedule += f", K {self.pp_microbatches}"
             text += f" ({schedule})"
+        if self.ep > 1:  # how the experts' all-to-all is sized
+            text += " (dropless)" if self.ep_capacity is None else f" (capacity factor {self.ep_capacity:g})"
         return text

@@ -29,6 +29,7 @@ same rule; a truth of real gloo ranks routing with the same forced assignment on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -88,7 +89,17 @@ def _received_counts(sent: torch.Tensor, ep: int, rank: int, group: Any) -> torc
     return received
 
 
-def _dispatched_forward(module: Any, ep: int, rank: int, group: Any) -> Any:
+def _within_capacity(order: torch.Tensor, sent: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picks each expert keeps under its capacity, the first ``capacity`` of its own in token order (GShard's
+    rule), and the counts kept: the others are dropped, their tokens' rows get nothing from that expert."""
+    starts = torch.cumsum(sent, 0) - sent
+    position = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(
+        sent, output_size=order.numel()
+    )
+    return order[position < capacity], sent.clamp(max=capacity)
+
+
+def _dispatched_forward(module: Any, ep: int, rank: int, group: Any, capacity_factor: float | None) -> Any:
     experts: int = module.num_experts
     local = experts // ep
 
@@ -97,6 +108,8 @@ def _dispatched_forward(module: Any, ep: int, rank: int, group: Any) -> Any:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         sent = torch.bincount(flat, minlength=experts)
+        if capacity_factor is not None:
+            order, sent = _within_capacity(order, sent, math.ceil(capacity_factor * flat.numel() / experts))
         received = _received_counts(sent, ep, rank, group)
         sent_splits = sent.view(ep, local).sum(1).tolist()
         received_rows = received.tolist()
@@ -117,9 +130,12 @@ def _dispatched_forward(module: Any, ep: int, rank: int, group: Any) -> Any:
     return forward
 
 
-def apply_ep(model: nn.Module, task: ProbeTask, device: torch.device, meshes: Any) -> None:
+def apply_ep(
+    model: nn.Module, task: ProbeTask, device: torch.device, meshes: Any, capacity_factor: float | None = None
+) -> None:
     """model's experts sharded over the ``ep`` dimension of ``meshes`` (a (efsdp, ep) device mesh) and dispatched by
-    all-to-all, then each experts module sharded by FSDP2 over ``efsdp`` (module docstring), in place.
+    all-to-all (dropless, or with each expert's capacity ``capacity_factor`` x its fair share), then each experts
+    module sharded by FSDP2 over ``efsdp`` (module docstring), in place.
 
     Raises:
         TaskError: a model without experts in transformers' fused layout, or experts ep does not divide.
@@ -139,7 +155,7 @@ def apply_ep(model: nn.Module, task: ProbeTask, device: torch.device, meshes: An
                 shard = weight[rank * local : (rank + 1) * local].detach().clone()
                 setattr(module, name, nn.Parameter(shard, requires_grad=weight.requires_grad))
                 del weight
-        module.forward = _dispatched_forward(module, ep, rank, ep_mesh.get_group())
+        module.forward = _dispatched_forward(module, ep, rank, ep_mesh.get_group(), capacity_factor)
     _shard_experts(model, found, task, device, efsdp_mesh, ep)
 
 
@@ -169,9 +185,10 @@ def _shard_experts(
 class ExpertParallel(Sharded):
     """FSDP2 over world_size ranks with the experts parallel over ``ep`` of them: rank 0's figures."""
 
-    def __init__(self, world_size: int, ep: int) -> None:
+    def __init__(self, world_size: int, ep: int, *, capacity_factor: float | None = None) -> None:
         super().__init__(world_size)
         self.ep = ep
+        self.capacity_factor = capacity_factor
         self._meshes: Any = None
 
     @contextmanager
@@ -187,5 +204,5 @@ class ExpertParallel(Sharded):
                 self._meshes = None
 
     def wrap(self, model: nn.Module, task: ProbeTask, device: torch.device) -> nn.Module:
-        apply_ep(model, task, device, self._meshes)
+        apply_ep(model, task, device, self._meshes, self.capacity_factor)
         return super().wrap(model, task, device)

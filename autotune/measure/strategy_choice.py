@@ -40,7 +40,7 @@ def make_strategy(name: str, world_size: int, mesh: Mesh | None = None) -> Strat
     if mesh.ep > 1:  # fsdp alone beside it (the table): autotune/measure/experts.py
         from autotune.measure.experts import ExpertParallel
 
-        return ExpertParallel(world_size, mesh.ep)
+        return ExpertParallel(world_size, mesh.ep, capacity_factor=mesh.ep_capacity)
     return Replicated(world_size) if name == "ddp" else Sharded(world_size)
 
 

@@ -55,9 +55,15 @@ def _mixtral(tmp_path: Path) -> Any:
 
 
 def _probe(
-    meter: CpuMeter, task: Any, world_size: int, ep: int, sizes: tuple[int, ...], factor: float = 1.0
+    meter: CpuMeter,
+    task: Any,
+    world_size: int,
+    ep: int,
+    sizes: tuple[int, ...],
+    factor: float = 1.0,
+    capacity: float | None = None,
 ) -> dict[int, int]:
-    strategy = ExpertParallel(world_size, ep)
+    strategy = ExpertParallel(world_size, ep, capacity_factor=capacity)
     with moe_routing(factor), strategy.process_group(meter.device):
         runner = TrialRunner(task, meter, limit_bytes=LIMIT_BYTES, strategy=strategy)
         try:
@@ -138,3 +144,17 @@ def test_rank_0_is_the_most_loaded_rank_of_a_real_ep_job(tmp_path: Path, factor:
     for m in sizes:
         assert truth[m][0] == max(truth[m])
         assert probed[m] - truth[m][0] == 2 * PROBE_HOLDS_BYTES_PER_RANK
+
+
+def test_a_capacity_factor_drops_what_the_busiest_expert_takes_beyond_it(tmp_path: Path) -> None:
+    """Token dropping (--moe-capacity-factor 1): expert 0 routed twice its fair share keeps its fair share, so rank 0
+    and the other experts share what is left: rank 0 holds no more than under balanced routing, less than dropless; a
+    real trial routed alike drops the same picks."""
+    task = _mixtral(tmp_path)
+    dropped = _probe(FakeMeter(LIMIT_BYTES, "cpu"), task, 2, 2, (2,), 2.0, capacity=1.0)
+    real = _probe(CpuMeter(LIMIT_BYTES), _routed_as_forced(task, (2,), 0.5), 2, 2, (2,), capacity=1.0)
+    balanced = _probe(FakeMeter(LIMIT_BYTES, "cpu"), task, 2, 2, (2,), 1.0)
+    dropless = _probe(FakeMeter(LIMIT_BYTES, "cpu"), task, 2, 2, (2,), 2.0)
+    print(f"capacity 1: skewed {dropped}, real {real}; dropless balanced {balanced}, skewed {dropless}")
+    assert dropped == real
+    assert dropped[2] < balanced[2] < dropless[2]
