@@ -157,6 +157,24 @@ def apply_ep(
                 del weight
         module.forward = _dispatched_forward(module, ep, rank, ep_mesh.get_group(), capacity_factor)
     _shard_experts(model, found, task, device, efsdp_mesh, ep)
+    _profiler_marks_outside_checkpointing()
+
+
+def _profiler_marks_outside_checkpointing() -> None:
+    """The experts' FSDP2 unit sits inside its block, so under op-level checkpointing (``--ac op``) its hooks run
+    inside the checkpointed region, and they mark the profiler a different number of times in the recomputation
+    (FSDP2's ``FSDP::root_pre_forward``, which the forward, inside the root's, skips): torch's selective
+    checkpointing keeps those marks by invocation and stopped the recomputation (a DeepSeek-V3 with its first block
+    dense, 'profiler._record_function_enter_new.default invocation index 2 encountered during backward'). The marks
+    hold no memory and change no result: they run as they come, as SAC runs ``detach`` (its ``SAC_IGNORED_OPS``)."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    SAC_IGNORED_OPS.update(
+        (
+            torch.ops.profiler._record_function_enter_new.default,
+            torch.ops.profiler._record_function_exit._RecordFunction,
+        )
+    )
 
 
 def _shard_experts(
