@@ -76,7 +76,8 @@ def _experts(model: nn.Module) -> int | None:
     from autotune.measure.experts import expert_modules
 
     found = expert_modules(model)
-    return int(found[0].num_experts) if found else None
+    experts: int | None = getattr(found[0], "num_experts", None) if found else None
+    return experts
 
 
 def _count(config: Any, keys: tuple[str, ...]) -> int | None:
