@@ -158,3 +158,21 @@ def test_a_capacity_factor_drops_what_the_busiest_expert_takes_beyond_it(tmp_pat
     print(f"capacity 1: skewed {dropped}, real {real}; dropless balanced {balanced}, skewed {dropless}")
     assert dropped == real
     assert dropped[2] < balanced[2] < dropless[2]
+
+
+def test_the_routing_default_under_ep_is_the_dropless_worst_case_and_the_setup_carries_ep(tmp_path: Path) -> None:
+    """Under --ep the fake trials route every token to expert 0 unless told otherwise (experts / top_k); without it,
+    balanced. ep and the capacity factor are coordinates of the mesh: in the fingerprint's tags and the store's kind."""
+    from autotune.core.mesh import Mesh
+    from autotune.core.setup import JobSetup
+    from autotune.orchestrate.routing import moe_routing_for
+
+    task = _mixtral(tmp_path)
+    assert moe_routing_for(task, None, ep=2)[1] == EXPERTS / TOP_K
+    assert moe_routing_for(task, None)[1] == 1.0 and moe_routing_for(task, 1.5, ep=2)[1] == 1.5
+    dropless = JobSetup(strategy="fsdp", world_size=4, mesh=Mesh(ep=2))
+    dropping = JobSetup(strategy="fsdp", world_size=4, mesh=Mesh(ep=2, ep_capacity=1.25))
+    assert dropless.fingerprint_tags()["autotune.mesh"] == "ep=2"
+    assert dropping.fingerprint_tags()["autotune.mesh"] == "ep=2,ep_capacity=1.25"
+    assert dropless.kind() != dropping.kind() != JobSetup(strategy="fsdp", world_size=4).kind()
+    assert dropless.data_parallel == 4  # ep borrows the ranks fsdp shards over: D stays W
