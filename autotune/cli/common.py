@@ -200,6 +200,20 @@ def add_mesh_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp-microbatches", type=positive_int, help="K: micro-batches per step (default: the plan's)")
     g.add_argument("--pp-virtual-stages", type=positive_int, help="V: model chunks per rank (interleaved-1f1b)")
     g.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks (default 1)")
+    g.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="expert-parallel ranks (default 1): a mixture of experts' routed experts sharded over N ranks, tokens "
+        "dispatched by all-to-all, under --strategy fsdp (docs/experts.md)",
+    )
+    g.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        metavar="C",
+        help="with --ep: the job drops tokens, each expert taking at most C x its fair share of a rank's tokens "
+        "(GShard, Switch); default: dropless, as torchtitan and Megatron route",
+    )
 
 
 def add_tp_plan_option(p: argparse.ArgumentParser) -> None:
@@ -222,6 +236,8 @@ def mesh_of(args: argparse.Namespace) -> Any:
         tp=getattr(args, "tp", 1),
         pp=getattr(args, "pp", 1),
         cp=getattr(args, "cp", 1),
+        ep=getattr(args, "ep", 1),
+        ep_capacity=getattr(args, "moe_capacity_factor", None),
         pp_schedule=getattr(args, "pp_schedule", "1f1b"),
         pp_microbatches=getattr(args, "pp_microbatches", None),
         pp_virtual_stages=getattr(args, "pp_virtual_stages", None),

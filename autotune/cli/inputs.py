@@ -98,6 +98,7 @@ def _dimensions(args: argparse.Namespace) -> Dimensions:
         tp=getattr(args, "tp", None) or 1,
         pp=getattr(args, "pp", None) or 1,
         cp=getattr(args, "cp", None) or 1,
+        ep=getattr(args, "ep", None) or 1,
         compile=getattr(args, "compile", None),
         offload=getattr(args, "offload", None) or "none",
         host_budget=getattr(args, "host_budget", None) is not None and not suggest,

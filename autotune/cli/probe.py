@@ -123,7 +123,8 @@ def add_setup_options(p: argparse.ArgumentParser) -> None:
         type=moe_load_factor,
         metavar="F",
         help="mixture-of-experts tasks: the routing fake trials assume, the busiest expert's share of tokens "
-        "over a fair one (default 1.0, balanced); real trials route as the model does",
+        "over a fair one (default 1.0, balanced; under --ep experts / top_k, every token on expert 0: the worst "
+        "case of a dropless job); real trials route as the model does",
     )
 
 
@@ -184,7 +185,7 @@ def moe_routing_of(task: Any, args: argparse.Namespace) -> tuple[Any, float | No
 
     args.moe_load_factor_used = None  # what emit_profile(s) write into the profiles
     try:
-        routing, factor = moe_routing_for(task, getattr(args, "moe_load_factor", None))
+        routing, factor = moe_routing_for(task, getattr(args, "moe_load_factor", None), getattr(args, "ep", 1) or 1)
     except TaskError as exc:
         raise CliError(str(exc)) from None
     args.moe_load_factor_used = factor

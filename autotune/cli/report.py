@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from autotune.core.plan import micro_batches_text
 from autotune.core.schemas import (
     ATTENTION_NOTE,
@@ -82,6 +84,16 @@ def device_text(device: Device) -> str:
     return device.name if says_kind and device.index is None else f"{device.name} ({where})"
 
 
+def _routing_text(profile: Profile, mesh: Any) -> str:
+    """Under --ep, the routing the figures assume (autotune/measure/experts.py): a fake trial's busiest expert's
+    share, or the router's own top-k on real trials."""
+    if mesh.ep == 1:
+        return ""
+    if profile.moe_load_factor is None or profile.source != "estimate":
+        return ", routed by the router's own top-k, every rank as rank 0"
+    return f", routing: the busiest expert (rank 0's) takes {profile.moe_load_factor:g} x its fair share on every rank"
+
+
 def strategy_text(profile: Profile) -> str:
     """How the probe held the model: 'ddp, world size 1', 'ddp over 4 replicas', 'fsdp over 8 ranks (...)'."""
     if profile.mesh:  # one rank of a mesh (autotune/core/mesh.py): W ranks, D replicas
@@ -96,7 +108,7 @@ def strategy_text(profile: Profile) -> str:
         plan = f", {named}'s tp plan (sequence and loss parallel)" if named == "torchtitan" and mesh.tp > 1 else ""
         return (
             f"{profile.strategy} over {replicas} data-parallel replicas{over} of {profile.world_size} ranks, "
-            f"{mesh.describe()}{plan} (the figures are rank 0's, for this mesh only)"
+            f"{mesh.describe()}{plan}{_routing_text(profile, mesh)} (the figures are rank 0's, for this mesh only)"
         )
     if profile.strategy == "fsdp":
         return f"fsdp over {profile.world_size} ranks (the figures are one rank's, for this world size only)"

@@ -62,6 +62,9 @@ class ModelShape:
     family: str | None = None
     causal_lm_sdpa: bool = False
     tp_plans: tuple[str, ...] = ()
+    # The routed experts of a mixture of experts in transformers' fused layout (None: a dense model, or experts
+    # in another layout, which --ep cannot shard).
+    experts: int | None = None
 
     def text(self) -> str:
         """How a refusal names the model: its task's name, and its family where it has one."""
@@ -79,6 +82,7 @@ class Dimensions:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     compile: str | None = None
     offload: str = "none"
     host_budget: bool = False
@@ -102,7 +106,7 @@ class Dimensions:
     def of(cls, strategy: str, world_size: int, mesh: Mesh | None = None, **more: object) -> Dimensions:
         """A strategy's dimensions: its name, W and mesh (the rest as given)."""
         mesh = mesh or Mesh()
-        return cls(strategy=strategy, world_size=world_size, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, **more)  # type: ignore[arg-type]
+        return cls(strategy=strategy, world_size=world_size, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, **more)  # type: ignore[arg-type]
 
     @property
     def data_parallel(self) -> int:
@@ -111,7 +115,7 @@ class Dimensions:
 
     @property
     def trivial_mesh(self) -> bool:
-        return self.tp == self.pp == self.cp == 1
+        return self.tp == self.pp == self.cp == self.ep == 1
 
     def replace(self, **changes: object) -> Dimensions:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -281,7 +285,55 @@ COMPOSITIONS: tuple[Rule, ...] = (
         lambda d: f"--cp {d.cp} at --seq-len {next(n for n in d.seq_lens if n % d.cp)}",
         "context parallelism splits each sequence over the cp ranks: --cp must divide every length",
     ),
+    Rule(
+        "--ep",
+        "--strategy ddp",
+        "not measured yet",
+        lambda d: d.ep > 1 and d.strategy != "fsdp",
+        lambda d: f"--ep {d.ep} with --strategy {d.strategy}",
+        "expert parallelism is measured as torchtitan lays it out, under FSDP2 (the experts sharded over their own "
+        "data-parallel ranks, W / ep); give --strategy fsdp",
+    ),
+    Rule(
+        "--ep",
+        "--tp, --pp or --cp",
+        "not measured yet",
+        lambda d: d.ep > 1 and d.tp * d.pp * d.cp > 1,
+        lambda d: (
+            f"--ep {d.ep} with "
+            + " x ".join(f"--{n} {s}" for n, s in (("tp", d.tp), ("pp", d.pp), ("cp", d.cp)) if s > 1)
+        ),
+        "the experts' all-to-all is measured over ranks that hold the whole sequence and every block (ep x fsdp), "
+        "and no run of real ranks has checked it beside tensor, pipeline or context parallelism yet; probe --ep "
+        "with --strategy fsdp alone",
+    ),
+    Rule(
+        "--ep",
+        "--compile",
+        "not measured yet",
+        lambda d: d.ep > 1 and d.compile is not None,
+        lambda d: f"--ep {d.ep} with --compile {d.compile}",
+        "the dispatch reads the routing's counts on the host (.tolist()), a graph break no compiled run has been "
+        "checked across yet; probe --ep eager",
+    ),
     # The rows that read the model (ModelShape): asked once the task is known, before any trial.
+    Rule(
+        "--ep",
+        "a dense model",
+        "meaningless",
+        lambda d: d.ep > 1 and d.model is not None and d.model.experts is None,
+        lambda d: f"--ep {d.ep} on the model of {_model(d).text()}, which has no routed experts",
+        "expert parallelism shards a mixture of experts' routed experts (transformers' fused gate_up_proj and "
+        "down_proj), and this model has none",
+    ),
+    Rule(
+        "--ep",
+        "the model's experts",
+        "meaningless",
+        lambda d: d.ep > 1 and d.model is not None and d.model.experts is not None and d.model.experts % d.ep != 0,
+        lambda d: f"--ep {d.ep} on the model's {_model(d).experts} experts ({_model(d).text()})",
+        "expert parallelism gives each ep rank whole experts: --ep must divide the routed experts",
+    ),
     Rule(
         "--tp",
         "the model's attention heads",
@@ -294,11 +346,13 @@ COMPOSITIONS: tuple[Rule, ...] = (
         "--tp",
         "the model's key/value heads",
         "meaningless",
-        lambda d: d.tp > 1
-        and d.model is not None
-        and d.model.kv_heads is not None
-        and d.model.kv_heads != d.model.heads  # as many as the heads: the row above says it
-        and d.model.kv_heads % d.tp != 0,
+        lambda d: (
+            d.tp > 1
+            and d.model is not None
+            and d.model.kv_heads is not None
+            and d.model.kv_heads != d.model.heads  # as many as the heads: the row above says it
+            and d.model.kv_heads % d.tp != 0
+        ),
         lambda d: f"--tp {d.tp} on the model's {_model(d).kv_heads} key/value heads ({_model(d).text()})",
         "tensor parallelism shards the key and value projections by head over the tp ranks: --tp must divide the "
         "key/value heads (grouped-query attention has fewer of them than query heads)",
@@ -325,8 +379,10 @@ COMPOSITIONS: tuple[Rule, ...] = (
         "a model of another family",
         "not measured yet",
         lambda d: d.tp_plan == "torchtitan" and d.model is not None and "torchtitan" not in d.model.tp_plans,
-        lambda d: f"--tp-plan torchtitan on the model of {_model(d).text()}"
-        + ("" if _model(d).family else " (no hf: config)"),
+        lambda d: (
+            f"--tp-plan torchtitan on the model of {_model(d).text()}"
+            + ("" if _model(d).family else " (no hf: config)")
+        ),
         "torchtitan's plan is written for the module names of the hf: Llama, Mistral, Qwen2, Qwen3, Mixtral and "
         "GPT-2 families; use --tp-plan hf (or the task's own tp_plan)",
     ),

@@ -6,7 +6,10 @@ W counts every rank. The ranks that share one model through tensor (``tp``), pip
 holds ``T = m x A x D`` with that D (``autotune/core/plan.py``). A pipeline cuts each step's batch into K
 micro-batches that flow through its ``pp`` stages; while the first stage starts and the last one drains,
 stages idle: the bubble, a fraction ``(pp - 1) / (K + pp - 1)`` of a step (``(pp - 1) / (V K + pp - 1)``
-with V virtual stages per rank under the interleaved schedule).
+with V virtual stages per rank under the interleaved schedule). Expert parallelism (``ep``) shards a mixture of
+experts' routed experts over ep of the ranks that share one stage (dp x cp x tp, as torchtitan borrows them); it
+leaves D as it is, and the experts' own data parallelism is ``efsdp = W / (pp x ep)``
+(autotune/measure/experts.py).
 
     >>> mesh = Mesh(tp=2, pp=2, pp_microbatches=8)
     >>> mesh.data_parallel(16)
@@ -41,6 +44,13 @@ def _positive(value: object, flag: str) -> int:
     return value
 
 
+def _number(text: str, key: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise AutotuneError(f"mesh: {key}={text!r} is not a number") from None
+
+
 def _integer(text: str, key: str) -> int:
     try:
         return int(text)
@@ -63,6 +73,10 @@ class Mesh:
     pp_schedule: PipelineSchedule = "1f1b"
     pp_microbatches: int | None = None
     pp_virtual_stages: int | None = None
+    ep: int = 1
+    # Token dropping under ep (``--moe-capacity-factor``): each expert takes at most ceil(c x T k / E) of a rank's
+    # T x k picks, the rest dropped (GShard, Switch); None: dropless (torchtitan's and Megatron's default).
+    ep_capacity: float | None = None
 
     @property
     def model_parallel(self) -> int:
@@ -72,7 +86,7 @@ class Mesh:
     @property
     def trivial(self) -> bool:
         """Whether every rank holds the whole model and the whole sequence (the job before meshes)."""
-        return self.model_parallel == 1
+        return self.model_parallel == 1 and self.ep == 1
 
     @property
     def virtual_stages(self) -> int:
@@ -89,8 +103,21 @@ class Mesh:
                 stages outside the interleaved schedule, K < pp under a 1F1B schedule, or (given world_size)
                 a mesh whose product does not divide it.
         """
-        for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp)):
+        for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp), ("--ep", self.ep)):
             _positive(value, flag)
+        if self.ep_capacity is not None:
+            if isinstance(self.ep_capacity, bool) or not isinstance(self.ep_capacity, (int, float)):
+                raise AutotuneError(f"--moe-capacity-factor must be a number, got {self.ep_capacity!r}")
+            if not 0 < self.ep_capacity < float("inf"):
+                raise AutotuneError(
+                    f"--moe-capacity-factor {self.ep_capacity:g} is not a positive finite number: each expert's "
+                    "capacity is that many times its fair share of a rank's tokens"
+                )
+            if self.ep == 1:
+                raise AutotuneError(
+                    f"--moe-capacity-factor {self.ep_capacity:g} needs --ep of at least 2: it sizes the experts' "
+                    "all-to-all, which only expert parallelism runs"
+                )
         if self.pp_schedule not in PP_SCHEDULES:
             raise AutotuneError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}")
         if self.pp_microbatches is not None:
@@ -118,6 +145,11 @@ class Mesh:
             raise AutotuneError(
                 f"--world-size {world_size} is not a multiple of --tp x --pp x --cp = {self.tp} x {self.pp} x "
                 f"{self.cp} = {self.model_parallel}: the data-parallel replicas would not be whole"
+            )
+        if world_size is not None and (world_size // self.pp) % self.ep:
+            raise AutotuneError(
+                f"--ep {self.ep} does not divide the {world_size // self.pp} ranks of a stage (--world-size "
+                f"{world_size} over --pp {self.pp}): each expert's shard would not have whole data-parallel ranks"
             )
 
     def data_parallel(self, world_size: int) -> int:
@@ -148,7 +180,11 @@ class Mesh:
     def as_dict(self) -> dict[str, Any]:
         """The mesh as a profile and the fingerprint record it: only what differs from the trivial mesh
         (empty for it), the pipeline's schedule only with a pipeline."""
-        out: dict[str, Any] = {name: getattr(self, name) for name in ("tp", "pp", "cp") if getattr(self, name) != 1}
+        out: dict[str, Any] = {
+            name: getattr(self, name) for name in ("tp", "pp", "cp", "ep") if getattr(self, name) != 1
+        }
+        if self.ep_capacity is not None:  # as text: a profile's mesh holds integers and names
+            out["ep_capacity"] = f"{self.ep_capacity:g}"
         if self.pp > 1:
             out["pp_schedule"] = self.pp_schedule
             for name in ("pp_microbatches", "pp_virtual_stages"):
@@ -161,10 +197,12 @@ class Mesh:
         """The mesh as_dict wrote (the trivial one for None or an empty dict)."""
         if not data:
             return cls()
-        known = {"tp", "pp", "cp", "pp_schedule", "pp_microbatches", "pp_virtual_stages"}
+        known = {"tp", "pp", "cp", "ep", "ep_capacity", "pp_schedule", "pp_microbatches", "pp_virtual_stages"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise AutotuneError(f"mesh: unknown field(s) {', '.join(unknown)}")
+        if isinstance(data.get("ep_capacity"), str):
+            data = {**data, "ep_capacity": _number(data["ep_capacity"], "ep_capacity")}
         mesh = cls(**data)
         mesh.validate()
         return mesh
@@ -186,14 +224,18 @@ class Mesh:
             key, sep, value = part.partition("=")
             if not sep:
                 raise AutotuneError(f"mesh: {part!r} is not KEY=VALUE (e.g. tp=2,pp=2)")
-            data[key.strip()] = value.strip() if key.strip() == "pp_schedule" else _integer(value, key)
+            name = key.strip()
+            if name == "ep_capacity":
+                data[name] = _number(value, name)
+            else:
+                data[name] = value.strip() if name == "pp_schedule" else _integer(value, key)
         return cls.from_dict(data)
 
     def describe(self) -> str:
         """One line for a datasheet: 'tp 2 x pp 2 (1f1b, K 8)', 'no model parallelism' for the trivial mesh."""
         if self.trivial:
             return "no model parallelism"
-        parts = [f"{name} {getattr(self, name)}" for name in ("tp", "pp", "cp") if getattr(self, name) != 1]
+        parts = [f"{name} {getattr(self, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(self, name) != 1]
         text = " x ".join(parts)
         if self.pp > 1:
             schedule: str = self.pp_schedule
@@ -202,4 +244,6 @@ class Mesh:
             if self.pp_microbatches is not None:
                 schedule += f", K {self.pp_microbatches}"
             text += f" ({schedule})"
+        if self.ep > 1:  # how the experts' all-to-all is sized
+            text += " (dropless)" if self.ep_capacity is None else f" (capacity factor {self.ep_capacity:g})"
         return text

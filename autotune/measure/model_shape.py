@@ -67,7 +67,17 @@ def _shape(
         family=str(family) if family else None,
         causal_lm_sdpa=config is not None and type(model).__name__.endswith("ForCausalLM") and attention == "sdpa",
         tp_plans=("torchtitan",) if family in TORCHTITAN_FAMILIES else (),
+        experts=_experts(model),
     )
+
+
+def _experts(model: nn.Module) -> int | None:
+    """The routed experts --ep shards (autotune/measure/experts.py), None where the model has none."""
+    from autotune.measure.experts import expert_modules
+
+    found = expert_modules(model)
+    experts: int | None = getattr(found[0], "num_experts", None) if found else None
+    return experts
 
 
 def _count(config: Any, keys: tuple[str, ...]) -> int | None:

@@ -37,6 +37,10 @@ def make_strategy(name: str, world_size: int, mesh: Mesh | None = None) -> Strat
         return ContextParallel(world_size, mesh, inner=name)
     if mesh.tp > 1:
         return TensorParallel(world_size, mesh, inner=name)
+    if mesh.ep > 1:  # fsdp alone beside it (the table): autotune/measure/experts.py
+        from autotune.measure.experts import ExpertParallel
+
+        return ExpertParallel(world_size, mesh.ep, capacity_factor=mesh.ep_capacity)
     return Replicated(world_size) if name == "ddp" else Sharded(world_size)
 
 

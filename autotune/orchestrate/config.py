@@ -184,6 +184,7 @@ class ProbeConfig:
             tp=self.mesh.tp,
             pp=self.mesh.pp,
             cp=self.mesh.cp,
+            ep=self.mesh.ep,
             compile=self.compile,
             offload=self.offload or "none",
             host_budget=self.host_budget_bytes is not None,

@@ -92,6 +92,12 @@ def _refusals(tmp: Path, url: str) -> list[tuple[list[str], str]]:
     estimate = ["estimate", MLP]
     on_cpu = [*estimate, "--device-kind", "cpu", "--budget", "2MiB"]
     probe = ["probe", MLP, "--device", "cpu", "--budget", "2MiB"]
+    dense = _hf_config(tmp / "dense.json")
+    moe = _hf_config(tmp / "moe.json", model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+
+    def ep_on(model: str) -> list[str]:
+        return ["probe", model, "--device", "cpu", "--budget", "8MiB", "--seq-len", "16", "--strategy", "fsdp"]
+
     return [
         ([*estimate, "--gpu", "l4", "--budget", "1TiB", "--server", url], "above the l4's memory"),
         ([*estimate, "--device-name", "NVIDIA L4", "--budget", "1TiB", "--server", url], "NVIDIA L4's memory"),
@@ -160,6 +166,14 @@ def _refusals(tmp: Path, url: str) -> list[tuple[list[str], str]]:
             ],
             "vocab_size 1000000000000000000000000000000",
         ),  # fmt: skip
+        # --ep (issue 63): a dense model, experts or ranks it does not divide, a strategy it is not measured under.
+        ([*ep_on(dense), "--world-size", "2", "--ep", "2"], "which has no routed experts"),
+        ([*ep_on(moe), "--world-size", "3", "--ep", "3"], "--ep 3 on the model's 8 experts"),
+        ([*ep_on(moe), "--world-size", "3", "--ep", "2"], "--ep 2 does not divide the 3 ranks of a stage"),
+        ([*ep_on(moe)[:-2], "--world-size", "2", "--ep", "2"], "--ep 2 with --strategy ddp"),
+        ([*ep_on(moe), "--world-size", "4", "--ep", "2", "--tp", "2"], "--ep 2 with --tp 2"),
+        ([*ep_on(moe), "--world-size", "2", "--ep", "2", "--moe-load-factor", "0.5"], "0.5 is below 1"),
+        ([*ep_on(moe), "--world-size", "2", "--ep", "2", "--moe-load-factor", "9"], "--moe-load-factor 9: with 8"),
         (["fleet", MLP, "--device", "cpu", "--budget", "2MiB", "--output", str(a_file)], "is a file: fleet writes"),
         (["fleet", MLP, "--gpu", "l4", "--budget", "1TiB", "--output", str(folder)], "above the l4's memory"),
         (["verify", MLP, "--target-batch", "2", "--micro-batch", "8"], "--micro-batch 8 is larger than"),

@@ -44,6 +44,11 @@ REFUSED = [
     Dimensions(world_size=2, cp=2, lm_loss="fused-linear"),
     Dimensions(weights_dtype="fp16", precision="fp16"),
     Dimensions(world_size=3, cp=3, seq_lens=(32,)),
+    Dimensions(world_size=2, ep=2),
+    Dimensions(strategy="fsdp", world_size=4, ep=2, tp=2),
+    Dimensions(strategy="fsdp", world_size=2, ep=2, compile="default"),
+    Dimensions(strategy="fsdp", world_size=2, ep=2, model=LLAMA),  # a dense model
+    Dimensions(strategy="fsdp", world_size=3, ep=3, model=dataclasses.replace(LLAMA, experts=8)),
     Dimensions(world_size=3, tp=3, model=dataclasses.replace(LLAMA, kv_heads=4)),  # the heads alone
     Dimensions(world_size=4, tp=4, model=LLAMA),  # the key/value heads alone
     Dimensions(world_size=4, pp=4, model=LLAMA),
@@ -52,7 +57,8 @@ REFUSED = [
 ]
 # The rows that read the model name the one flag and the model's number (issue 62, item 6), not two flags.
 MODEL_ROWS = {"the model's attention heads", "the model's key/value heads", "the model's blocks",
-              "a model other than an hf: causal LM", "a model of another family"}  # fmt: skip
+              "a model other than an hf: causal LM", "a model of another family", "a dense model",
+              "the model's experts"}  # fmt: skip
 
 
 def test_each_rule_is_reached_by_a_job_and_names_both_of_its_flags() -> None:

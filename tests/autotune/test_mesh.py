@@ -71,9 +71,18 @@ def test_the_trivial_mesh_records_nothing_and_every_mesh_round_trips() -> None:
     ):
         assert Mesh.from_dict(mesh.as_dict()) == mesh
     assert Mesh(tp=2).describe() == "tp 2"
+    assert Mesh.from_dict({"ep": 2}) == Mesh(ep=2) and not Mesh(ep=2).trivial
+    assert Mesh.parse(Mesh(ep=2).label()) == Mesh(ep=2) and Mesh(ep=2).data_parallel(4) == 4
+    dropping = Mesh(ep=2, ep_capacity=1.25)
+    assert Mesh.from_dict(dropping.as_dict()) == dropping == Mesh.parse(dropping.label())
+    assert dropping.describe() == "ep 2 (capacity factor 1.25)" and Mesh(ep=2).describe() == "ep 2 (dropless)"
+    with pytest.raises(AutotuneError, match="--moe-capacity-factor 1.25 needs --ep"):
+        Mesh(ep_capacity=1.25).validate()
+    with pytest.raises(AutotuneError, match="--moe-capacity-factor 0 is not a positive"):
+        Mesh(ep=2, ep_capacity=0.0).validate()
     assert Mesh(tp=2, pp=2, pp_microbatches=8).describe() == "tp 2 x pp 2 (1f1b, K 8)"
     with pytest.raises(AutotuneError, match="unknown field"):
-        Mesh.from_dict({"ep": 2})
+        Mesh.from_dict({"sp": 2})
 
 
 def test_the_label_reads_back_and_the_trivial_mesh_is_the_empty_label() -> None:
