@@ -52,12 +52,17 @@ def pytest_configure(config: pytest.Config) -> None:
 # The files above 20 s of summed test time in the fresh clone's whole run of 2026-12-06 (after the pipeline's
 # compiled and torchao truths; cold caches), longest first.
 LONGEST_FIRST = (
-    "tests/fleet/test_fleet.py",
+    "tests/autotune/test_depth.py",
     "tests/autotune/test_compile.py",
     "tests/autotune/test_pipeline.py",
-    "tests/autotune/test_levers.py",
     "tests/autotune/test_pipeline_fsdp.py",
+    "tests/autotune/test_surface.py",
+    "tests/fleet/test_fleet.py",
+    "tests/autotune/test_experts.py",
+    "tests/autotune/test_levers.py",
     "tests/autotune/test_tensor_parallel.py",
+    "tests/autotune/test_finetune.py",
+    "tests/autotune/test_losses.py",
     "tests/autotune/test_emulation.py",
     "tests/e2e/test_recipes_doc.py",
     "tests/autotune/test_fake_lanes.py",
@@ -80,6 +85,8 @@ REAL_PROCESS_FILES = (
     "tests/autotune/test_cp_pipeline.py",
     "tests/autotune/test_ddp.py",
     "tests/autotune/test_ddp_buckets_meshes.py",
+    "tests/autotune/test_experts.py",
+    "tests/autotune/test_experts_four_ranks.py",
     "tests/autotune/test_fsdp.py",
     "tests/autotune/test_multi.py",
     "tests/autotune/test_optimizer_ranks.py",
