@@ -82,14 +82,12 @@ def _made(job: JobSetup, trio: list[_Recorded], depths: Sequence[int], depth: in
 def _finished(job: JobSetup, record: StepRecord, parameters: int | None, configured: int | None,
               tokens: int) -> dict[str, Any]:  # fmt: skip
     """The record with its model FLOPs per token (torchtitan's: autotune/measure/op_counter.py), as JSON."""
-    from autotune.measure.op_counter import attention_forward_flops, model_flops_per_token
+    from autotune.measure.op_counter import attention_forward_flops, flops_per_token_of
 
     flops: float | None = None
     if record.tokens_per_sample and parameters is not None:
-        if configured is not None:  # a transformers model says its layers, heads and head dim: torchtitan's term
-            flops = 6.0 * parameters + float(configured)
-        else:
-            flops = model_flops_per_token(parameters, attention_forward_flops(record), tokens=tokens, tp=job.mesh.tp)
+        attention = attention_forward_flops(record)
+        flops = flops_per_token_of(parameters, configured, attention, tokens=tokens, tp=job.mesh.tp)
     return record.model_copy(update={"flops_per_token": flops}).model_dump(mode="json")
 
 
@@ -198,7 +196,7 @@ def _stage_flops_per_token(
     from autotune.measure.op_counter import (
         attention_forward_flops,
         configured_attention_flops,
-        model_flops_per_token,
+        flops_per_token_of,
         non_embedding_parameters,
     )
     from autotune.measure.trial import build_on_meta
@@ -206,9 +204,8 @@ def _stage_flops_per_token(
     model = build_on_meta(task)
     if model is None or not length:
         return None
-    parameters = non_embedding_parameters(model)
     configured = configured_attention_flops(model, length)
-    if configured is not None:
-        return 6.0 * parameters + configured
     attention = sum(attention_forward_flops(record) for record in records)
-    return model_flops_per_token(parameters, attention, tokens=k * size * length // cp, tp=tp)
+    return flops_per_token_of(
+        non_embedding_parameters(model), configured, attention, tokens=k * size * length // cp, tp=tp
+    )

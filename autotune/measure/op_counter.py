@@ -446,11 +446,19 @@ def flops_per_token(record: StepRecord, model: torch.nn.Module, *, tokens: int, 
     has one (a transformers model), else 3 x the forward attention's FLOPs of a token as torch's flop counter counts
     them (4 x heads x head dim x L a layer: the full L x L scores), read off the record (``tokens``: the rank's tokens
     of the micro-batch; under tp its heads are 1/tp of them)."""
-    parameters = non_embedding_parameters(model)
     configured = configured_attention_flops(model, record.seq_len)
+    attention = attention_forward_flops(record)
+    return flops_per_token_of(non_embedding_parameters(model), configured, attention, tokens=tokens, tp=tp)
+
+
+def flops_per_token_of(
+    parameters: int, configured: float | None, attention_flops: int, *, tokens: int, tp: int = 1
+) -> float:
+    """:func:`flops_per_token` from its parts: the non-embedding parameters, the config's attention term (None where
+    the model has no config that says it) and the recorded forward attention's FLOPs of ``tokens`` tokens."""
     if configured is not None:  # a transformers model says its layers, heads and head dim: torchtitan's term itself
         return 6.0 * parameters + configured
-    return model_flops_per_token(parameters, attention_forward_flops(record), tokens=tokens, tp=tp)
+    return model_flops_per_token(parameters, attention_flops, tokens=tokens, tp=tp)
 
 
 def configured_attention_flops(model: torch.nn.Module, seq_len: int | None) -> float | None:

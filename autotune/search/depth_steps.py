@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
+from typing import TypeVar
 
 from autotune.core.step_records import CollectiveRecord, OpRecord, Segment, StepRecord
 from autotune.search.depth_template import NoRepetition
+
+_Counted = TypeVar("_Counted", OpRecord, CollectiveRecord)
 
 __all__ = ["NoRepetition", "extrapolate", "grown", "record_depths"]
 
@@ -106,11 +109,16 @@ def extrapolate(records: Sequence[StepRecord], depths: Sequence[int], depth: int
 def _grown_op(trio: tuple[OpRecord, OpRecord, OpRecord], depths: Sequence[int], depth: int) -> OpRecord:
     """An op kind of the table: the same op at the same shape, whose FLOPs and bytes may grow (a foreach kernel over
     every parameter)."""
-    counts = ("flops", "bytes")
-    if len({op.model_copy(update=dict.fromkeys(counts, 0)) for op in trio}) != 1:
-        raise NoRepetition(f"the op table's {trio[0].op} differs over the cuts")
+    return _grown_fields(trio, ("flops", "bytes"), f"the op table's {trio[0].op}", depths, depth)
+
+
+def _grown_fields(trio: Sequence[_Counted], counts: tuple[str, ...], what: str, depths: Sequence[int],
+                  depth: int) -> _Counted:  # fmt: skip
+    """One record of the three cuts', equal but for ``counts``, with those grown to ``depth``."""
+    if len({item.model_copy(update=dict.fromkeys(counts, 0)) for item in trio}) != 1:
+        raise NoRepetition(f"{what} differs over the cuts")
     return trio[0].model_copy(
-        update={name: grown([getattr(op, name) for op in trio], depths, depth) for name in counts}
+        update={name: grown([getattr(item, name) for item in trio], depths, depth) for name in counts}
     )
 
 
@@ -164,9 +172,7 @@ def _grown_collective(
         if not first is second is third:
             raise NoRepetition("a segment's collective differs over the cuts")
         return None
-    if len({c.model_copy(update={"bytes": 0}) for c in (first, second, third)}) != 1:
-        raise NoRepetition(f"a segment's {first.kind} differs over the cuts")
-    return first.model_copy(update={"bytes": grown([first.bytes, second.bytes, third.bytes], depths, depth)})
+    return _grown_fields((first, second, third), ("bytes",), f"a segment's {first.kind}", depths, depth)
 
 
 def _unfold(run: list[Segment]) -> list[Segment]:
