@@ -46,7 +46,7 @@ from autotune.cli.recipes.job import (
     positive_int_value,
 )
 from autotune.cli.recipes.optimizers import optimizer_spec
-from autotune.cli.recipes.reading import ReadContext, is_set, note_mesh, refuse_when_set
+from autotune.cli.recipes.reading import ReadContext, data_parallel_of, is_set, refuse_when_set
 
 __all__ = ["read_axolotl"]
 
@@ -440,22 +440,15 @@ def _batch(path: Path, data: dict[str, Any], settings: Settings, notes: list[str
         accumulation, keys = batch_size // micro, ("micro_batch_size", "batch_size")
     else:
         accumulation, keys = 1, ("micro_batch_size", "gradient_accumulation_steps")
-    tp, cp = int(settings.get("--tp") or 1), int(settings.get("--cp") or 1)
-    replicate = positive_int_value(path, "dp_replicate_size", data.get("dp_replicate_size") or 1)
-    named = None
-    if is_set(data.get("dp_shard_size")):
-        named = positive_int_value(path, "dp_shard_size", data["dp_shard_size"]) * replicate * tp * cp
-    world = note_mesh(
+    data_parallel = data_parallel_of(
         path,
         settings,
         notes,
-        named=named,
+        data,
         given=context.world_size,
-        least=replicate * tp * cp,
         named_by="dp_shard_size x dp_replicate_size x tensor_parallel_size x context_parallel_size",
         launcher="WORLD_SIZE",
     )
-    data_parallel = world // (tp * cp)
     batch = BatchKeys(micro, accumulation, data_parallel, keys)
     settings.set("--target-batch", batch.global_batch, *keys)
     settings.set("--plan", "divisor", *keys)  # the Trainer runs equal micro-batches

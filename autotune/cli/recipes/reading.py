@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.recipes.job import RecipeError, Settings
+from autotune.cli.recipes.job import RecipeError, Settings, positive_int_value
 
 __all__ = ["ReadContext", "is_set", "note_mesh", "refuse_when_set"]
 
@@ -71,3 +71,28 @@ def note_mesh(
             f"{path}: {effective} ranks are not a multiple of the {least} its model-parallel and replica degrees take"
         )
     return effective
+
+
+def data_parallel_of(
+    path: Path,
+    settings: Settings,
+    notes: list[str],
+    degrees: Mapping[str, Any],
+    *,
+    given: int | None,
+    named_by: str,
+    launcher: str,
+) -> int:
+    """The data-parallel replicas D of a file that names its mesh as accelerate's ParallelismConfig does
+    (``dp_shard_size`` x ``dp_replicate_size``, with the ``--tp`` and ``--cp`` read already): the world size
+    :func:`note_mesh` sets, over the model-parallel ranks."""
+    tp, cp = int(settings.get("--tp") or 1), int(settings.get("--cp") or 1)
+    replicate = positive_int_value(path, "dp_replicate_size", degrees.get("dp_replicate_size") or 1)
+    named = None
+    if is_set(degrees.get("dp_shard_size")):
+        named = positive_int_value(path, "dp_shard_size", degrees["dp_shard_size"]) * replicate * tp * cp
+    least = replicate * tp * cp
+    world = note_mesh(
+        path, settings, notes, named=named, given=given, least=least, named_by=named_by, launcher=launcher
+    )
+    return world // (tp * cp)

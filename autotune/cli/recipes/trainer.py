@@ -46,7 +46,7 @@ from autotune.cli.recipes.job import (
     positive_int_value,
 )
 from autotune.cli.recipes.optimizers import optimizer_spec
-from autotune.cli.recipes.reading import ReadContext, is_set, note_mesh, refuse_when_set
+from autotune.cli.recipes.reading import ReadContext, data_parallel_of, is_set, refuse_when_set
 
 __all__ = ["read_trainer"]
 
@@ -372,23 +372,16 @@ def _batch(path: Path, data: dict[str, Any], settings: Settings, notes: list[str
     micro = positive_int_value(path, "per_device_train_batch_size", data.get("per_device_train_batch_size", 8))
     accumulation = positive_int_value(path, "gradient_accumulation_steps", data.get("gradient_accumulation_steps", 1))
     keys = ("per_device_train_batch_size", "gradient_accumulation_steps")
-    tp, cp = int(settings.get("--tp") or 1), int(settings.get("--cp") or 1)
-    mesh = data.get("parallelism_config") or {}
-    replicate = positive_int_value(path, "dp_replicate_size", mesh.get("dp_replicate_size") or 1)
-    named = None
-    if is_set(mesh.get("dp_shard_size")):
-        named = positive_int_value(path, "dp_shard_size", mesh["dp_shard_size"]) * replicate * tp * cp
-    world = note_mesh(
+    data_parallel = data_parallel_of(
         path,
         settings,
         notes,
-        named=named,
+        data.get("parallelism_config") or {},
         given=context.world_size,
-        least=replicate * tp * cp,
         named_by="parallelism_config",
         launcher="the launcher's ranks",
     )
-    batch = BatchKeys(micro, accumulation, world // (tp * cp), keys)
+    batch = BatchKeys(micro, accumulation, data_parallel, keys)
     settings.set("--target-batch", batch.global_batch, *keys)
     settings.set("--plan", "divisor", *keys)  # the Trainer runs equal micro-batches
     return batch
