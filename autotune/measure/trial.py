@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,19 +119,23 @@ def _initialise(model: nn.Module) -> None:
                     continue
 
 
-def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+def materialize(model: nn.Module, device: torch.device, keep: Collection[str] | None = None) -> nn.Module:
     """Give every parameter and buffer of a meta model uninitialised storage on ``device``, in place.
 
     What was one tensor on ``meta`` stays one tensor on the device: a tied embedding and LM head
     (GPT-2, Qwen2, Gemma, Llama 3.2) keep sharing one Parameter. ``nn.Module.to_empty`` makes a new
     Parameter per module that holds it, which unties them and counts their weights, gradients and
-    optimizer state twice.
+    optimizer state twice. ``keep``: the qualified names of the only parameters to give storage (a pipeline
+    stage's: autotune/measure/pipeline/cutting.py), the others left on ``meta``; every buffer gets storage.
     """
     made: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for module in model.modules():
+        for module_name, module in model.named_modules(remove_duplicate=False):
             for name, param in module._parameters.items():
                 if param is None:
+                    continue
+                full = f"{module_name}.{name}" if module_name else name
+                if keep is not None and full not in keep and id(param) not in made:
                     continue
                 if id(param) not in made:
                     made[id(param)] = nn.Parameter(

@@ -16,7 +16,7 @@ from autotune.measure.offload import apply_offload
 from autotune.measure.pipeline.schedules import stage_block_ranges
 from autotune.measure.pipeline.stages import StageStrategy
 from autotune.measure.policies import apply_policy
-from autotune.measure.trial import _initialise, build_on_meta
+from autotune.measure.trial import _initialise, build_on_meta, materialize
 from autotune.tasks.batches import map_tensors
 from autotune.tasks.task import ProbeTask
 
@@ -270,29 +270,6 @@ def record_shapes(task: ProbeTask, model: nn.Module, layout: StageLayout, micro_
     return _Shapes(inputs, outputs, prefix)
 
 
-def _materialize_parameters(model: nn.Module, keep: set[str], device: torch.device) -> None:
-    """Storage on ``device`` for the parameters named in keep (shared ones stay shared) and every buffer; the
-    other parameters stay on ``meta``."""
-    made: dict[int, torch.Tensor] = {}
-    with torch.no_grad():
-        for module_name, module in model.named_modules(remove_duplicate=False):
-            for name, param in module._parameters.items():
-                full = f"{module_name}.{name}" if module_name else name
-                if param is None or (full not in keep and id(param) not in made):
-                    continue
-                if id(param) not in made:
-                    made[id(param)] = nn.Parameter(
-                        torch.empty_like(param, device=device), requires_grad=param.requires_grad
-                    )
-                module._parameters[name] = made[id(param)]  # type: ignore[assignment]
-            for name, buffer in module._buffers.items():
-                if buffer is None:
-                    continue
-                if id(buffer) not in made:
-                    made[id(buffer)] = torch.empty_like(buffer, device=device)
-                module._buffers[name] = made[id(buffer)]
-
-
 @dataclass
 class _Flow:
     """What the stage's hooks read and write during one forward."""
@@ -402,7 +379,7 @@ def build_stage(
         _materialize_shards(model, not_held, device)
         kept = list(model.get_submodule(layout.container).children())
     else:
-        _materialize_parameters(model, layout.stage_parameters[stage], device)
+        materialize(model, device, keep=layout.stage_parameters[stage])
         kept = _keep_blocks(layout, stage, model)
         _initialise(model)
         model.train()
